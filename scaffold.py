@@ -1,0 +1,540 @@
+"""The rubric-guided scaffold (§3.2): prompt, stage grammar, parser, and the multi-turn rollout engine.
+
+RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
+Implements §3.1 (trajectory tau = (a_1, o_1, ..., a_T, o_T), a_t ~ pi_theta(. | h_t)) and §3.2 (the
+four tagged stages Plan / Research / Review / Answer, at most 10 tool calls).
+
+Stage grammar (one assistant turn; tags may be single added tokens or plain text, the parser works on
+text either way):
+
+    <structured_plan><analysis>..</analysis><rubrics>..</rubrics><research_plan>..</research_plan>
+    </structured_plan>                                                          -> Plan      (k = 0)
+    <call_tool name="google_search">query</call_tool>
+    <tool_output>..inserted by the environment..</tool_output>
+    <state_evaluation>..</state_evaluation>          (repeated)                 -> Research  (k = 1)
+    <review><rubrics_review>..</rubrics_review><writing_plan>..</writing_plan></review> -> Review (k = 2)
+    <answer>.. cited with [1], [2] ..</answer>                                  -> Answer    (k = 3)
+
+Glossary: n rollouts per query form a *group*; B_{i,k} is the *stage block* of rollout i in stage k
+(the tokens with stage id k); the loss mask is 1 on tokens the policy sampled and 0 on tokens the
+environment inserted (tool outputs), so tool outputs get no gradient (§3.3, "masked").
+
+What the functions compute
+- `parse_response(text, env_spans)`: text -> stage boundaries and stage texts; never raises.
+- `stage_of_chars` / `assign_stage_ids`: the stage id of every character / token.
+- `RolloutEngine.run`: batched multi-turn generation through a `Sampler`, token-in/token-out.
+
+How the parser places text it cannot place (documented rule, tested by fuzzing)
+Stage boundaries are the *first* occurrence of each opening marker:
+    Research starts at the end of the first `</structured_plan>`, or at the first `<call_tool`,
+             `<tool_output>` or `<state_evaluation>`, whichever comes first;
+    Review   starts at the first `<review>` (or `<rubrics_review>` / `<writing_plan>` if `<review>`
+             is missing);
+    Answer   starts at the first `<answer>`.
+Each boundary is then lowered to at most the next one (b_research <= b_review <= b_answer), so stage
+ids are monotone Plan <= Research <= Review <= Answer over the response by construction. Text before
+the first marker is Plan; text between blocks belongs to the stage that was last opened; a missing
+stage is an empty block; a tag of an earlier stage that appears after a later stage opened (out of
+order, repeated) belongs to the later stage. Unclosed blocks run to the next boundary or the end.
+
+Safety: only the environment inserts tool outputs. The engine records the character spans it
+inserted (`env_spans`); any `<tool_output>` the policy writes itself is *forged*: it is counted,
+replaced by a marker in `Rollout.judge_text`, and never becomes evidence (citations resolve only
+against `Rollout.evidence`, which the environment fills).
+
+Deviations from the paper
+1. Tool outputs are numbered snippets "[h] title | text" with per-rollout handles h = 1, 2, ...
+   (see world.py); the paper's web snippets carry URLs.
+2. An 11th tool call is not executed: the environment answers it with a refusal inside
+   <tool_output> and lets the policy go on to Review and Answer (the paper only states the cap).
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+STAGES = ("plan", "research", "review", "answer")  # PAPER: K = 4 stages, §3.2
+PLAN, RESEARCH, REVIEW, ANSWER = range(4)
+MAX_TOOL_CALLS = 10  # PAPER: at most 10 tool calls per trajectory, §3.2
+
+# Every tag of the grammar. The toy tokenizer makes each of them one added token; real tokenizers
+# (Qwen3) spell them out, so nothing below depends on that.
+CALL_OPEN = '<call_tool name="google_search">'
+SCAFFOLD_TAGS = (
+    "<structured_plan>", "</structured_plan>", "<analysis>", "</analysis>", "<rubrics>",
+    "</rubrics>", "<research_plan>", "</research_plan>", CALL_OPEN, "</call_tool>",
+    "<tool_output>", "</tool_output>", "<state_evaluation>", "</state_evaluation>", "<review>",
+    "</review>", "<rubrics_review>", "</rubrics_review>", "<writing_plan>", "</writing_plan>",
+    "<answer>", "</answer>", "<memory>", "</memory>",
+)
+
+SYSTEM_PROMPT = """You are a deep-research assistant. Answer in four stages, using these tags exactly.
+1. Plan: <structured_plan><analysis>what is asked</analysis><rubrics>need: each fact to find; avoid: \
+negative constraints</rubrics><research_plan>the searches to run</research_plan></structured_plan>
+2. Research: call the search tool with <call_tool name="google_search">query</call_tool>. The \
+environment replies with <tool_output>[1] title | text ...</tool_output>; never write tool outputs \
+yourself. After each result write <state_evaluation>what was found, with its [id]</state_evaluation>. \
+At most 10 tool calls.
+3. Review: <review><rubrics_review>each rubric mapped to its evidence [id] or "missing"\
+</rubrics_review><writing_plan>order of the report</writing_plan></review>
+4. Answer: <answer>the report; cite every claim with the snippet id, e.g. [1]; say when no source \
+gives a fact</answer>
+Notes from memory, when given inside <memory>, are lessons from earlier attempts."""
+
+# Toy mode trains its policy from scratch, so instructions are learnt from demonstrations, not read;
+# a short system prompt saves forward-pass tokens on every step (not in the paper; our choice).
+SYSTEM_PROMPT_COMPACT = "Research assistant: plan, search, review, answer with cited snippets."
+
+_TAG_RE = {
+    "analysis": re.compile(r"<analysis>(.*?)(?:</analysis>|$)", re.S),
+    "rubrics": re.compile(r"<rubrics>(.*?)(?:</rubrics>|$)", re.S),
+    "research_plan": re.compile(r"<research_plan>(.*?)(?:</research_plan>|$)", re.S),
+    "rubrics_review": re.compile(r"<rubrics_review>(.*?)(?:</rubrics_review>|$)", re.S),
+    "writing_plan": re.compile(r"<writing_plan>(.*?)(?:</writing_plan>|$)", re.S),
+    "answer": re.compile(r"<answer>(.*?)(?:</answer>|$)", re.S),
+}
+_STATE_EVAL_RE = re.compile(r"<state_evaluation>(.*?)(?:</state_evaluation>|$)", re.S)
+_CALL_RE = re.compile(r'<call_tool\s+name="([^"]*)"\s*>(.*?)</call_tool>', re.S)
+_TOOL_OUT_RE = re.compile(r"<tool_output>.*?(?:</tool_output>|$)", re.S)
+_CITE_RE = re.compile(r"\[(\d{1,3})\]")
+
+
+def build_user_message(query: str, bank_items: Sequence[str] = ()) -> str:
+    """The user turn: the query, then retrieved rubric-bank items (§3.4-3.5) inside <memory>."""
+    items = [s.strip() for s in bank_items if s and s.strip()]
+    if not items:
+        return query
+    return query + "\n<memory>" + "\n".join(f"- {s}" for s in items) + "</memory>"
+
+
+def build_messages(query: str, bank_items: Sequence[str] = (), system: str = SYSTEM_PROMPT) -> list:
+    """ChatML messages (system, user) for one rollout prompt."""
+    return [{"role": "system", "content": system},
+            {"role": "user", "content": build_user_message(query, bank_items)}]
+
+
+def format_tool_output(results, first_handle: int) -> str:
+    """Environment text for one tool result: "\\n<tool_output>[h] title | text\\n...</tool_output>\\n".
+
+    `results` is a list of world.SearchResult; handles count up from `first_handle` (int >= 1).
+    """
+    if not results:
+        body = "no results"
+    else:
+        body = "\n".join(f"[{first_handle + j}] {r.title} | {r.text}" for j, r in enumerate(results))
+    return f"\n<tool_output>{body}</tool_output>\n"
+
+
+def format_tool_error(message: str) -> str:
+    """Environment text for a failed, refused or timed-out tool call (the rollout goes on)."""
+    return f"\n<tool_output>error: {message}</tool_output>\n"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Parser
+
+
+@dataclass
+class ParsedResponse:
+    """Stage structure of one response text. `bounds` = (b_research, b_review, b_answer) char offsets,
+    monotone; stage k covers text[bounds[k-1]:bounds[k]] (b_plan = 0, b_end = len(text))."""
+
+    bounds: tuple[int, int, int]
+    stage_texts: tuple[str, str, str, str]
+    fields: dict[str, str]
+    state_evaluations: list[str]
+    calls: list[tuple[str, str]]  # (tool name, query) as written by the policy
+    citations: list[int]  # handles cited inside <answer>
+    has_stage: tuple[bool, bool, bool, bool]
+    closed: dict[str, bool]
+    forged_tool_outputs: int
+
+    @property
+    def well_formed(self) -> bool:
+        """All four stages present, their blocks closed, the answer closed."""
+        return all(self.has_stage) and all(self.closed.values())
+
+
+def _first(text: str, needles: Sequence[str], end: bool = False) -> int:
+    best = len(text)
+    for nd in needles:
+        p = text.find(nd)
+        if p >= 0:
+            best = min(best, p + (len(nd) if end else 0))
+    return best
+
+
+def parse_response(text: str, env_spans: Sequence[tuple[int, int]] = ()) -> ParsedResponse:
+    """Split a response into its four stage blocks (§3.2). Never raises, for any input string.
+
+    Args: text (str) the decoded response; env_spans: (start, end) char spans the environment inserted
+    (tool outputs). A `<tool_output>` outside these spans is counted in `forged_tool_outputs`.
+    Returns a ParsedResponse; see the module docstring for how unplaceable text is assigned.
+    """
+    if not isinstance(text, str):
+        text = str(text)
+    n = len(text)
+    b1 = min(_first(text, ["</structured_plan>"], end=True),
+             _first(text, ["<call_tool", "<tool_output>", "<state_evaluation>"]))
+    b2 = _first(text, ["<review>"])
+    if b2 == n:
+        b2 = _first(text, ["<rubrics_review>", "<writing_plan>"])
+    b3 = _first(text, ["<answer>"])
+    b2 = min(b2, b3)
+    b1 = min(b1, b2)
+    # (b_research, b_review, b_answer): monotone by construction.
+    spans = [(0, b1), (b1, b2), (b2, b3), (b3, n)]
+    st = tuple(text[a:b] for a, b in spans)
+
+    fields = {}
+    for key, rx in _TAG_RE.items():
+        src = st[PLAN] if key in ("analysis", "rubrics", "research_plan") else (
+            st[REVIEW] if key in ("rubrics_review", "writing_plan") else st[ANSWER])
+        m = rx.search(src)
+        fields[key] = m.group(1).strip() if m else ""
+    research = st[RESEARCH]
+    clean_research = _strip_tool_outputs(research)
+    evals = [m.group(1).strip() for m in _STATE_EVAL_RE.finditer(clean_research)]
+    calls = [(m.group(1), m.group(2).strip()) for m in _CALL_RE.finditer(clean_research)]
+    cites = [int(c) for c in _CITE_RE.findall(fields["answer"])]
+    has = ("<structured_plan>" in st[PLAN], bool(calls) or "<state_evaluation>" in research,
+           "<review>" in st[REVIEW] or "<rubrics_review>" in st[REVIEW], "<answer>" in st[ANSWER])
+    closed = {"structured_plan": "</structured_plan>" in st[PLAN],
+              "review": "</review>" in st[REVIEW], "answer": "</answer>" in st[ANSWER]}
+    forged = 0
+    for m in _TOOL_OUT_RE.finditer(text):
+        if not any(a <= m.start() < b for a, b in env_spans):
+            forged += 1
+    return ParsedResponse((b1, b2, b3), st, fields, evals, calls, cites, has, closed, forged)
+
+
+def _strip_tool_outputs(s: str) -> str:
+    return _TOOL_OUT_RE.sub("", s)
+
+
+def stage_of_chars(parsed: ParsedResponse, n_chars: int) -> list[int]:
+    """Stage id (0..3) of every character, from the parsed boundaries; monotone non-decreasing."""
+    b1, b2, b3 = parsed.bounds
+    return [0 if c < b1 else 1 if c < b2 else 2 if c < b3 else 3 for c in range(n_chars)]
+
+
+def assign_stage_ids(token_char_starts: Sequence[int], parsed: ParsedResponse) -> list[int]:
+    """Stage id of each token = stage of its first character (a token straddling a boundary goes to
+    the stage where it starts). token_char_starts: non-decreasing char offsets, one per token."""
+    b1, b2, b3 = parsed.bounds
+    return [0 if c < b1 else 1 if c < b2 else 2 if c < b3 else 3 for c in token_char_starts]
+
+
+def neutralise_forged(text: str, env_spans: Sequence[tuple[int, int]]) -> str:
+    """The response as the judge reads it: policy-written <tool_output> blocks are replaced by a
+    marker, so forged evidence is visible as forged and can never be read as a tool result."""
+    out, last = [], 0
+    for m in _TOOL_OUT_RE.finditer(text):
+        if any(a <= m.start() < b for a, b in env_spans):
+            continue
+        out.append(text[last:m.start()])
+        out.append("[forged tool output removed]")
+        last = m.end()
+    out.append(text[last:])
+    return "".join(out)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sampler interface (HF generate in toy mode; vLLM implements the same interface in full mode)
+
+
+class Sampler(Protocol):
+    """Continues a batch of token-id prompts. Token-in/token-out: the returned ids are exactly the
+    sampled ids, up to and including the first stop (a stop token id, or the token that completes a
+    stop string); never decoded and re-encoded.
+
+    generate(prompts: list[list[int]], max_new_tokens: list[int], temperature: float)
+        -> list[list[int]] (one list of new ids per prompt, len <= max_new_tokens[i])
+    """
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: list[int],
+                 temperature: float) -> list[list[int]]: ...
+
+
+class HFSampler:
+    """`Sampler` over a Hugging Face causal LM's `generate` (batched, left padding, top_k=0, top_p=1).
+
+    Stops each sequence at the first of `stop_token_ids` (ids) or `stop_strings` (text, for tokenizers
+    that spell tags out). Randomness comes from torch's global RNG (seed it for determinism).
+    """
+
+    def __init__(self, model, tokenizer, stop_strings: Sequence[str] = ("</call_tool>",),
+                 batch_size: int = 64):
+        self.model, self.tok, self.batch_size = model, tokenizer, batch_size
+        self.stop_strings = tuple(stop_strings)
+        ids = {tokenizer.eos_token_id}
+        im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+            ids.add(im_end)
+        # A stop string that is one token in this vocabulary becomes a stop id (cheap, exact).
+        self._string_stops = []
+        for s in self.stop_strings:
+            enc = tokenizer.encode(s, add_special_tokens=False)
+            if len(enc) == 1:
+                ids.add(enc[0])
+            else:
+                self._string_stops.append(s)
+        self.stop_token_ids = sorted(i for i in ids if i is not None)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_token_ids[0]
+
+    def generate(self, prompts, max_new_tokens, temperature):
+        import torch
+
+        out: list[list[int]] = [None] * len(prompts)  # type: ignore[list-item]
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        for s in range(0, len(order), self.batch_size):
+            idx = order[s : s + self.batch_size]
+            L = max(len(prompts[i]) for i in idx)
+            inp = torch.full((len(idx), L), self.pad_id, dtype=torch.long)
+            att = torch.zeros((len(idx), L), dtype=torch.long)
+            for r, i in enumerate(idx):  # left padding
+                p = prompts[i]
+                inp[r, L - len(p):] = torch.tensor(p, dtype=torch.long)
+                att[r, L - len(p):] = 1
+            mnt = max(max_new_tokens[i] for i in idx)
+            if mnt <= 0:
+                for i in idx:
+                    out[i] = []
+                continue
+            kw = dict(do_sample=temperature > 0, max_new_tokens=mnt, eos_token_id=self.stop_token_ids,
+                      pad_token_id=self.pad_id, top_k=0, top_p=1.0)
+            if temperature > 0:
+                kw["temperature"] = temperature
+            if self._string_stops:
+                kw.update(stop_strings=list(self._string_stops), tokenizer=self.tok)
+            with torch.no_grad():
+                gen = self.model.generate(input_ids=inp, attention_mask=att, **kw)[:, L:]
+            for r, i in enumerate(idx):
+                out[i] = self._cut(gen[r].tolist(), max_new_tokens[i])
+        return out
+
+    def _cut(self, ids: list[int], limit: int) -> list[int]:
+        ids = ids[:limit]
+        for j, t in enumerate(ids):
+            if t in self.stop_token_ids:
+                return ids[: j + 1]
+        if self._string_stops:
+            text = self.tok.decode(ids, skip_special_tokens=False)
+            if any(s in text for s in self._string_stops):
+                lo, hi = 1, len(ids)  # smallest prefix whose text contains a stop string
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    t = self.tok.decode(ids[:mid], skip_special_tokens=False)
+                    if any(s in t for s in self._string_stops):
+                        hi = mid
+                    else:
+                        lo = mid + 1
+                return ids[:lo]
+        return ids
+
+
+# ----------------------------------------------------------------------------------------------------
+# Rollouts
+
+
+@dataclass
+class ToolCall:
+    """One tool call as the environment executed it. `handles` are the citation handles it issued."""
+
+    name: str
+    query: str
+    results: list  # list[world.SearchResult]
+    handles: list[int]
+    error: str = ""
+    refused: bool = False
+    latency_s: float = 0.0
+
+
+@dataclass
+class Rollout:
+    """One trajectory tau (§3.1) with everything the judge and SS-GRPO need.
+
+    prompt_ids: list[int] (P,); response_ids, loss_mask, stage_ids: list[int] (T,) aligned per token;
+    loss_mask 1 = sampled by the policy, 0 = inserted by the environment; stage_ids in {0,1,2,3}.
+    """
+
+    query: object  # world.Query
+    bank_items: list[str]
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    stage_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    env_spans: list[tuple[int, int]] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    evidence: dict = field(default_factory=dict)  # handle -> world.SearchResult
+    truncated: bool = False
+    finished: bool = False
+    parsed: ParsedResponse | None = None
+
+    @property
+    def judge_text(self) -> str:
+        """The response with forged tool outputs neutralised: what a judge may read."""
+        return neutralise_forged(self.text, self.env_spans)
+
+    @property
+    def n_tool_calls(self) -> int:
+        return sum(1 for c in self.tool_calls if not c.refused)
+
+    @property
+    def n_tool_errors(self) -> int:
+        return sum(1 for c in self.tool_calls if c.error)
+
+
+def token_char_starts(tokenizer, ids: Sequence[int]) -> tuple[str, list[int]]:
+    """Decode ids to text and the char offset where each token starts.
+
+    Each token is decoded on its own and the pieces concatenated; for byte-level BPE this equals the
+    joint decode except where a multi-byte character is split across tokens (then both pieces decode
+    to replacement characters and offsets stay consistent with the concatenated text, which is the
+    text we parse). Returns (text, starts) with len(starts) == len(ids).
+    """
+    pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    starts, pos = [], 0
+    for p in pieces:
+        starts.append(pos)
+        pos += len(p)
+    return "".join(pieces), starts
+
+
+def finalize(rollout: Rollout, tokenizer) -> Rollout:
+    """Decode, parse and assign a stage id to every token of a finished rollout."""
+    text, starts = token_char_starts(tokenizer, rollout.response_ids)
+    rollout.text = text
+    rollout.parsed = parse_response(text, rollout.env_spans)
+    rollout.stage_ids = assign_stage_ids(starts, rollout.parsed)
+    return rollout
+
+
+class RolloutEngine:
+    """Generates groups of rollouts with real multi-turn tool calls (§3.1-3.2).
+
+    Each round, every unfinished rollout continues until a stop: `</call_tool>` -> the environment
+    parses the call, runs the tool (or refuses an 11th call), appends "<tool_output>..." as fresh
+    tokens with loss mask 0, and the rollout goes on; end of turn (<|im_end|>/eos) -> finished;
+    the response token budget is spent -> truncated.
+    """
+
+    def __init__(self, sampler: Sampler, tokenizer, tools: dict, max_response_tokens: int = 512,
+                 max_tool_calls: int = MAX_TOOL_CALLS, system_prompt: str = SYSTEM_PROMPT,
+                 temperature: float = 1.0, max_rounds: int | None = None):
+        self.sampler, self.tok, self.tools = sampler, tokenizer, dict(tools)
+        self.max_response_tokens = max_response_tokens
+        self.max_tool_calls = max_tool_calls
+        self.system_prompt = system_prompt
+        self.temperature = temperature
+        self.max_rounds = max_rounds if max_rounds is not None else max_tool_calls + 3
+        self.stats = {"tool_errors": 0, "tool_refusals": 0}
+
+    def prompt_ids(self, query: str, bank_items: Sequence[str] = ()) -> list[int]:
+        msgs = build_messages(query, bank_items, self.system_prompt)
+        ids = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def run(self, queries: Sequence, n: int = 1, bank_items: Sequence[Sequence[str]] | None = None,
+            temperature: float | None = None) -> list[Rollout]:
+        """Sample n rollouts for each query (rollouts of query q are contiguous: a group).
+
+        queries: list of world.Query; bank_items: per query, a list of strings for the prompt.
+        Returns len(queries) * n Rollouts, finalised (parsed, stage ids assigned).
+        """
+        temp = self.temperature if temperature is None else temperature
+        rollouts: list[Rollout] = []
+        for qi, q in enumerate(queries):
+            items = list(bank_items[qi]) if bank_items else []
+            p = self.prompt_ids(q.query, items)
+            rollouts.extend(Rollout(q, items, p) for _ in range(n))
+        active = list(rollouts)
+        for _ in range(self.max_rounds):
+            if not active:
+                break
+            budgets = [self.max_response_tokens - len(r.response_ids) for r in active]
+            new = self.sampler.generate([r.prompt_ids + r.response_ids for r in active], budgets, temp)
+            still = []
+            for r, ids, b in zip(active, new, budgets):
+                r.response_ids.extend(ids)
+                r.loss_mask.extend([1] * len(ids))
+                if self._ends_with_call(ids):
+                    self._run_tool(r)
+                    if len(r.response_ids) >= self.max_response_tokens:
+                        r.truncated = True
+                    else:
+                        still.append(r)
+                elif ids and ids[-1] in self._eos_ids():
+                    r.finished = True
+                else:
+                    r.truncated = True
+            active = still
+        for r in active:
+            r.truncated = True
+        for r in rollouts:
+            # Tool-output tokens may overshoot the budget by one block; trim to the budget.
+            if len(r.response_ids) > self.max_response_tokens:
+                del r.response_ids[self.max_response_tokens:]
+                del r.loss_mask[self.max_response_tokens:]
+                r.truncated = True
+            finalize(r, self.tok)
+        return rollouts
+
+    def _eos_ids(self) -> set:
+        ids = {self.tok.eos_token_id, self.tok.convert_tokens_to_ids("<|im_end|>")}
+        return {i for i in ids if isinstance(i, int)}
+
+    def _ends_with_call(self, ids: list[int]) -> bool:
+        if not ids:
+            return False
+        tail = self.tok.decode(ids[-8:], skip_special_tokens=False)
+        return "</call_tool>" in tail
+
+    def _run_tool(self, r: Rollout) -> None:
+        """Parse the last call of the segment, execute it, append the tool output (mask 0)."""
+        seg_text = self.tok.decode(r.response_ids, skip_special_tokens=False)
+        calls = list(_CALL_RE.finditer(_strip_tool_outputs(seg_text)))
+        name, query = (calls[-1].group(1), calls[-1].group(2).strip()) if calls else ("", "")
+        n_done = r.n_tool_calls
+        t0 = time.perf_counter()
+        if n_done >= self.max_tool_calls:
+            call = ToolCall(name, query, [], [], f"tool-call limit of {self.max_tool_calls} reached; "
+                            "write the review and the answer", refused=True)
+            env = format_tool_error(call.error)
+            self.stats["tool_refusals"] += 1
+        elif name not in self.tools:
+            call = ToolCall(name, query, [], [], f"unknown tool {name!r}")
+            env = format_tool_error(call.error)
+        elif not query:
+            call = ToolCall(name, query, [], [], "empty query")
+            env = format_tool_error(call.error)
+        else:
+            try:
+                results = list(self.tools[name](query))
+                first = len(r.evidence) + 1
+                handles = list(range(first, first + len(results)))
+                for h, res in zip(handles, results):
+                    r.evidence[h] = res
+                call = ToolCall(name, query, results, handles)
+                env = format_tool_output(results, first)
+            except Exception as e:  # a failing tool never ends the rollout
+                call = ToolCall(name, query, [], [], f"{type(e).__name__}: {e}"[:200])
+                env = format_tool_error("search failed")
+        if call.error and not call.refused:
+            self.stats["tool_errors"] += 1
+        call.latency_s = time.perf_counter() - t0
+        r.tool_calls.append(call)
+        self._append_env(r, env)
+
+    def _append_env(self, r: Rollout, env_text: str) -> None:
+        # Offsets in the same per-token decoding that finalize() parses (see token_char_starts).
+        start = len(token_char_starts(self.tok, r.response_ids)[0])
+        env_ids = self.tok.encode(env_text, add_special_tokens=False)
+        r.response_ids.extend(env_ids)
+        r.loss_mask.extend([0] * len(env_ids))
+        r.env_spans.append((start, start + len(env_text)))

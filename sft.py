@@ -1,0 +1,483 @@
+"""SFT warm start: a scripted teacher, the paper's SFT filters, and masked supervised fine-tuning.
+
+RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
+Implements the SFT stage of the appendix: stage-structured trajectories from a teacher, filtered by the
+paper's four rules, trained with the loss on assistant tokens only and `<tool_output>` spans masked.
+
+The teacher writes complete four-stage trajectories *through the real tool* (BM25 search), and is
+deliberately imperfect in controllable ways (`TeacherConfig`): it skips asked aspects, writes vague
+queries, leaves claims uncited, copies a distractor's value, or forgets the negative constraint. The
+SFT policy therefore starts with headroom for RL. The teacher also writes reflections on its own
+trajectories (for the reflection meta-policy of §3.4) and, when a retrieved memory names a fact it
+missed before, it does not miss it again: that is how the policy learns what a bank item is for.
+
+SFT filters (PAPER, appendix): drop a trajectory
+  (1) without a closing </answer>;
+  (2) with a non-final turn (a segment followed by a tool output) that does not end in a valid call;
+  (3) missing a required tag (<structured_plan>, </structured_plan>, <state_evaluation>, <review>,
+      </review>, <answer>);
+  (4) with two or more consecutive tool errors.
+The teacher produces each defect at a small rate so the filters have real work; counts are logged.
+
+Loss (per example): mean over assistant tokens with mask 1 of -log pi(x_t | x_<t); tool outputs and
+the prompt have mask 0 (PAPER: span masking of <tool_output>).
+
+Deviations from the paper
+1. The teacher is a script, not Gemini-3.1-Pro; trajectories are short (~200-400 tokens).
+2. The toy SFT runs a fixed number of steps sized for ~4 minutes on 2 CPU cores, not 5 epochs.
+3. Tiny-model training uses AdamW(0.9, 0.95), lr 2e-3, warm-up + cosine (the paper's 4e-5 is for 8B).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import torch
+
+import scaffold
+from scaffold import CALL_OPEN, format_tool_error, format_tool_output
+from world import ANSWER_TEMPLATES, Query, World
+
+log = logging.getLogger("rubricem.sft")
+
+Segment = tuple[bool, str]  # (is_env, text): policy-written text or environment-inserted text
+
+
+@dataclass
+class TeacherConfig:
+    """Imperfection rates of the scripted teacher (our values; the paper's teacher is an LLM)."""
+
+    p_skip: float = 0.15  # an asked fact is never searched nor answered
+    p_vague: float = 0.10  # a query without the entity name
+    p_uncited: float = 0.15  # an answer sentence without its citation
+    p_distractor: float = 0.30  # when a distractor snippet is retrieved, its value is copied
+    p_no_negative: float = 0.30  # the plan's rubrics omit the negative constraint
+    p_tool_fail: float = 0.05  # the teacher's tool call fails (an error output); it retries
+    p_defect: float = 0.02  # per kind: truncated answer, invalid call, missing review block
+    p_memory: float = 0.30  # share of prompts with retrieved memory items
+
+
+# ----------------------------------------------------------------------------------------------------
+# Teacher
+
+
+def fact_key(f: dict) -> str:
+    return f"{f['entity']} {f['aspect']}"
+
+
+_MISSED_RE = re.compile(r"missed: ([^.;]+)")
+
+
+def memory_missed(items: Sequence[str]) -> set[str]:
+    """Fact keys named as missed ("missed: Harta year; ...") in memory items."""
+    out = set()
+    for it in items:
+        for m in _MISSED_RE.finditer(it):
+            out.update(k.strip() for k in m.group(1).split(","))
+    return out
+
+
+@dataclass
+class TeacherTrace:
+    segments: list[Segment]
+    defects: dict = field(default_factory=dict)  # fact key -> what went wrong; "_kind" -> defect
+
+
+def teacher_trajectory(q: Query, tool, world: World, rng: random.Random, cfg: TeacherConfig,
+                       memory: Sequence[str] = ()) -> TeacherTrace:
+    """One stage-structured trajectory for query q through `tool`, with controlled imperfections.
+
+    The teacher is privileged: it reads each retrieved document's ground truth from `world`.
+    """
+    facts = q.facts
+    remembered = memory_missed(memory)
+    ents = (q.toy or {}).get("entities", [])
+    aspects = (q.toy or {}).get("aspects", [])
+    defects: dict = {}
+    skip = {fact_key(f) for f in facts if rng.random() < cfg.p_skip and fact_key(f) not in remembered}
+    if len(skip) == len(facts):
+        skip.discard(fact_key(facts[0]))
+    for k in skip:
+        defects[k] = "skipped"
+    need = "; ".join(f"need: {fact_key(f)}" for f in facts)
+    neg = "" if rng.random() < cfg.p_no_negative else "; avoid: look-alike names and old records"
+    if not neg:
+        defects["_negative"] = "no negative constraint"
+    plan = (f"<structured_plan><analysis>Report on {' and '.join(ents)}: {', '.join(aspects)}."
+            f"</analysis><rubrics>{need}{neg}</rubrics><research_plan>"
+            + "; ".join(f"search {fact_key(f)}" for f in facts if fact_key(f) not in skip)
+            + "</research_plan></structured_plan>\n")
+    segs: list[Segment] = []
+    cur = plan
+    handle = 1
+    found: dict[str, tuple[int, str] | None] = {}
+    kind_defect = rng.random()
+    for f in facts:
+        k = fact_key(f)
+        if k in skip:
+            continue
+        query = k
+        if rng.random() < cfg.p_vague:
+            query = f["aspect"]
+            defects[k] = "vague query"
+        for attempt in range(3):
+            cur += f"{CALL_OPEN}{query}</call_tool>"
+            if kind_defect < cfg.p_defect and not segs:  # defect: an invalid tool name
+                cur = cur.replace(CALL_OPEN, '<call_tool name="web_browse">', 1)
+                defects["_kind"] = "invalid call"
+            segs.append((False, cur))
+            if rng.random() < cfg.p_tool_fail:
+                segs.append((True, format_tool_error("search failed")))
+                cur = "<state_evaluation>search failed, retrying</state_evaluation>\n"
+                continue
+            results = tool(query)
+            segs.append((True, format_tool_output(results, handle)))
+            hit = None
+            for j, r in enumerate(results):
+                d = world.doc(r.doc_id)
+                if d.aspect != f["aspect"]:
+                    continue
+                if d.kind == "true" and d.entity == f["entity"]:
+                    hit = (handle + j, d.value, "true")
+                    if defects.get(k, "").startswith("copied"):
+                        del defects[k]
+                    break
+                # A careless teacher copies an old record or a look-alike's value.
+                if hit is None and (d.entity == f["entity"] or d.kind == "lookalike") \
+                        and rng.random() < cfg.p_distractor:
+                    hit = (handle + j, d.value, d.kind)
+                    defects[k] = f"copied {d.kind}"
+            handle += len(results)
+            found[k] = (hit[0], hit[1]) if hit else None
+            ev = f"{k}: {hit[1]} [{hit[0]}]" if hit else f"{k}: not found"
+            cur = f"<state_evaluation>{ev}</state_evaluation>\n"
+            break
+        else:
+            found[k] = None
+    review_items = []
+    for f in facts:
+        k = fact_key(f)
+        h = found.get(k)
+        review_items.append(f"{k}: [{h[0]}]" if h else f"{k}: missing")
+    review = (f"<review><rubrics_review>{'; '.join(review_items)}</rubrics_review><writing_plan>"
+              f"{', '.join(fact_key(f) for f in facts if fact_key(f) not in skip)}</writing_plan>"
+              "</review>\n")
+    if 0.5 * cfg.p_defect <= kind_defect < 1.5 * cfg.p_defect and "_kind" not in defects:
+        review = ""  # defect: a missing review block
+        defects["_kind"] = "missing review"
+    sentences = []
+    for f in facts:
+        k = fact_key(f)
+        if k in skip:
+            continue
+        h = found.get(k)
+        if h is None:
+            sentences.append(f"No source gives the {f['aspect']} of {f['entity']}.")
+            continue
+        s = ANSWER_TEMPLATES[f["aspect"]].format(name=f["entity"], value=h[1])
+        if rng.random() < cfg.p_uncited:
+            defects.setdefault(k, "uncited")
+            sentences.append(s + ".")
+        else:
+            sentences.append(f"{s} [{h[0]}].")
+    answer = "<answer>" + " ".join(sentences) + "</answer><|im_end|>"
+    if 1.5 * cfg.p_defect <= kind_defect < 2.5 * cfg.p_defect and "_kind" not in defects:
+        answer = answer[: len(answer) // 2]  # defect: a truncated answer
+        defects["_kind"] = "truncated answer"
+    segs.append((False, cur + review + answer))
+    return TeacherTrace(segs, defects)
+
+
+def teacher_reflection(q: Query, trace: TeacherTrace) -> str:
+    """The teacher's reflection on its own trajectory: missed facts by name (within-episode use),
+    then general lessons for the failure kinds it made (cross-episode transfer)."""
+    missed = [k for k, v in trace.defects.items() if not k.startswith("_") and v in ("skipped", "vague query")]
+    wrong = [k for k, v in trace.defects.items() if not k.startswith("_") and v.startswith("copied")]
+    uncited = [k for k, v in trace.defects.items() if v == "uncited"]
+    parts = []
+    if missed:
+        parts.append("missed: " + ", ".join(missed) + ".")
+    lessons = []
+    if missed:
+        lessons.append("search every asked aspect with the full name")
+    if wrong:
+        lessons.append("ignore old records and look-alike names")
+    if uncited:
+        lessons.append("cite a snippet for every claim")
+    if "_negative" in trace.defects:
+        lessons.append("list what to avoid in the plan")
+    if not lessons:
+        lessons.append("one search per asked aspect, cite each claim")
+    parts.append("Lesson: " + "; ".join(lessons) + ".")
+    return " ".join(parts)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Filters
+
+
+_VALID_CALL = re.compile(r'<call_tool\s+name="google_search"\s*>\s*\S.*?</call_tool>\s*$', re.S)
+REQUIRED_TAGS = ("<structured_plan>", "</structured_plan>", "<review>", "</review>", "<answer>")
+
+
+def sft_filter(segments: Sequence[Segment]) -> str | None:
+    """The paper's four SFT filters. Returns the reason for dropping, or None to keep.
+
+    Reasons: "no_closing_answer", "non_final_turn_without_valid_call", "missing_required_tag",
+    "consecutive_tool_errors".
+    """
+    text = "".join(t for _, t in segments)
+    if "</answer>" not in text:
+        return "no_closing_answer"
+    for j, (is_env, t) in enumerate(segments):
+        if not is_env and j + 1 < len(segments) and segments[j + 1][0]:
+            if not _VALID_CALL.search(t):
+                return "non_final_turn_without_valid_call"
+    tags = REQUIRED_TAGS + (("<state_evaluation>",) if any(e for e, _ in segments) else ())
+    if any(tag not in text for tag in tags):
+        return "missing_required_tag"
+    run = 0
+    for is_env, t in segments:
+        if is_env:
+            run = run + 1 if t.lstrip().startswith("<tool_output>error:") else 0
+            if run >= 2:
+                return "consecutive_tool_errors"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Examples and training
+
+
+REFLECT_INSTRUCTION = "Reflect on this attempt. Name what was missed and give lessons."
+
+
+def reflection_messages(query: str, trajectory_text: str, system: str) -> list:
+    """Prompt of the reflection meta-policy (§3.4): the query and the trajectory as fixed context."""
+    return [{"role": "system", "content": system},
+            {"role": "user", "content": f"{REFLECT_INSTRUCTION}\nQuestion: {query}\n"
+                                        f"Attempt:\n{trajectory_text}"}]
+
+
+def encode_example(tok, messages: list, segments: Sequence[Segment]) -> tuple[list[int], list[int]]:
+    """Token ids and loss mask of one chat example: prompt (mask 0) + segments (policy 1, env 0).
+
+    Segments are tokenised one by one, exactly as the rollout engine appends them.
+    """
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    ids = list(ids)
+    mask = [0] * len(ids)
+    for is_env, text in segments:
+        seg = tok.encode(text, add_special_tokens=False)
+        ids += seg
+        mask += [0 if is_env else 1] * len(seg)
+    return ids, mask
+
+
+def encode_examples(tok, examples: Sequence[tuple[list, Sequence[Segment]]]):
+    """`encode_example` for many examples with batched tokenizer calls (same ids, ~10x faster)."""
+    prompts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
+               for m, _ in examples]
+    p_ids = tok(prompts, add_special_tokens=False)["input_ids"]
+    flat = [t for _, segs in examples for _, t in segs]
+    s_ids = iter(tok(flat, add_special_tokens=False)["input_ids"])
+    out = []
+    for (_, segs), ids in zip(examples, p_ids):
+        ids, mask = list(ids), [0] * len(ids)
+        for is_env, _ in segs:
+            seg = next(s_ids)
+            ids += seg
+            mask += [0 if is_env else 1] * len(seg)
+        out.append((ids, mask))
+    return out
+
+
+@dataclass
+class SFTConfig:
+    """SFT hyperparameters (toy values are ours, sized for ~4 min on 2 cores)."""
+
+    n_trajectories: int = 12000
+    n_reflections: int = 2000
+    steps: int = 1800
+    batch_size: int = 16
+    lr: float = 2e-3
+    warmup: int = 30
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+
+
+def build_sft_data(world: World, tool, tok_system: str, cfg: SFTConfig, tcfg: TeacherConfig):
+    """Teacher trajectories (filtered) and reflection examples over the *train* rows.
+
+    Returns (examples, stats): examples are (messages, segments) pairs; stats counts filter drops.
+    """
+    from world import load_rows
+
+    rng = random.Random(cfg.seed)
+    rows = load_rows(world.train_rows)
+    stats = {"generated": 0, "kept": 0}
+    examples, traces = [], []
+    while len(examples) < cfg.n_trajectories:
+        q = rng.choice(rows)
+        memory: list[str] = []
+        if rng.random() < tcfg.p_memory and traces:
+            # Memory is either this query's own earlier reflection (exact) or another query's.
+            prev = [t for t in traces[-200:] if t[0].query == q.query]
+            src = prev[-1] if prev and rng.random() < 0.5 else rng.choice(traces[-200:])
+            memory = [teacher_reflection(src[0], src[1])]
+        tr = teacher_trajectory(q, tool, world, rng, tcfg, memory)
+        stats["generated"] += 1
+        why = sft_filter(tr.segments)
+        if why:
+            stats[why] = stats.get(why, 0) + 1
+            continue
+        stats["kept"] += 1
+        examples.append((scaffold.build_messages(q.query, memory, tok_system), tr.segments))
+        traces.append((q, tr))
+    for q, tr in rng.sample(traces, min(cfg.n_reflections, len(traces))):
+        traj = "".join(t for _, t in tr.segments).replace("<|im_end|>", "")
+        msgs = reflection_messages(q.query, traj, tok_system)
+        examples.append((msgs, [(False, teacher_reflection(q, tr) + "<|im_end|>")]))
+    return examples, stats
+
+
+def train_sft(model, tok, encoded: list[tuple[list[int], list[int]]], cfg: SFTConfig,
+              progress: bool = True) -> dict:
+    """Masked next-token SFT. encoded: (ids, mask) pairs. Returns {"loss", "steps", "seconds"}.
+
+    Batches are length-bucketed (sorted by length in chunks of 50 batches) and right-padded.
+    """
+    from tqdm import tqdm
+
+    g = torch.Generator().manual_seed(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                            weight_decay=cfg.weight_decay)
+
+    def lr_at(s: int) -> float:
+        if s < cfg.warmup:
+            return cfg.lr * (s + 1) / cfg.warmup
+        p = (s - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+
+    pad = tok.pad_token_id
+    model.train()
+    t0, ema, step = time.perf_counter(), None, 0
+    bar = tqdm(total=cfg.steps, desc="sft", disable=not progress, mininterval=2.0)
+    while step < cfg.steps:
+        perm = torch.randperm(len(encoded), generator=g).tolist()
+        chunk = cfg.batch_size * 50
+        batches = []
+        for c in range(0, len(perm), chunk):
+            part = sorted(perm[c : c + chunk], key=lambda i: len(encoded[i][0]))
+            batches += [part[b : b + cfg.batch_size] for b in range(0, len(part), cfg.batch_size)]
+        order = torch.randperm(len(batches), generator=g).tolist()
+        for bi in order:
+            if step >= cfg.steps:
+                break
+            idx = batches[bi]
+            L = max(len(encoded[i][0]) for i in idx)
+            x = torch.full((len(idx), L), pad, dtype=torch.long)
+            m = torch.zeros((len(idx), L), dtype=torch.float32)
+            att = torch.zeros((len(idx), L), dtype=torch.long)
+            for r, i in enumerate(idx):
+                ids, mk = encoded[i]
+                x[r, : len(ids)] = torch.tensor(ids)
+                m[r, : len(ids)] = torch.tensor(mk, dtype=torch.float32)
+                att[r, : len(ids)] = 1
+            logits = model(input_ids=x, attention_mask=att).logits[:, :-1].float()  # (B, L-1, V)
+            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
+            w = m[:, 1:]
+            # SFT loss = sum_t mask_t * (-log pi(x_t | x_<t)) / sum_t mask_t  (tool outputs masked)
+            loss = (nll * w).sum() / w.sum().clamp(min=1.0)
+            for grp in opt.param_groups:
+                grp["lr"] = lr_at(step)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+            step += 1
+            bar.update(1)
+            if step % 50 == 0:
+                bar.set_postfix(loss=f"{ema:.3f}")
+    bar.close()
+    model.eval()
+    return {"loss": ema, "steps": step, "seconds": time.perf_counter() - t0}
+
+
+def tok_text(messages: list, segments: Sequence[Segment]) -> str:
+    """Plain text of one example, chat markup included (tokenizer training text)."""
+    from policy import CHATML_TEMPLATE  # noqa: F401  (same layout as the template)
+
+    head = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return head + "<|im_start|>assistant\n" + "".join(t for _, t in segments)
+
+
+def cache_key(obj: dict) -> str:
+    """sha256 of a JSON-serialisable configuration: the warm start's cache key."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def warm_start(world: World, tool, system: str, cfg: SFTConfig, tcfg: TeacherConfig, size: str,
+               vocab_size: int, cache_dir: str, progress: bool = True, extra_key: dict | None = None):
+    """Build (or load from cache) the SFT policy. Returns (model, tokenizer, info dict, path).
+
+    The cache key covers the world, teacher, SFT and model configuration; a second run with the same
+    configuration loads `cache_dir/sft-<key>` (save_pretrained format) and skips training.
+    """
+    import policy
+    from world import SYLLABLES
+
+    key = cache_key({"world": asdict(world.config), "teacher": asdict(tcfg), "sft": asdict(cfg),
+                     "size": size, "vocab": vocab_size, "system": system, "v": 1,
+                     **(extra_key or {})})
+    path = os.path.join(cache_dir, f"sft-{key}")
+    info_path = os.path.join(path, "sft_info.json")
+    if os.path.exists(info_path):
+        model, tok = policy.load_policy(path)
+        with open(info_path) as fh:
+            info = json.load(fh)
+        info["cached"] = True
+        log.info("SFT warm start loaded from cache %s", path)
+        return model, tok, info, path
+    t0 = time.perf_counter()
+    examples, stats = build_sft_data(world, tool, system, cfg, tcfg)
+    t_data = time.perf_counter() - t0
+    texts = [d.title + " " + d.text for d in world.docs]
+    texts += [tok_text(msgs, segs) for msgs, segs in examples[:3000]]
+    tok = policy.train_tokenizer(texts, names=list(world.entities), vocab_size=vocab_size,
+                                 syllables=SYLLABLES, seed=cfg.seed)
+    encoded = encode_examples(tok, examples)
+    model = policy.build_tiny_qwen3(tok, size, seed=cfg.seed)
+    torch.manual_seed(cfg.seed)
+    res = train_sft(model, tok, encoded, cfg, progress)
+    info = {"filter": stats, "examples": len(encoded), "data_seconds": round(t_data, 2),
+            "train_seconds": round(res["seconds"], 2), "final_loss": res["loss"],
+            "steps": res["steps"], "params": sum(p.numel() for p in model.parameters()),
+            "mean_tokens": sum(len(e[0]) for e in encoded) / len(encoded), "key": key,
+            "cached": False}
+    log.info("SFT filters: %s", stats)
+    tmp = path + f".tmp{os.getpid()}"
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    with open(os.path.join(tmp, "sft_info.json"), "w") as fh:
+        json.dump(info, fh, indent=1)
+    os.makedirs(cache_dir, exist_ok=True)
+    if os.path.exists(path):  # a concurrent run finished first: keep theirs
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, path)  # atomic: a half-written warm start is never picked up
+    return model, tok, info, path

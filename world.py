@@ -1,0 +1,430 @@
+"""The toy research world: fictional entities, a small web of documents, research questions, a search tool.
+
+RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
+This module is not a section of the paper: it is the environment T of §3.1 for toy mode, built so that a
+policy must *research* (plan, search, weigh evidence, cite) to answer, and so that each of the four
+stages of §3.2 can go wrong on its own.
+
+What is in it
+- Entities with made-up names built from shared syllables ("Kuvebro"), so a byte-level BPE splits
+  them into common pieces and a tiny model can learn to copy an unseen name into a search query.
+- Four aspects per entity (habitat, discoverer, year, use). Each (entity, aspect) has one short
+  document, except a fraction that is *missing* (the honest answer is "no source gives it").
+- Distractors that punish careless search and careless citation:
+  * look-alike entities (last syllable changed) with documents on the same aspects;
+  * outdated records: a second document on the same (entity, aspect) with a wrong value, titled
+    "old record", which a careful agent must not report.
+- Questions asking for a short report on 2-4 aspects of one entity, or a comparison of two entities,
+  in several phrasings; each row is stored in the DR Tulu RL schema
+  (`messages` = one user turn, `ground_truth` = JSON `{"query", "rubrics": [{"description","title",
+  "weight"}]}`) plus a `toy` key with the machine-checkable facts the toy judge uses. Real data goes
+  through the same loader (`load_rows`) and simply has no `toy` key.
+- `BM25SearchTool` ("google_search"): rank-bm25 over the corpus, returning the top few snippets.
+  Full mode puts an HTTP search API behind the same `SearchTool` interface.
+
+Deviations from the paper
+1. The paper trains on real open-ended queries (DR Tulu RL data) with a live web search API; toy mode
+   replaces both with this generated world so the whole method runs offline on a laptop CPU.
+2. Citation handles are per-rollout numbers ([1], [2], ...) assigned by the rollout engine, not URLs
+   or corpus ids: a tiny model can copy "[3]" but not a 4-digit id.
+
+Launch: this module has no entry point; `python train.py --toy` builds the world from its seed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol, Sequence
+
+from rank_bm25 import BM25Okapi
+
+# ----------------------------------------------------------------------------------------------------
+# Vocabulary of the world
+
+SYLLABLES = (
+    "ka lo mi ren tu va sel dor bri na po gu fe lin mar te zo qui ran bel "
+    "co da vi sun har el mo ri ta ne"
+).split()
+PLACES = "north south east west upper lower inner outer".split()
+TERRAINS = "marshes hills forests dunes caves reefs".split()
+FIRST = "Ada Boris Clara Dario Elena Felix Greta Hugo Irene Jonas".split()
+LAST = "Moreau Lind Okafor Petrov Quist Rossi Sato Varga Weber Young".split()
+USES = (
+    "medicine dyes rope paper glue food fuel perfume tea soap ink glass"
+).split()
+
+ASPECTS = ("habitat", "discoverer", "year", "use")
+
+# How a fact reads in a document, and in a teacher's answer sentence. One template per aspect keeps
+# the judge's fact check exact ("the value appears in the sentence that names the entity").
+DOC_TEMPLATES = {
+    "habitat": ("{name} lives mainly in the {value}.", "Field notes place {name} in the {value}."),
+    "discoverer": ("{name} was first described by {value}.", "The naturalist {value} described {name}."),
+    "year": ("{name} was first recorded in {value}.", "Records of {name} begin in {value}."),
+    "use": ("{name} is used for {value}.", "People value {name} for {value}."),
+}
+ANSWER_TEMPLATES = {
+    "habitat": "{name} lives in the {value}",
+    "discoverer": "{name} was described by {value}",
+    "year": "{name} was first recorded in {value}",
+    "use": "{name} is used for {value}",
+}
+QUESTION_TEMPLATES_SINGLE = (
+    "Write a short report on {name}: its {aspects}.",
+    "What is known about the {aspects} of {name}? Give a short cited report.",
+    "Research {name} and report its {aspects}.",
+    "I need a brief, sourced overview of {name} covering {aspects}.",
+)
+QUESTION_TEMPLATES_COMPARE = (
+    "Compare {name} and {name2} by {aspects}.",
+    "How do {name} and {name2} differ in {aspects}? Cite sources.",
+)
+
+
+def _join(items: Sequence[str]) -> str:
+    items = list(items)
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data classes
+
+
+@dataclass(frozen=True)
+class Document:
+    """One corpus document: one (entity, aspect) claim. `kind` is "true", "outdated" or "lookalike"."""
+
+    doc_id: str
+    title: str
+    text: str
+    entity: str
+    aspect: str
+    value: str
+    kind: str
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """What a search tool returns for one hit (the same shape for BM25 and for an HTTP search API)."""
+
+    doc_id: str
+    title: str
+    text: str
+
+
+@dataclass
+class WorldConfig:
+    """Size and difficulty of the toy world. Defaults follow ../notes measurements (>= 1000 train
+    entities make name copying learnable); all values are ours, the paper has no toy world."""
+
+    seed: int = 0
+    n_train_entities: int = 1000
+    n_heldout_entities: int = 120
+    p_missing: float = 0.10  # (entity, aspect) pairs with no document at all
+    p_outdated: float = 0.15  # pairs with an extra "old record" carrying a wrong value
+    p_lookalike: float = 0.30  # entities with a look-alike entity that has its own documents
+    p_compare: float = 0.20  # share of comparison questions
+    questions_per_entity: int = 3
+
+
+@dataclass
+class World:
+    """A generated world: entities -> aspect values, the corpus, and the train / held-out rows."""
+
+    config: WorldConfig
+    entities: dict[str, dict[str, str]]  # name -> aspect -> true value
+    train_entities: list[str]
+    heldout_entities: list[str]
+    lookalikes: dict[str, str]  # entity -> its look-alike entity's name
+    docs: list[Document]
+    train_rows: list[dict]
+    heldout_rows: list[dict]
+
+    def doc(self, doc_id: str) -> Document:
+        return self._by_id[doc_id]
+
+    def __post_init__(self) -> None:
+        self._by_id = {d.doc_id: d for d in self.docs}
+
+    def fingerprint(self) -> str:
+        """sha256 over the corpus and the rows: equal fingerprints mean identical worlds."""
+        h = hashlib.sha256()
+        for d in self.docs:
+            h.update(json.dumps(dataclasses.asdict(d), sort_keys=True).encode())
+        for r in self.train_rows + self.heldout_rows:
+            h.update(json.dumps(r, sort_keys=True).encode())
+        return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Generation
+
+
+def _make_names(rng: random.Random, n: int, taken: set[str]) -> list[str]:
+    names: list[str] = []
+    while len(names) < n:
+        k = rng.choice((2, 2, 3))
+        name = "".join(rng.choice(SYLLABLES) for _ in range(k)).capitalize()
+        if name not in taken and 4 <= len(name) <= 11:
+            taken.add(name)
+            names.append(name)
+    return names
+
+
+def _lookalike(rng: random.Random, name: str, taken: set[str]) -> str | None:
+    stem = name.lower()
+    for _ in range(50):
+        last = rng.choice(SYLLABLES)
+        for s in sorted(SYLLABLES, key=len, reverse=True):
+            if stem.endswith(s) and len(stem) > len(s):
+                cand = (stem[: -len(s)] + last).capitalize()
+                if cand not in taken and cand != name:
+                    taken.add(cand)
+                    return cand
+                break
+    return None
+
+
+def _value(rng: random.Random, aspect: str) -> str:
+    if aspect == "habitat":
+        return f"{rng.choice(PLACES)} {rng.choice(TERRAINS)}"
+    if aspect == "discoverer":
+        return f"{rng.choice(FIRST)} {rng.choice(LAST)}"
+    if aspect == "year":
+        return str(rng.randint(1600, 1999))
+    return rng.choice(USES)
+
+
+def make_world(config: WorldConfig | None = None) -> World:
+    """Generate the toy world deterministically from `config.seed` (pure Python, about a second).
+
+    Returns a `World` whose train and held-out rows use disjoint entities (look-alikes are never
+    asked about). Raises ValueError for non-positive sizes or probabilities outside [0, 1].
+    """
+    cfg = config or WorldConfig()
+    if cfg.n_train_entities < 1 or cfg.n_heldout_entities < 1 or cfg.questions_per_entity < 1:
+        raise ValueError("WorldConfig: entity and question counts must be >= 1")
+    for f in ("p_missing", "p_outdated", "p_lookalike", "p_compare"):
+        if not 0.0 <= getattr(cfg, f) <= 1.0:
+            raise ValueError(f"WorldConfig.{f} must lie in [0, 1], got {getattr(cfg, f)}")
+    rng = random.Random(cfg.seed)
+    taken: set[str] = set()
+    names = _make_names(rng, cfg.n_train_entities + cfg.n_heldout_entities, taken)
+    train_names, heldout_names = names[: cfg.n_train_entities], names[cfg.n_train_entities :]
+
+    entities: dict[str, dict[str, str]] = {}
+    lookalikes: dict[str, str] = {}
+    docs: list[Document] = []
+
+    def add_doc(entity: str, aspect: str, value: str, kind: str) -> None:
+        tpl = rng.choice(DOC_TEMPLATES[aspect])
+        if kind == "outdated":
+            title = f"{entity} {aspect} (old record)"
+            text = f"An old record, since corrected, gives: " + tpl.format(name=entity, value=value)
+        else:
+            title = f"{entity} {aspect}"
+            text = tpl.format(name=entity, value=value)
+        docs.append(Document(f"d{len(docs):05d}", title, text, entity, aspect, value, kind))
+
+    for name in names:
+        entities[name] = {a: _value(rng, a) for a in ASPECTS}
+        for a in ASPECTS:
+            if rng.random() >= cfg.p_missing:
+                add_doc(name, a, entities[name][a], "true")
+            if rng.random() < cfg.p_outdated:
+                wrong = _value(rng, a)
+                while wrong == entities[name][a]:
+                    wrong = _value(rng, a)
+                add_doc(name, a, wrong, "outdated")
+        if rng.random() < cfg.p_lookalike:
+            la = _lookalike(rng, name, taken)
+            if la is not None:
+                lookalikes[name] = la
+                entities[la] = {a: _value(rng, a) for a in ASPECTS}
+                for a in rng.sample(ASPECTS, 2):
+                    add_doc(la, a, entities[la][a], "lookalike")
+
+    world = World(cfg, entities, train_names, heldout_names, lookalikes, docs, [], [])
+    has_doc = {(d.entity, d.aspect): d.doc_id for d in docs if d.kind == "true"}
+    world.train_rows = _make_rows(rng, world, train_names, has_doc)
+    world.heldout_rows = _make_rows(rng, world, heldout_names, has_doc)
+    return world
+
+
+def _make_rows(rng: random.Random, world: World, names: list[str], has_doc: dict) -> list[dict]:
+    cfg = world.config
+    rows = []
+    for name in names:
+        for _ in range(cfg.questions_per_entity):
+            if rng.random() < cfg.p_compare:
+                other = rng.choice(names)
+                while other == name:
+                    other = rng.choice(names)
+                aspects = rng.sample(ASPECTS, rng.choice((1, 2)))
+                q = rng.choice(QUESTION_TEMPLATES_COMPARE).format(
+                    name=name, name2=other, aspects=_join(aspects))
+                targets = [(e, a) for a in aspects for e in (name, other)]
+                ents = [name, other]
+            else:
+                aspects = rng.sample(ASPECTS, rng.choice((2, 2, 3, 4)))
+                q = rng.choice(QUESTION_TEMPLATES_SINGLE).format(name=name, aspects=_join(aspects))
+                targets = [(name, a) for a in aspects]
+                ents = [name]
+            facts = [
+                {"entity": e, "aspect": a, "value": world.entities[e][a],
+                 "doc_id": has_doc.get((e, a))}
+                for e, a in targets
+            ]
+            rows.append(make_row(q, facts, ents, aspects, world.lookalikes))
+    return rows
+
+
+def initial_rubrics(facts: list[dict]) -> list[dict]:
+    """Initial (data-row) rubrics in the DR Tulu format, one per fact plus one negative constraint."""
+    rubrics = []
+    for f in facts:
+        if f["doc_id"] is None:
+            rubrics.append({
+                "title": f"{f['entity']} {f['aspect']} unknown",
+                "description": f"Says that no source gives the {f['aspect']} of {f['entity']} "
+                               f"instead of guessing.",
+                "weight": 1.0})
+        else:
+            rubrics.append({
+                "title": f"{f['entity']} {f['aspect']}",
+                "description": f"States that the {f['aspect']} of {f['entity']} is {f['value']}, "
+                               f"citing a retrieved source that says so.",
+                "weight": 1.0})
+    rubrics.append({
+        "title": "no unsupported claims",
+        "description": "Makes no claim taken from a look-alike entity or an outdated record, and no "
+                       "claim that the retrieved evidence does not support.",
+        "weight": 1.0})
+    return rubrics
+
+
+def make_row(query: str, facts: list[dict], entities: list[str], aspects: list[str],
+             lookalikes: dict[str, str]) -> dict:
+    """One RL row in the DR Tulu schema, with the toy judge's ground truth under `toy`."""
+    gt = {
+        "query": query,
+        "rubrics": initial_rubrics(facts),
+        "toy": {"facts": facts, "entities": entities, "aspects": list(aspects),
+                "lookalikes": {e: lookalikes[e] for e in entities if e in lookalikes}},
+    }
+    return {"messages": [{"role": "user", "content": query}], "ground_truth": json.dumps(gt)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading rows (toy and real data alike)
+
+
+@dataclass
+class Query:
+    """A parsed RL row: the question, its initial rubrics and (toy only) machine-checkable truth."""
+
+    query: str
+    rubrics: list[dict]
+    toy: dict | None = None
+    row_index: int = -1
+
+    @property
+    def facts(self) -> list[dict]:
+        return (self.toy or {}).get("facts", [])
+
+
+def parse_row(row: dict, index: int = -1) -> Query:
+    """Parse one DR Tulu-schema row. Raises ValueError naming the field and row index when the row
+    does not fit: `messages` must hold exactly one user turn, `ground_truth` must be a JSON string (or
+    dict) with a non-empty `query` and a non-empty `rubrics` list of {title, description, weight}."""
+    where = f"row {index}"
+    msgs = row.get("messages")
+    if not isinstance(msgs, list) or not msgs or msgs[-1].get("role") != "user":
+        raise ValueError(f"{where}: `messages` must be a list ending with one user turn")
+    gt = row.get("ground_truth")
+    if isinstance(gt, str):
+        try:
+            gt = json.loads(gt)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: `ground_truth` is not valid JSON ({e})") from None
+    if not isinstance(gt, dict):
+        raise ValueError(f"{where}: `ground_truth` must be a JSON object")
+    query = gt.get("query") or msgs[-1].get("content", "")
+    if not isinstance(query, str) or not query.strip():
+        raise ValueError(f"{where}: empty query")
+    rubrics = gt.get("rubrics")
+    if not isinstance(rubrics, list) or not rubrics:
+        raise ValueError(f"{where}: `ground_truth.rubrics` must be a non-empty list")
+    for j, r in enumerate(rubrics):
+        if not isinstance(r, dict) or not str(r.get("description", "")).strip():
+            raise ValueError(f"{where}: rubric {j} has no `description`")
+        w = r.get("weight", 1.0)
+        if not isinstance(w, (int, float)):
+            raise ValueError(f"{where}: rubric {j} `weight` must be a number")
+    return Query(query.strip(), rubrics, gt.get("toy"), index)
+
+
+def load_rows(rows: Iterable[dict]) -> list[Query]:
+    """Parse a dataset of rows; raises ValueError on an empty dataset or the first bad row."""
+    out = [parse_row(r, i) for i, r in enumerate(rows)]
+    if not out:
+        raise ValueError("dataset is empty: no RL rows to train on")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# The search tool
+
+
+class SearchTool(Protocol):
+    """A tool the policy calls as `<call_tool name="{name}">query</call_tool>`.
+
+    `__call__(query) -> list[SearchResult]` (possibly empty). It may raise any exception (timeouts,
+    HTTP errors); the rollout engine turns an exception into an error message inside <tool_output>.
+    """
+
+    name: str
+
+    def __call__(self, query: str) -> list[SearchResult]: ...
+
+
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+def bm25_tokens(text: str) -> list[str]:
+    """Lower-case alphanumeric words: the tokenisation of every BM25 index in the project."""
+    return _WORD.findall(text.lower())
+
+
+class BM25SearchTool:
+    """`google_search` over the toy corpus: rank-bm25 (Okapi) over title + text, top `k` hits.
+
+    Named like the web-search tool of DR Tulu and the paper so that trajectories look the same in toy
+    and full mode. Deterministic: ties are broken by document order.
+    """
+
+    name = "google_search"
+
+    def __init__(self, docs: Sequence[Document], k: int = 2):
+        if not docs:
+            raise ValueError("BM25SearchTool needs a non-empty corpus")
+        self.docs = list(docs)
+        self.k = k
+        self._bm25 = BM25Okapi([bm25_tokens(d.title + " " + d.text) for d in self.docs])
+
+        self._cache: dict[str, list[SearchResult]] = {}
+
+    def __call__(self, query: str) -> list[SearchResult]:
+        key = " ".join(bm25_tokens(query))
+        if not key:
+            return []
+        if key not in self._cache:  # the index is static, so results are memoised per query
+            scores = self._bm25.get_scores(key.split())
+            order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[: self.k]
+            self._cache[key] = [SearchResult(self.docs[i].doc_id, self.docs[i].title,
+                                             self.docs[i].text) for i in order if scores[i] > 0]
+        return list(self._cache[key])
