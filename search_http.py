@@ -1,0 +1,152 @@
+"""`google_search` over a Serper-compatible web-search API: the tool environment T of §3.1 in full mode.
+
+RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
+Implements the search tool of §3.1-3.2 (`<call_tool name="google_search">query</call_tool>`) for full
+mode, behind the same `world.SearchTool` interface as the toy `BM25SearchTool`: called as
+`tool(query) -> list[SearchResult]`, named "google_search", so trajectories read the same in both modes.
+
+Wire format (Serper): POST {base_url}/search, header `X-API-KEY: <key>`, JSON {"q": query, "num": k};
+reply {"organic": [{"title", "link", "snippet", ...}, ...]} -> SearchResult(doc_id=link, title,
+text=snippet), in the API's order, at most k.
+
+Failure semantics: the transport retries connect errors, read timeouts and 429/5xx with capped
+exponential backoff, at most `max_retries` of each (urllib3 `Retry`, `# SCALE:`); after the bound, or on
+any other HTTP error or a malformed reply, the call raises `SearchError` with a short reason. The
+rollout engine turns a raising tool into "error: search failed" inside <tool_output>, so a failing API
+never ends a rollout. The key is read from the environment at call time and never logged or cached.
+
+Deviations from the paper
+1. The paper names the tool ("google_search", as in DR Tulu) but not its provider; Serper is our
+   choice because its reply maps one-to-one onto `SearchResult`. Any server speaking the same format
+   works (`base_url`).
+2. Results are cached on disk per (base_url, query, k) with no expiry: a replayed query (the §3.5
+   curriculum replays batches) sees the same web it saw the first time, which keeps within-episode
+   reflections about the same evidence. Set `cache_dir=""` for a live web.
+
+Usage:
+    export SERPER_API_KEY=...
+    tools = {"google_search": SerperSearchTool(SerperConfig(k=5))}   # scaffold.RolloutEngine(tools=...)
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+from judge_http import DiskCache, cache_key, make_session, transport_retries
+from world import SearchResult
+
+log = logging.getLogger("rubricem.search_http")
+
+
+@dataclass
+class SerperConfig:
+    """Search API settings. Holds the *name* of the key's environment variable, never the key."""
+
+    base_url: str = "https://google.serper.dev"
+    """API root without a trailing slash (tests point it at a loopback server)."""
+    api_key_env: str = "SERPER_API_KEY"
+    k: int = 5
+    """Results per query ("num"); the paper does not fix it, 5 snippets keep tool outputs short."""
+    timeout_s: float = 15.0
+    max_retries: int = 3
+    """Bound per kind (connect errors, read timeouts, 429/5xx statuses) before SearchError."""
+    backoff_s: float = 0.5
+    """Backoff base: waits backoff_s * 2^(retry-1), capped at backoff_max_s (the first retry is
+    immediate in urllib3 2)."""
+    backoff_max_s: float = 8.0
+    cache_dir: str = ".cache/rubricem/search"
+    """Disk cache of result lists; "" disables it."""
+    max_snippet_chars: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.k < 1 or self.max_retries < 0 or self.timeout_s <= 0:
+            raise ValueError("need k >= 1, max_retries >= 0 and timeout_s > 0")
+
+
+class SearchError(RuntimeError):
+    """A search call that failed after the retry bound (or got a non-retryable error)."""
+
+
+class SerperSearchTool:
+    """`google_search` over a Serper-compatible API (same interface as world.BM25SearchTool)."""
+
+    name = "google_search"
+
+    def __init__(self, config: SerperConfig | None = None):
+        self.config = config or SerperConfig()
+        self.cache = DiskCache(self.config.cache_dir)
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self.counters = {"calls": 0, "requests": 0, "retries": 0, "failures": 0, "cache_hits": 0}
+
+    def _inc(self, key: str, by: int = 1) -> None:
+        with self._lock:
+            self.counters[key] += by
+
+    def stats(self) -> dict:
+        """Cumulative counts: search/calls, search/requests, search/retries, search/failures,
+        search/cache_hits."""
+        with self._lock:
+            return {f"search/{k}": v for k, v in self.counters.items()}
+
+    def _session(self):
+        s = getattr(self._local, "session", None)
+        if s is None:
+            c = self.config
+            # SCALE: transport retries (connect, read timeout, 429/5xx) with capped backoff.
+            s = self._local.session = make_session(c.max_retries, c.backoff_s, c.backoff_max_s, 4,
+                                                   retry_reads=True)
+        return s
+
+    def __call__(self, query: str) -> list[SearchResult]:
+        """Top-k web results for `query` (str). Returns [] for a blank query or no hits.
+
+        Raises SearchError (with the reason: missing key variable, HTTP status after retries,
+        connection failure, malformed reply) after the retry bound. Never returns partial garbage.
+        """
+        import requests  # SCALE: full backend only
+
+        c = self.config
+        q = " ".join(str(query).split())
+        if not q:
+            return []
+        self._inc("calls")
+        key = cache_key("serper", c.base_url.rstrip("/"), q, c.k)
+        hit = self.cache.get(key)
+        if hit is not None:
+            try:
+                out = [SearchResult(str(d["doc_id"]), str(d["title"]), str(d["text"])) for d in hit]
+                self._inc("cache_hits")
+                return out
+            except (KeyError, TypeError):
+                pass  # corrupt entry: a miss
+        api_key = os.environ.get(c.api_key_env, "")
+        if not api_key:
+            self._inc("failures")
+            raise SearchError(f"environment variable {c.api_key_env} is not set")
+        try:
+            resp = self._session().post(f"{c.base_url.rstrip('/')}/search", json={"q": q, "num": c.k},
+                                        headers={"X-API-KEY": api_key}, timeout=c.timeout_s)
+        except requests.exceptions.RequestException as e:
+            self._inc("requests")
+            self._inc("failures")
+            raise SearchError(f"search request failed after retries ({type(e).__name__})") from None
+        n_retry = transport_retries(resp)
+        self._inc("requests", 1 + n_retry)
+        self._inc("retries", n_retry)
+        if resp.status_code != 200:
+            self._inc("failures")
+            raise SearchError(f"search API returned HTTP {resp.status_code} after {n_retry} retries")
+        try:
+            organic = resp.json().get("organic", [])
+            out = [SearchResult(str(r["link"]), str(r.get("title", "")),
+                                str(r.get("snippet", ""))[: c.max_snippet_chars])
+                   for r in organic[: c.k]]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            self._inc("failures")
+            raise SearchError("search API reply is not the expected JSON") from None
+        self.cache.put(key, [{"doc_id": r.doc_id, "title": r.title, "text": r.text} for r in out],
+                       {"provider": "serper"})
+        return out

@@ -1,0 +1,233 @@
+"""Loopback fake servers for the HTTP backends: Gemini generateContent, OpenAI chat completions, Serper.
+
+Each `FakeServer` binds 127.0.0.1 on a free port, speaks its API's wire format, validates every request
+(path, auth header, body shape; a violation is answered 4xx and recorded in `errors`) and records it in
+`requests`. Replies come from, in order of precedence:
+  1. `rule(request) -> action | None`, a per-test function (deterministic under concurrency);
+  2. `script`, a FIFO of actions consumed one per request;
+  3. the automatic responder, which answers any judge request validly from its schema and prompt
+     (the requested ids are in the schema's `enum`) and any search with k made-up results.
+Actions (dicts): {"status": 429} an error status; {"drop": True} close the connection unanswered;
+{"sleep": s} wait s seconds, then the automatic reply; {"text": "..."} this model text; {"json": obj} this object as model text; {"mutate": fn}
+fn(automatic object) as model text; {"body": "..."} this raw HTTP body with status 200.
+Threads are daemons and closing does not wait for them, so a deliberately slow reply never blocks a
+test's teardown.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+TEST_KEY = "sk-TESTKEY-1234567890"
+STAGE_CLOSERS = {"plan": "</structured_plan>", "research": "</state_evaluation>",
+                 "review": "</review>", "answer": "</answer>"}
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+
+
+class FakeServer:
+    """kind: "gemini" | "openai" | "serper". key: the expected API key (None: no auth required).
+    usage: (input, output) tokens reported per reply. Use as a context manager."""
+
+    def __init__(self, kind: str, key: str | None = TEST_KEY, model: str = "gemini-test",
+                 usage: tuple[int, int] = (100, 20)):
+        assert kind in ("gemini", "openai", "serper")
+        self.kind, self.key, self.model, self.usage = kind, key, model, usage
+        self.script: collections.deque = collections.deque()
+        self.rule = None
+        self.requests: list[dict] = []
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+        self._httpd = _Server(("127.0.0.1", 0), self._handler())
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        daemon=True)
+
+    @property
+    def url(self) -> str:
+        port = self._httpd.server_address[1]
+        root = {"gemini": "/v1beta", "openai": "/v1", "serper": ""}[self.kind]
+        return f"http://127.0.0.1:{port}{root}"
+
+    def __enter__(self) -> "FakeServer":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=2)
+
+    # request handling --------------------------------------------------------------------------
+    def _handler(self):
+        server = self
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):  # keep test output clean
+                pass
+
+            def do_POST(self):
+                n = int(self.headers.get("Content-Length", 0))
+                raw = self.rfile.read(n)
+                try:
+                    body = json.loads(raw)
+                except ValueError:
+                    body = None
+                req = {"path": self.path, "headers": dict(self.headers.items()), "body": body}
+                with server._lock:
+                    server.requests.append(req)
+                err = server._validate(req)
+                if err:
+                    with server._lock:
+                        server.errors.append(err)
+                    return self._send(400 if "body" in err else 401 if "key" in err else 404,
+                                      {"error": {"message": err}})
+                action = server.rule(req) if server.rule else None
+                if action is None:
+                    with server._lock:
+                        action = server.script.popleft() if server.script else {}
+                if "drop" in action:  # close the connection without a reply
+                    self.close_connection = True
+                    return
+                if "sleep" in action:
+                    time.sleep(action["sleep"])
+                if "status" in action:
+                    return self._send(action["status"], {"error": {"code": action["status"]}})
+                if "body" in action:
+                    return self._send(200, action["body"])
+                if server.kind == "serper":
+                    return self._send(200, server._serper_reply(body))
+                if "text" in action:
+                    text = action["text"]
+                else:
+                    obj = action["json"] if "json" in action else server._auto(req)
+                    if "mutate" in action:
+                        obj = action["mutate"](obj)
+                    text = json.dumps(obj)
+                return self._send(200, server._wrap(text))
+
+            def _send(self, status, payload):
+                data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up (timeout test)
+                    pass
+
+        return H
+
+    def _validate(self, req: dict) -> str:
+        h = {k.lower(): v for k, v in req["headers"].items()}
+        b = req["body"]
+        if self.kind == "gemini":
+            if req["path"] != f"/v1beta/models/{self.model}:generateContent":
+                return f"unknown path {req['path']}"
+            if self.key is not None and h.get("x-goog-api-key") != self.key:
+                return "bad or missing key"
+            try:
+                c = b["contents"]
+                assert isinstance(c, list) and c[0]["role"] == "user"
+                assert isinstance(c[0]["parts"][0]["text"], str)
+                assert isinstance(b["systemInstruction"]["parts"][0]["text"], str)
+                g = b["generationConfig"]
+                assert g["responseMimeType"] == "application/json"
+                assert isinstance(g["temperature"], (int, float))
+                assert ("responseSchema" in g) != ("responseJsonSchema" in g)
+            except (KeyError, IndexError, TypeError, AssertionError):
+                return "bad body shape"
+        elif self.kind == "openai":
+            if req["path"] != "/v1/chat/completions":
+                return f"unknown path {req['path']}"
+            if self.key is not None and h.get("authorization") != f"Bearer {self.key}":
+                return "bad or missing key"
+            try:
+                assert isinstance(b["model"], str)
+                assert [m["role"] for m in b["messages"]] == ["system", "user"]
+                f = b["response_format"]
+                assert f["type"] in ("json_schema", "json_object")
+                if f["type"] == "json_schema":
+                    assert isinstance(f["json_schema"]["name"], str) and f["json_schema"]["schema"]
+            except (KeyError, IndexError, TypeError, AssertionError):
+                return "bad body shape"
+        else:
+            if req["path"] != "/search":
+                return f"unknown path {req['path']}"
+            if self.key is not None and h.get("x-api-key") != self.key:
+                return "bad or missing key"
+            if not (isinstance(b, dict) and isinstance(b.get("q"), str) and isinstance(b.get("num"), int)):
+                return "bad body shape"
+        return ""
+
+    # replies ------------------------------------------------------------------------------------
+    def _wrap(self, text: str) -> dict:
+        tin, tout = self.usage
+        if self.kind == "gemini":
+            return {"candidates": [{"content": {"role": "model", "parts": [{"text": text}]},
+                                    "finishReason": "STOP"}],
+                    "usageMetadata": {"promptTokenCount": tin, "candidatesTokenCount": tout,
+                                      "totalTokenCount": tin + tout}}
+        return {"id": "x", "object": "chat.completion", "model": self.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": tin, "completion_tokens": tout, "total_tokens": tin + tout}}
+
+    def _serper_reply(self, body: dict) -> dict:
+        q, k = body["q"], body["num"]
+        slug = re.sub(r"\W+", "-", q.lower()).strip("-")
+        return {"searchParameters": {"q": q}, "organic": [
+            {"title": f"Result {j} for {q}", "link": f"https://example.org/{slug}/{j}",
+             "snippet": f"Snippet {j} about {q}.", "position": j + 1} for j in range(k)]}
+
+    @staticmethod
+    def prompt_and_schema(req: dict) -> tuple[str, dict | None]:
+        b = req["body"]
+        if "contents" in b:
+            g = b["generationConfig"]
+            schema = g.get("responseSchema") or g.get("responseJsonSchema")
+            return b["contents"][0]["parts"][0]["text"], schema
+        f = b["response_format"]
+        return b["messages"][-1]["content"], f.get("json_schema", {}).get("schema")
+
+    def _auto(self, req: dict) -> dict:
+        """A valid, content-aware reply: a stage block scores 1 if it closes its tag, 0.5 if it is
+        non-empty, 0 otherwise (varied slightly per rubric); reflections by length."""
+        prompt, schema = self.prompt_and_schema(req)
+        props = schema["properties"]
+        if "rubrics" in props:
+            return {"rubrics": [{"stage": s, "title": f"{s} check {j}",
+                                 "description": f"Fake criterion {j} for the {s} stage.", "weight": 1}
+                                for s in STAGE_CLOSERS for j in range(4)]}
+        item = props["scores"]["items"]["properties"]
+        if "rubric_id" in item:
+            out = []
+            for rid in item["rubric_id"]["enum"]:
+                stage = rid.split(":")[1] if rid.startswith("llm:") else "answer"
+                m = re.search(rf'<untrusted id="response/{stage}">\n(.*?)\n</untrusted>', prompt, re.S)
+                block = m.group(1) if m else ""
+                base = 1.0 if STAGE_CLOSERS[stage] in block else 0.5 if block.strip() else 0.0
+                jitter = int(hashlib.sha1(rid.encode()).hexdigest()[:4], 16) % 3
+                out.append({"rubric_id": rid, "justification": f"{stage} block checked",
+                            "score": base * (1 - 0.1 * jitter)})
+            return {"scores": out}
+        out = []
+        for cid in item["candidate_id"]["enum"]:
+            m = re.search(rf'<untrusted id="{cid}">\n(.*?)\n</untrusted>', prompt, re.S)
+            n = len(m.group(1)) if m else 0
+            out.append({"candidate_id": cid, "justification": "by length",
+                        "within": min(1.0, n / 100), "cross": 0.5})
+        return {"scores": out}
