@@ -35,8 +35,8 @@ offered for comparison; it weights short responses' tokens more, a length bias w
 
 Deviations from the paper
     1. Missing judge scores (NaN in R) do not occur in the paper. We impute R[i,j] with the group's
-       NaN-aware mean of column j (0 if the whole column is missing) before G = R Lambda^T, so the
-       missing term shifts G[:, k<j] by no more than the group mean does, i.e. carries no signal;
+       NaN-aware mean of column j (0 if the whole column is missing) before G = R Lambda^T; the
+       imputed term equals its column's mean, so centring removes it from A[i, k<j] (no signal);
        the cell (i, j) itself is left out of stage j's mean/std and gets A[i, j] = 0 exactly.
     2. Std convention: the paper writes "Std" without saying which; we default to the sample std
        (n - 1), as torch.std and the GRPO code of TRL and verl do; "population" is available.
@@ -157,14 +157,21 @@ def _dense(x: torch.Tensor, valid: torch.Tensor, gid: torch.Tensor):
     return xd, vd, gid, pos
 
 
-def _masked_mean(xd: torch.Tensor, vd: torch.Tensor) -> torch.Tensor:
-    """(B, 1, K) mean over valid cells; 0 where none. Shifted by the group minimum so that a group
-    of equal values has exactly that value as its mean (a plain sum / count need not be exact)."""
+def _centred(xd: torch.Tensor, vd: torch.Tensor):
+    """Group mean as base + offset, and each valid cell's deviation from it, over valid cells.
+
+    base is the group minimum, so `xd - base` is exact for nearby values and the deviations
+    `(xd - base) - offset` keep full relative precision even when the spread is a few ulps of the
+    values (subtracting a rounded mean would not). A group of equal values gets exactly that value
+    as its mean. Returns (mean (B, 1, K), dev (B, g, K)); mean 0 and dev 0 where nothing is valid.
+    """
     count = vd.sum(1, keepdim=True)  # (B, 1, K)
     lo = torch.where(vd, xd, torch.inf).amin(1, keepdim=True)  # (B, 1, K)
     base = torch.where(count > 0, lo, 0.0)
-    shifted = torch.where(vd, xd - base, 0.0).sum(1, keepdim=True)
-    return torch.where(count > 0, base + shifted / count.clamp(min=1), 0.0)
+    shifted = torch.where(vd, xd - base, 0.0)  # (B, g, K)
+    offset = shifted.sum(1, keepdim=True) / count.clamp(min=1)
+    mean = torch.where(count > 0, base + offset, 0.0)
+    return mean, torch.where(vd, shifted - offset, 0.0)
 
 
 def stage_returns(R: torch.Tensor, lam, *, group_size: Optional[int] = None,
@@ -194,7 +201,7 @@ def stage_returns(R: torch.Tensor, lam, *, group_size: Optional[int] = None,
     missing = torch.isnan(R)  # (n, K)
     gid = _group_index(n, group_size, group_ids, R.device)
     Rd, vd, rows, pos = _dense(R, ~missing, gid)
-    col_mean = _masked_mean(Rd, vd).expand_as(Rd)[rows, pos]  # (n, K) group mean of each column
+    col_mean = _centred(Rd, vd)[0].expand_as(Rd)[rows, pos]  # (n, K) group mean of each column
     R64 = torch.where(missing, col_mean, R.to(torch.float64))  # (n, K) imputed scores
     G = torch.zeros(n, k, dtype=torch.float64, device=R.device)  # (n, K)
     # We accumulate column by column instead of a matmul: every row then follows the same
@@ -254,8 +261,7 @@ def group_advantages_batched(G: torch.Tensor, *, group_size: Optional[int] = Non
         hi = torch.where(vd, Gd, -torch.inf).amax(1, keepdim=True)
         # Equal values (or < 2 of them) carry no ranking signal: exactly 0, whatever eps is.
         flat = (count < 2) | (hi == lo)  # (B, 1, K)
-        mean = _masked_mean(Gd, vd)  # (B, 1, K)
-        dev = torch.where(vd, Gd - mean, 0.0)
+        _, dev = _centred(Gd, vd)  # (B, g, K) G[i,k] - mean_i' G[i',k]
         ddof = 1 if std == "sample" else 0  # the paper writes "Std"; convention ours (dev. 2)
         var = (dev * dev).sum(1, keepdim=True) / (count - ddof).clamp(min=1)
         denom = var.sqrt() + eps
