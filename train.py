@@ -1,0 +1,681 @@
+"""RubricEM training: Algorithm 1 (rollout -> stage judge -> SS-GRPO update -> reflection -> bank) with
+the windowed curriculum of §3.5, in toy mode on a laptop CPU and in full mode on GPU nodes.
+
+RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
+Implements Algorithm 1 and §3.5; the pieces live in their own modules:
+    scaffold.py  §3.1-3.2  prompt, stage grammar, multi-turn rollouts with tool calls
+    judge.py     §3.4      evolving per-stage rubric buffers, stage scores R (n x 4)
+    ss_grpo.py   §3.3      G = R Lambda^T, stagewise advantages, PPO-clip + k3 KL loss
+    reflection.py §3.4     reflection meta-policy, privileged scoring, GRPO over candidates
+    bank.py      §3.4-3.5  rubric bank, exact / similar retrieval
+    sft.py       appendix  scripted teacher + SFT warm start (toy mode)
+
+Launch
+    python train.py --toy                      # ~10 min on 2 CPU cores: SFT warm start + RL + eval
+    python train.py --toy --advantage flat     # the ablation's baseline RL (one terminal score)
+    deepspeed train.py --full ...              # full mode (DeepSpeed ZeRO-3, vLLM, HTTP judge)
+
+One step (Algorithm 1; step numbers here are 0-based, the paper's 1-based):
+    1. curriculum: batch b and retrieval mode for this step (§3.5, `curriculum`)
+    2. retrieve bank items for each query (similar: top-k = 2 other queries; exact: its own entry)
+    3. sample n rollouts per query at temperature 1.0 (scaffold.RolloutEngine)
+    4. judge each query's group: propose, merge, score (R), prune (judge.EvolvingJudge)
+    5. SS-GRPO advantages and the policy update, together with the reflection GRPO batch of the
+       previous step (one-step lag)
+    6. reflection branch on this step's trajectories: m candidates, privileged judge, best valid one
+       into the bank, GRPO batch kept for the next update
+    7. log metrics; save the bank every 10 steps (PAPER) and at the end
+
+Deviations from the paper (besides the toy world, see world.py / sft.py)
+    1. Toy hyperparameters (prompts per step, learning rate, steps) are ours, sized for minutes on
+       2 cores; every paper value in the `full` preset is marked PAPER.
+    2. Each step's batch is split into `minibatches` optimizer steps (PPO-style), so the ratio rho
+       departs from 1 and clipping acts; the paper does not say how many updates a batch gets.
+    3. The reflection branch runs in sequence after the update (see reflection.py), not on a
+       separate worker.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import logging
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+import ss_grpo
+from judge import BUFFER_CAPS
+from reflection import ReflectionBatch, ReflectionConfig, run_reflection_branch
+from scaffold import STAGES, SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT
+from sft import SFTConfig, TeacherConfig
+from world import WorldConfig
+
+log = logging.getLogger("rubricem")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Configuration: one typed tree, `toy` and `full` presets
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 8  # full: PAPER 32 prompts per step
+    n: int = 8  # PAPER: 8 rollouts per prompt
+    temperature: float = 1.0  # PAPER: temperature 1.0
+    max_response_tokens: int = 512  # full: PAPER max response 18,432 tokens
+    max_tool_calls: int = 10  # PAPER: at most 10 tool calls
+    system_prompt: str = "compact"  # "compact" (toy: learnt from demonstrations) | "full"
+
+
+@dataclass
+class SSGRPOConfig:
+    advantage: str = "ss_grpo"  # "ss_grpo" | "flat" (baseline RL of the ablations)
+    lam: list = field(default_factory=lambda: [list(r) for r in ss_grpo.PAPER_LAMBDA])  # PAPER
+    std: str = ss_grpo.DEFAULT_STD
+    eps: float = ss_grpo.DEFAULT_EPS
+    eta: float = ss_grpo.DEFAULT_ETA  # PPO clip
+    beta: float = ss_grpo.PAPER_BETA  # PAPER: KL beta 0.001, k3 estimator
+    agg: str = ss_grpo.DEFAULT_AGG
+    lr: float = 2e-4  # toy: ours; full: PAPER 5e-7 constant
+    minibatches: int = 2  # optimizer steps per batch (deviation 2)
+    micro_batch: int = 32  # sequences per forward pass (gradient accumulation within a minibatch)
+    grad_clip: float = 1.0
+
+
+@dataclass
+class JudgeConfig:
+    backend: str = "toy"  # "toy" | "gemini" | "openai" (full mode)
+    caps: list = field(default_factory=lambda: list(BUFFER_CAPS))  # PAPER: 3, 2, 2, 3
+
+
+@dataclass
+class BankSettings:
+    top_k: int = 2  # PAPER: top-k 2
+    save_every: int = 10  # PAPER: bank saved every 10 steps
+    max_chars: int = 600
+
+
+@dataclass
+class CurriculumConfig:
+    K: int = 3  # PAPER: window K = 3 (2K = 6 steps)
+    enabled: bool = True
+
+
+@dataclass
+class EvalConfig:
+    n_questions: int = 64
+    samples: int = 2
+    temperature: float = 1.0
+
+
+@dataclass
+class Config:
+    """Everything a run needs. `toy_preset()` / `full_preset()` fill it; `--set a.b=v` overrides."""
+
+    mode: str = "toy"
+    seed: int = 0
+    steps: int = 30
+    run_dir: str = "runs/toy"
+    model: str = ""  # "" = toy SFT warm start; else a local HF causal-LM directory
+    model_size: str = "S"
+    vocab_size: int = 1024
+    cache_dir: str = ".cache/rubricem"
+    threads: int = 2
+    progress: bool = True
+    world: WorldConfig = field(default_factory=WorldConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ss_grpo: SSGRPOConfig = field(default_factory=SSGRPOConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    bank: BankSettings = field(default_factory=BankSettings)
+    reflection: ReflectionConfig = field(default_factory=ReflectionConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def toy_preset() -> Config:
+    """Toy mode: ~10 minutes on 2 CPU cores, SFT warm start included (values are ours)."""
+    return Config()
+
+
+def full_preset() -> Config:
+    """Full mode: the paper's RL configuration (appendix)."""
+    c = Config(mode="full", steps=1400, run_dir="runs/full")  # PAPER: final run 1400 steps
+    c.rollout = RolloutConfig(prompts_per_step=32, n=8, temperature=1.0,  # PAPER: 32 x 8
+                              max_response_tokens=18432, max_tool_calls=10,  # PAPER
+                              system_prompt="full")
+    c.ss_grpo.lr = 5e-7  # PAPER: lr 5e-7 constant
+    c.ss_grpo.minibatches = 1
+    c.ss_grpo.micro_batch = 1
+    c.eval = EvalConfig(n_questions=0)
+    return c
+
+
+def apply_overrides(cfg: Config, items: Sequence[str]) -> Config:
+    """`a.b=value` overrides (value parsed as JSON when possible). Raises ValueError naming the
+    field when it does not exist."""
+    for it in items:
+        if "=" not in it:
+            raise ValueError(f"--set expects key=value, got {it!r}")
+        key, raw = it.split("=", 1)
+        try:
+            val = json.loads(raw)
+        except json.JSONDecodeError:
+            val = raw
+        obj = cfg
+        parts = key.split(".")
+        for p in parts[:-1]:
+            if not hasattr(obj, p):
+                raise ValueError(f"unknown config field {key!r}")
+            obj = getattr(obj, p)
+        if not hasattr(obj, parts[-1]):
+            raise ValueError(f"unknown config field {key!r}")
+        setattr(obj, parts[-1], val)
+    return cfg
+
+
+def validate_config(cfg: Config) -> None:
+    """Clear errors naming the field for configurations that cannot run."""
+    K = len(STAGES)
+    try:
+        ss_grpo.validate_lambda(cfg.ss_grpo.lam, expected_k=K)
+    except ValueError as e:
+        raise ValueError(f"ss_grpo.lam: {e}") from None
+    if len(cfg.judge.caps) != K:
+        raise ValueError(f"judge.caps must have {K} entries (one per stage {STAGES}), "
+                         f"got {cfg.judge.caps}")
+    if cfg.ss_grpo.advantage not in ("ss_grpo", "flat"):
+        raise ValueError(f"ss_grpo.advantage must be 'ss_grpo' or 'flat', got {cfg.ss_grpo.advantage!r}")
+    if cfg.ss_grpo.agg not in ss_grpo.AGG_MODES:
+        raise ValueError(f"ss_grpo.agg must be one of {ss_grpo.AGG_MODES}")
+    if cfg.rollout.n < 2:
+        raise ValueError("rollout.n must be >= 2: group normalisation needs a group")
+    if cfg.rollout.prompts_per_step < 1 or cfg.steps < 0:
+        raise ValueError("rollout.prompts_per_step must be >= 1 and steps >= 0")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Windowed curriculum (§3.5)
+
+
+def curriculum(step: int, K: int = 3, enabled: bool = True) -> tuple[int, str]:
+    """(batch index, retrieval mode) for a 0-based step. Windows of 2K steps: the first K steps
+    draw fresh batches with "similar" retrieval, the next K replay them with "exact" retrieval.
+
+    Example K = 3: steps 0,1,2 -> batches 0,1,2 similar; steps 3,4,5 -> batches 0,1,2 exact;
+    steps 6,7,8 -> batches 3,4,5 similar; ... Without the curriculum: batch = step, "similar".
+    """
+    if not enabled:
+        return step, "similar"
+    w, j = divmod(step, 2 * K)
+    # PAPER §3.5: steps 1..K fresh B_1..B_K (similar), steps K+1..2K replay B_1..B_K (exact)
+    return (w * K + j, "similar") if j < K else (w * K + j - K, "exact")
+
+
+class DataOrder:
+    """Fresh batch b = queries [b*P, (b+1)*P) of a seeded permutation, reshuffled per epoch."""
+
+    def __init__(self, n_queries: int, per_batch: int, seed: int):
+        self.n, self.P, self.seed = n_queries, per_batch, seed
+
+    def batch(self, b: int) -> list[int]:
+        out = []
+        for pos in range(b * self.P, (b + 1) * self.P):
+            epoch, i = divmod(pos, self.n)
+            perm = list(range(self.n))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(perm)
+            out.append(perm[i])
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Logging
+
+
+class MetricsLog:
+    """`log(metrics, step)`: one JSON line per step in run_dir/metrics.jsonl (rank 0 only)."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+        self.rows: list[dict] = []
+
+    def log(self, metrics: dict, step: int) -> None:
+        row = {"step": step, **{k: _py(v) for k, v in metrics.items()}}
+        self.rows.append(row)
+        if self.path:
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+
+
+def _py(v):
+    if isinstance(v, (np.floating, np.integer)):
+        v = v.item()
+    if isinstance(v, torch.Tensor):
+        v = v.item()
+    if isinstance(v, float) and not np.isfinite(v):
+        return None
+    return v
+
+
+# ----------------------------------------------------------------------------------------------------
+# The policy update (§3.3)
+
+
+@dataclass
+class UpdateBatch:
+    """Sequences for one update: ids (prompt + response), loss mask, per-token advantages."""
+
+    ids: list[list[int]] = field(default_factory=list)
+    mask: list[list[int]] = field(default_factory=list)
+    adv: list[list[float]] = field(default_factory=list)
+    kind: list[str] = field(default_factory=list)  # "task" | "reflection"
+
+
+def _pad(batch: UpdateBatch, idx: Sequence[int], pad_id: int):
+    L = max(len(batch.ids[i]) for i in idx)
+    B = len(idx)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    att = torch.zeros((B, L), dtype=torch.long)
+    mask = torch.zeros((B, L), dtype=torch.bool)
+    adv = torch.zeros((B, L), dtype=torch.float32)
+    for r, i in enumerate(idx):
+        n = len(batch.ids[i])
+        ids[r, :n] = torch.tensor(batch.ids[i])
+        att[r, :n] = 1
+        mask[r, :n] = torch.tensor(batch.mask[i], dtype=torch.bool)
+        adv[r, :n] = torch.tensor(batch.adv[i])
+    return ids, att, mask, adv
+
+
+@torch.no_grad()
+def batch_logprobs(model, batch: UpdateBatch, pad_id: int, micro: int) -> list[torch.Tensor]:
+    """Per-sequence token log-probs (len L_i) under `model`, without gradient."""
+    from policy import token_logprobs
+
+    out: list[torch.Tensor] = [None] * len(batch.ids)  # type: ignore[list-item]
+    order = sorted(range(len(batch.ids)), key=lambda i: len(batch.ids[i]))
+    for s in range(0, len(order), micro):
+        idx = order[s : s + micro]
+        ids, att, _, _ = _pad(batch, idx, pad_id)
+        lp = token_logprobs(model, ids, att)
+        for r, i in enumerate(idx):
+            out[i] = lp[r, : len(batch.ids[i])].clone()
+    return out
+
+
+def policy_update(model, ref_model, opt, batch: UpdateBatch, cfg: SSGRPOConfig, pad_id: int,
+                  rng: random.Random) -> dict:
+    """SS-GRPO update on one batch (§3.3): old log-probs once, then `minibatches` optimizer steps,
+    each accumulating micro-batches with the minibatch's global normalisers."""
+    from policy import token_logprobs
+
+    if not batch.ids:
+        return {}
+    old = batch_logprobs(model, batch, pad_id, cfg.micro_batch)
+    ref = batch_logprobs(ref_model, batch, pad_id, cfg.micro_batch) if cfg.beta > 0 else None
+    order = list(range(len(batch.ids)))
+    rng.shuffle(order)
+    n_mb = max(1, min(cfg.minibatches, len(order)))
+    mbs = [order[j::n_mb] for j in range(n_mb)]
+    model.train()
+    tot = {"loss/total": 0.0, "loss/policy": 0.0, "kl": 0.0, "clip_frac": 0.0, "grad_norm": 0.0}
+    for mb in mbs:
+        n_seq = len(mb)
+        n_tok = float(sum(sum(batch.mask[i]) for i in mb))
+        opt.zero_grad(set_to_none=True)
+        stats_acc = {"loss/total": 0.0, "loss/policy": 0.0, "kl": 0.0, "clip_frac": 0.0}
+        for s in range(0, len(mb), cfg.micro_batch):
+            idx = mb[s : s + cfg.micro_batch]
+            ids, att, mask, adv = _pad(batch, idx, pad_id)
+            L = ids.shape[1]
+            old_lp = torch.zeros(len(idx), L)
+            ref_lp = torch.zeros(len(idx), L)
+            for r, i in enumerate(idx):
+                old_lp[r, : len(old[i])] = old[i]
+                if ref is not None:
+                    ref_lp[r, : len(ref[i])] = ref[i]
+            logp = token_logprobs(model, ids, att)
+            # L = agg(-min(rho A, clip(rho, 1-eta, 1+eta) A)) + beta * agg(k3)   (§3.3)
+            loss, st = ss_grpo.ss_grpo_loss(logp, old_lp, ref_lp if ref is not None else None, adv,
+                                            mask, eta=cfg.eta, beta=cfg.beta, agg=cfg.agg,
+                                            num_sequences=n_seq, num_tokens=n_tok)
+            loss.backward()
+            # Micro-batches use the minibatch's normalisers, so their values add up (ss_grpo.aggregate).
+            for k in ("loss/total", "loss/policy", "kl", "clip_frac"):
+                stats_acc[k] += float(st[k])
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        for k in ("loss/total", "loss/policy", "kl", "clip_frac"):
+            tot[k] += stats_acc[k] / len(mbs)
+        tot["grad_norm"] += float(gn) / len(mbs)
+    model.eval()
+    return tot
+
+
+def task_advantages(R: np.ndarray, n: int, cfg: SSGRPOConfig) -> tuple[torch.Tensor, dict]:
+    """(N, 4) advantages for N = groups x n rollouts from stage scores R (NaN = missing)."""
+    Rt = torch.from_numpy(R).to(torch.float64)
+    if cfg.advantage == "flat":
+        # Baseline RL: one terminal score (the Answer stage's) broadcast to every stage.
+        A = ss_grpo.flat_advantages(Rt[:, -1], len(STAGES), std=cfg.std, eps=cfg.eps, group_size=n)
+        G = Rt[:, -1:].repeat(1, len(STAGES))
+    else:
+        # Eq.: G = R Lambda^T, then A[i,k] = (G[i,k] - mean G[:,k]) / (Std G[:,k] + eps) per group
+        G, missing = ss_grpo.stage_returns(Rt, cfg.lam, group_size=n)
+        A = ss_grpo.group_advantages_batched(G, group_size=n, std=cfg.std, eps=cfg.eps,
+                                             missing=missing)
+    Gg = G.reshape(-1, n, G.shape[1])  # (groups, n, K)
+    zero_std = ((Gg.max(1).values - Gg.min(1).values) == 0).double().mean().item()
+    return A.float(), {"frac_zero_std_groups": zero_std}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Evaluation
+
+
+def evaluate(engine, judge, queries: Sequence, samples: int, temperature: float, seed: int) -> dict:
+    """Held-out score with the judge's static rubric set (judge.py, deviation 3): mean of the four
+    stage scores and the answer score, plus format and tool-use rates. Deterministic per seed."""
+    torch.manual_seed(seed)
+    ro = engine.run(list(queries), n=samples, temperature=temperature)
+    S = np.concatenate([judge.evaluate(q, ro[i * samples:(i + 1) * samples])
+                        for i, q in enumerate(queries)])  # (N, 4)
+    facts = []
+    for r in ro:
+        fs = r.query.facts
+        facts.append(np.mean([judge._check(("ans_fact", f"{f['entity']} {f['aspect']}"),
+                                           judge._context(r.query, r),
+                                           {f"{g['entity']} {g['aspect']}": g for g in fs}) >= 0.5
+                              for f in fs]) if fs else 0.0)
+    return {"score": float(S.mean()), "answer": float(S[:, 3].mean()),
+            **{f"stage/{s}": float(S[:, k].mean()) for k, s in enumerate(STAGES)},
+            "well_formed": float(np.mean([r.parsed.well_formed for r in ro])),
+            "tool_call_rate": float(np.mean([r.n_tool_calls >= 1 for r in ro])),
+            "mean_tool_calls": float(np.mean([r.n_tool_calls for r in ro])),
+            "fact_recall": float(np.mean(facts)), "rollouts": len(ro)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# The training loop (Algorithm 1)
+
+
+def setup_policy(cfg: Config, world, tool):
+    """(model, tokenizer, info): a local --model directory, or the cached toy SFT warm start."""
+    from policy import load_policy
+    from sft import warm_start
+
+    system = SYSTEM_PROMPT_COMPACT if cfg.rollout.system_prompt == "compact" else SYSTEM_PROMPT
+    if cfg.model:
+        model, tok = load_policy(cfg.model)
+        return model, tok, {"source": cfg.model}
+    model, tok, info, path = warm_start(world, tool, system, cfg.sft, cfg.teacher, cfg.model_size,
+                                        cfg.vocab_size, cfg.cache_dir, progress=cfg.progress,
+                                        extra_key={"seed": cfg.seed})
+    info["source"] = path
+    return model, tok, info
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def train(cfg: Config) -> dict:
+    """Run Algorithm 1 for cfg.steps steps; returns the summary (also written to eval.json)."""
+    from tqdm import tqdm
+
+    import bank as bank_mod
+    from judge import ToyJudge
+    from scaffold import HFSampler, RolloutEngine
+    from world import BM25SearchTool, load_rows, make_world
+
+    validate_config(cfg)
+    torch.set_num_threads(cfg.threads)
+    seed_everything(cfg.seed)
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    mpath = os.path.join(cfg.run_dir, "metrics.jsonl")
+    if os.path.exists(mpath):
+        os.remove(mpath)
+    with open(os.path.join(cfg.run_dir, "config.json"), "w") as fh:
+        json.dump(asdict(cfg), fh, indent=1)
+    t_start = time.perf_counter()
+    timings: dict[str, float] = {}
+
+    t0 = time.perf_counter()
+    world = make_world(cfg.world)
+    tool = BM25SearchTool(world.docs)
+    train_q = load_rows(world.train_rows)
+    held_q = load_rows(world.heldout_rows)
+    timings["world_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    model, tok, sft_info = setup_policy(cfg, world, tool)
+    timings["warm_start_s"] = time.perf_counter() - t0
+    model.eval()
+    ref_model = copy.deepcopy(model).eval()  # frozen reference pi_ref (= the SFT policy)
+    for p in ref_model.parameters():
+        p.requires_grad_(False)
+    system = SYSTEM_PROMPT_COMPACT if cfg.rollout.system_prompt == "compact" else SYSTEM_PROMPT
+    sampler = HFSampler(model, tok)
+    engine = RolloutEngine(sampler, tok, {tool.name: tool}, cfg.rollout.max_response_tokens,
+                           cfg.rollout.max_tool_calls, system, cfg.rollout.temperature)
+    judge = ToyJudge(world, cfg.judge.caps)
+    bank = bank_mod.RubricBank(max_chars=cfg.bank.max_chars)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.ss_grpo.lr, betas=(0.9, 0.95),
+                            weight_decay=0.0)
+    order = DataOrder(len(train_q), cfg.rollout.prompts_per_step, cfg.seed)
+    rng = random.Random(cfg.seed + 1)
+    logger = MetricsLog(mpath)
+    pending = ReflectionBatch(-1)
+    samples_out = []
+    n = cfg.rollout.n
+
+    bar = tqdm(range(cfg.steps), desc="rl", disable=not cfg.progress)
+    for step in bar:
+        m: dict[str, Any] = {}
+        t_step = time.perf_counter()
+        b, mode = curriculum(step, cfg.curriculum.K, cfg.curriculum.enabled)
+        queries = [train_q[i] for i in order.batch(b)]
+        # 2. retrieval from the rubric bank (§3.5)
+        items = []
+        for q in queries:
+            got = bank.retrieve(q.query, mode, k=cfg.bank.top_k)
+            items.append(bank_mod.format_for_prompt(got))
+        m["retrieval/mode_exact"] = int(mode == "exact")
+        m["retrieval/batch"] = b
+        m["retrieval/hits"] = float(np.mean([len(x) > 0 for x in items]))
+        m["retrieval/items"] = float(np.mean([len(x) for x in items]))
+        # 3. rollouts
+        t0 = time.perf_counter()
+        torch.manual_seed(cfg.seed * 7919 + step)
+        rollouts = engine.run(queries, n=n, bank_items=items)
+        m["time/rollout_s"] = time.perf_counter() - t0
+        # 4. judge, one group per query
+        t0 = time.perf_counter()
+        results, R = [], np.zeros((len(rollouts), len(STAGES)))
+        judged = {}
+        for gi, q in enumerate(queries):
+            grp = rollouts[gi * n:(gi + 1) * n]
+            res = judge.judge_group(q, grp, step)
+            results.append(res)
+            R[gi * n:(gi + 1) * n] = res.R
+            for j in range(n):
+                judged[gi * n + j] = (res, j)
+        m["time/judge_s"] = time.perf_counter() - t0
+        # 5. advantages and update (task batch + last step's reflection batch)
+        t0 = time.perf_counter()
+        A, amet = task_advantages(R, n, cfg.ss_grpo)
+        m.update(amet)
+        ub = UpdateBatch()
+        for i, r in enumerate(rollouts):
+            ub.ids.append(r.prompt_ids + r.response_ids)
+            ub.mask.append([0] * len(r.prompt_ids) + r.loss_mask)
+            st = torch.tensor([-1] * len(r.prompt_ids) + r.stage_ids)[None]
+            mk = torch.tensor(ub.mask[-1])[None]
+            ub.adv.append(ss_grpo.token_advantages(A[i:i + 1], st, mk)[0].tolist())
+            ub.kind.append("task")
+        for seq, mk, a in zip(pending.sequences, pending.masks, pending.advantages):
+            ub.ids.append(seq)
+            ub.mask.append(mk)
+            ub.adv.append([a * x for x in mk])
+            ub.kind.append("reflection")
+        m["update/reflection_seqs"] = len(pending.sequences)
+        m.update(policy_update(model, ref_model, opt, ub, cfg.ss_grpo, tok.pad_token_id, rng))
+        m["time/update_s"] = time.perf_counter() - t0
+        # 6. reflection branch on this step's trajectories (applied at the next update)
+        t0 = time.perf_counter()
+        pending, rmet = run_reflection_branch(step, rollouts, judged, judge, bank, sampler, tok,
+                                              system, cfg.reflection, rng, cfg.ss_grpo.std,
+                                              cfg.ss_grpo.eps)
+        m.update(rmet)
+        m["time/reflection_s"] = time.perf_counter() - t0
+        # 7. metrics
+        for k, s in enumerate(STAGES):
+            m[f"reward/{s}"] = float(np.nanmean(R[:, k])) if np.isfinite(R[:, k]).any() else None
+            m[f"reward_std/{s}"] = float(np.nanstd(R[:, k])) if np.isfinite(R[:, k]).any() else None
+            vals = [ub.adv[i][len(r.prompt_ids) + t] for i, r in enumerate(rollouts)
+                    for t, sid in enumerate(r.stage_ids) if sid == k and r.loss_mask[t]]
+            m[f"adv/{s}"] = float(np.mean(vals)) if vals else 0.0
+            m[f"adv_abs/{s}"] = float(np.mean(np.abs(vals))) if vals else 0.0
+            m[f"judge/buffer_{s}"] = float(np.mean([res.stats["buffer_sizes"][k] for res in results]))
+        m["judge/missing"] = int(np.isnan(R).sum())
+        m["judge/proposed"] = int(sum(res.stats["proposed"] for res in results))
+        m["judge/pruned"] = int(sum(res.stats["pruned"] for res in results))
+        m["tokens/sampled"] = int(sum(sum(r.loss_mask) for r in rollouts))
+        m["tokens/total"] = int(sum(len(r.response_ids) for r in rollouts))
+        m["tools/calls"] = float(np.mean([r.n_tool_calls for r in rollouts]))
+        m["tools/errors"] = int(sum(r.n_tool_errors for r in rollouts))
+        m["rollout/well_formed"] = float(np.mean([r.parsed.well_formed for r in rollouts]))
+        m["rollout/truncated"] = float(np.mean([r.truncated for r in rollouts]))
+        m["bank/size"] = len(bank)
+        m["time/step_s"] = time.perf_counter() - t_step
+        logger.log(m, step)
+        if step in (0, cfg.steps - 1):
+            for j in (0, n - 1):
+                r, res = rollouts[j], results[0]
+                samples_out.append({"step": step, "query": r.query.query, "bank_items": r.bank_items,
+                                    "trajectory": r.judge_text, "R": res.R[j].tolist(),
+                                    "justifications": res.justifications[j]})
+        if (step + 1) % cfg.bank.save_every == 0:
+            bank.save(os.path.join(cfg.run_dir, "bank.jsonl"))
+        bar.set_postfix(R=f"{np.nanmean(R):.3f}", bank=len(bank))
+    bar.close()
+    timings["rl_s"] = time.perf_counter() - t_start - timings["world_s"] - timings["warm_start_s"]
+
+    # ---- artefacts
+    bank.save(os.path.join(cfg.run_dir, "bank.jsonl"))
+    with open(os.path.join(cfg.run_dir, "rubric_buffers.json"), "w") as fh:
+        json.dump(judge.state_dict(), fh, indent=1)
+    with open(os.path.join(cfg.run_dir, "samples.jsonl"), "w") as fh:
+        for s in samples_out:
+            fh.write(json.dumps(s) + "\n")
+    model.save_pretrained(os.path.join(cfg.run_dir, "final"))
+    tok.save_pretrained(os.path.join(cfg.run_dir, "final"))
+    plot_rewards(logger.rows, os.path.join(cfg.run_dir, "reward_curves.png"))
+
+    # ---- held-out evaluation: SFT start vs trained policy, same questions and seed
+    summary = {"sft": sft_info, "timings": timings}
+    if cfg.eval.n_questions > 0:
+        t0 = time.perf_counter()
+        qs = held_q[: cfg.eval.n_questions]
+        ref_engine = RolloutEngine(HFSampler(ref_model, tok), tok, {tool.name: tool},
+                                   cfg.rollout.max_response_tokens, cfg.rollout.max_tool_calls, system)
+        summary["eval_sft"] = evaluate(ref_engine, judge, qs, cfg.eval.samples, cfg.eval.temperature,
+                                       cfg.seed + 12345)
+        summary["eval_rl"] = evaluate(engine, judge, qs, cfg.eval.samples, cfg.eval.temperature,
+                                      cfg.seed + 12345)
+        timings["eval_s"] = time.perf_counter() - t0
+    timings["total_s"] = time.perf_counter() - t_start
+    with open(os.path.join(cfg.run_dir, "eval.json"), "w") as fh:
+        json.dump(summary, fh, indent=1)
+    return summary
+
+
+def plot_rewards(rows: list[dict], path: str) -> None:
+    """PNG of the per-stage mean reward R per step (matplotlib, no display needed)."""
+    if not rows:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
+    steps = [r["step"] for r in rows]
+    for s in STAGES:
+        ys = [r.get(f"reward/{s}") for r in rows]
+        ax.plot(steps, [np.nan if y is None else y for y in ys], label=s)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("mean stage score R (judge)")
+    ax.set_ylim(0, 1)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Config:
+    ap = argparse.ArgumentParser(description="RubricEM training (toy or full mode)")
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--toy", action="store_true", help="toy preset (default)")
+    g.add_argument("--full", action="store_true", help="full preset (paper values)")
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--seed", type=int)
+    ap.add_argument("--run-dir")
+    ap.add_argument("--model", help="local Hugging Face causal-LM directory (skips the warm start)")
+    ap.add_argument("--advantage", choices=["ss_grpo", "flat"])
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override any config field, e.g. --set ss_grpo.lr=1e-4")
+    ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
+    a = ap.parse_args(argv)
+    cfg = full_preset() if a.full else toy_preset()
+    if a.steps is not None:
+        cfg.steps = a.steps
+    if a.seed is not None:
+        cfg.seed = a.seed
+        if not a.run_dir:
+            cfg.run_dir = f"{cfg.run_dir}-seed{a.seed}"
+    if a.run_dir:
+        cfg.run_dir = a.run_dir
+    if a.model:
+        cfg.model = a.model
+    if a.advantage:
+        cfg.ss_grpo.advantage = a.advantage
+    if a.no_progress:
+        cfg.progress = False
+    return apply_overrides(cfg, a.set)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cfg = parse_args(argv)
+    if cfg.mode == "full":
+        print("full mode needs the full-mode engines (DeepSpeed, vLLM, HTTP judge), which this "
+              "checkout does not provide yet; run --toy", file=sys.stderr)
+        return 2
+    s = train(cfg)
+    print(f"run dir: {cfg.run_dir}")
+    print(f"SFT warm start: {'cached' if s['sft'].get('cached') else 'trained'}"
+          f" ({s['sft'].get('train_seconds', 0):.0f} s, final loss {s['sft'].get('final_loss', float('nan')):.3f})")
+    if "eval_sft" in s:
+        e0, e1 = s["eval_sft"], s["eval_rl"]
+        print(f"held-out score (mean of 4 stage scores): SFT {e0['score']:.3f} -> RL {e1['score']:.3f}")
+        print(f"held-out answer score:                   SFT {e0['answer']:.3f} -> RL {e1['answer']:.3f}")
+    print(f"total time {s['timings']['total_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
