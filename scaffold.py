@@ -372,6 +372,7 @@ class Rollout:
     evidence: dict = field(default_factory=dict)  # handle -> world.SearchResult
     truncated: bool = False
     finished: bool = False
+    turn_start: int = 0  # index in response_ids where the current policy turn began
     parsed: ParsedResponse | None = None
 
     @property
@@ -497,7 +498,9 @@ class RolloutEngine:
 
     def _run_tool(self, r: Rollout) -> None:
         """Parse the last call of the segment, execute it, append the tool output (mask 0)."""
-        seg_text = self.tok.decode(r.response_ids, skip_special_tokens=False)
+        # Only this turn's text (since the last tool output) may hold the call: a malformed call
+        # must become an error, never a re-run of an earlier turn's query.
+        seg_text = self.tok.decode(r.response_ids[r.turn_start:], skip_special_tokens=False)
         calls = list(_CALL_RE.finditer(_strip_tool_outputs(seg_text)))
         name, query = (calls[-1].group(1), calls[-1].group(2).strip()) if calls else ("", "")
         n_done = r.n_tool_calls
@@ -537,4 +540,5 @@ class RolloutEngine:
         env_ids = self.tok.encode(env_text, add_special_tokens=False)
         r.response_ids.extend(env_ids)
         r.loss_mask.extend([0] * len(env_ids))
+        r.turn_start = len(r.response_ids)
         r.env_spans.append((start, start + len(env_text)))

@@ -339,11 +339,13 @@ class Query:
 
 def parse_row(row: dict, index: int = -1) -> Query:
     """Parse one DR Tulu-schema row. Raises ValueError naming the field and row index when the row
-    does not fit: `messages` must hold exactly one user turn, `ground_truth` must be a JSON string (or
+    does not fit: `messages` must be a list of {role, content} dicts ending with the user turn
+    (earlier system turns are allowed, as in some RL datasets), `ground_truth` must be a JSON string (or
     dict) with a non-empty `query` and a non-empty `rubrics` list of {title, description, weight}."""
     where = f"row {index}"
-    msgs = row.get("messages")
-    if not isinstance(msgs, list) or not msgs or msgs[-1].get("role") != "user":
+    msgs = row.get("messages") if isinstance(row, dict) else None
+    if (not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs)
+            or msgs[-1].get("role") != "user"):
         raise ValueError(f"{where}: `messages` must be a list ending with one user turn")
     gt = row.get("ground_truth")
     if isinstance(gt, str):

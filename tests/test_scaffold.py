@@ -401,9 +401,6 @@ def test_unknown_tool_and_empty_query_get_error_outputs_sec3_2(tok, queries):
     assert ro.finished and ro.evidence == {}
 
 
-@pytest.mark.xfail(strict=True, reason="RolloutEngine._run_tool parses the last call of the whole "
-                   "response, not of the current turn: a turn ending in a malformed or unopened "
-                   "</call_tool> silently re-executes the previous turn's query")
 @pytest.mark.parametrize("bad", ['<call_tool name=google_search>Harta use</call_tool>',
                                  "Harta use</call_tool>"])
 def test_malformed_call_is_an_error_not_a_rerun_of_the_previous_call_sec3_2(tok, queries, bad):

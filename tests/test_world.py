@@ -151,8 +151,6 @@ def test_parse_row_error_names_the_field_sec3_1(row, field):
         load_rows([_good_row(), row])
 
 
-@pytest.mark.xfail(strict=True, reason="parse_row raises AttributeError, not ValueError naming "
-                                       "`messages`, when a message is not a dict")
 def test_parse_row_non_dict_message_raises_value_error_sec3_1():
     with pytest.raises(ValueError, match="messages"):
         parse_row({**_good_row(), "messages": ["Q?"]}, index=0)
