@@ -1,0 +1,904 @@
+"""Full mode: DeepSpeed ZeRO-3 policy engine, the paper's batch arithmetic, and a dry run.
+
+RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
+Implements the appendix's RL systems configuration: "ZeRO-3 with CPU offload, gradient checkpointing",
+32 prompts x 8 rollouts = 256 sequences per step, lr 5e-7, and the SS-GRPO update of §3.3 sharded over
+data-parallel ranks. The math is the toy path's (ss_grpo.ss_grpo_loss on policy.token_logprobs); this
+module only moves it onto DeepSpeed, and `tests/test_full_zero3.py` checks that two ranks of ZeRO-3
+give the same losses and weights as one plain PyTorch process.
+
+What is here
+    dist_env / init_distributed       rank, world size, master address from the launcher's environment
+    FullConfig                        full-mode settings the RL config tree does not carry (yet)
+    batch_plan                        256 sequences per step -> micro-batch x accumulation x ranks
+    deepspeed_config                  the ZeRO-3 JSON, built from the `full` preset
+    ZeRO3Policy                       pi_theta under ZeRO-3: logprobs, backward, step, save_pretrained,
+                                      iter_full_params (one gathered parameter at a time)
+    FrozenReference                   pi_ref, ZeRO-3 partitioned for inference (no optimizer)
+    zero3_policy_update               train.policy_update's SS-GRPO update, data-parallel
+    dry_run / main_dry_run            resolve the configuration, check the machine, print the plan
+
+Memory (Qwen3-8B, 8 GPUs, bf16, ZeRO-3, optimizer offloaded; P = 8.2e9 parameters)
+    policy weights 2P bytes / 8 = 2.0 GB per GPU, gradients 2P / 8 = 2.0 GB per GPU;
+    fp32 master weights + Adam moments 12P = 98 GB of host RAM per node (12 GB per rank);
+    pi_ref ZeRO-3 partitioned too: 2P / 8 = 2.0 GB per GPU (we chose this over a rank-0 copy, which
+    would hold 16 GB on one GPU and make every rank wait for rank 0's reference pass);
+    logits: policy.token_logprobs projects 1,024 positions at a time, so a 26,624-token micro-batch
+    needs 1,024 x 151,936 x 4 B = 0.62 GB of fp32 logits instead of 16 GB (benchmarks/logprob_memory.py);
+    activations: gradient checkpointing keeps one hidden state per layer, 36 x 26,624 x 4,096 x 2 B = 7.8 GB.
+
+Deviations from the paper
+    1. The paper names the system pieces (ZeRO-3, CPU offload, checkpointing) but not their settings;
+       the ones here (no parameter offload, overlap_comm on GPU, gradient clipping from the RL config,
+       AdamW betas (0.9, 0.95) and no weight decay as in the toy path) are ours.
+    2. On CPU we use torch.optim.AdamW as DeepSpeed's client optimizer (no 40 s JIT build of
+       DeepSpeedCPUAdam); on GPU the default is DeepSpeed's AdamW, which becomes DeepSpeedCPUAdam with
+       the optimizer offloaded. Both are plain AdamW; only the kernel differs.
+    3. The loss is normalised with the *global* counts of the minibatch (sequences, masked tokens) on
+       every rank; `ZeRO3Policy.backward` multiplies by the world size to undo DeepSpeed's gradient
+       mean, so the update equals the single-process one exactly (up to float rounding).
+
+Launch
+    python full.py dry-run                                   # print the plan, check the machine
+    torchrun --nproc_per_node 2 full.py selftest --model DIR --out DIR   # ZeRO-3 check, any device
+    deepspeed --num_gpus 8 train.py --full ...               # the full loop (see docs_full.md)
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import socket
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+log = logging.getLogger("rubricem.full")
+
+# PAPER (appendix): rubric bank embeddings "Qwen3-Embedding-0.6B"; RL data "rl-research/dr-tulu-rl-data".
+PAPER_EMBED_MODEL = "Qwen/Qwen3-Embedding-0.6B"
+PAPER_RL_DATA = "rl-research/dr-tulu-rl-data"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Distributed environment (one helper; everything else asks it)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits. `launched` is False for a plain `python` run (world size 1)."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    launched: bool = False
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+
+def dist_env(environ: dict | None = None) -> DistEnv:
+    """Read RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (set by torchrun and by the
+    deepspeed launcher). Without WORLD_SIZE the process is a single, unlaunched rank.
+
+    Returns DistEnv. Raises ValueError naming the variable when a value is not an integer or the
+    ranks are inconsistent (rank >= world size, world size < 1).
+    """
+    e = os.environ if environ is None else environ
+
+    def _int(name: str, default: int) -> int:
+        raw = e.get(name)
+        if raw is None or raw == "":
+            return default
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
+
+    launched = bool(e.get("WORLD_SIZE"))
+    ws = _int("WORLD_SIZE", 1)
+    rank = _int("RANK", 0)
+    local = _int("LOCAL_RANK", rank)
+    if ws < 1 or not 0 <= rank < ws or local < 0:
+        raise ValueError(f"inconsistent launcher environment: RANK={rank} LOCAL_RANK={local} "
+                         f"WORLD_SIZE={ws}")
+    return DistEnv(rank, local, ws, e.get("MASTER_ADDR") or "127.0.0.1", _int("MASTER_PORT", 29500),
+                   launched)
+
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1 (for single-process runs and tests)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def device_kind() -> str:
+    """"cuda" when a GPU is visible, else "cpu" (then DeepSpeed's CPU accelerator and gloo)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed(env: DistEnv | None = None) -> DistEnv:
+    """Initialise torch.distributed through DeepSpeed (nccl on GPU, gloo on CPU).
+
+    An unlaunched process becomes rank 0 of 1: we export RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR and a
+    free MASTER_PORT first, since DeepSpeed would otherwise try MPI discovery (needs mpi4py).
+    Idempotent. Returns the DistEnv in effect.
+    """
+    env = env or dist_env()
+    if not env.launched:  # SCALE: a plain `python` run still needs a process group for ZeRO-3
+        port = free_port()
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+        env = dataclasses.replace(env, master_port=port, launched=True)
+    if device_kind() == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    else:
+        torch.cuda.set_device(env.local_rank)
+    import deepspeed
+
+    if device_kind() == "cpu" and os.environ.get("RUBRICEM_DS_SHM") != "1":
+        # DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce kernel at its first
+        # init (40-90 s on a fresh machine); plain gloo is ample for the tiny CPU runs, so we mark
+        # the kernel unavailable (RUBRICEM_DS_SHM=1 keeps it).
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+    deepspeed.init_distributed(verbose=False)
+    return env
+
+
+def _world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def is_rank0() -> bool:
+    """True on global rank 0, and in a process without torch.distributed."""
+    return _world()[0] == 0
+
+
+def rank0_print(*args, **kwargs) -> None:
+    """print() on rank 0 only (the other ranks stay silent)."""
+    if is_rank0():
+        print(*args, **kwargs, flush=True)
+
+
+def barrier() -> None:
+    if _world()[1] > 1:
+        torch.distributed.barrier()
+
+
+def _comm_device():
+    """Tensors for collectives live on the GPU under nccl and on the CPU under gloo."""
+    if torch.distributed.get_backend() == "nccl":  # SCALE
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def same_on_all_ranks(x: float) -> bool:
+    """True when every rank passed the same number (max and min over ranks agree)."""
+    if _world()[1] == 1:
+        return True
+    t = torch.tensor([x, -x], dtype=torch.float64, device=_comm_device())
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t[0] == -t[1])
+
+
+def all_reduce_sum(values: Sequence[float]) -> list[float]:
+    """Element-wise sum over ranks of a list of floats (float64); identity without distribution."""
+    if _world()[1] == 1:
+        return [float(v) for v in values]
+    t = torch.tensor(list(values), dtype=torch.float64, device=_comm_device())
+    torch.distributed.all_reduce(t)
+    return t.tolist()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Configuration and batch arithmetic
+
+
+@dataclass
+class FullConfig:
+    """Full-mode settings that the RL config tree (train.Config) does not carry. Values the paper
+    fixes are marked PAPER; the rest are ours (module docstring, deviation 1)."""
+
+    zero_stage: int = 3  # PAPER: "ZeRO-3"
+    offload_optimizer: bool = True  # PAPER: "with CPU offload"
+    offload_param: bool = False  # ours: parameters stay on GPU (2 GB per GPU for 8B over 8 GPUs)
+    gradient_checkpointing: bool = True  # PAPER: "gradient checkpointing"
+    bf16: str = "auto"  # "auto" = on for GPU, off for CPU; "on" | "off"
+    optimizer: str = "auto"  # "auto" = DeepSpeed AdamW on GPU, torch AdamW on CPU; "torch" | "deepspeed"
+    adam_betas: tuple = (0.9, 0.95)  # ours, as the toy path (train.py)
+    weight_decay: float = 0.0  # ours, as the toy path
+    reference: str = "zero3"  # pi_ref placement: ZeRO-3 partitioned for inference (see docstring)
+    logprob_chunk: int = 1024  # positions per vocabulary projection in policy.token_logprobs
+    sampler: str = "vllm"  # rollout backend in full mode: "vllm" | "hf"
+    embed_model: str = PAPER_EMBED_MODEL  # PAPER: bank retriever embeddings
+    data: str = PAPER_RL_DATA  # PAPER: RL data set
+    world_size_hint: int = 8  # dry run without a launcher: assume one node of 8 GPUs (the paper's SFT node)
+
+
+def full_config(cfg) -> FullConfig:
+    """The FullConfig of a train.Config: `cfg.full` once the tree carries one, else the defaults."""
+    fc = getattr(cfg, "full", None)
+    return fc if isinstance(fc, FullConfig) else FullConfig()
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one RL step's sequences map onto ranks (all counts are sequences)."""
+
+    prompts: int
+    rollouts: int
+    sequences: int  # prompts x rollouts per RL step
+    minibatches: int  # optimizer steps per RL step
+    per_optimizer_step: int  # sequences / minibatches
+    world_size: int
+    micro_batch: int  # sequences per forward/backward per rank
+    per_rank: int  # sequences per rank per optimizer step
+    grad_accum: int  # micro-batches per rank per optimizer step
+
+
+def batch_plan(cfg, world_size: int) -> BatchPlan:
+    """Batch arithmetic of the appendix for `world_size` data-parallel ranks.
+
+    Eq.: sequences per step = prompts x rollouts (PAPER: 32 x 8 = 256);
+         per optimizer step = sequences / minibatches (full preset: 1 minibatch);
+         gradient accumulation = per optimizer step / (micro-batch x world size).
+    Raises ValueError naming the quantity when a division is not exact.
+    """
+    P, n = int(cfg.rollout.prompts_per_step), int(cfg.rollout.n)
+    mbs, micro = int(cfg.ss_grpo.minibatches), int(cfg.ss_grpo.micro_batch)
+    if min(P, n, mbs, micro, world_size) < 1:
+        raise ValueError("prompts_per_step, n, minibatches, micro_batch and world_size must be >= 1")
+    seqs = P * n  # PAPER: 32 prompts x 8 rollouts = 256 sequences per RL step
+    if seqs % mbs:
+        raise ValueError(f"{seqs} sequences per step do not split into ss_grpo.minibatches={mbs}")
+    per_opt = seqs // mbs
+    if per_opt % (micro * world_size):
+        raise ValueError(f"{per_opt} sequences per optimizer step are not a multiple of "
+                         f"micro_batch x world_size = {micro} x {world_size}")
+    per_rank = per_opt // world_size
+    gas = per_rank // micro
+    # Eq.: per_opt = micro x gas x world_size (DeepSpeed checks the same identity)
+    assert micro * gas * world_size == per_opt
+    return BatchPlan(P, n, seqs, mbs, per_opt, world_size, micro, per_rank, gas)
+
+
+def deepspeed_config(cfg, world_size: int, device: str, full: FullConfig | None = None) -> dict:
+    """The DeepSpeed JSON for the policy engine, from a train.Config (the `full` preset).
+
+    device: "cuda" or "cpu". bf16 follows FullConfig.bf16 ("auto": on for cuda only). The optimizer is
+    a torch AdamW client optimizer on CPU (`zero_allow_untested_optimizer`) and DeepSpeed's AdamW on
+    GPU (FullConfig.optimizer). Raises ValueError for bad batch arithmetic or an unknown setting.
+    """
+    full = full or full_config(cfg)
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    if full.bf16 not in ("auto", "on", "off") or full.optimizer not in ("auto", "torch", "deepspeed"):
+        raise ValueError(f"FullConfig.bf16 / optimizer: unknown value ({full.bf16!r}, {full.optimizer!r})")
+    plan = batch_plan(cfg, world_size)
+    bf16 = full.bf16 == "on" or (full.bf16 == "auto" and device == "cuda")
+    zero = {
+        "stage": full.zero_stage,  # PAPER: ZeRO-3
+        "contiguous_gradients": True,
+        "overlap_comm": device == "cuda",  # SCALE
+        # We gather one parameter at a time ourselves (save_pretrained, iter_full_params).
+        "stage3_gather_16bit_weights_on_model_save": False,
+    }
+    if full.offload_optimizer:  # PAPER: "CPU offload"
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device == "cuda"}
+    if full.offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": device == "cuda"}
+    ds = {
+        # Eq.: train_batch_size = micro x gas x world = sequences per optimizer step (256 in the paper)
+        "train_batch_size": plan.per_optimizer_step,
+        "train_micro_batch_size_per_gpu": plan.micro_batch,
+        "gradient_accumulation_steps": plan.grad_accum,
+        "gradient_clipping": float(cfg.ss_grpo.grad_clip),
+        "bf16": {"enabled": bf16},
+        "zero_optimization": zero,
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+    if full.optimizer == "deepspeed" or (full.optimizer == "auto" and device == "cuda"):
+        ds["optimizer"] = {"type": "AdamW", "params": {  # SCALE: DeepSpeedCPUAdam when offloaded
+            "lr": float(cfg.ss_grpo.lr), "betas": list(full.adam_betas), "eps": 1e-8,
+            "weight_decay": full.weight_decay}}
+    else:
+        ds["zero_allow_untested_optimizer"] = True  # torch AdamW as the client optimizer
+        ds["zero_force_ds_cpu_optimizer"] = False
+    return ds
+
+
+def reference_config(ds: dict) -> dict:
+    """DeepSpeed JSON for the frozen pi_ref: the policy's ZeRO-3 and bf16 settings, no optimizer."""
+    zero = {k: v for k, v in ds["zero_optimization"].items() if k != "offload_optimizer"}
+    return {"train_micro_batch_size_per_gpu": ds["train_micro_batch_size_per_gpu"],
+            "bf16": dict(ds["bf16"]), "zero_optimization": zero,
+            "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
+
+
+# ----------------------------------------------------------------------------------------------------
+# The ZeRO-3 policy engine
+
+
+class _LogProbModule(torch.nn.Module):
+    """The module DeepSpeed wraps: forward = policy.token_logprobs on the HF model. Making the chunked
+    pass the top-level forward lets ZeRO-3's gather/release hooks and end-of-forward bookkeeping run
+    exactly as for a plain model call."""
+
+    def __init__(self, lm, chunk_size: int):
+        super().__init__()
+        self.lm = lm
+        self.chunk_size = chunk_size
+
+    def forward(self, input_ids, attention_mask):
+        from policy import token_logprobs
+
+        return token_logprobs(self.lm, input_ids, attention_mask, self.chunk_size)
+
+
+def _load_lm(path: str, ds: dict, dtype: torch.dtype):
+    """HF causal LM partitioned at load time: HfDeepSpeedConfig must be alive during from_pretrained
+    (a bare constructor under zero.Init would skip HF's weight init; see docs_full.md)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    keep = HfDeepSpeedConfig(ds)  # SCALE: makes from_pretrained load straight into ZeRO-3 partitions
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return lm, keep
+
+
+class ZeRO3Policy:
+    """pi_theta as a DeepSpeed ZeRO-3 engine.
+
+    Build with `ZeRO3Policy.from_pretrained(path, ds_config, lr)` (partitioned while loading) or
+    `ZeRO3Policy(module, ds_config, lr)` (an already built HF model; deepspeed.initialize partitions it,
+    and HF's weight init has run). Every method is collective: all ranks must call it, in the same
+    order, with the same number of micro-batches (ZeRO-3 all-gathers each layer's weights per forward).
+
+    Per optimizer step: `plan.grad_accum` times (logprobs -> loss -> backward), then `step()`.
+    """
+
+    def __init__(self, lm, ds_config: dict, lr: float, *, full: FullConfig | None = None,
+                 _keep_alive=None):
+        import deepspeed
+
+        full = full or FullConfig()
+        self.ds_config = ds_config
+        self.grad_accum = int(ds_config["gradient_accumulation_steps"])
+        self._keep = _keep_alive
+        if full.gradient_checkpointing:  # PAPER: gradient checkpointing
+            kw = {"use_reentrant": False}  # the non-reentrant variant is the one ZeRO-3 hooks support
+            if hasattr(lm, "activation_checkpointing_enable"):  # transformers >= 5.2x
+                lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+            else:
+                lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+            lm.config.use_cache = False
+        module = _LogProbModule(lm, full.logprob_chunk)
+        opt = None
+        if "optimizer" not in ds_config:  # SCALE: torch AdamW client optimizer (no JIT build)
+            opt = torch.optim.AdamW(module.parameters(), lr=lr, betas=tuple(full.adam_betas),
+                                    eps=1e-8, weight_decay=full.weight_decay)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, optimizer=opt,
+                                                                 config=ds_config)
+        self.world_size = self.engine.world_size
+        self._pending = 0
+
+    @classmethod
+    def from_pretrained(cls, path: str, ds_config: dict, lr: float, *, full: FullConfig | None = None):
+        """Load a HF causal-LM directory or hub id straight into ZeRO-3 partitions (bf16 when the
+        config enables it, else fp32). Raises OSError when the model cannot be found."""
+        dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float32
+        lm, keep = _load_lm(path, ds_config, dtype)
+        return cls(lm, ds_config, lr, full=full, _keep_alive=keep)
+
+    @property
+    def module(self):
+        """The HF causal LM inside the engine (its parameters are ZeRO-3 partitions)."""
+        return self.engine.module.lm
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    def train(self, mode: bool = True) -> None:
+        self.engine.train(mode)
+
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """log pi_theta of every next token (policy.token_logprobs through the engine).
+
+        input_ids, attention_mask: (B, L) int64 on any device. Returns (B, L) float32 on the engine's
+        device (column 0 is 0). With gradient unless called under torch.no_grad().
+        """
+        return self.engine(input_ids.to(self.device), attention_mask.to(self.device)).float()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate gradients of `loss`, a 0-dim tensor normalised with the *global* normalisers
+        (sequences, masked tokens) of the optimizer step, so that summing it over micro-batches and
+        ranks gives the full-batch loss (ss_grpo.aggregate). Raises RuntimeError after grad_accum calls
+        without step()."""
+        if self._pending >= self.grad_accum:
+            raise RuntimeError(f"backward() called {self._pending + 1} times before step(); the batch "
+                               f"plan has {self.grad_accum} micro-batches per rank per optimizer step")
+        # SCALE: DeepSpeed averages gradients over ranks; x world_size restores the sum (deviation 3).
+        # scale_wrt_gas=False: the global normalisers already account for accumulation.
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+        self._pending += 1
+        if self._pending < self.grad_accum:
+            self.engine.step()  # not a boundary: DeepSpeed only advances its micro-step counter
+
+    def step(self) -> float:
+        """Apply the optimizer step (gradient clipping from the config). Returns the global gradient
+        norm before clipping (nan if DeepSpeed does not report it). Raises RuntimeError unless exactly
+        grad_accum backward() calls preceded it."""
+        if self._pending != self.grad_accum:
+            raise RuntimeError(f"step() after {self._pending} backward() calls; the batch plan has "
+                               f"{self.grad_accum} micro-batches per rank per optimizer step")
+        assert self.engine.is_gradient_accumulation_boundary()
+        self.engine.step()
+        self._pending = 0
+        gn = self.engine.get_global_grad_norm()
+        return float(gn) if gn is not None else float("nan")
+
+    def iter_full_params(self, device: str | torch.device | None = None
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF parameter name, full tensor) one parameter at a time (weight sync to a sampler,
+        checkpoints). Only one parameter is ever gathered; each yielded tensor is a copy (on `device`,
+        default the engine's), safe to keep. Collective: every rank must exhaust the iterator. Tied
+        weights appear once (under the input embedding's name)."""
+        import deepspeed
+
+        for name, p in self.module.named_parameters():
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):  # SCALE
+                yield name, p.detach().to(device or p.device, copy=True)
+
+    def save_pretrained(self, out_dir: str, max_shard_bytes: int = 5 * 2 ** 30) -> None:
+        """Write a checkpoint that plain `transformers` loads: config, generation config and
+        safetensors shards (with an index when there is more than one). Collective; only rank 0
+        writes, holding at most one shard in host memory."""
+        from safetensors.torch import save_file
+
+        rank0 = is_rank0()
+        if rank0:
+            os.makedirs(out_dir, exist_ok=True)
+        shards, shard, size, total = [], {}, 0, 0
+
+        def flush():
+            nonlocal shard, size
+            if shard:
+                fn = f"_shard{len(shards):05d}.safetensors"
+                save_file(shard, os.path.join(out_dir, fn), metadata={"format": "pt"})
+                shards.append((fn, list(shard)))
+            shard, size = {}, 0
+
+        for name, t in self.iter_full_params(device="cpu"):
+            if not rank0:
+                continue
+            nb = t.numel() * t.element_size()
+            if shard and size + nb > max_shard_bytes:
+                flush()
+            shard[name] = t.contiguous()
+            size += nb
+            total += nb
+        if rank0:
+            flush()
+            _finalise_shards(out_dir, shards, total)
+            cfg = self.module.config
+            cfg.use_cache = True
+            cfg.save_pretrained(out_dir)
+            if getattr(self.module, "generation_config", None) is not None:
+                self.module.generation_config.save_pretrained(out_dir)
+        barrier()
+
+
+def _finalise_shards(out_dir: str, shards: list, total: int) -> None:
+    """Rename temporary shard files to HF's names; write the index for more than one shard."""
+    if len(shards) == 1:
+        os.replace(os.path.join(out_dir, shards[0][0]), os.path.join(out_dir, "model.safetensors"))
+        return
+    weight_map = {}
+    for i, (fn, names) in enumerate(shards):
+        final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(os.path.join(out_dir, fn), os.path.join(out_dir, final))
+        weight_map.update({n: final for n in names})
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as fh:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=1)
+
+
+class FrozenReference:
+    """pi_ref: a frozen copy of the starting policy, ZeRO-3 partitioned for inference (no optimizer,
+    no gradients; 2P / world bytes per rank in bf16). Collective, like ZeRO3Policy."""
+
+    def __init__(self, lm, ds_config: dict, *, chunk_size: int = 1024, _keep_alive=None):
+        import deepspeed
+
+        self._keep = _keep_alive
+        for p in lm.parameters():
+            p.requires_grad_(False)
+        rc = reference_config(ds_config)
+        self.engine, *_ = deepspeed.initialize(model=_LogProbModule(lm, chunk_size), config=rc)
+        self.engine.eval()
+
+    @classmethod
+    def from_pretrained(cls, path: str, ds_config: dict, *, chunk_size: int = 1024):
+        dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float32
+        lm, keep = _load_lm(path, reference_config(ds_config), dtype)
+        return cls(lm, ds_config, chunk_size=chunk_size, _keep_alive=keep)
+
+    @torch.no_grad()
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B, L) float32 log pi_ref of every next token (column 0 is 0), no gradient."""
+        dev = self.engine.device
+        return self.engine(input_ids.to(dev), attention_mask.to(dev)).float()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The SS-GRPO update, data-parallel (§3.3; train.policy_update on ZeRO-3)
+
+
+def pad_rows(batch, idx: Sequence[int], pad_id: int):
+    """Right-pad sequences idx of an UpdateBatch: (ids, attention, loss mask, advantages), each (B, L)
+    with dtypes int64, int64, bool, float32."""
+    L = max(len(batch.ids[i]) for i in idx)
+    B = len(idx)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    att = torch.zeros((B, L), dtype=torch.long)
+    mask = torch.zeros((B, L), dtype=torch.bool)
+    adv = torch.zeros((B, L), dtype=torch.float32)
+    for r, i in enumerate(idx):
+        n = len(batch.ids[i])
+        ids[r, :n] = torch.tensor(batch.ids[i])
+        att[r, :n] = 1
+        mask[r, :n] = torch.tensor(batch.mask[i], dtype=torch.bool)
+        adv[r, :n] = torch.tensor(batch.adv[i], dtype=torch.float32)
+    return ids, att, mask, adv
+
+
+def _sequence_logprobs(fn, batch, pad_id: int, micro: int) -> list[torch.Tensor]:
+    """Per-sequence (L_i,) float32 CPU log-probs from fn(ids, att), micro-batch by micro-batch."""
+    out = []
+    with torch.no_grad():
+        for s in range(0, len(batch.ids), micro):
+            idx = list(range(s, min(s + micro, len(batch.ids))))
+            ids, att, _, _ = pad_rows(batch, idx, pad_id)
+            lp = fn(ids, att).cpu()
+            out += [lp[r, : len(batch.ids[i])].clone() for r, i in enumerate(idx)]
+    return out
+
+
+def zero3_policy_update(policy: ZeRO3Policy, ref: FrozenReference | None, local, cfg, pad_id: int
+                        ) -> dict:
+    """SS-GRPO update (§3.3) of this rank's shard `local` (a train.UpdateBatch), as train.policy_update.
+
+    Old log-probs (and reference ones when cfg.beta > 0) are computed once; then cfg.minibatches
+    optimizer steps, minibatch j being local sequences j, j + M, j + 2M, ... on every rank (shuffle
+    before sharding: a per-rank shuffle would make minibatches depend on the rank layout). Each
+    minibatch's normalisers (sequences, masked tokens) are summed over ranks, so the loss is the
+    global one. cfg: train.SSGRPOConfig. Returns the mean stats over optimizer steps ("loss/total",
+    "loss/policy", "kl", "clip_frac", "grad_norm") plus "per_step": a list of those per step, all
+    global values. Raises ValueError when ranks hold different micro-batch counts.
+    """
+    import ss_grpo
+
+    n_local, micro = len(local.ids), int(cfg.micro_batch)
+    M = max(1, int(cfg.minibatches))
+    if not same_on_all_ranks(n_local):
+        raise ValueError("every rank must hold the same number of sequences (ZeRO-3 forwards are "
+                         f"collective); this rank holds {n_local}")
+    policy.train(False)
+    old = _sequence_logprobs(policy.logprobs, local, pad_id, micro)
+    refl = _sequence_logprobs(ref.logprobs, local, pad_id, micro) if cfg.beta > 0 else None
+    policy.train(True)
+    keys = ("loss/total", "loss/policy", "kl", "clip_frac")
+    per_step = []
+    for j in range(M):
+        mb = list(range(j, n_local, M))
+        n_seq, n_tok = all_reduce_sum([len(mb), sum(sum(local.mask[i]) for i in mb)])
+        acc = [0.0] * len(keys)
+        for s in range(0, len(mb), micro):
+            idx = mb[s : s + micro]
+            ids, att, mask, adv = pad_rows(local, idx, pad_id)
+            old_lp, ref_lp = torch.zeros(ids.shape), torch.zeros(ids.shape)
+            for r, i in enumerate(idx):
+                old_lp[r, : len(old[i])] = old[i]
+                if refl is not None:
+                    ref_lp[r, : len(refl[i])] = refl[i]
+            logp = policy.logprobs(ids, att)  # (B, L) with gradient
+            dev = logp.device
+            # L = agg(-min(rho A, clip(rho, 1-eta, 1+eta) A)) + beta * agg(k3), global normalisers
+            loss, st = ss_grpo.ss_grpo_loss(
+                logp, old_lp.to(dev), ref_lp.to(dev) if refl is not None else None, adv.to(dev),
+                mask.to(dev), eta=cfg.eta, beta=cfg.beta, agg=cfg.agg, num_sequences=n_seq,
+                num_tokens=max(n_tok, 1.0))
+            policy.backward(loss)
+            acc = [a + float(st[k]) for a, k in zip(acc, keys)]
+        gn = policy.step()
+        per_step.append({**dict(zip(keys, all_reduce_sum(acc))), "grad_norm": gn})
+    policy.train(False)
+    mean = {k: sum(s[k] for s in per_step) / M for k in (*keys, "grad_norm")}
+    return {**mean, "per_step": per_step}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Synthetic update batch and the ZeRO-3 self-test (CI on 2 CPU ranks; GPU smoke on 1 GPU)
+
+
+def synthetic_batch(vocab_size: int, n_seq: int, group: int = 8, seed: int = 0, min_len: int = 24,
+                    max_len: int = 48, prompt_len: int = 8):
+    """A deterministic train.UpdateBatch shaped like a real one: a prompt (mask 0), a response split
+    into the four stage blocks, a masked tool-output span inside the research block, and SS-GRPO
+    token advantages from random stage scores R (n_seq, 4) with groups of `group` rollouts.
+
+    Raises ValueError when n_seq is not a multiple of group or the lengths leave no response."""
+    import ss_grpo
+    from train import UpdateBatch
+
+    if n_seq % group or group < 2:
+        raise ValueError(f"n_seq={n_seq} must be a multiple of group={group} >= 2")
+    if not prompt_len + 8 <= min_len <= max_len:
+        raise ValueError("need prompt_len + 8 <= min_len <= max_len")
+    g = torch.Generator().manual_seed(seed)
+    R = torch.rand(n_seq, 4, generator=g, dtype=torch.float64)  # (n, K) judge scores
+    # Eq.: G = R Lambda^T, then A[i,k] = (G[i,k] - mean G[:,k]) / (Std G[:,k] + eps) per group
+    G, missing = ss_grpo.stage_returns(R, ss_grpo.PAPER_LAMBDA, group_size=group)
+    A = ss_grpo.group_advantages_batched(G, group_size=group, missing=missing).float()
+    out = UpdateBatch()
+    for i in range(n_seq):
+        L = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        ids = torch.randint(0, vocab_size, (L,), generator=g)
+        T = L - prompt_len  # response tokens
+        cuts = sorted(torch.randperm(T - 1, generator=g)[:3].add(1).tolist())  # 4 non-empty blocks
+        stage = torch.full((L,), -1, dtype=torch.long)
+        for k, (a, b) in enumerate(zip([0, *cuts], [*cuts, T])):
+            stage[prompt_len + a : prompt_len + b] = k
+        mask = (stage >= 0).long()
+        r0, r1 = prompt_len + cuts[0], prompt_len + cuts[1]  # the research block
+        if r1 - r0 >= 3:  # a tool output: environment text, no gradient (§3.3)
+            mask[r0 + 1 : r1 - 1] = 0
+        adv = ss_grpo.token_advantages(A[i : i + 1], stage[None], mask[None])[0]
+        out.ids.append(ids.tolist())
+        out.mask.append(mask.tolist())
+        out.adv.append(adv.tolist())
+        out.kind.append("task")
+    return out
+
+
+def shard(batch, rank: int, world_size: int):
+    """This rank's sequences rank, rank + W, rank + 2W, ... of an UpdateBatch (a new UpdateBatch)."""
+    from train import UpdateBatch
+
+    idx = range(rank, len(batch.ids), world_size)
+    return UpdateBatch([batch.ids[i] for i in idx], [batch.mask[i] for i in idx],
+                       [batch.adv[i] for i in idx], [batch.kind[i] for i in idx])
+
+
+def selftest_config(n_seq: int, group: int, minibatches: int, micro: int, lr: float,
+                    eta: float | None = None):
+    """The `full` preset with a small batch: n_seq = prompts x group sequences per RL step."""
+    from train import full_preset
+
+    cfg = full_preset()
+    cfg.rollout.prompts_per_step, cfg.rollout.n = n_seq // group, group
+    cfg.ss_grpo.minibatches, cfg.ss_grpo.micro_batch, cfg.ss_grpo.lr = minibatches, micro, lr
+    if eta is not None:
+        cfg.ss_grpo.eta = eta
+    return cfg
+
+
+def selftest(model_dir: str, out_dir: str, *, updates: int = 1, n_seq: int = 16, group: int = 8,
+             minibatches: int = 2, micro: int = 2, lr: float = 1e-3, min_len: int = 24,
+             max_len: int = 48, eta: float | None = None, seed: int = 0,
+             full: FullConfig | None = None) -> dict:
+    """ZeRO-3 end to end on the current launcher's ranks: load `model_dir` into ZeRO3Policy and
+    FrozenReference, run `updates` calls of zero3_policy_update on synthetic_batch (each = `minibatches`
+    optimizer steps), save the final policy to out_dir/final and (rank 0) write out_dir/stats.json:
+    per-step global loss/kl/clip_frac/grad_norm, the batch plan and throughput (tokens/s)."""
+    env = init_distributed()
+    full = full or FullConfig()
+    cfg = selftest_config(n_seq, group, minibatches, micro, lr, eta)
+    device = device_kind()
+    ds = deepspeed_config(cfg, env.world_size, device, full)
+    t0 = time.perf_counter()
+    policy = ZeRO3Policy.from_pretrained(model_dir, ds, lr, full=full)
+    ref = FrozenReference.from_pretrained(model_dir, ds, chunk_size=full.logprob_chunk)
+    t_load = time.perf_counter() - t0
+    mc = policy.module.config
+    batch = synthetic_batch(mc.vocab_size, n_seq, group, seed, min_len, max_len)
+    local = shard(batch, env.rank, env.world_size)
+    tokens = sum(len(x) for x in batch.ids)
+    per_step, times = [], []
+    for _ in range(updates):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        st = zero3_policy_update(policy, ref, local, cfg.ss_grpo, mc.pad_token_id or 0)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        per_step += st["per_step"]
+    t0 = time.perf_counter()
+    policy.save_pretrained(os.path.join(out_dir, "final"))
+    t_save = time.perf_counter() - t0
+    plan = batch_plan(cfg, env.world_size)
+    res = {"world_size": env.world_size, "device": device, "plan": dataclasses.asdict(plan),
+           "deepspeed_config": ds, "per_step": per_step, "update_s": times, "load_s": t_load,
+           "save_s": t_save, "tokens_per_update": tokens,
+           # one update = old + reference forward passes, then forward + backward per optimizer step
+           "update_tokens_per_s": tokens / (sum(times[1:]) / max(len(times) - 1, 1))
+           if len(times) > 1 else tokens / times[0],
+           "peak_gpu_mem_gb": torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda" else None}
+    if env.is_rank0:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "stats.json"), "w") as fh:
+            json.dump(res, fh, indent=1)
+    barrier()
+    return res
+
+
+# ----------------------------------------------------------------------------------------------------
+# Dry run: resolve the configuration, check the machine, print the plan
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _key_envs(cfg) -> list[tuple[str, str]]:
+    """(purpose, environment variable NAME) pairs the configured backends read their keys from."""
+    out = []
+    if cfg.judge.backend in ("gemini", "openai"):
+        try:
+            from judge_http import DEFAULT_KEY_ENVS
+        except ImportError:  # requests missing: the names are fixed anyway
+            DEFAULT_KEY_ENVS = {"gemini": "GEMINI_API_KEY", "openai": "OPENAI_API_KEY"}
+        out.append((f"judge ({cfg.judge.backend})", DEFAULT_KEY_ENVS[cfg.judge.backend]))
+    out.append(("search (google_search, Serper)", "SERPER_API_KEY"))
+    return out
+
+
+def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
+    """Resolve `cfg` (a train.Config, normally the `full` preset) into a launch plan without training.
+
+    Checks: the batch arithmetic for the launcher's world size (or FullConfig.world_size_hint GPUs
+    when not launched), GPUs via torch.cuda, versions of torch / transformers / deepspeed / vllm
+    (importlib.metadata; nothing heavy is imported), and whether each API key's environment variable
+    is set, reported by NAME only (values are never read into the report). Returns (report text,
+    list of problems); an empty list means the plan is launchable as far as we can tell.
+    """
+    e = os.environ if environ is None else environ
+    full = full_config(cfg)
+    problems: list[str] = []
+    lines = ["RubricEM full mode: dry run (nothing is trained)", ""]
+    try:
+        env = dist_env(e)
+    except ValueError as err:
+        problems.append(str(err))
+        env = DistEnv()
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ws = env.world_size if env.launched else (n_gpu or full.world_size_hint)
+    ws_src = "launcher" if env.launched else (f"{n_gpu} visible GPUs" if n_gpu else
+                                              f"assumed: {full.world_size_hint} GPUs, one node")
+    lines += ["configuration",
+              f"  mode {cfg.mode}, steps {cfg.steps}, run_dir {cfg.run_dir}",
+              f"  policy model {cfg.model or '(not set: pass --model, the SFT checkpoint)'}",
+              f"  lr {cfg.ss_grpo.lr:g}, beta {cfg.ss_grpo.beta:g} (k3), eta {cfg.ss_grpo.eta:g}, "
+              f"agg {cfg.ss_grpo.agg}, advantage {cfg.ss_grpo.advantage}, grad_clip {cfg.ss_grpo.grad_clip:g}",
+              f"  rollouts: temperature {cfg.rollout.temperature:g}, max response "
+              f"{cfg.rollout.max_response_tokens} tokens, max tool calls {cfg.rollout.max_tool_calls}",
+              f"  data {full.data}; bank retriever {full.embed_model}, top-k {cfg.bank.top_k}", ""]
+    if not cfg.model:
+        problems.append("no policy model: pass --model (the paper starts RL from its Qwen3-8B SFT model)")
+    try:
+        plan = batch_plan(cfg, ws)
+        lines += ["batch arithmetic (per RL step)",
+                  f"  {plan.prompts} prompts x {plan.rollouts} rollouts = {plan.sequences} sequences",
+                  f"  {plan.minibatches} optimizer step(s) of {plan.per_optimizer_step} sequences",
+                  f"  world size {ws} ({ws_src}): {plan.per_rank} sequences per rank per optimizer step",
+                  f"  micro-batch {plan.micro_batch} per rank -> gradient accumulation "
+                  f"{plan.per_optimizer_step} / ({plan.micro_batch} x {ws}) = {plan.grad_accum}", ""]
+        ds = deepspeed_config(cfg, ws, "cuda" if n_gpu else "cpu", full)
+        z = ds["zero_optimization"]
+        lines += ["deepspeed",
+                  f"  ZeRO stage {z['stage']}, optimizer offload "
+                  f"{z.get('offload_optimizer', {}).get('device', 'none')}, parameter offload "
+                  f"{z.get('offload_param', {}).get('device', 'none')}, bf16 {ds['bf16']['enabled']}, "
+                  f"gradient checkpointing {full.gradient_checkpointing}",
+                  f"  optimizer {'DeepSpeed AdamW' if 'optimizer' in ds else 'torch AdamW (client)'}, "
+                  f"reference model {full.reference}", ""]
+    except ValueError as err:
+        problems.append(f"batch arithmetic: {err}")
+    lines += ["backends", f"  judge {cfg.judge.backend}, sampler {full.sampler}"]
+    if cfg.judge.backend == "toy":
+        problems.append("judge.backend is 'toy': full mode scores with an HTTP judge "
+                        "(--set judge.backend=\"gemini\"; PAPER: Gemini Flash)")
+    for purpose, name in _key_envs(cfg):
+        ok = bool(e.get(name))
+        lines.append(f"  {purpose}: ${name} {'set' if ok else 'NOT SET'}")
+        if not ok:
+            problems.append(f"environment variable {name} is not set ({purpose})")
+    lines += ["", "environment", f"  python {sys.version.split()[0]}, {os.cpu_count()} CPU cores"]
+    if n_gpu:
+        for i in range(n_gpu):
+            p = torch.cuda.get_device_properties(i)
+            lines.append(f"  GPU {i}: {p.name}, {p.total_memory / 2 ** 30:.0f} GiB")
+    else:
+        lines.append("  GPUs: none visible (torch.cuda.is_available() is False)")
+        problems.append("no GPU visible: full mode trains on GPUs")
+    for dist in ("torch", "transformers", "deepspeed", "vllm", "sentence-transformers", "datasets"):
+        v = _version(dist)
+        lines.append(f"  {dist} {v or 'not installed'}")
+        if v is None and (dist == "deepspeed" or (dist == "vllm" and full.sampler == "vllm")
+                          or dist == "datasets"):
+            problems.append(f"{dist} is not installed (pip install '.[full]')")
+    lines += ["", "problems" if problems else "no problems found"] + [f"  - {p}" for p in problems]
+    return "\n".join(lines), problems
+
+
+def main_dry_run(cfg) -> int:
+    """Print dry_run(cfg) on rank 0; return 0 when no problem was found, else 1."""
+    text, problems = dry_run(cfg)
+    rank0_print(text)
+    return 1 if problems else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="RubricEM full mode: dry run and ZeRO-3 self-test")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("dry-run", help="print the full preset's launch plan and check this machine")
+    st = sub.add_parser("selftest", help="ZeRO-3 update steps on a synthetic batch (run under torchrun)")
+    st.add_argument("--model", required=True, help="local HF causal-LM directory")
+    st.add_argument("--out", required=True)
+    st.add_argument("--updates", type=int, default=1)
+    st.add_argument("--n-seq", type=int, default=16)
+    st.add_argument("--group", type=int, default=8)
+    st.add_argument("--minibatches", type=int, default=2)
+    st.add_argument("--micro", type=int, default=2)
+    st.add_argument("--lr", type=float, default=1e-3)
+    st.add_argument("--min-len", type=int, default=24)
+    st.add_argument("--max-len", type=int, default=48)
+    st.add_argument("--eta", type=float, default=None, help="PPO clip range (default: the preset's)")
+    st.add_argument("--optimizer", default="torch", choices=["torch", "deepspeed", "auto"])
+    st.add_argument("--no-grad-ckpt", action="store_true")
+    st.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    # torch deprecation notices raised inside DeepSpeed's collectives, once per call: not ours to fix.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    if a.cmd == "dry-run":
+        from train import full_preset
+
+        return main_dry_run(full_preset())
+    full = FullConfig(optimizer=a.optimizer, gradient_checkpointing=not a.no_grad_ckpt)
+    res = selftest(a.model, a.out, updates=a.updates, n_seq=a.n_seq, group=a.group,
+                   minibatches=a.minibatches, micro=a.micro, lr=a.lr, min_len=a.min_len,
+                   max_len=a.max_len, eta=a.eta, full=full)
+    for i, s in enumerate(res["per_step"]):
+        rank0_print(f"step {i}: loss {s['loss/total']:.6f} kl {s['kl']:.3e} "
+                    f"clip_frac {s['clip_frac']:.3f} grad_norm {s['grad_norm']:.4f}")
+    rank0_print(f"world {res['world_size']} on {res['device']}: load {res['load_s']:.1f} s, "
+                f"update {sum(res['update_s']):.2f} s for {len(res['update_s'])} update(s), "
+                f"{res['update_tokens_per_s']:.0f} tokens/s, save {res['save_s']:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
