@@ -63,8 +63,9 @@ import torch
 
 log = logging.getLogger("rubricem.full")
 
-# PAPER (appendix): rubric bank embeddings "Qwen3-Embedding-0.6B"; RL data "rl-research/dr-tulu-rl-data".
-PAPER_EMBED_MODEL = "Qwen/Qwen3-Embedding-0.6B"
+from retrieval import PAPER_EMBED_MODEL  # PAPER: rubric bank embeddings Qwen3-Embedding-0.6B
+
+# PAPER (appendix): RL data "rl-research/dr-tulu-rl-data".
 PAPER_RL_DATA = "rl-research/dr-tulu-rl-data"
 
 
