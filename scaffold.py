@@ -47,10 +47,15 @@ Deviations from the paper
    (see world.py); the paper's web snippets carry URLs.
 2. An 11th tool call is not executed: the environment answers it with a refusal inside
    <tool_output> and lets the policy go on to Review and Answer (the paper only states the cap).
+3. Fault tolerance, not in the paper: a failing tool yields "error: search failed", a tool call
+   that exceeds the per-call timeout yields "error: search timed out" (the call is abandoned in its
+   worker thread), and after the rollout deadline every further call is refused with an error; in
+   each case the rollout goes on to Review and Answer within its token budget (`RolloutEngine`).
 """
 from __future__ import annotations
 
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
@@ -350,6 +355,7 @@ class ToolCall:
     error: str = ""
     refused: bool = False
     latency_s: float = 0.0
+    timed_out: bool = False
 
 
 @dataclass
@@ -388,6 +394,41 @@ class Rollout:
     def n_tool_errors(self) -> int:
         return sum(1 for c in self.tool_calls if c.error)
 
+    @property
+    def n_tool_timeouts(self) -> int:
+        return sum(1 for c in self.tool_calls if c.timed_out)
+
+
+class ToolTimeout(TimeoutError):
+    """A tool call that did not answer within its time limit."""
+
+
+def call_with_timeout(tool, query: str, timeout_s: float | None) -> list:
+    """`list(tool(query))`, abandoned after timeout_s seconds (None: wait as long as it takes).
+
+    The call runs in a daemon worker thread, so a hung tool can neither block the rollout nor keep
+    the process alive at exit; an abandoned call's late result is discarded. Raises ToolTimeout
+    after the limit, or whatever the tool raised.
+    """
+    if timeout_s is None:
+        return list(tool(query))
+    box: dict = {}
+
+    def work():
+        try:
+            box["value"] = list(tool(query))
+        except BaseException as e:  # handed to the caller below
+            box["error"] = e
+
+    th = threading.Thread(target=work, name="tool-call", daemon=True)
+    th.start()
+    th.join(max(0.0, timeout_s))
+    if th.is_alive():
+        raise ToolTimeout(f"no answer within {timeout_s:.3g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
 
 def token_char_starts(tokenizer, ids: Sequence[int]) -> tuple[str, list[int]]:
     """Decode ids to text and the char offset where each token starts.
@@ -421,18 +462,31 @@ class RolloutEngine:
     parses the call, runs the tool (or refuses an 11th call), appends "<tool_output>..." as fresh
     tokens with loss mask 0, and the rollout goes on; end of turn (<|im_end|>/eos) -> finished;
     the response token budget is spent -> truncated.
+
+    Tool faults never end a rollout: an exception becomes "error: search failed", a call running
+    past `tool_timeout_s` (s) becomes "error: search timed out", and once `deadline_s` (s, counted
+    from the start of `run`) has passed every call is refused with an error. Counts accumulate in
+    `stats` (tool_errors, tool_refusals, tool_timeouts, deadline_refusals).
     """
 
     def __init__(self, sampler: Sampler, tokenizer, tools: dict, max_response_tokens: int = 512,
                  max_tool_calls: int = MAX_TOOL_CALLS, system_prompt: str = SYSTEM_PROMPT,
-                 temperature: float = 1.0, max_rounds: int | None = None):
+                 temperature: float = 1.0, max_rounds: int | None = None,
+                 tool_timeout_s: float | None = None, deadline_s: float | None = None):
         self.sampler, self.tok, self.tools = sampler, tokenizer, dict(tools)
         self.max_response_tokens = max_response_tokens
         self.max_tool_calls = max_tool_calls
         self.system_prompt = system_prompt
         self.temperature = temperature
         self.max_rounds = max_rounds if max_rounds is not None else max_tool_calls + 3
-        self.stats = {"tool_errors": 0, "tool_refusals": 0}
+        # Fault tolerance (not in the paper): a tool call that runs longer than tool_timeout_s
+        # seconds is abandoned; after deadline_s seconds of one `run`, tools are no longer called.
+        # None or 0 switches either off. Both are wall-clock limits: a run that hits them is not
+        # bit-reproducible, so their defaults are far above what a healthy call takes.
+        self.tool_timeout_s = tool_timeout_s or None
+        self.deadline_s = deadline_s or None
+        self._deadline: float | None = None
+        self.stats = {"tool_errors": 0, "tool_refusals": 0, "tool_timeouts": 0, "deadline_refusals": 0}
 
     def prompt_ids(self, query: str, bank_items: Sequence[str] = ()) -> list[int]:
         msgs = build_messages(query, bank_items, self.system_prompt)
@@ -449,6 +503,7 @@ class RolloutEngine:
         Returns len(queries) * n Rollouts, finalised (parsed, stage ids assigned).
         """
         temp = self.temperature if temperature is None else temperature
+        self._deadline = time.monotonic() + self.deadline_s if self.deadline_s else None
         rollouts: list[Rollout] = []
         for qi, q in enumerate(queries):
             items = list(bank_items[qi]) if bank_items else []
@@ -505,11 +560,18 @@ class RolloutEngine:
         name, query = (calls[-1].group(1), calls[-1].group(2).strip()) if calls else ("", "")
         n_done = r.n_tool_calls
         t0 = time.perf_counter()
+        left = self._deadline - time.monotonic() if self._deadline is not None else None
         if n_done >= self.max_tool_calls:
             call = ToolCall(name, query, [], [], f"tool-call limit of {self.max_tool_calls} reached; "
                             "write the review and the answer", refused=True)
             env = format_tool_error(call.error)
             self.stats["tool_refusals"] += 1
+        elif left is not None and left <= 0:
+            # Past the rollout deadline: no more tool calls; the rollout goes on within its budget.
+            call = ToolCall(name, query, [], [], "rollout deadline reached; write the review and "
+                            "the answer", refused=True)
+            env = format_tool_error(call.error)
+            self.stats["deadline_refusals"] += 1
         elif name not in self.tools:
             call = ToolCall(name, query, [], [], f"unknown tool {name!r}")
             env = format_tool_error(call.error)
@@ -517,14 +579,20 @@ class RolloutEngine:
             call = ToolCall(name, query, [], [], "empty query")
             env = format_tool_error(call.error)
         else:
+            timeout = min(x for x in (self.tool_timeout_s, left) if x is not None) \
+                if (self.tool_timeout_s is not None or left is not None) else None
             try:
-                results = list(self.tools[name](query))
+                results = call_with_timeout(self.tools[name], query, timeout)
                 first = len(r.evidence) + 1
                 handles = list(range(first, first + len(results)))
                 for h, res in zip(handles, results):
                     r.evidence[h] = res
                 call = ToolCall(name, query, results, handles)
                 env = format_tool_output(results, first)
+            except ToolTimeout as e:
+                call = ToolCall(name, query, [], [], str(e), timed_out=True)
+                env = format_tool_error("search timed out")
+                self.stats["tool_timeouts"] += 1
             except Exception as e:  # a failing tool never ends the rollout
                 call = ToolCall(name, query, [], [], f"{type(e).__name__}: {e}"[:200])
                 env = format_tool_error("search failed")
