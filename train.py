@@ -24,7 +24,18 @@ One step (Algorithm 1; step numbers here are 0-based, the paper's 1-based):
        previous step (one-step lag)
     6. reflection branch on this step's trajectories: m candidates, privileged judge, best valid one
        into the bank, GRPO batch kept for the next update
-    7. log metrics; save the bank every 10 steps (PAPER) and at the end
+    7. log metrics; save the bank every 10 steps (PAPER) and at the end; write a checkpoint of the
+       whole training state every `checkpoint.every` steps and at the end (checkpoint.py)
+
+Checkpoints and faults (not in the paper; docs_robustness.md)
+    python train.py --toy --resume                 # continue runs/toy from its newest valid checkpoint
+    python train.py --resume runs/toy/checkpoints/step-000020       # from a given checkpoint
+    python train.py --toy --set checkpoint.stop_after=10            # stop after 10 steps (time slices)
+    python train.py --toy --faults 0.3,0.1         # inject judge / tool faults (faults.py)
+A resumed run equals the uninterrupted one bit for bit on CPU (metrics except `time/*`, bank bytes,
+weights): a checkpoint holds weights, optimizer, every RNG state, judge buffers and counters, bank,
+the pending reflection batch, the metrics rows and the fault schedule's position; the curriculum
+position follows from the step and DataOrder's seed.
 
 Deviations from the paper (besides the toy world, see world.py / sft.py)
     1. Toy hyperparameters (prompts per step, learning rate, steps) are ours, sized for minutes on
@@ -33,6 +44,11 @@ Deviations from the paper (besides the toy world, see world.py / sft.py)
        departs from 1 and clipping acts; the paper does not say how many updates a batch gets.
     3. The reflection branch runs in sequence after the update (see reflection.py), not on a
        separate worker.
+    4. Fault handling the paper does not describe: a judge call that still fails after
+       `judge.max_retries` re-asks leaves its cells of R missing (advantage 0 for those cells);
+       the run stops (JudgeFailureAbort, exit code 3) only when more than `judge.max_failure_rate`
+       of a step's judge calls fail for `judge.max_failure_steps` consecutive steps; tool calls
+       have a per-call timeout and each step's rollouts a deadline (scaffold.RolloutEngine).
 """
 from __future__ import annotations
 
@@ -51,7 +67,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+import checkpoint as ckpt_mod
 import ss_grpo
+from faults import JUDGE_KINDS, TOOL_KINDS, FaultConfig, validate_fault_config
 from judge import BUFFER_CAPS
 from reflection import ReflectionBatch, ReflectionConfig, run_reflection_branch
 from scaffold import STAGES, SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT
@@ -73,6 +91,11 @@ class RolloutConfig:
     max_response_tokens: int = 512  # full: PAPER max response 18,432 tokens
     max_tool_calls: int = 10  # PAPER: at most 10 tool calls
     system_prompt: str = "compact"  # "compact" (toy: learnt from demonstrations) | "full"
+    tool_timeout_s: float = 30.0  # ours: a tool call still running after this many seconds is
+    # abandoned and answered "error: search timed out" (0 = no limit); wall-clock, so far above a
+    # healthy call (toy BM25: milliseconds) to keep runs reproducible
+    deadline_s: float = 1800.0  # ours: after this many seconds of one step's rollouts, tool calls
+    # are refused with an error and rollouts finish within their token budget (0 = no deadline)
 
 
 @dataclass
@@ -94,6 +117,10 @@ class SSGRPOConfig:
 class JudgeConfig:
     backend: str = "toy"  # "toy" | "gemini" | "openai" (full mode)
     caps: list = field(default_factory=lambda: list(BUFFER_CAPS))  # PAPER: 3, 2, 2, 3
+    max_retries: int = 3  # ours: re-asks of one failed judge call before its cells become missing
+    max_failure_rate: float = 0.5  # ours: a step whose share of failed judge calls exceeds this...
+    max_failure_steps: int = 3  # ...this many steps in a row stops the run (JudgeFailureAbort):
+    # training on mostly missing rewards would waste compute without learning anything
 
 
 @dataclass
@@ -107,6 +134,17 @@ class BankSettings:
 class CurriculumConfig:
     K: int = 3  # PAPER: window K = 3 (2K = 6 steps)
     enabled: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    """Full training-state checkpoints (checkpoint.py); not in the paper, which saves only the bank."""
+
+    every: int = 10  # ours: steps between checkpoints (0 = only at the end); also written at the end
+    keep: int = 3  # ours: newest checkpoints kept on disk
+    stop_after: int = 0  # stop this invocation after this many steps, with a checkpoint (0 = run to
+    # `steps`); for time-sliced jobs: continue with --resume latest
+    verify: bool = True  # check every file's sha256 before resuming from a checkpoint
 
 
 @dataclass
@@ -140,6 +178,8 @@ class Config:
     reflection: ReflectionConfig = field(default_factory=ReflectionConfig)
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)  # injected faults (off by default)
 
 
 def toy_preset() -> Config:
@@ -201,6 +241,96 @@ def validate_config(cfg: Config) -> None:
         raise ValueError("rollout.n must be >= 2: group normalisation needs a group")
     if cfg.rollout.prompts_per_step < 1 or cfg.steps < 0:
         raise ValueError("rollout.prompts_per_step must be >= 1 and steps >= 0")
+    for name, lo in (("checkpoint.every", 0), ("checkpoint.keep", 1), ("checkpoint.stop_after", 0),
+                     ("judge.max_retries", 0), ("judge.max_failure_steps", 1)):
+        v = _field(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    for name, hi in (("judge.max_failure_rate", 1.0), ("rollout.tool_timeout_s", None),
+                     ("rollout.deadline_s", None)):
+        v = _field(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= (hi or float("inf")) \
+                or v == float("inf"):
+            want = f"in [0, {hi:g}]" if hi is not None else ">= 0 and finite (0 = no limit)"
+            raise ValueError(f"{name} must be a number {want}, got {v!r}")
+    validate_fault_config(cfg.faults, "faults")
+    check_no_secrets(cfg)
+
+
+def _field(cfg: Config, dotted: str):
+    obj = cfg
+    for p in dotted.split("."):
+        obj = getattr(obj, p)
+    return obj
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v and all(isinstance(x, str) for x in v):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# Environment variables whose values must never be written anywhere (the HTTP judge and search read
+# them at request time); any other variable named *_API_KEY / *_TOKEN / *_SECRET counts too.
+SECRET_ENV_VARS = ("GEMINI_API_KEY", "OPENAI_API_KEY", "SERPER_API_KEY", "HF_TOKEN")
+
+
+def _secrets() -> dict[str, str]:
+    names = set(SECRET_ENV_VARS) | {n for n in os.environ
+                                    if n.endswith(("_API_KEY", "_TOKEN", "_SECRET"))}
+    return {n: os.environ[n] for n in sorted(names) if len(os.environ.get(n, "")) >= 8}
+
+
+def check_no_secrets(cfg: Config) -> None:
+    """Raise ValueError naming the field if any string in the configuration contains the value of
+    an API-key environment variable: keys come from the environment only, and the configuration is
+    written to config.json and every checkpoint. The error names the variable, never its value."""
+    secrets = _secrets()
+    if not secrets:
+        return
+    for key, v in _flatten(json.loads(json.dumps(asdict(cfg)))).items():
+        vals = v if isinstance(v, list) else [v]
+        for x in vals:
+            for name, secret in secrets.items():
+                if isinstance(x, str) and secret in x:
+                    raise ValueError(f"{key} contains the value of ${name}: API keys are read from "
+                                     "the environment only and never stored in the configuration")
+
+
+def config_from_dict(d: dict, cls=None, prefix: str = ""):
+    """Inverse of dataclasses.asdict for the config tree (e.g. config.json or a checkpoint's config).
+    Raises ValueError naming an unknown field; fields absent from `d` keep their defaults."""
+    cls = cls or Config
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kw = {}
+    for k, v in d.items():
+        if k not in fields:
+            raise ValueError(f"unknown config field {prefix + k!r}")
+        sub = fields[k].default_factory
+        if isinstance(sub, type) and dataclasses.is_dataclass(sub) and isinstance(v, dict):
+            v = config_from_dict(v, sub, f"{prefix}{k}.")
+        kw[k] = v
+    return cls(**kw)
+
+
+# Fields a resumed run may change: where and how long it runs, not what it computes. The tool
+# limits are wall-clock safety nets and the failure thresholds only decide when to stop.
+RESUME_MAY_CHANGE = ("steps", "run_dir", "progress", "threads", "cache_dir", "checkpoint.", "eval.",
+                     "rollout.tool_timeout_s", "rollout.deadline_s", "judge.max_failure_rate",
+                     "judge.max_failure_steps")
+
+
+def resume_config_diff(saved: dict, cfg: Config) -> list[str]:
+    """Dotted names of the fields in which `cfg` differs from a checkpoint's config (`saved`, an
+    asdict dict), leaving out RESUME_MAY_CHANGE."""
+    a = _flatten(json.loads(json.dumps(saved)))
+    b = _flatten(json.loads(json.dumps(asdict(cfg))))
+    keys = sorted(set(a) | set(b))
+    return [k for k in keys if not k.startswith(RESUME_MAY_CHANGE) and a.get(k) != b.get(k)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -242,11 +372,22 @@ class DataOrder:
 
 
 class MetricsLog:
-    """`log(metrics, step)`: one JSON line per step in run_dir/metrics.jsonl (rank 0 only)."""
+    """`log(metrics, step)`: one JSON line per step in run_dir/metrics.jsonl (rank 0 only).
+
+    A resumed run calls `reset(rows)` with the checkpoint's rows: the file is rewritten atomically
+    from them, so rows of steps after the checkpoint (or a line cut short by a crash) disappear and
+    no step appears twice.
+    """
 
     def __init__(self, path: str | None):
         self.path = path
         self.rows: list[dict] = []
+
+    def reset(self, rows: list[dict]) -> None:
+        self.rows = [dict(r) for r in rows]
+        if self.path:
+            data = "".join(json.dumps(r) + "\n" for r in self.rows).encode("utf-8")
+            ckpt_mod.atomic_write_bytes(self.path, data)
 
     def log(self, metrics: dict, step: int) -> None:
         row = {"step": step, **{k: _py(v) for k, v in metrics.items()}}
@@ -430,11 +571,126 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train(cfg: Config) -> dict:
-    """Run Algorithm 1 for cfg.steps steps; returns the summary (also written to eval.json)."""
+class JudgeFailureAbort(RuntimeError):
+    """The judge failed on more than judge.max_failure_rate of its calls for judge.max_failure_steps
+    consecutive steps; `train` stops (main exits with code 3)."""
+
+
+@dataclass
+class FailureMonitor:
+    """Consecutive steps whose judge failure rate exceeded `max_rate` (training state)."""
+
+    max_rate: float
+    max_steps: int
+    streak: list = field(default_factory=list)  # the failure rates of the current run of bad steps
+
+    def update(self, rate: float, step: int) -> None:
+        """Record one step's failure rate in [0, 1]; raises JudgeFailureAbort naming the thresholds
+        when the last `max_steps` rates all exceeded `max_rate`."""
+        self.streak = self.streak + [rate] if rate > self.max_rate else []
+        if len(self.streak) >= self.max_steps:
+            rates = ", ".join(f"{r:.2f}" for r in self.streak[-self.max_steps:])
+            raise JudgeFailureAbort(
+                f"judge failure rate above judge.max_failure_rate = {self.max_rate:g} for "
+                f"judge.max_failure_steps = {self.max_steps} consecutive steps (rates {rates}, last "
+                f"step {step}); stopping. Fix the judge backend (key, quota, endpoint) and continue "
+                "with --resume latest, or raise the thresholds.")
+
+
+def training_state(step: int, cfg: Config, opt, rng: random.Random, judge, bank, pending,
+                   logger: MetricsLog, samples_out: list, engine, tool, monitor: FailureMonitor,
+                   reference: dict, order: DataOrder) -> dict:
+    """Everything besides the policy weights that step `step` (completed steps) needs to continue
+    exactly: a dict of tensors and plain values for checkpoint.save_checkpoint."""
+    npst = np.random.get_state()
+    return {
+        "format": 1, "step": int(step), "config": asdict(cfg), "reference": dict(reference),
+        "data_order": {"n": order.n, "per_batch": order.P, "seed": order.seed},
+        "optimizer": opt.state_dict(),
+        "rng": {"python": random.getstate(), "loop": rng.getstate(),
+                "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
+                "torch": torch.get_rng_state()},
+        "judge": judge.state_dict(), "bank": bank.state_dict(), "pending": pending.to_dict(),
+        "metrics": [dict(r) for r in logger.rows], "samples": list(samples_out),
+        "engine": dict(engine.stats), "tool": tool.state_dict() if hasattr(tool, "state_dict") else None,
+        "monitor": list(monitor.streak),
+    }
+
+
+def restore_training_state(state: dict, opt, rng: random.Random, judge, bank, engine, tool,
+                           monitor: FailureMonitor, order: DataOrder) -> None:
+    """Inverse of `training_state` for the objects rebuilt by `train` (in place)."""
+    if state["data_order"] != {"n": order.n, "per_batch": order.P, "seed": order.seed}:
+        raise ckpt_mod.CheckpointError(f"the checkpoint's data order {state['data_order']} does not "
+                                       "fit this data set")
+    opt.load_state_dict(state["optimizer"])
+    rs = state["rng"]
+    random.setstate(rs["python"])
+    rng.setstate(rs["loop"])
+    name, keys, pos, has_gauss, cached = rs["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(rs["torch"])
+    judge.load_state_dict(state["judge"])
+    bank.load_state_dict(state["bank"])
+    engine.stats.update(state["engine"])
+    if state.get("tool") is not None and hasattr(tool, "load_state_dict"):
+        tool.load_state_dict(state["tool"])
+    monitor.streak = list(state["monitor"])
+
+
+def _open_run(cfg: Config, resume: str | None) -> tuple[str | None, dict | None]:
+    """(checkpoint path, training state) to resume from, or (None, None) for a fresh run."""
+    path = ckpt_mod.resolve_resume(resume, cfg.run_dir, deep=cfg.checkpoint.verify)
+    if path is None:
+        have = ckpt_mod.list_checkpoints(cfg.run_dir)
+        if have:
+            why = ("none of them verifies (see the warnings above)" if resume else
+                   "pass --resume latest to continue that run, or choose another --run-dir")
+            raise ckpt_mod.CheckpointError(f"{cfg.run_dir} already holds checkpoints (up to step "
+                                           f"{have[-1][0]}); {why}")
+        return None, None
+    state = ckpt_mod.load_state(path)
+    diff = resume_config_diff(state["config"], cfg)
+    if diff:
+        saved = _flatten(json.loads(json.dumps(state["config"])))
+        now = _flatten(json.loads(json.dumps(asdict(cfg))))
+        shown = "; ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diff[:8])
+        raise ckpt_mod.CheckpointError(f"cannot resume from {path}: the configuration differs in "
+                                       f"{', '.join(diff)} ({shown}); a resumed run may change only "
+                                       f"{', '.join(RESUME_MAY_CHANGE)}")
+    if state["step"] > cfg.steps:
+        raise ckpt_mod.CheckpointError(f"{path} is at step {state['step']}, beyond steps = {cfg.steps}")
+    return path, state
+
+
+def _save_dir_atomic(save, path: str) -> None:
+    """Run save(tmp_dir) (e.g. save_pretrained), then move tmp_dir onto `path` in one rename."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    if os.path.exists(tmp):
+        import shutil
+
+        shutil.rmtree(tmp)
+    save(tmp)
+    ckpt_mod._fsync_tree(tmp)
+    if os.path.exists(path):
+        ckpt_mod._remove_dir(path)
+    os.replace(tmp, path)
+
+
+def train(cfg: Config, resume: str | None = None) -> dict:
+    """Run Algorithm 1 up to cfg.steps steps; returns the summary (also written to eval.json).
+
+    resume: None (fresh run; refused if run_dir already holds checkpoints), "latest" (the newest
+    checkpoint of cfg.run_dir that verifies; a fresh run if there is none) or a checkpoint directory.
+    Checkpoints are written every cfg.checkpoint.every steps and at the end (checkpoint.py); with
+    cfg.checkpoint.stop_after > 0 the call returns {"stopped_at": step, ...} after that many steps.
+    Raises ValueError (bad configuration, naming the field), checkpoint.CheckpointError (a checkpoint
+    that is corrupt or does not fit this configuration) or JudgeFailureAbort.
+    """
     from tqdm import tqdm
 
     import bank as bank_mod
+    from faults import FaultyJudge, FaultyTool
     from judge import ToyJudge
     from scaffold import HFSampler, RolloutEngine
     from world import BM25SearchTool, load_rows, make_world
@@ -442,12 +698,13 @@ def train(cfg: Config) -> dict:
     validate_config(cfg)
     torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed)
+    ckpt_path, state = _open_run(cfg, resume)
     os.makedirs(cfg.run_dir, exist_ok=True)
+    ckpt_mod.remove_debris(cfg.run_dir)
     mpath = os.path.join(cfg.run_dir, "metrics.jsonl")
-    if os.path.exists(mpath):
+    if state is None and os.path.exists(mpath):
         os.remove(mpath)
-    with open(os.path.join(cfg.run_dir, "config.json"), "w") as fh:
-        json.dump(asdict(cfg), fh, indent=1)
+    ckpt_mod.atomic_write_json(os.path.join(cfg.run_dir, "config.json"), asdict(cfg))
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
 
@@ -465,11 +722,27 @@ def train(cfg: Config) -> dict:
     ref_model = copy.deepcopy(model).eval()  # frozen reference pi_ref (= the SFT policy)
     for p in ref_model.parameters():
         p.requires_grad_(False)
+    # A checkpoint records which reference it trained against instead of storing its weights.
+    reference = {"source": str(sft_info.get("source", "")),
+                 "sha256": ckpt_mod.weights_fingerprint(ref_model)}
+    if state is not None:
+        if state["reference"]["sha256"] != reference["sha256"]:
+            raise ckpt_mod.CheckpointError(
+                f"cannot resume from {ckpt_path}: the reference model (SFT warm start) rebuilt from "
+                f"{reference['source']} differs from the one the run started with "
+                f"({state['reference']['source']}); restore that warm start or --model")
+        ckpt_mod.load_model_weights(model, ckpt_path)
     system = SYSTEM_PROMPT_COMPACT if cfg.rollout.system_prompt == "compact" else SYSTEM_PROMPT
     sampler = HFSampler(model, tok)
-    engine = RolloutEngine(sampler, tok, {tool.name: tool}, cfg.rollout.max_response_tokens,
-                           cfg.rollout.max_tool_calls, system, cfg.rollout.temperature)
+    # Injected tool faults reach the RL rollouts only: the warm start and evaluation use the clean
+    # tool, so their results do not depend on the fault settings.
+    rl_tool = FaultyTool(tool, cfg.faults) if cfg.faults.tool_rate > 0 else tool
+    engine = RolloutEngine(sampler, tok, {tool.name: rl_tool}, cfg.rollout.max_response_tokens,
+                           cfg.rollout.max_tool_calls, system, cfg.rollout.temperature,
+                           tool_timeout_s=cfg.rollout.tool_timeout_s, deadline_s=cfg.rollout.deadline_s)
     judge = ToyJudge(world, cfg.judge.caps)
+    if cfg.faults.judge_rate > 0:
+        judge = FaultyJudge(judge, cfg.faults, cfg.judge.max_retries)
     bank = bank_mod.RubricBank(max_chars=cfg.bank.max_chars)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.ss_grpo.lr, betas=(0.9, 0.95),
                             weight_decay=0.0)
@@ -477,13 +750,35 @@ def train(cfg: Config) -> dict:
     rng = random.Random(cfg.seed + 1)
     logger = MetricsLog(mpath)
     pending = ReflectionBatch(-1)
-    samples_out = []
+    samples_out: list = []
+    monitor = FailureMonitor(cfg.judge.max_failure_rate, cfg.judge.max_failure_steps)
+    start = 0
+    if state is not None:
+        restore_training_state(state, opt, rng, judge, bank, engine, rl_tool, monitor, order)
+        pending = ReflectionBatch.from_dict(state["pending"])
+        samples_out = list(state["samples"])
+        logger.reset(state["metrics"])
+        bank.save(os.path.join(cfg.run_dir, "bank.jsonl"))  # the bank file follows the checkpoint
+        start = int(state["step"])
+        log.info("resumed from %s at step %d", ckpt_path, start)
     n = cfg.rollout.n
+    stop_at = min(cfg.steps, start + cfg.checkpoint.stop_after) if cfg.checkpoint.stop_after else cfg.steps
+    last_ckpt = ckpt_path
 
-    bar = tqdm(range(cfg.steps), desc="rl", disable=not cfg.progress)
+    def save_checkpoint(done: int) -> str:
+        st = training_state(done, cfg, opt, rng, judge, bank, pending, logger, samples_out, engine,
+                            rl_tool, monitor, reference, order)
+        return ckpt_mod.save_checkpoint(cfg.run_dir, done, model, tok, st, keep=cfg.checkpoint.keep,
+                                        meta={"config": asdict(cfg)})
+
+    bar = tqdm(range(start, stop_at), desc="rl", initial=start, total=cfg.steps,
+               disable=not cfg.progress)
     for step in bar:
         m: dict[str, Any] = {}
         t_step = time.perf_counter()
+        judge_before = dict(judge.counters)
+        engine_before = dict(engine.stats)
+        tool_before = dict(getattr(rl_tool, "counts", {}))
         b, mode = curriculum(step, cfg.curriculum.K, cfg.curriculum.enabled)
         queries = [train_q[i] for i in order.batch(b)]
         # 2. retrieval from the rubric bank (§3.5)
@@ -551,13 +846,19 @@ def train(cfg: Config) -> dict:
         m["judge/missing"] = int(np.isnan(R).sum())
         m["judge/proposed"] = int(sum(res.stats["proposed"] for res in results))
         m["judge/pruned"] = int(sum(res.stats["pruned"] for res in results))
+        m.update(judge_step_metrics(judge_before, judge.counters))
         m["tokens/sampled"] = int(sum(sum(r.loss_mask) for r in rollouts))
         m["tokens/total"] = int(sum(len(r.response_ids) for r in rollouts))
         m["tools/calls"] = float(np.mean([r.n_tool_calls for r in rollouts]))
         m["tools/errors"] = int(sum(r.n_tool_errors for r in rollouts))
+        m["tools/timeouts"] = int(sum(r.n_tool_timeouts for r in rollouts))
+        m["tools/deadline_refusals"] = engine.stats["deadline_refusals"] - engine_before["deadline_refusals"]
+        for kind in TOOL_KINDS if cfg.faults.tool_rate > 0 else ():
+            m[f"tools/faults/{kind}"] = rl_tool.counts[kind] - tool_before.get(kind, 0)
         m["rollout/well_formed"] = float(np.mean([r.parsed.well_formed for r in rollouts]))
         m["rollout/truncated"] = float(np.mean([r.truncated for r in rollouts]))
-        m["bank/size"] = len(bank)
+        m["rollout/forged_tool_outputs"] = int(sum(r.parsed.forged_tool_outputs for r in rollouts))
+        m.update(bank.metrics())
         m["time/step_s"] = time.perf_counter() - t_step
         logger.log(m, step)
         if step in (0, cfg.steps - 1):
@@ -566,39 +867,72 @@ def train(cfg: Config) -> dict:
                 samples_out.append({"step": step, "query": r.query.query, "bank_items": r.bank_items,
                                     "trajectory": r.judge_text, "R": res.R[j].tolist(),
                                     "justifications": res.justifications[j]})
-        if (step + 1) % cfg.bank.save_every == 0:
-            bank.save(os.path.join(cfg.run_dir, "bank.jsonl"))
-        bar.set_postfix(R=f"{np.nanmean(R):.3f}", bank=len(bank))
+        done = step + 1
+        try:
+            monitor.update(m["judge/failure_rate"], step)
+        finally:
+            # The checkpoint comes before the bank file, so bank.jsonl is never ahead of the latest
+            # checkpoint; a resume rewrites it from the checkpoint anyway.
+            every = cfg.checkpoint.every
+            if (every and done % every == 0) or done == stop_at:
+                last_ckpt = save_checkpoint(done)
+            if done % cfg.bank.save_every == 0:
+                bank.save(os.path.join(cfg.run_dir, "bank.jsonl"))
+        bar.set_postfix(R=f"{np.nanmean(R):.3f}" if np.isfinite(R).any() else "missing", bank=len(bank))
     bar.close()
+    if hasattr(rl_tool, "close"):
+        rl_tool.close()  # release tool calls still hung in abandoned worker threads
+    if stop_at < cfg.steps:
+        log.info("stopped after step %d; continue with --resume latest", stop_at)
+        return {"stopped_at": stop_at, "checkpoint": last_ckpt, "sft": sft_info}
     timings["rl_s"] = time.perf_counter() - t_start - timings["world_s"] - timings["warm_start_s"]
 
-    # ---- artefacts
+    # ---- artefacts (each written atomically)
     bank.save(os.path.join(cfg.run_dir, "bank.jsonl"))
-    with open(os.path.join(cfg.run_dir, "rubric_buffers.json"), "w") as fh:
-        json.dump(judge.state_dict(), fh, indent=1)
-    with open(os.path.join(cfg.run_dir, "samples.jsonl"), "w") as fh:
-        for s in samples_out:
-            fh.write(json.dumps(s) + "\n")
-    model.save_pretrained(os.path.join(cfg.run_dir, "final"))
-    tok.save_pretrained(os.path.join(cfg.run_dir, "final"))
+    ckpt_mod.atomic_write_json(os.path.join(cfg.run_dir, "rubric_buffers.json"), judge.state_dict())
+    ckpt_mod.atomic_write_bytes(os.path.join(cfg.run_dir, "samples.jsonl"),
+                                "".join(json.dumps(s) + "\n" for s in samples_out).encode("utf-8"))
+
+    def save_final(d: str) -> None:
+        model.save_pretrained(d)
+        tok.save_pretrained(d)
+
+    _save_dir_atomic(save_final, os.path.join(cfg.run_dir, "final"))
     plot_rewards(logger.rows, os.path.join(cfg.run_dir, "reward_curves.png"))
 
-    # ---- held-out evaluation: SFT start vs trained policy, same questions and seed
+    # ---- held-out evaluation: SFT start vs trained policy, same questions and seed (clean judge
+    # and tool: evaluation measures the policy, whatever faults training saw)
     summary = {"sft": sft_info, "timings": timings}
     if cfg.eval.n_questions > 0:
         t0 = time.perf_counter()
         qs = held_q[: cfg.eval.n_questions]
+        eval_judge = judge.inner if isinstance(judge, FaultyJudge) else judge
         ref_engine = RolloutEngine(HFSampler(ref_model, tok), tok, {tool.name: tool},
                                    cfg.rollout.max_response_tokens, cfg.rollout.max_tool_calls, system)
-        summary["eval_sft"] = evaluate(ref_engine, judge, qs, cfg.eval.samples, cfg.eval.temperature,
-                                       cfg.seed + 12345)
-        summary["eval_rl"] = evaluate(engine, judge, qs, cfg.eval.samples, cfg.eval.temperature,
-                                      cfg.seed + 12345)
+        eval_engine = RolloutEngine(sampler, tok, {tool.name: tool}, cfg.rollout.max_response_tokens,
+                                    cfg.rollout.max_tool_calls, system, cfg.rollout.temperature)
+        summary["eval_sft"] = evaluate(ref_engine, eval_judge, qs, cfg.eval.samples,
+                                       cfg.eval.temperature, cfg.seed + 12345)
+        summary["eval_rl"] = evaluate(eval_engine, eval_judge, qs, cfg.eval.samples,
+                                      cfg.eval.temperature, cfg.seed + 12345)
         timings["eval_s"] = time.perf_counter() - t0
     timings["total_s"] = time.perf_counter() - t_start
-    with open(os.path.join(cfg.run_dir, "eval.json"), "w") as fh:
-        json.dump(summary, fh, indent=1)
+    ckpt_mod.atomic_write_json(os.path.join(cfg.run_dir, "eval.json"), summary)
     return summary
+
+
+def judge_step_metrics(before: dict, after: dict) -> dict:
+    """Per-step judge reliability from two snapshots of judge.counters: judge/calls,
+    judge/failures (calls given up after the retry bound), judge/failure_rate in [0, 1] (0 when
+    there were no calls), judge/retries, and judge/faults/<kind> (injected faults per kind)."""
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    calls, fails = d.get("calls", 0), d.get("failures", 0)
+    out = {"judge/calls": calls, "judge/failures": fails,
+           "judge/failure_rate": fails / calls if calls else 0.0, "judge/retries": d.get("retries", 0)}
+    for kind in JUDGE_KINDS:
+        if f"fault/{kind}" in after:
+            out[f"judge/faults/{kind}"] = d[f"fault/{kind}"]
+    return out
 
 
 def plot_rewards(rows: list[dict], path: str) -> None:
@@ -625,7 +959,13 @@ def plot_rewards(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> Config:
+def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
+    """(config, resume) from the command line; resume is None, "latest" or a checkpoint path.
+
+    With --resume the configuration starts from the checkpoint's own (so `--resume PATH` alone
+    continues a run); flags and --set apply on top, and `train` refuses changes outside
+    RESUME_MAY_CHANGE. Raises ValueError for unknown fields or malformed values.
+    """
     ap = argparse.ArgumentParser(description="RubricEM training (toy or full mode)")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--toy", action="store_true", help="toy preset (default)")
@@ -636,37 +976,83 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     ap.add_argument("--model", help="local Hugging Face causal-LM directory (skips the warm start)")
     ap.add_argument("--advantage", choices=["ss_grpo", "flat"])
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--resume", nargs="?", const="latest", metavar="PATH|latest",
+                    help="continue from a checkpoint directory, or from the newest valid one in the "
+                         "run dir ('latest', the default when the flag has no value; a fresh run if "
+                         "there is none)")
+    ap.add_argument("--faults", metavar="JUDGE_RATE[,TOOL_RATE]",
+                    help="inject judge (and tool) faults at these rates, e.g. 0.3,0.1 (faults.py)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override any config field, e.g. --set ss_grpo.lr=1e-4")
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
     a = ap.parse_args(argv)
     cfg = full_preset() if a.full else toy_preset()
+    run_dir = a.run_dir or (f"{cfg.run_dir}-seed{a.seed}" if a.seed is not None else cfg.run_dir)
+    if a.resume:
+        path = a.resume
+        if a.resume == "latest":
+            path = ckpt_mod.find_latest(run_dir, deep=False)
+        elif not a.run_dir:
+            run_dir = ckpt_mod.run_dir_of(a.resume)
+        if path:
+            meta = ckpt_mod.verify_checkpoint(path, deep=False).get("meta", {})
+            if "config" in meta:
+                cfg = config_from_dict(meta["config"])
+    cfg.run_dir = run_dir
     if a.steps is not None:
         cfg.steps = a.steps
     if a.seed is not None:
         cfg.seed = a.seed
-        if not a.run_dir:
-            cfg.run_dir = f"{cfg.run_dir}-seed{a.seed}"
-    if a.run_dir:
-        cfg.run_dir = a.run_dir
     if a.model:
         cfg.model = a.model
     if a.advantage:
         cfg.ss_grpo.advantage = a.advantage
     if a.no_progress:
         cfg.progress = False
-    return apply_overrides(cfg, a.set)
+    if a.faults:
+        try:
+            rates = [float(x) for x in a.faults.split(",")]
+        except ValueError:
+            raise ValueError(f"--faults expects JUDGE_RATE[,TOOL_RATE], got {a.faults!r}") from None
+        if len(rates) > 2:
+            raise ValueError(f"--faults expects JUDGE_RATE[,TOOL_RATE], got {a.faults!r}")
+        cfg.faults.judge_rate = rates[0]
+        cfg.faults.tool_rate = rates[1] if len(rates) > 1 else 0.0
+    return apply_overrides(cfg, a.set), a.resume
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Config:
+    """The configuration of a command line (see parse_cli)."""
+    return parse_cli(argv)[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Command line entry point. Exit codes: 0 done (or stopped by checkpoint.stop_after), 2 bad
+    configuration or unusable checkpoint, 3 judge failures above the abort threshold."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    cfg = parse_args(argv)
+    try:
+        cfg, resume = parse_cli(argv)
+        validate_config(cfg)
+    except (ValueError, ckpt_mod.CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if cfg.mode == "full":
         print("full mode needs the full-mode engines (DeepSpeed, vLLM, HTTP judge), which this "
               "checkout does not provide yet; run --toy", file=sys.stderr)
         return 2
-    s = train(cfg)
+    try:
+        s = train(cfg, resume)
+    except JudgeFailureAbort as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    except ckpt_mod.CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"run dir: {cfg.run_dir}")
+    if "stopped_at" in s:
+        print(f"stopped after step {s['stopped_at']} (checkpoint {s['checkpoint']}); continue with "
+              "--resume latest")
+        return 0
     print(f"SFT warm start: {'cached' if s['sft'].get('cached') else 'trained'}"
           f" ({s['sft'].get('train_seconds', 0):.0f} s, final loss {s['sft'].get('final_loss', float('nan')):.3f})")
     if "eval_sft" in s:

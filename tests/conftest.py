@@ -18,3 +18,13 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=300, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def toy_cache(tmp_path_factory):
+    """One warm-start cache directory for every end-to-end toy run of the session (tests/runfix.py):
+    the first run trains the tiny SFT policy, the others load it."""
+    return tmp_path_factory.mktemp("toy-cache")

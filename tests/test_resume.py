@@ -1,0 +1,186 @@
+"""Checkpoints and resume (checkpoint.py, train.py; Algorithm 1): a run stopped after N steps and
+resumed equals an uninterrupted 2N-step run bit for bit (metrics except wall-clock `time/*`, bank
+bytes, final weights, rubric buffers, samples, held-out evaluation); so does a run SIGKILLed in the
+middle of a step and resumed from its latest checkpoint; checkpoints are written atomically, verified
+on load, pruned to `keep`; configuration errors name the field. The full 10-trial kill experiment is
+scripts/kill_resume_trials.py."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import checkpoint as ckpt_mod
+import train
+from runfix import fast_args, metric_rows, run_fingerprint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+STEPS = 4  # 2N with N = 2: crosses the first curriculum window's replay boundary (K = 3)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, toy_cache):
+    """The uninterrupted run of STEPS steps (checkpoint every step) and its fingerprint."""
+    d = tmp_path_factory.mktemp("reference") / "run"
+    assert train.main(fast_args(d, toy_cache, STEPS)) == 0
+    return d, run_fingerprint(d)
+
+
+@pytest.mark.slow
+def test_stop_after_n_then_resume_equals_uninterrupted_2n_run_alg1(tmp_path, toy_cache, reference,
+                                                                   capsys):
+    ref_dir, ref = reference
+    d = tmp_path / "run"
+    assert train.main(fast_args(d, toy_cache, STEPS, "--set", "checkpoint.stop_after=2")) == 0
+    assert "continue with --resume latest" in capsys.readouterr().out
+    assert [r["step"] for r in metric_rows(d)] == [0, 1] and not (d / "final").exists()
+    assert train.main(fast_args(d, toy_cache, STEPS, "--resume")) == 0
+    got = run_fingerprint(d)
+    assert got == ref  # metrics (no time/*), bank bytes, weights bytes, buffers, samples, eval
+    assert [r["step"] for r in got["metrics"]] == list(range(STEPS))
+    assert ref["metrics"][-1]["bank/size"] > 0  # the bank comparison is not of two empty files
+    # keep = 3: only the newest three checkpoints remain, all complete
+    assert [s for s, _ in ckpt_mod.list_checkpoints(d)] == [2, 3, 4]
+    for _, p in ckpt_mod.list_checkpoints(d):
+        ckpt_mod.verify_checkpoint(p)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_step_then_resume_equals_uninterrupted_run_alg1(tmp_path, toy_cache, reference):
+    from kill_resume_trials import check_disk, compare, train_cmd
+
+    ref_dir, ref = reference
+    d = tmp_path / "run"
+    first = d / "checkpoints" / "step-000001"
+    proc = subprocess.Popen(train_cmd(fast_args(d, toy_cache, STEPS)), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        t_end = time.time() + 120
+        while not first.exists() and proc.poll() is None and time.time() < t_end:
+            time.sleep(0.05)
+        assert first.exists(), "the run wrote no checkpoint"
+        time.sleep(0.4)  # somewhere inside the next step (a step takes about a second)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert check_disk(str(d)) == []
+    latest = ckpt_mod.find_latest(str(d))
+    assert latest is not None and ckpt_mod.list_checkpoints(d)[-1][0] < STEPS
+    assert train.main(fast_args(d, toy_cache, STEPS, "--resume", "latest")) == 0
+    assert compare(ref, run_fingerprint(d)) == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# checkpoint.py on its own: atomic layout, verification, fallback, pruning
+
+
+class _Tok:
+    def save_pretrained(self, d):
+        with open(os.path.join(d, "tokenizer.json"), "w") as fh:
+            fh.write("{}")
+
+
+def _model():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(Qwen3Config(vocab_size=32, hidden_size=16, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                        intermediate_size=32, tie_word_embeddings=True))
+
+
+def test_checkpoint_round_trip_restores_weights_and_state_exactly(tmp_path):
+    m = _model()
+    state = {"step": 3, "rng": {"python": __import__("random").Random(1).getstate()},
+             "opt": {"t": torch.arange(4.0)}, "rows": [{"a": 1.5, "b": None}]}
+    path = ckpt_mod.save_checkpoint(str(tmp_path), 3, m, _Tok(), state, keep=2, meta={"x": 1})
+    assert os.path.basename(path) == "step-000003"
+    man = ckpt_mod.verify_checkpoint(path)
+    assert man["step"] == 3 and man["meta"] == {"x": 1} and "state.pt" in man["files"]
+    got = ckpt_mod.load_state(path)
+    assert got["rng"] == state["rng"] and got["rows"] == state["rows"]
+    torch.testing.assert_close(got["opt"]["t"], state["opt"]["t"], rtol=0, atol=0)
+    m2 = _model()
+    with torch.no_grad():
+        for p in m2.parameters():
+            p.add_(1.0)
+    ckpt_mod.load_model_weights(m2, path)
+    assert ckpt_mod.weights_fingerprint(m2) == ckpt_mod.weights_fingerprint(m)
+
+
+def test_latest_ignores_temp_dirs_and_falls_back_past_a_corrupt_checkpoint(tmp_path, caplog):
+    m = _model()
+    for s in (1, 2, 3):
+        ckpt_mod.save_checkpoint(str(tmp_path), s, m, _Tok(), {"step": s}, keep=5)
+    root = tmp_path / "checkpoints"
+    (root / ".tmp-step-000009-1-1").mkdir()  # an interrupted save
+    assert ckpt_mod.find_latest(str(tmp_path)).endswith("step-000003")
+    with open(root / "step-000003" / "state.pt", "r+b") as fh:  # flip one byte: bit rot
+        b = fh.read(1)
+        fh.seek(0)
+        fh.write(bytes([b[0] ^ 1]))
+    assert ckpt_mod.find_latest(str(tmp_path)).endswith("step-000002")
+    assert "sha256" in caplog.text
+    with pytest.raises(ckpt_mod.CheckpointError, match="sha256"):
+        ckpt_mod.resolve_resume(str(root / "step-000003"), str(tmp_path))
+    with pytest.raises(ckpt_mod.CheckpointError, match="no such checkpoint"):
+        ckpt_mod.resolve_resume(str(root / "step-000042"), str(tmp_path))
+    assert ckpt_mod.remove_debris(str(tmp_path)) == 1
+    ckpt_mod.prune(str(tmp_path), keep=1)
+    assert [s for s, _ in ckpt_mod.list_checkpoints(str(tmp_path))] == [3]
+
+
+def test_failed_save_leaves_previous_checkpoints_untouched(tmp_path):
+    m = _model()
+    ckpt_mod.save_checkpoint(str(tmp_path), 1, m, _Tok(), {"step": 1})
+
+    class Broken(_Tok):
+        def save_pretrained(self, d):
+            raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        ckpt_mod.save_checkpoint(str(tmp_path), 2, m, Broken(), {"step": 2})
+    assert [s for s, _ in ckpt_mod.list_checkpoints(str(tmp_path))] == [1]
+    assert os.listdir(tmp_path / "checkpoints") == ["step-000001"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Refusals with clear messages
+
+
+def test_resume_refuses_a_changed_configuration_naming_the_field(tmp_path, toy_cache, reference,
+                                                                 capsys):
+    ref_dir, _ = reference
+    assert train.main(fast_args(ref_dir, toy_cache, STEPS, "--resume", "--set",
+                                "ss_grpo.lr=0.5")) == 2
+    err = capsys.readouterr().err
+    assert "ss_grpo.lr" in err and "0.5" in err
+    # A fresh run into a directory that holds checkpoints is refused, so no run is overwritten.
+    assert train.main(fast_args(ref_dir, toy_cache, STEPS)) == 2
+    assert "--resume latest" in capsys.readouterr().err
+
+
+def test_config_round_trips_through_json_sec3_5():
+    c = train.toy_preset()
+    c.faults.judge_kinds = ("timeout",)
+    d = __import__("json").loads(__import__("json").dumps(__import__("dataclasses").asdict(c)))
+    back = train.config_from_dict(d)
+    assert train.resume_config_diff(d, back) == []
+    with pytest.raises(ValueError, match="checkpoint.nope"):
+        train.config_from_dict({"checkpoint": {"nope": 1}})
+
+
+@pytest.mark.parametrize("item, field", [
+    ("checkpoint.every=-1", "checkpoint.every"),
+    ("checkpoint.keep=0", "checkpoint.keep"),
+    ("checkpoint.stop_after=-2", "checkpoint.stop_after"),
+    ('checkpoint.every="ten"', "checkpoint.every"),
+])
+def test_checkpoint_config_errors_name_the_field(item, field):
+    cfg = train.apply_overrides(train.toy_preset(), [item])
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        train.validate_config(cfg)
