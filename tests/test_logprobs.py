@@ -1,0 +1,108 @@
+"""policy.token_logprobs (the chunked log pi pass behind every SS-GRPO ratio and KL term, §3.3)
+equals the full-logits log_softmax: values for several chunk sizes, right and left padding, and
+gradients. Also checks the recompute-per-chunk variant measured in benchmarks/logprob_memory.py."""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+import policy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+V = 97
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=V, max_position_embeddings=64, tie_word_embeddings=True,
+                      **policy.SIZES["XS"])
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+def naive(model, ids, att):
+    """Full (B, L, V) logits -> log_softmax -> gather; column 0 = 0; positions as token_logprobs."""
+    pos = (att.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=att, position_ids=pos).logits.float()
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros_like(lp[:, :1]), lp], 1)
+
+
+def batch(lengths, left: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    L = max(lengths)
+    ids = torch.randint(0, V, (len(lengths), L), generator=g)
+    att = torch.zeros_like(ids)
+    for r, n in enumerate(lengths):
+        if left:
+            att[r, L - n:] = 1
+        else:
+            att[r, :n] = 1
+    return ids, att
+
+
+def valid(att):
+    """Columns t whose token and predecessor are both real (the ones a loss mask can select)."""
+    v = att.bool().clone()
+    v[:, 1:] &= att[:, :-1].bool()
+    v[:, 0] = False
+    return v
+
+
+@pytest.mark.parametrize("left", [False, True], ids=["right_pad", "left_pad"])
+@pytest.mark.parametrize("chunk", [1, 3, 7, 18, 19, 1024])
+def test_chunked_equals_naive_values(model, chunk, left):
+    ids, att = batch([19, 11, 4], left)
+    with torch.no_grad():
+        got, want = policy.token_logprobs(model, ids, att, chunk), naive(model, ids, att)
+    assert got.shape == ids.shape and got.dtype == torch.float32
+    assert torch.equal(got[:, 0], torch.zeros(3))
+    m = valid(att)
+    assert torch.allclose(got[m], want[m], atol=1e-5, rtol=0), (got[m] - want[m]).abs().max()
+
+
+def test_left_padding_equals_each_sequence_alone(model):
+    ids, att = batch([12, 5], left=True, seed=3)
+    with torch.no_grad():
+        lp = policy.token_logprobs(model, ids, att, chunk_size=4)
+        for r in range(2):
+            real = att[r].bool()
+            alone = policy.token_logprobs(model, ids[r:r + 1, real], att[r:r + 1, real], 4)[0]
+            assert torch.allclose(lp[r, real][1:], alone[1:], atol=1e-5)
+
+
+@pytest.mark.parametrize("left", [False, True], ids=["right_pad", "left_pad"])
+def test_chunked_gradients_equal_naive(model, left):
+    ids, att = batch([16, 9], left, seed=1)
+    w = torch.randn(ids.shape, generator=torch.Generator().manual_seed(2)) * valid(att)
+
+    def grads(fn):
+        model.zero_grad(set_to_none=True)
+        (fn() * w).sum().backward()  # an advantage-weighted sum, like the surrogate at rho = 1
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    g_chunk = grads(lambda: policy.token_logprobs(model, ids, att, chunk_size=5))
+    g_naive = grads(lambda: naive(model, ids, att))
+    for n in g_naive:
+        assert torch.allclose(g_chunk[n], g_naive[n], atol=1e-6, rtol=1e-4), n
+
+
+def test_recompute_variant_of_the_benchmark_matches_chunked(model):
+    spec = importlib.util.spec_from_file_location(
+        "logprob_memory", os.path.join(ROOT, "benchmarks", "logprob_memory.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ids, att = batch([16, 16], left=False, seed=4)
+    w = torch.randn(ids.shape, generator=torch.Generator().manual_seed(5))
+    outs = []
+    for fn in (lambda: policy.token_logprobs(model, ids, att, 5),
+               lambda: bench.recompute_logprobs(model, ids, att, 5)):
+        model.zero_grad(set_to_none=True)
+        lp = fn()
+        (lp * w).sum().backward()
+        outs.append((lp.detach(), model.get_input_embeddings().weight.grad.clone()))
+    assert torch.allclose(outs[0][0], outs[1][0], atol=1e-6)
+    assert torch.allclose(outs[0][1], outs[1][1], atol=1e-6)
