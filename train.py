@@ -868,16 +868,20 @@ def train(cfg: Config, resume: str | None = None) -> dict:
                                     "trajectory": r.judge_text, "R": res.R[j].tolist(),
                                     "justifications": res.justifications[j]})
         done = step + 1
+        abort = None
         try:
             monitor.update(m["judge/failure_rate"], step)
-        finally:
-            # The checkpoint comes before the bank file, so bank.jsonl is never ahead of the latest
-            # checkpoint; a resume rewrites it from the checkpoint anyway.
-            every = cfg.checkpoint.every
-            if (every and done % every == 0) or done == stop_at:
-                last_ckpt = save_checkpoint(done)
-            if done % cfg.bank.save_every == 0:
-                bank.save(os.path.join(cfg.run_dir, "bank.jsonl"))
+        except JudgeFailureAbort as e:
+            abort = e  # stop after this step's checkpoint, so the run can continue once fixed
+        # The checkpoint comes before the bank file, so bank.jsonl is never ahead of the latest
+        # checkpoint; a resume rewrites it from the checkpoint anyway.
+        every = cfg.checkpoint.every
+        if (every and done % every == 0) or done == stop_at or abort is not None:
+            last_ckpt = save_checkpoint(done)
+        if done % cfg.bank.save_every == 0:
+            bank.save(os.path.join(cfg.run_dir, "bank.jsonl"))
+        if abort is not None:
+            raise abort
         bar.set_postfix(R=f"{np.nanmean(R):.3f}" if np.isfinite(R).any() else "missing", bank=len(bank))
     bar.close()
     if hasattr(rl_tool, "close"):

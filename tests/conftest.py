@@ -2,6 +2,7 @@
 import os
 import sys
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # The project is a flat set of top-level modules; make them importable from tests/.
@@ -18,9 +19,6 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=300, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-
-
-import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")

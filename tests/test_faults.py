@@ -137,12 +137,13 @@ def test_failure_monitor_aborts_only_after_consecutive_steps_over_the_rate():
 def test_run_aborts_with_exit_code_3_when_the_judge_keeps_failing(tmp_path, toy_cache, capsys):
     d = tmp_path / "run"
     code = train.main(fast_args(d, toy_cache, 4, "--faults", "1.0", "--set", "judge.max_retries=1",
-                                "--set", "judge.max_failure_steps=2"))
+                                "--set", "judge.max_failure_steps=2", "--set", "checkpoint.every=0"))
     assert code == 3
     err = capsys.readouterr().err
     assert "judge.max_failure_rate" in err and "judge.max_failure_steps = 2" in err
     rows = metric_rows(d)
     assert [r["step"] for r in rows] == [0, 1]
+    assert os.path.isdir(d / "checkpoints" / "step-000002")  # the aborted run can be continued
     for r in rows:
         assert r["judge/failure_rate"] == 1.0 and r["judge/retries"] == r["judge/calls"]
         assert r["loss/total"] is not None and math.isfinite(r["loss/total"])
