@@ -1,0 +1,499 @@
+"""The full-mode rollout sampler: `scaffold.Sampler` over a vLLM engine, with live weight sync.
+
+RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
+Implements the sampling side of §3.1 (a_t ~ pi_theta(. | h_t) at temperature 1.0, Appendix) for the
+multi-turn rollouts of §3.2, and keeps the engine's weights equal to the trainer's pi_theta after every
+SS-GRPO update (§3.3, Algorithm 1 step 3 samples with the current policy).
+
+What the functions compute
+- `stop_rule(tokenizer, stop_strings)`: the stop token ids and the remaining stop strings, by the
+  same rule as `scaffold.HFSampler` (a stop string that is one token becomes a stop id).
+- `cut_at_stop(ids, limit, ...)`: the prefix of ids up to and including the first stop, at most limit
+  long (where HF generate and vLLM both stop).
+- `VLLMSampler.generate(prompts, max_new_tokens, temperature)`: token-in/token-out batch generation.
+- `VLLMSampler.score(seqs)`: log pi(x_t | x_<t) of every token, the layout of `policy.token_logprobs`.
+- `VLLMSampler.sync_weights(named_params)`: push new weights into the live engine, in chunks.
+- `VLLMSampler.reload_from_checkpoint(model_or_dir)`: the disk fallback (weights_path or rebuild).
+
+Launch lines (the sampler is a library; these run its end-to-end check):
+    toy/CPU:  RUBRICEM_VLLM_PYTHON=/work/vllm-venv/bin/python python -m pytest tests/test_vllm_sampler.py
+    by hand:  PYTHONPATH=. VLLM_CPU_KVCACHE_SPACE=1 /work/vllm-venv/bin/python tests/vllm_worker_check.py
+Full mode on a GPU node builds `VLLMSampler(model_dir)` in the trainer process (dtype bfloat16) and
+calls `sync_weights(trainer.iter_full_params())` after each update; see docs_vllm.md.
+
+Deviations from the paper
+1. The paper does not say how rollout weights are refreshed; we reload them in place after every
+   optimizer step through vLLM's layer-wise reload (`vllm_sync_ext.py`), so rollouts are always
+   on-policy (no staleness), at the cost of one sync per step.
+2. `n` rollouts per prompt are n copies of the prompt (as `RolloutEngine` passes them), each its own
+   request with its own seed; vLLM's prefix cache shares their prompt KV. vLLM's `SamplingParams.n`
+   is not used, so one request always yields one sequence and the engine's round structure holds.
+3. A prompt that leaves no room before `max_model_len` gets no new tokens (the rollout engine then
+   marks it truncated); HF generate would run past the context length instead.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from typing import Callable, Iterable, Sequence
+
+__all__ = ["VLLMSampler", "WeightSyncError", "stop_rule", "cut_at_stop"]
+
+DEFAULT_CHUNK_BYTES = 256 << 20  # 256 MiB of tensors per collective_rpc call (our choice)
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync or reload did not complete; the message says what state the engine is in and
+    what to do (raise the timeout, send every parameter, or call `reload_from_checkpoint`)."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Stop semantics shared with scaffold.HFSampler
+
+
+def stop_rule(tokenizer, stop_strings: Sequence[str] = ("</call_tool>",)) -> tuple[list[int], list[str]]:
+    """(stop_token_ids, string_stops) for a tokenizer, by HFSampler's rule.
+
+    Stop ids: eos, `<|im_end|>` when the vocabulary has it, and every stop string that encodes to a
+    single token (exact and cheap: vLLM's `stop_token_ids`). The other stop strings are matched on
+    text (vLLM's `stop=`). Returns a sorted list of ints and a list of strings; raises nothing.
+    """
+    ids = {tokenizer.eos_token_id}
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    strings = []
+    for s in stop_strings:
+        enc = tokenizer.encode(s, add_special_tokens=False)
+        if len(enc) == 1:
+            ids.add(enc[0])
+        else:
+            strings.append(s)
+    return sorted(i for i in ids if i is not None), strings
+
+
+def cut_at_stop(ids: Sequence[int], limit: int, stop_token_ids: Iterable[int],
+                string_stops: Sequence[str], decode: Callable[[list[int]], str]) -> list[int]:
+    """The shortest prefix of ids[:limit] that ends at the first stop, or ids[:limit] if none.
+
+    A stop is a token in stop_token_ids (kept), or the token whose decoded prefix first contains one
+    of string_stops (kept; `decode` maps a list of ids to text without skipping special tokens),
+    whichever comes first. HF generate (stop ids as eos, `stop_strings`) and vLLM (`stop_token_ids`,
+    `stop`) both end a sequence there; on engine output this is a guard that changes nothing
+    (counted in `VLLMSampler.stats["guard_trims"]`). limit <= 0 gives [].
+    """
+    ids = list(ids[: max(0, limit)])
+    stops = set(stop_token_ids)
+    end = next((j + 1 for j, t in enumerate(ids) if t in stops), len(ids))
+    if string_stops and any(s in decode(ids[:end]) for s in string_stops):
+        lo, hi = 1, end  # smallest prefix whose text contains a stop string
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if any(s in decode(ids[:mid]) for s in string_stops):
+                hi = mid
+            else:
+                lo = mid + 1
+        end = lo
+    return ids[:end]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The sampler
+
+
+class VLLMSampler:
+    """`scaffold.Sampler` over `vllm.LLM` (imported lazily), token-in/token-out, with weight sync.
+
+    Args
+        model_dir: local Hugging Face model folder (config.json + *.safetensors + tokenizer files).
+        tokenizer: the policy's tokenizer; loaded from model_dir when None. vLLM loads its own copy
+            from model_dir, so the folder must hold the same tokenizer (added tags included).
+        stop_strings: besides eos / <|im_end|>; default stops a turn at a tool call (§3.2).
+        dtype: engine dtype; None = "float32" without CUDA (engine log-probs then match HF fp32 to
+            ~1e-5), "bfloat16" with CUDA.
+        max_model_len: context length in tokens (prompt + response); full mode needs the paper's
+            18,432-token responses plus the prompt.
+        gpu_memory_utilization: fraction of GPU memory (of RAM on CPU) for weights + KV cache.
+        kv_cache_space_gib: CPU only: KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE).
+        enforce_eager: no CUDA graphs / torch.compile (fast start; our default).
+        seed: None = engine RNG; an int gives every request its own seed derived from (seed, request
+            counter), so a run is reproducible for a fixed call sequence and duplicated prompts differ.
+        in_process: run the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): required for
+            passing tensors to `sync_weights` (a multi-process engine receives them as lists).
+        enable_prefix_caching: vLLM's prefix cache; reset after every sync.
+        sync_chunk_bytes: bytes of tensors per rpc in `sync_weights`.
+        llm, sampling_params_cls: an already built engine object with `vllm.LLM`'s generate /
+            collective_rpc / reset_prefix_cache, and the SamplingParams class to use (tests pass
+            stand-ins); when llm is given nothing is built and vLLM is not imported.
+        **llm_kwargs: passed to `vllm.LLM` (e.g. tensor_parallel_size).
+    Raises ValueError for an unknown dtype string; OSError if model_dir has no tokenizer.
+    """
+
+    def __init__(self, model_dir: str, tokenizer=None, *,
+                 stop_strings: Sequence[str] = ("</call_tool>",),
+                 dtype: str | None = None, max_model_len: int = 4096,
+                 gpu_memory_utilization: float | None = None, kv_cache_space_gib: int | None = None,
+                 enforce_eager: bool = True, seed: int | None = None, in_process: bool = True,
+                 enable_prefix_caching: bool = True, sync_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 llm=None, sampling_params_cls=None, **llm_kwargs):
+        import torch
+
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        if dtype is None:
+            dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+        self.model_dir, self.tok, self.dtype = model_dir, tokenizer, dtype
+        self.torch_dtype = getattr(torch, dtype)
+        self.max_model_len, self.seed = int(max_model_len), seed
+        self.sync_chunk_bytes = int(sync_chunk_bytes)
+        self.stop_token_ids, self.string_stops = stop_rule(tokenizer, stop_strings)
+        self.expected_names = _checkpoint_names(model_dir)
+        self.stats = {"requests": 0, "gen_calls": 0, "gen_tokens": 0, "gen_s": 0.0,
+                      "guard_trims": 0, "syncs": 0, "last_sync": {}, "init_s": 0.0}
+        self._lock = threading.RLock()
+        self._state = "ok"  # "ok" | "mixed" (sync failed between rpcs) | "unknown" (rpc timed out)
+        self._inflight: threading.Thread | None = None
+        self._sp_cls = sampling_params_cls
+        self._llm_args = dict(dtype=dtype, max_model_len=self.max_model_len,
+                              enforce_eager=enforce_eager, seed=0 if seed is None else int(seed),
+                              enable_prefix_caching=enable_prefix_caching,
+                              worker_extension_cls="vllm_sync_ext.WeightSyncExt", **llm_kwargs)
+        if gpu_memory_utilization is not None:
+            self._llm_args["gpu_memory_utilization"] = float(gpu_memory_utilization)
+        if llm is not None:
+            self.llm = llm
+            return
+        # vLLM reads these when the engine starts; they must be set before the first LLM(...).
+        if in_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if kv_cache_space_gib is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_space_gib))
+        t0 = time.perf_counter()
+        self.llm = self._build_llm(model_dir)
+        self.stats["init_s"] = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------------------------------------
+    # Sampling
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: list[int],
+                 temperature: float) -> list[list[int]]:
+        """Continue each prompt; the `scaffold.Sampler` contract.
+
+        prompts: token-id lists; max_new_tokens: per prompt, int (<= 0 gives []); temperature in
+        [0, 2] (0 = greedy; RL uses 1.0, PAPER), top_k / top_p off. Returns, per prompt, exactly
+        the sampled ids up to and including the first stop (stop id, or the token completing a stop
+        string), at most min(max_new_tokens[i], max_model_len - len(prompts[i])) long.
+        Raises ValueError on mismatched lengths or a temperature outside [0, 2]; WeightSyncError if
+        the last sync failed (the engine's weights are not pi_theta).
+        """
+        if len(prompts) != len(max_new_tokens):
+            raise ValueError(f"{len(prompts)} prompts but {len(max_new_tokens)} token budgets")
+        if not 0.0 <= float(temperature) <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {temperature}")
+        out: list[list[int]] = [[] for _ in prompts]
+        reqs, params, idx, limits = [], [], [], []
+        for i, (p, m) in enumerate(zip(prompts, max_new_tokens)):
+            room = min(int(m), self.max_model_len - len(p))
+            if room <= 0 or not p:
+                continue
+            reqs.append({"prompt_token_ids": [int(t) for t in p]})  # = vllm.inputs.TokensPrompt
+            params.append(self._sampling_params(room, float(temperature)))
+            idx.append(i)
+            limits.append(room)
+        if not reqs:
+            return out
+        with self._lock:
+            self._check_usable()
+            t0 = time.perf_counter()
+            res = self.llm.generate(reqs, params, use_tqdm=False)
+            self.stats["gen_s"] += time.perf_counter() - t0
+        self.stats["gen_calls"] += 1
+        decode = lambda ids: self.tok.decode(ids, skip_special_tokens=False)  # noqa: E731
+        for i, r, lim in zip(idx, res, limits):
+            ids = [int(t) for t in r.outputs[0].token_ids]
+            out[i] = cut_at_stop(ids, lim, self.stop_token_ids, self.string_stops, decode)
+            self.stats["guard_trims"] += len(out[i]) < len(ids)  # 0 unless vLLM's stop differs
+            self.stats["gen_tokens"] += len(out[i])
+        return out
+
+    def reseed(self, seed: int | None) -> None:
+        """Restart the per-request seed sequence (seed None = the engine's RNG): the next generate
+        calls repeat earlier ones exactly when the weights and prompts are the same."""
+        self.seed = seed
+        self.stats["requests"] = 0
+
+    def score(self, seqs: list[list[int]]) -> list[list[float]]:
+        """log pi(x_t | x_<t) under the engine's current weights (vLLM prompt log-probs, raw model
+        log-softmax, no temperature). seqs: token-id lists, each shorter than max_model_len.
+        Returns per sequence a list of floats of the same length, entry 0 = 0.0 (the layout of
+        `policy.token_logprobs`). Used to check a sync against the trainer's log-probs.
+        Raises ValueError for an empty or too long sequence; WeightSyncError after a failed sync.
+        """
+        reqs, params = [], []
+        for s in seqs:
+            if not s or len(s) >= self.max_model_len:
+                raise ValueError(f"cannot score a sequence of {len(s)} tokens "
+                                 f"(max_model_len {self.max_model_len})")
+            reqs.append({"prompt_token_ids": [int(t) for t in s]})
+            params.append(self._new_params(max_tokens=1, temperature=0.0, prompt_logprobs=0,
+                                           detokenize=False))
+        with self._lock:
+            self._check_usable()
+            res = self.llm.generate(reqs, params, use_tqdm=False)
+        out = []
+        for s, r in zip(seqs, res):
+            lp = [0.0]
+            for t, d in zip(s[1:], r.prompt_logprobs[1:]):
+                lp.append(float(d[int(t)].logprob))
+            out.append(lp)
+        return out
+
+    def _sampling_params(self, max_tokens: int, temperature: float):
+        seed = None
+        if self.seed is not None:  # one seed per request: duplicated prompts sample independently
+            seed = (int(self.seed) * 1_000_003 + self.stats["requests"]) % (2**31 - 1)
+        self.stats["requests"] += 1
+        kw = dict(max_tokens=max_tokens, temperature=temperature, top_k=0, top_p=1.0, min_p=0.0,
+                  seed=seed, n=1, stop_token_ids=list(self.stop_token_ids),
+                  skip_special_tokens=False, spaces_between_special_tokens=False,
+                  detokenize=bool(self.string_stops))
+        if self.string_stops:
+            # The token completing a stop string is kept in token_ids either way; the flag keeps
+            # the text consistent with the ids.
+            kw.update(stop=list(self.string_stops), include_stop_str_in_output=True)
+        return self._new_params(**kw)
+
+    def _new_params(self, **kw):
+        if self._sp_cls is None:
+            from vllm import SamplingParams
+
+            self._sp_cls = SamplingParams
+        return self._sp_cls(**kw)
+
+    # ------------------------------------------------------------------------------------------------
+    # Weight sync (SCALE: everything below exists for the full backend and does not change the math)
+
+    def sync_weights(self, named_params: Iterable[tuple[str, "object"]], timeout_s: float = 600.0,
+                     chunk_bytes: int | None = None) -> dict:
+        """Load new weights into the live engine, then reset its prefix cache.
+
+        named_params: (hf_name, tensor) pairs in Hugging Face checkpoint format, any float dtype and
+        device, consumed one at a time (a trainer's generator of gathered ZeRO-3 parameters works:
+        each tensor is copied into the current chunk, at most ~chunk_bytes are held, and a layer's
+        buffers are freed on the worker once the layer is complete). A tied `lm_head.weight` is
+        dropped (the engine re-packs it from the embedding). Every parameter of the checkpoint must
+        be sent: a fused layer (q/k/v, gate/up) that gets only part of its tensors is garbage.
+        timeout_s: wall-clock budget for the whole sync, iterator included.
+
+        Returns {"n_tensors", "n_chunks", "bytes", "t_s", "t_begin_s", "t_load_s", "t_finish_s",
+        "repacked_lm_head"} (seconds, bytes). Raises WeightSyncError when the deadline passes, a
+        chunk fails to load, a name repeats or parameters are missing; the message says whether the
+        engine can be repaired with `reload_from_checkpoint` in place or must be rebuilt.
+        """
+        import torch
+
+        chunk_bytes = self.sync_chunk_bytes if chunk_bytes is None else int(chunk_bytes)
+        deadline = time.monotonic() + float(timeout_s)
+        t0 = time.perf_counter()
+        with self._lock:
+            self._check_no_inflight()
+            begin = self._rpc("rubricem_sync_begin", {}, deadline, timeout_s)
+            skip = {"lm_head.weight"} if begin.get("tied_lm_head") else set()
+            sent: set[str] = set()
+            chunk, nbytes, total, n_chunks, t_load = [], 0, 0, 0, 0.0
+            try:
+                for name, tensor in named_params:
+                    if time.monotonic() > deadline:
+                        raise WeightSyncError(f"weight sync exceeded timeout_s={timeout_s} while "
+                                              f"reading parameters ({len(sent)} sent)")
+                    if name in skip:
+                        continue
+                    if name in sent:
+                        raise WeightSyncError(f"parameter {name!r} sent twice in one sync")
+                    with torch.no_grad():  # own storage: the trainer may free or reuse its buffer
+                        t = tensor.detach().to(dtype=self.torch_dtype, copy=True)
+                    chunk.append((name, t))
+                    sent.add(name)
+                    nbytes += t.numel() * t.element_size()
+                    if nbytes >= chunk_bytes:
+                        t_load += self._send_chunk(chunk, deadline, timeout_s)
+                        total, n_chunks, chunk, nbytes = total + nbytes, n_chunks + 1, [], 0
+                if chunk:
+                    t_load += self._send_chunk(chunk, deadline, timeout_s)
+                    total, n_chunks, chunk = total + nbytes, n_chunks + 1, []
+            except BaseException as e:
+                if self._state == "unknown":  # an rpc is still running: nothing more can be done
+                    raise
+                self._close_failed_session()
+                if isinstance(e, WeightSyncError):
+                    raise WeightSyncError(f"{e}. {self._repair_hint()}") from e
+                raise WeightSyncError(f"weight sync failed: {type(e).__name__}: {e}. "
+                                      f"{self._repair_hint()}") from e
+            fin = self._rpc("rubricem_sync_finish", {}, deadline, timeout_s)
+            self.llm.reset_prefix_cache()  # KV computed with the old weights must not be reused
+            missing = (self.expected_names - skip - sent) if self.expected_names else set()
+            if missing:
+                self._state = "mixed"
+                raise WeightSyncError(
+                    f"weight sync sent {len(sent)} tensors but the checkpoint has {len(missing)} "
+                    f"more, e.g. {sorted(missing)[:3]}; layers missing some of their tensors now "
+                    f"hold partly stale or undefined values. {self._repair_hint()}")
+            self._state = "ok"
+        info = {"n_tensors": len(sent), "n_chunks": n_chunks, "bytes": total,
+                "t_s": time.perf_counter() - t0, "t_begin_s": begin.get("t_s", 0.0),
+                "t_load_s": t_load, "t_finish_s": fin.get("t_finalize_s", 0.0),
+                "repacked_lm_head": bool(fin.get("repacked_lm_head"))}
+        self.stats["syncs"] += 1
+        self.stats["last_sync"] = info
+        return info
+
+    def reload_from_checkpoint(self, source, rebuild: bool = False, timeout_s: float = 600.0,
+                               tmp_root: str = "/dev/shm") -> dict:
+        """Fallback sync through disk, and the repair after a failed `sync_weights`.
+
+        source: a folder with config.json + *.safetensors in Hugging Face format, or a model with
+        `save_pretrained` (saved to a fresh folder under tmp_root, tmpfs when it exists, removed
+        afterwards). rebuild=False: vLLM's in-place `reload_weights(weights_path=...)` + the tied
+        lm_head re-pack; rebuild=True (forced while a timed-out rpc is still running): shut the
+        engine down and build a new one from the folder (same arguments, tokenizer from model_dir).
+        Returns {"mode": "weights_path"|"rebuild", "save_s", "reload_s", "t_s"} in seconds.
+        Raises WeightSyncError if the in-place reload times out.
+        """
+        import shutil
+
+        t0 = time.perf_counter()
+        tmp = None
+        if isinstance(source, (str, os.PathLike)):
+            path = os.fspath(source)
+        else:
+            root = tmp_root if os.path.isdir(tmp_root) else None
+            tmp = path = tempfile.mkdtemp(prefix="rubricem-weights-", dir=root)
+            source.save_pretrained(path, safe_serialization=True)
+        t_saved = time.perf_counter()
+        try:
+            with self._lock:
+                if rebuild or self._inflight_alive():
+                    mode = "rebuild"
+                    self.close()
+                    self.llm = self._build_llm(path)
+                    self._inflight = None
+                else:
+                    mode = "weights_path"
+                    self._rpc("rubricem_reload_from_path", {"path": path},
+                              time.monotonic() + timeout_s, timeout_s)
+                    self.llm.reset_prefix_cache()
+                self._state = "ok"
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+        t1 = time.perf_counter()
+        return {"mode": mode, "save_s": t_saved - t0, "reload_s": t1 - t_saved, "t_s": t1 - t0}
+
+    def close(self) -> None:
+        """Shut the engine down (frees its memory). The sampler is unusable until rebuilt."""
+        llm, self.llm = getattr(self, "llm", None), None
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        del llm
+        import gc
+
+        gc.collect()
+
+    # ------------------------------------------------------------------------------------------------
+
+    def _build_llm(self, weights_dir: str):
+        from vllm import LLM
+
+        # The tokenizer always comes from model_dir: a weights-only folder need not carry one.
+        return LLM(model=weights_dir, tokenizer=self.model_dir, **self._llm_args)
+
+    def _send_chunk(self, chunk, deadline: float, timeout_s: float) -> float:
+        t0 = time.perf_counter()
+        self._rpc("rubricem_sync_load", {"weights": chunk}, deadline, timeout_s)
+        return time.perf_counter() - t0
+
+    def _rpc(self, method: str, kwargs: dict, deadline: float, timeout_s: float):
+        """collective_rpc in a daemon thread, waited for until the deadline; returns worker 0's
+        result. In-process engines ignore collective_rpc's own timeout, hence the thread."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise WeightSyncError(f"weight sync exceeded timeout_s={timeout_s} before {method}")
+        box: dict = {}
+
+        def run():
+            try:
+                box["result"] = self.llm.collective_rpc(method, kwargs=kwargs)
+            except BaseException as e:  # re-raised in the caller's thread
+                box["error"] = e
+
+        th = threading.Thread(target=run, name=f"vllm-{method}", daemon=True)
+        th.start()
+        th.join(remaining)
+        if th.is_alive():
+            self._inflight, self._state = th, "unknown"
+            raise WeightSyncError(
+                f"{method} did not return within timeout_s={timeout_s}; it is still running in the "
+                f"background and the engine's weights are undefined. Rebuild the engine from the "
+                f"trainer's weights with sampler.reload_from_checkpoint(model, rebuild=True), or "
+                f"raise timeout_s (last successful sync took "
+                f"{self.stats['last_sync'].get('t_s', float('nan')):.2f} s)")
+        if "error" in box:
+            raise box["error"]
+        res = box["result"]
+        return res[0] if isinstance(res, list) and res else res
+
+    def _close_failed_session(self) -> None:
+        # Between rpcs: close the worker's session so every layer is back in place (layers that got
+        # nothing keep their old tensors, partly loaded ones are undefined).
+        self._state = "mixed"
+        try:
+            self._rpc("rubricem_sync_finish", {}, time.monotonic() + 600.0, 600.0)
+            self.llm.reset_prefix_cache()
+        except BaseException:
+            self._state = "unknown"
+
+    def _repair_hint(self) -> str:
+        if self._state == "unknown":
+            return ("The engine is unusable: rebuild it with "
+                    "sampler.reload_from_checkpoint(model, rebuild=True)")
+        return ("The engine holds a mix of old and new weights: call "
+                "sampler.reload_from_checkpoint(model) to load the trainer's weights from disk")
+
+    def _inflight_alive(self) -> bool:
+        return self._inflight is not None and self._inflight.is_alive()
+
+    def _check_no_inflight(self) -> None:
+        if self._inflight_alive():
+            raise WeightSyncError("a timed-out weight-sync rpc is still running; rebuild the engine "
+                                  "with sampler.reload_from_checkpoint(model, rebuild=True)")
+
+    def _check_usable(self) -> None:
+        if self.llm is None:
+            raise WeightSyncError("the engine was closed; call "
+                                  "reload_from_checkpoint(..., rebuild=True)")
+        if self._state != "ok":
+            raise WeightSyncError("the last weight sync failed, so the engine does not hold the "
+                                  f"policy's weights. {self._repair_hint()}")
+
+
+def _checkpoint_names(model_dir: str) -> set[str]:
+    """Tensor names of the *.safetensors files in model_dir (empty set if there are none)."""
+    import glob
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        return set()
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for f in files:
+        with safe_open(f, framework="pt") as fh:
+            names.update(fh.keys())
+    return names
