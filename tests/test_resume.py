@@ -1,7 +1,8 @@
 """Checkpoints and resume (checkpoint.py, train.py; Algorithm 1): a run stopped after N steps and
 resumed equals an uninterrupted 2N-step run bit for bit (metrics except wall-clock `time/*`, bank
-bytes, final weights, rubric buffers, samples, held-out evaluation); so does a run SIGKILLed in the
-middle of a step and resumed from its latest checkpoint; checkpoints are written atomically, verified
+bytes, final weights, rubric buffers, samples, held-out evaluation); so does a run under injected
+judge and tool faults SIGKILLed in the middle of a step and resumed from its latest checkpoint;
+checkpoints are written atomically, verified
 on load, pruned to `keep`; configuration errors name the field. The full 10-trial kill experiment is
 scripts/kill_resume_trials.py."""
 import os
@@ -22,12 +23,29 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 STEPS = 4  # 2N with N = 2: crosses the first curriculum window's replay boundary (K = 3)
 
 
+# Judge faults of every kind and failing tool calls, so that the fault schedule's position is part of
+# what a resume must restore (hangs are left out: a timeout is decided by the wall clock).
+FAULTS = ("--faults", "0.3,0.5", "--set", 'faults.tool_kinds=["error"]')
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, toy_cache):
-    """The uninterrupted run of STEPS steps (checkpoint every step) and its fingerprint."""
-    d = tmp_path_factory.mktemp("reference") / "run"
-    assert train.main(fast_args(d, toy_cache, STEPS)) == 0
-    return d, run_fingerprint(d)
+def references(tmp_path_factory, toy_cache):
+    """Uninterrupted runs of STEPS steps (checkpoint every step) and their fingerprints, made on
+    first use: references(extra_args) -> (run_dir, fingerprint)."""
+    made = {}
+
+    def get(*extra):
+        if extra not in made:
+            d = tmp_path_factory.mktemp("reference") / "run"
+            assert train.main(fast_args(d, toy_cache, STEPS, *extra)) == 0
+            made[extra] = (d, run_fingerprint(d))
+        return made[extra]
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references()
 
 
 @pytest.mark.slow
@@ -50,13 +68,15 @@ def test_stop_after_n_then_resume_equals_uninterrupted_2n_run_alg1(tmp_path, toy
 
 
 @pytest.mark.slow
-def test_sigkill_mid_step_then_resume_equals_uninterrupted_run_alg1(tmp_path, toy_cache, reference):
+def test_sigkill_mid_step_then_resume_equals_uninterrupted_run_under_faults_alg1(tmp_path, toy_cache,
+                                                                                 references):
     from kill_resume_trials import check_disk, compare, train_cmd
 
-    ref_dir, ref = reference
+    ref_dir, ref = references(*FAULTS)
+    assert sum(r["judge/retries"] for r in ref["metrics"]) > 0
     d = tmp_path / "run"
     first = d / "checkpoints" / "step-000001"
-    proc = subprocess.Popen(train_cmd(fast_args(d, toy_cache, STEPS)), cwd=ROOT,
+    proc = subprocess.Popen(train_cmd(fast_args(d, toy_cache, STEPS, *FAULTS)), cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         t_end = time.time() + 120
@@ -70,7 +90,7 @@ def test_sigkill_mid_step_then_resume_equals_uninterrupted_run_alg1(tmp_path, to
     assert check_disk(str(d)) == []
     latest = ckpt_mod.find_latest(str(d))
     assert latest is not None and ckpt_mod.list_checkpoints(d)[-1][0] < STEPS
-    assert train.main(fast_args(d, toy_cache, STEPS, "--resume", "latest")) == 0
+    assert train.main(fast_args(d, toy_cache, STEPS, *FAULTS, "--resume", "latest")) == 0
     assert compare(ref, run_fingerprint(d)) == []
 
 
