@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# GPU smoke run of the full-mode pieces that exist today (RubricEM, arXiv 2605.10899, appendix setup):
+#   1. a tiny Qwen3 + tokenizer written to a scratch folder;
+#   2. the ZeRO-3 policy engine (full.py selftest: ZeRO-3, optimizer offloaded to CPU, gradient
+#      checkpointing, bf16) on one GPU via torchrun, a few SS-GRPO update steps, update tokens/s;
+#   3. benchmarks/logprob_memory.py on the GPU at the paper's pack length (26,624 tokens, vocab 151,936);
+#   4. generation tokens/s with HF generate, and with vLLM when `import vllm` works.
+# The full training loop is not wired to these pieces yet, so this is not an end-to-end RL run.
+#
+# Installs nothing. On a fresh GPU machine first run, from the repository root:
+#   pip install torch && pip install -e ".[full,test]"   # DeepSpeed, accelerate, requests, ...
+#   pip install vllm                                      # optional; pins its own torch/transformers
+# Usage:  bash scripts/gpu_smoke.sh [OUT_DIR]       (about 3-5 minutes on one GPU)
+# Env:    SMOKE_SIZE=S|M (toy model size), SMOKE_UPDATES=5, SMOKE_SEQ=26624 (log-prob benchmark length),
+#         SMOKE_DS_OPT=1 (DeepSpeed's CPU Adam instead of torch AdamW: JIT-compiles cpu_adam first),
+#         SMOKE_ALLOW_CPU=1 (run the plumbing on CPU with small sizes; for checking this script only).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-runs/gpu_smoke}
+PY=${PYTHON:-python}
+SIZE=${SMOKE_SIZE:-S}
+UPDATES=${SMOKE_UPDATES:-5}
+SEQ=${SMOKE_SEQ:-26624}
+mkdir -p "$OUT"
+export TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  if [ "${SMOKE_ALLOW_CPU:-0}" != "1" ]; then
+    echo "no GPU visible (torch.cuda.is_available() is False); set SMOKE_ALLOW_CPU=1 to check the plumbing on CPU"
+    exit 2
+  fi
+  echo "NOTE: running on CPU (SMOKE_ALLOW_CPU=1) with small sizes: figures are not GPU figures"
+  DEV=cpu; SEQ=${SMOKE_SEQ_CPU:-1024}; NSEQ=16; MICRO=2; MINLEN=24; MAXLEN=48; GEN=32; BCHUNK=128
+  export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
+else
+  DEV=cuda; NSEQ=64; MICRO=8; MINLEN=256; MAXLEN=512; GEN=256; BCHUNK=1024
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+fi
+RAN=(); FAILED=()
+section() { echo; echo "=== $1"; }
+ok() { RAN+=("$1"); }
+bad() { FAILED+=("$1"); echo "FAILED: $1"; }
+
+section "versions"
+$PY - <<'PYEOF'
+import importlib.metadata as md
+for d in ("torch", "transformers", "deepspeed", "accelerate", "vllm"):
+    try:
+        print(f"{d} {md.version(d)}")
+    except md.PackageNotFoundError:
+        print(f"{d} not installed")
+PYEOF
+
+section "1. tiny Qwen3 (size $SIZE) -> $OUT/tiny"
+if $PY - "$OUT/tiny" "$SIZE" <<'PYEOF'
+import sys
+import policy
+from scaffold import SYSTEM_PROMPT
+texts = [SYSTEM_PROMPT, "The quick brown fox jumps over the lazy dog. " * 50,
+         "Research plan, rubrics, evidence, review and a cited answer. " * 50]
+tok = policy.train_tokenizer(texts, vocab_size=1024)
+m = policy.build_tiny_qwen3(tok, sys.argv[2])
+m.save_pretrained(sys.argv[1]); tok.save_pretrained(sys.argv[1])
+print(f"{sum(p.numel() for p in m.parameters()):,} parameters, vocab {len(tok)}")
+PYEOF
+then ok "tiny model"; else bad "tiny model"; fi
+
+section "2. ZeRO-3 policy engine on 1 $DEV rank: $UPDATES updates x 2 optimizer steps, $NSEQ sequences of $MINLEN-$MAXLEN tokens"
+OPT=torch; [ "${SMOKE_DS_OPT:-0}" = "1" ] && OPT=deepspeed
+if $PY -m torch.distributed.run --nproc_per_node 1 --master_port "$($PY -c 'import full; print(full.free_port())')" \
+     full.py selftest --model "$OUT/tiny" --out "$OUT/zero3" --updates "$UPDATES" --n-seq "$NSEQ" \
+     --group 8 --minibatches 2 --micro "$MICRO" --min-len "$MINLEN" --max-len "$MAXLEN" --optimizer "$OPT" \
+     2>"$OUT/zero3.log"; then
+  ok "ZeRO-3 engine ($OPT AdamW, optimizer offloaded to CPU, gradient checkpointing)"
+  $PY -c "import json; s=json.load(open('$OUT/zero3/stats.json')); print('update tokens/s', round(s['update_tokens_per_s']), '| peak GPU GiB', s['peak_gpu_mem_gb'])"
+else bad "ZeRO-3 engine (see $OUT/zero3.log)"; tail -n 20 "$OUT/zero3.log"; fi
+
+section "3. log-prob pass memory/time, $SEQ tokens, vocab 151,936"
+if $PY benchmarks/logprob_memory.py --device "$DEV" --seq-len "$SEQ" --chunk "$BCHUNK" --json "$OUT/logprob.json"; then
+  ok "log-prob benchmark"; else bad "log-prob benchmark"; fi
+
+section "4. generation throughput ($GEN new tokens per sequence, batch 1 and 32)"
+cat > "$OUT/gen_speed.py" <<'PYEOF'
+import sys, time, importlib.util
+import torch
+
+path, n_new, dev = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+prompts = ["Write a short cited report on the habitat of the Kuvebro."] * 32
+
+def hf():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev).eval()
+    for b in (1, 32):
+        enc = tok(prompts[:b], return_tensors="pt", padding=True).to(dev)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = m.generate(**enc, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=True)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        n = (out.shape[1] - enc["input_ids"].shape[1]) * b
+        print(f"HF generate   batch {b:2d}: {n / dt:9.0f} tokens/s ({n} tokens, {dt:.2f} s)")
+
+def vllm_speed():
+    from vllm import LLM, SamplingParams
+    t0 = time.perf_counter()
+    llm = LLM(model=path, dtype="bfloat16", gpu_memory_utilization=0.3, enforce_eager=True, seed=0)
+    print(f"vLLM engine init {time.perf_counter() - t0:.1f} s")
+    sp = SamplingParams(max_tokens=n_new, min_tokens=n_new, ignore_eos=True, temperature=1.0)
+    for b in (1, 32):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts[:b], sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        n = sum(len(o.outputs[0].token_ids) for o in outs)
+        print(f"vLLM generate batch {b:2d}: {n / dt:9.0f} tokens/s ({n} tokens, {dt:.2f} s)")
+
+if __name__ == "__main__":
+    hf()
+    if dev == "cuda" and importlib.util.find_spec("vllm") is not None:
+        vllm_speed()
+    else:
+        print("vLLM: not run (" + ("not installed" if dev == "cuda" else "CPU run") + ")")
+PYEOF
+if $PY "$OUT/gen_speed.py" "$OUT/tiny" "$GEN" "$DEV" 2>"$OUT/gen.log"; then ok "generation timing"
+else bad "generation timing (see $OUT/gen.log)"; tail -n 20 "$OUT/gen.log"; fi
+
+section "summary"
+for r in "${RAN[@]}"; do echo "ran:    $r"; done
+for f in ${FAILED[@]+"${FAILED[@]}"}; do echo "failed: $f"; done
+echo "not run: the full RL loop (rollouts -> HTTP judge -> update -> reflection), vLLM weight sync, multi-GPU"
+[ ${#FAILED[@]} -eq 0 ]
