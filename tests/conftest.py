@@ -23,6 +23,6 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 @pytest.fixture(scope="session")
 def toy_cache(tmp_path_factory):
-    """One warm-start cache directory for every end-to-end toy run of the session (tests/runfix.py):
+    """One warm-start cache directory for every end-to-end toy run of one pytest run (tests/runfix.py):
     the first run trains the tiny SFT policy, the others load it."""
     return tmp_path_factory.mktemp("toy-cache")

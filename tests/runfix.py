@@ -1,8 +1,8 @@
-"""Shared helpers for tests that run the toy training loop end to end (checkpoints, resume, faults).
+"""Shared pieces of the tests that run the toy training loop end to end (checkpoints, resume, faults).
 
 `fast_args` is the smoke test's `tiny_args` plus settings that make one RL step take about a second
 on one core: 2 prompts x 2 rollouts of at most 48 tokens, 2 reflection candidates, a 2-step warm
-start (its cache is shared by every test of the session: see `toy_cache` in conftest.py), one
+start (its cache is shared by every test of one pytest run: see `toy_cache` in conftest.py), one
 thread (tiny matrices on a shared 2-core machine run faster on one), a checkpoint every step.
 """
 from __future__ import annotations
