@@ -820,7 +820,7 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
                   f"  world size {ws} ({ws_src}): {plan.per_rank} sequences per rank per optimizer step",
                   f"  micro-batch {plan.micro_batch} per rank -> gradient accumulation "
                   f"{plan.per_optimizer_step} / ({plan.micro_batch} x {ws}) = {plan.grad_accum}", ""]
-        ds = deepspeed_config(cfg, ws, "cuda" if n_gpu else "cpu", full)
+        ds = deepspeed_config(cfg, ws, "cuda", full)  # the plan is for GPUs, even when none is here
         z = ds["zero_optimization"]
         lines += ["deepspeed",
                   f"  ZeRO stage {z['stage']}, optimizer offload "
@@ -848,12 +848,16 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
     else:
         lines.append("  GPUs: none visible (torch.cuda.is_available() is False)")
         problems.append("no GPU visible: full mode trains on GPUs")
-    for dist in ("torch", "transformers", "deepspeed", "vllm", "sentence-transformers", "datasets"):
+    needed = {"deepspeed": "pip install '.[full]'", "accelerate": "pip install '.[full]'",
+              "datasets": "pip install '.[full]'"}
+    if full.sampler == "vllm":
+        needed["vllm"] = "pip install vllm; it pins its own torch and transformers (docs_full.md)"
+    for dist in ("torch", "transformers", "deepspeed", "accelerate", "vllm", "sentence-transformers",
+                 "datasets"):
         v = _version(dist)
         lines.append(f"  {dist} {v or 'not installed'}")
-        if v is None and (dist == "deepspeed" or (dist == "vllm" and full.sampler == "vllm")
-                          or dist == "datasets"):
-            problems.append(f"{dist} is not installed (pip install '.[full]')")
+        if v is None and dist in needed:
+            problems.append(f"{dist} is not installed ({needed[dist]})")
     lines += ["", "problems" if problems else "no problems found"] + [f"  - {p}" for p in problems]
     return "\n".join(lines), problems
 
