@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 PAPER_EMBED_MODEL = "Qwen/Qwen3-Embedding-0.6B"  # PAPER: "rubric bank embeddings Qwen3-Embedding-0.6B"
 POOLING_MODES = ("mean", "lasttoken", "cls")
@@ -47,6 +48,8 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str) -> torch
     over real tokens), "lasttoken" (the last real token, wherever padding sits) or "cls" (position 0
     of each row's real tokens). Returns (B, H) float32. Raises ValueError for an unknown mode.
     """
+    import torch
+
     m = attention_mask.to(hidden.dtype)
     if mode == "mean":
         # Eq.: pool = sum_t m_t h_t / sum_t m_t
@@ -99,6 +102,8 @@ class DenseRetriever:
                  local_files_only: bool = False):
         import importlib.util
 
+        import torch
+
         if backend not in ("auto", "sentence-transformers", "transformers"):
             raise ValueError(f"unknown backend {backend!r}")
         if backend == "auto":
@@ -109,8 +114,8 @@ class DenseRetriever:
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         self.batch_size, self.max_length = int(batch_size), int(max_length)
         self.prompt, self.min_score = prompt, float(min_score)
-        self._cache: dict[str, torch.Tensor] = {}
-        self._emb: torch.Tensor | None = None  # (N, D) fitted, L2-normalised
+        self._cache: dict[str, "torch.Tensor"] = {}
+        self._emb: "torch.Tensor | None" = None  # (N, D) fitted, L2-normalised
         if backend == "sentence-transformers":
             try:
                 from sentence_transformers import SentenceTransformer
@@ -127,8 +132,9 @@ class DenseRetriever:
             self._model.to(self.device).eval()
             self.pooling = pooling_mode(model, local_files_only)
 
-    @torch.no_grad()
-    def _embed_new(self, texts: list[str]) -> torch.Tensor:
+    def _embed_new(self, texts: list[str]) -> "torch.Tensor":
+        import torch
+
         if self.backend == "sentence-transformers":
             e = self._st.encode([self.prompt + t for t in texts], batch_size=self.batch_size,
                                 convert_to_tensor=True, normalize_embeddings=True,
@@ -139,13 +145,16 @@ class DenseRetriever:
             enc = self._tok([self.prompt + t for t in texts[s : s + self.batch_size]], padding=True,
                             truncation=True, max_length=self.max_length, return_tensors="pt")
             enc = {k: v.to(self.device) for k, v in enc.items()}
-            h = self._model(**enc).last_hidden_state  # (B, L, H)
+            with torch.no_grad():
+                h = self._model(**enc).last_hidden_state  # (B, L, H)
             out.append(pool(h, enc["attention_mask"], self.pooling).cpu())
         # Eq.: e(x) = pool(h(x)) / ||pool(h(x))||_2
         return torch.nn.functional.normalize(torch.cat(out), dim=-1)
 
-    def embed(self, texts: Sequence[str]) -> torch.Tensor:
+    def embed(self, texts: Sequence[str]) -> "torch.Tensor":
         """(N, D) float32 CPU, unit L2 norm, one row per text (cached per text; deviation 3)."""
+        import torch
+
         new = list(dict.fromkeys(t for t in texts if t not in self._cache))
         if new:
             for t, e in zip(new, self._embed_new(new)):
@@ -163,6 +172,8 @@ class DenseRetriever:
         dropped. [] when k <= 0 or nothing is fitted."""
         if k <= 0 or self._emb is None or not len(self._emb):
             return []
+        import torch
+
         q = self.embed([query])[0]
         # Eq.: score(q, j) = e(q) . e(q_j)
         scores = self._emb @ q  # (N,)

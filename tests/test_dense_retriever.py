@@ -52,7 +52,7 @@ def test_pooling_mode_from_folder_and_name(tmp_path):
 
 def test_importing_retrieval_loads_no_model_library():
     code = ("import sys, retrieval, bank\n"
-            "bad = [m for m in ('transformers', 'sentence_transformers') if m in sys.modules]\n"
+            "bad = [m for m in ('torch', 'transformers', 'sentence_transformers') if m in sys.modules]\n"
             "assert not bad, bad\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
                        capture_output=True, text=True, timeout=60)
