@@ -50,6 +50,7 @@ Launch
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import importlib.metadata
 import importlib.util
@@ -123,7 +124,8 @@ def dist_env(environ: dict | None = None) -> DistEnv:
 
 
 def free_port() -> int:
-    """An unused TCP port on 127.0.0.1 (for single-process runs and tests)."""
+    """An unused TCP port on 127.0.0.1 (for single-process runs and tests); another process may
+    take it before we bind it, which is acceptable on a test machine."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -183,6 +185,7 @@ def rank0_print(*args, **kwargs) -> None:
 
 
 def barrier() -> None:
+    """torch.distributed.barrier() when more than one rank runs; a no-op otherwise."""
     if _world()[1] > 1:
         torch.distributed.barrier()
 
@@ -394,7 +397,7 @@ class ZeRO3Policy:
                 lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
             else:
                 lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
-            lm.config.use_cache = False
+        lm.config.use_cache = False  # this engine scores sequences, it never generates: no KV cache
         module = _LogProbModule(lm, full.logprob_chunk)
         opt = None
         if "optimizer" not in ds_config:  # SCALE: torch AdamW client optimizer (no JIT build)
@@ -504,8 +507,8 @@ class ZeRO3Policy:
         if rank0:
             flush()
             _finalise_shards(out_dir, shards, total)
-            cfg = self.module.config
-            cfg.use_cache = True
+            cfg = copy.deepcopy(self.module.config)
+            cfg.use_cache = True  # for whoever generates from the checkpoint (the engine keeps False)
             cfg.save_pretrained(out_dir)
             if getattr(self.module, "generation_config", None) is not None:
                 self.module.generation_config.save_pretrained(out_dir)
@@ -536,12 +539,16 @@ class FrozenReference:
         self._keep = _keep_alive
         for p in lm.parameters():
             p.requires_grad_(False)
+        lm.config.use_cache = False
         rc = reference_config(ds_config)
         self.engine, *_ = deepspeed.initialize(model=_LogProbModule(lm, chunk_size), config=rc)
         self.engine.eval()
 
     @classmethod
     def from_pretrained(cls, path: str, ds_config: dict, *, chunk_size: int = 1024):
+        """Load pi_ref from a HF directory or hub id straight into ZeRO-3 inference partitions, in the
+        policy config's precision (ds_config: the policy's JSON, see reference_config). Raises OSError
+        when the model cannot be found."""
         dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float32
         lm, keep = _load_lm(path, reference_config(ds_config), dtype)
         return cls(lm, ds_config, chunk_size=chunk_size, _keep_alive=keep)
