@@ -178,6 +178,19 @@ def _remove_dir(path: str) -> None:
     shutil.rmtree(gone, ignore_errors=True)
 
 
+def save_dir_atomic(save, path: str) -> None:
+    """Run save(tmp_dir) (e.g. a save_pretrained), fsync it, then put tmp_dir in place of `path` by a
+    rename, so `path` (e.g. run_dir/final) is either the old directory or the complete new one."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save(tmp)
+    _fsync_tree(tmp)
+    if os.path.exists(path):
+        _remove_dir(path)
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
 def prune(run_dir: str, keep: int) -> None:
     """Delete all but the newest `keep` step-* checkpoints (keep >= 1)."""
     for _, path in list_checkpoints(run_dir)[: -max(1, int(keep))]:

@@ -619,7 +619,9 @@ def training_state(step: int, cfg: Config, opt, rng: random.Random, judge, bank,
 
 def restore_training_state(state: dict, opt, rng: random.Random, judge, bank, engine, tool,
                            monitor: FailureMonitor, order: DataOrder) -> None:
-    """Inverse of `training_state` for the objects rebuilt by `train` (in place)."""
+    """Inverse of `training_state` for the objects rebuilt by `train` (in place). Raises
+    checkpoint.CheckpointError if the checkpoint's data order does not fit this data set, ValueError
+    (from the bank) if its bank state is invalid."""
     if state["data_order"] != {"n": order.n, "per_batch": order.P, "seed": order.seed}:
         raise ckpt_mod.CheckpointError(f"the checkpoint's data order {state['data_order']} does not "
                                        "fit this data set")
@@ -661,20 +663,6 @@ def _open_run(cfg: Config, resume: str | None) -> tuple[str | None, dict | None]
     if state["step"] > cfg.steps:
         raise ckpt_mod.CheckpointError(f"{path} is at step {state['step']}, beyond steps = {cfg.steps}")
     return path, state
-
-
-def _save_dir_atomic(save, path: str) -> None:
-    """Run save(tmp_dir) (e.g. save_pretrained), then move tmp_dir onto `path` in one rename."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    if os.path.exists(tmp):
-        import shutil
-
-        shutil.rmtree(tmp)
-    save(tmp)
-    ckpt_mod._fsync_tree(tmp)
-    if os.path.exists(path):
-        ckpt_mod._remove_dir(path)
-    os.replace(tmp, path)
 
 
 def train(cfg: Config, resume: str | None = None) -> dict:
@@ -901,7 +889,7 @@ def train(cfg: Config, resume: str | None = None) -> dict:
         model.save_pretrained(d)
         tok.save_pretrained(d)
 
-    _save_dir_atomic(save_final, os.path.join(cfg.run_dir, "final"))
+    ckpt_mod.save_dir_atomic(save_final, os.path.join(cfg.run_dir, "final"))
     plot_rewards(logger.rows, os.path.join(cfg.run_dir, "reward_curves.png"))
 
     # ---- held-out evaluation: SFT start vs trained policy, same questions and seed (clean judge

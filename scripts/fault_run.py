@@ -112,6 +112,8 @@ def main(argv=None) -> int:
     counts = {n: fault_counts(d) for n, d in dirs.items()}
     for k in sorted(set().union(*[c.keys() for c in counts.values()])):
         print(f"| {k} | " + " | ".join(f"{counts[n].get(k, 0):.3g}" for n in runs) + " |")
+    print("(judge/calls: one call per group for the plain toy judge, one per (rollout, stage) cell "
+          "under FaultyJudge; faults.py, deviation 2)")
     bad = {n: finite_report(d) for n, d in dirs.items()}
     print("\nnon-finite values: " + "; ".join(f"{n}: {len(b)}" + (f" ({b[:3]})" if b else "")
                                           for n, b in bad.items()))
