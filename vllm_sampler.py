@@ -41,7 +41,7 @@ from typing import Callable, Iterable, Sequence
 
 __all__ = ["VLLMSampler", "WeightSyncError", "stop_rule", "cut_at_stop"]
 
-DEFAULT_CHUNK_BYTES = 256 << 20  # 256 MiB of tensors per collective_rpc call (our choice)
+DEFAULT_CHUNK_BYTES = 64 << 20  # tensors per collective_rpc call (our choice; docs_vllm.md)
 
 
 class WeightSyncError(RuntimeError):
@@ -151,7 +151,7 @@ class VLLMSampler:
         self.model_dir, self.tok, self.dtype = model_dir, tokenizer, dtype
         self.torch_dtype = getattr(torch, dtype)
         self.max_model_len, self.seed = int(max_model_len), seed
-        self.sync_chunk_bytes = int(sync_chunk_bytes)
+        self.sync_chunk_bytes, self.in_process = int(sync_chunk_bytes), bool(in_process)
         self.stop_token_ids, self.string_stops = stop_rule(tokenizer, stop_strings)
         self.expected_names = _checkpoint_names(model_dir)
         self.stats = {"requests": 0, "gen_calls": 0, "gen_tokens": 0, "gen_s": 0.0,
@@ -291,13 +291,20 @@ class VLLMSampler:
         be sent: a fused layer (q/k/v, gate/up) that gets only part of its tensors is garbage.
         timeout_s: wall-clock budget for the whole sync, iterator included.
 
+        Each tensor is copied (own storage, engine dtype) before it is sent: the trainer may free or
+        reuse its buffer while the worker still holds a layer's pieces (cost: ~1 s per 1.2 GB here).
+
         Returns {"n_tensors", "n_chunks", "bytes", "t_s", "t_begin_s", "t_load_s", "t_finish_s",
         "repacked_lm_head"} (seconds, bytes). Raises WeightSyncError when the deadline passes, a
-        chunk fails to load, a name repeats or parameters are missing; the message says whether the
-        engine can be repaired with `reload_from_checkpoint` in place or must be rebuilt.
+        chunk fails to load, a name repeats, parameters are missing, or the engine is not in-process;
+        the message says whether `reload_from_checkpoint` can repair the engine in place or must
+        rebuild it.
         """
         import torch
 
+        if not self.in_process:
+            raise WeightSyncError("sync_weights needs an in-process engine (a multi-process engine "
+                                  "receives tensors as lists); use reload_from_checkpoint(model)")
         chunk_bytes = self.sync_chunk_bytes if chunk_bytes is None else int(chunk_bytes)
         deadline = time.monotonic() + float(timeout_s)
         t0 = time.perf_counter()

@@ -188,9 +188,10 @@ def check_sampling_semantics(sampler, prompt) -> dict:
     return {"duplicates_differ": len({tuple(x) for x in first}) > 1, "seed_repeats": first == again}
 
 
-def check_throughput(sampler, tok, prompt) -> dict:
-    """Raw engine throughput: 8 sequences x 64 new tokens, then 1 x 64, stops ignored (vLLM
-    directly; a 64-token prompt)."""
+def check_throughput(sampler, hf, prompt) -> dict:
+    """Raw engine throughput: 8 sequences x 64 new tokens, then 1 x 32, stops ignored (vLLM
+    directly; a 64-token prompt); HF generate on the same 8 x 64 for comparison."""
+    import torch
     from vllm import SamplingParams
 
     sp = SamplingParams(max_tokens=64, temperature=1.0, ignore_eos=True, seed=3, detokenize=False)
@@ -198,10 +199,18 @@ def check_throughput(sampler, tok, prompt) -> dict:
     res = sampler.llm.generate([{"prompt_token_ids": prompt}] * 8, sp, use_tqdm=False)
     dt = time.perf_counter() - t0
     n = sum(len(r.outputs[0].token_ids) for r in res)
+    sp = SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True, seed=3, detokenize=False)
     t0 = time.perf_counter()
     sampler.llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
     dt1 = time.perf_counter() - t0
-    return {"gen_tok_per_s_b8": round(n / dt, 1), "gen_tok_per_s_b1": round(64 / dt1, 1)}
+    ids = torch.tensor([prompt] * 8)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0,
+                    max_new_tokens=64, min_new_tokens=64, pad_token_id=0)
+    dt_hf = time.perf_counter() - t0
+    return {"gen_tok_per_s_b8": round(n / dt, 1), "gen_tok_per_s_b1": round(32 / dt1, 1),
+            "hf_gen_tok_per_s_b8": round(8 * 64 / dt_hf, 1)}
 
 
 def check_sync(sampler, a, b, seqs, prompts) -> dict:
@@ -350,7 +359,7 @@ def main(argv=None) -> int:
     summary["b_logprobs"] = {"max_abs_diff": max_diff(*lp), "n_sequences": len(rand + seqs),
                              "max_len": max(map(len, rand + seqs))}
     summary["a_sampling"] = check_sampling_semantics(sampler, seqs[0][: len(seqs[0]) // 2])
-    summary["throughput"] = phase("throughput", check_throughput, sampler, tok, seqs[0][:64])
+    summary["throughput"] = phase("throughput", check_throughput, sampler, a, seqs[0][:64])
     prompts = [x[:40] for x in seqs[:4]]
     summary["c_sync"] = phase("c_sync", check_sync, sampler, a, b, seqs, prompts)
     summary["d_fallback"] = phase("d_fallback", check_fallback, sampler, a, b, seqs)
