@@ -75,7 +75,7 @@ PAPER_RL_DATA = "rl-research/dr-tulu-rl-data"
 
 
 # ----------------------------------------------------------------------------------------------------
-# Distributed environment (one helper; everything else asks it)
+# Distributed environment (read in one place; everything else asks dist_env)
 
 
 @dataclass(frozen=True)
