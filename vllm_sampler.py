@@ -337,7 +337,7 @@ class VLLMSampler:
             except BaseException as e:
                 if self._state == "unknown":  # an rpc is still running: nothing more can be done
                     raise
-                self._close_failed_session()
+                self._close_failed_sync()
                 if isinstance(e, WeightSyncError):
                     raise WeightSyncError(f"{e}. {self._repair_hint()}") from e
                 raise WeightSyncError(f"weight sync failed: {type(e).__name__}: {e}. "
@@ -456,8 +456,8 @@ class VLLMSampler:
         res = box["result"]
         return res[0] if isinstance(res, list) and res else res
 
-    def _close_failed_session(self) -> None:
-        # Between rpcs: close the worker's session so every layer is back in place (layers that got
+    def _close_failed_sync(self) -> None:
+        # Between rpcs: close the worker's transaction so every layer is back in place (layers that got
         # nothing keep their old tensors, partly loaded ones are undefined).
         self._state = "mixed"
         try:

@@ -9,7 +9,7 @@ methods by name through `LLM.collective_rpc`. It must be importable by the worke
 on `PYTHONPATH`, or the same process for an in-process engine). vLLM is imported inside the methods
 only, so the module itself imports without vLLM.
 
-One sync is a session of three calls, so the trainer can send the parameters in chunks and the whole
+One sync is a transaction of three calls, so the trainer can send the parameters in chunks and the whole
 model never exists twice in memory:
     rubricem_sync_begin()          vLLM's layer-wise reload set-up (every layer back to checkpoint
                                    format, weight loaders wrapped to buffer)
@@ -53,21 +53,21 @@ class WeightSyncExt:
     `self.vllm_config`). Call them through `llm.collective_rpc("<name>", kwargs=...)`; every method
     returns a small dict of plain Python values (it travels back through the rpc).
 
-    Only one sync session may be open at a time; the caller (VLLMSampler) serialises them.
+    Only one sync transaction may be open at a time; the caller (VLLMSampler) serialises them.
     """
 
     def rubricem_sync_begin(self) -> dict:
-        """Open a sync session: vLLM's `initialize_layerwise_reload` on the live model.
+        """Open a sync transaction: vLLM's `initialize_layerwise_reload` on the live model.
 
         Returns {"tied_lm_head": bool, "t_s": float seconds}. Until `rubricem_sync_finish` returns,
         layers that have not received all their tensors are on the meta device: the engine must not
-        run a forward pass in between. Raises RuntimeError if a session is already open.
+        run a forward pass in between. Raises RuntimeError if a transaction is already open.
         """
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         if getattr(self, "_rubricem_open", False):
-            raise RuntimeError("a weight-sync session is already open; call rubricem_sync_finish")
+            raise RuntimeError("a weight-sync transaction is already open; call rubricem_sync_finish")
         t0 = time.perf_counter()
         model = self.model_runner.get_model()
         with set_current_vllm_config(self.vllm_config):
@@ -80,14 +80,14 @@ class WeightSyncExt:
         """Load one chunk: weights is a list of (hf_name: str, tensor) pairs in checkpoint format
         (Hugging Face names and shapes, any float dtype; the loader casts to the engine dtype).
 
-        Returns {"n": tensors in this chunk, "loaded": names the model's loader accepted (fused
-        names, e.g. qkv_proj, count once per piece), "t_s": seconds}. Raises RuntimeError outside a
-        session; an unknown name raises whatever the model's `load_weights` raises (KeyError).
+        Returns {"n": tensors in this chunk, "loaded": engine parameters that received data (a
+        fused qkv_proj counts once), "t_s": seconds}. Raises RuntimeError outside a
+        transaction; an unknown name raises whatever the model's `load_weights` raises (KeyError).
         """
         from vllm.config import set_current_vllm_config
 
         if not getattr(self, "_rubricem_open", False):
-            raise RuntimeError("no weight-sync session is open; call rubricem_sync_begin first")
+            raise RuntimeError("no weight-sync transaction is open; call rubricem_sync_begin first")
         t0 = time.perf_counter()
         model = self.model_runner.get_model()
         with set_current_vllm_config(self.vllm_config):
@@ -96,11 +96,11 @@ class WeightSyncExt:
         return {"n": len(weights), "loaded": len(loaded or ()), "t_s": time.perf_counter() - t0}
 
     def rubricem_sync_finish(self) -> dict:
-        """Close the session: vLLM's `finalize_layerwise_reload` (layers that received nothing get
+        """Close the transaction: vLLM's `finalize_layerwise_reload` (layers that received nothing get
         their previous tensors back), the tied-lm_head re-pack, and the runner's cache resets that
         vLLM's `reload_weights` performs. Safe to call after a failed `rubricem_sync_load`.
 
-        Returns {"n_tensors": tensors received this session, "repacked_lm_head": bool,
+        Returns {"n_tensors": tensors received in this transaction, "repacked_lm_head": bool,
         "t_finalize_s", "t_repack_s": seconds}. The caller must still `llm.reset_prefix_cache()`.
         """
         from vllm.config import set_current_vllm_config

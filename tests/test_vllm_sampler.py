@@ -307,7 +307,7 @@ def test_sync_missing_or_repeated_tensor_raises_and_blocks_sampling_sec3_3(ckpt)
     items = list(sd.items())
     with pytest.raises(WeightSyncError, match="twice"):
         s.sync_weights(items + items[:1])
-    assert not llm.rpc.open  # the worker's session was closed after the failure
+    assert not llm.rpc.open  # the worker's transaction was closed after the failure
 
 
 def test_sync_timeout_raises_and_rebuild_repairs_sec3_3(ckpt, monkeypatch):
