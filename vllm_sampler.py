@@ -338,6 +338,8 @@ class VLLMSampler:
                 if self._state == "unknown":  # an rpc is still running: nothing more can be done
                     raise
                 self._close_failed_sync()
+                if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: pass through
+                    raise
                 if isinstance(e, WeightSyncError):
                     raise WeightSyncError(f"{e}. {self._repair_hint()}") from e
                 raise WeightSyncError(f"weight sync failed: {type(e).__name__}: {e}. "
@@ -457,8 +459,8 @@ class VLLMSampler:
         return res[0] if isinstance(res, list) and res else res
 
     def _close_failed_sync(self) -> None:
-        # Between rpcs: close the worker's transaction so every layer is back in place (layers that got
-        # nothing keep their old tensors, partly loaded ones are undefined).
+        # Between rpcs: close the worker's transaction so every layer is back in place (layers that
+        # got nothing keep their old tensors, partly loaded ones are undefined).
         self._state = "mixed"
         try:
             self._rpc("rubricem_sync_finish", {}, time.monotonic() + 600.0, 600.0)
