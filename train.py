@@ -160,7 +160,7 @@ class Config:
 
     mode: str = "toy"
     seed: int = 0
-    steps: int = 30
+    steps: int = 24  # toy: four curriculum windows of 2K = 6 steps
     run_dir: str = "runs/toy"
     model: str = ""  # "" = toy SFT warm start; else a local HF causal-LM directory
     model_size: str = "S"
