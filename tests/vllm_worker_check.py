@@ -347,6 +347,11 @@ def main(argv=None) -> int:
         return out
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="rubricem-vllm-check-")
+    if args.workdir is None:  # our own scratch folder goes when we exit
+        import atexit
+        import shutil
+
+        atexit.register(shutil.rmtree, workdir, True)
     w, tok, a, b, dir_a = phase("toy_build", build_toy, workdir)
     sampler = VLLMSampler(dir_a, tok, dtype="float32", max_model_len=1024, seed=1234)
     summary.update({"model_params": sum(p.numel() for p in a.parameters()), "vocab": len(tok),
