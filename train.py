@@ -168,6 +168,7 @@ class Config:
     cache_dir: str = ".cache/rubricem"
     threads: int = 2
     progress: bool = True
+    dry_run: bool = False  # full mode: check the environment and print the plan only
     world: WorldConfig = field(default_factory=WorldConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -968,6 +969,9 @@ def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
     ap.add_argument("--model", help="local Hugging Face causal-LM directory (skips the warm start)")
     ap.add_argument("--advantage", choices=["ss_grpo", "flat"])
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="full mode: resolve the configuration, check the environment, print the "
+                         "plan (full.main_dry_run) and exit without training")
     ap.add_argument("--resume", nargs="?", const="latest", metavar="PATH|latest",
                     help="continue from a checkpoint directory, or from the newest valid one in the "
                          "run dir ('latest', the default when the flag has no value; a fresh run if "
@@ -1001,6 +1005,7 @@ def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
         cfg.ss_grpo.advantage = a.advantage
     if a.no_progress:
         cfg.progress = False
+    cfg.dry_run = bool(a.dry_run)
     if a.faults:
         try:
             rates = [float(x) for x in a.faults.split(",")]
@@ -1029,8 +1034,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if cfg.mode == "full":
-        print("full mode needs the full-mode engines (DeepSpeed, vLLM, HTTP judge), which this "
-              "checkout does not provide yet; run --toy", file=sys.stderr)
+        import full  # SCALE: DeepSpeed / vLLM / HTTP judge live there, imported only in full mode
+
+        if cfg.dry_run:
+            return full.main_dry_run(cfg)
+        print("full-mode training is not wired into this loop yet: `--full --dry-run` checks the "
+              "environment and prints the plan; the ZeRO-3 engine, vLLM sampler and HTTP judge are "
+              "in full.py, vllm_sampler.py and judge_http.py (see README, Full mode)", file=sys.stderr)
         return 2
     try:
         s = train(cfg, resume)
