@@ -280,7 +280,7 @@ class VLLMSampler:
     # Weight sync (SCALE: everything below exists for the full backend and does not change the math)
 
     def sync_weights(self, named_params: Iterable[tuple[str, "object"]], timeout_s: float = 600.0,
-                     chunk_bytes: int | None = None) -> dict:
+                     chunk_bytes: int | None = None, copy: bool = True) -> dict:
         """Load new weights into the live engine, then reset its prefix cache.
 
         named_params: (hf_name, tensor) pairs in Hugging Face checkpoint format, any float dtype and
@@ -291,8 +291,10 @@ class VLLMSampler:
         be sent: a fused layer (q/k/v, gate/up) that gets only part of its tensors is garbage.
         timeout_s: wall-clock budget for the whole sync, iterator included.
 
-        Each tensor is copied (own storage, engine dtype) before it is sent: the trainer may free or
-        reuse its buffer while the worker still holds a layer's pieces (cost: ~1 s per 1.2 GB here).
+        copy=True: each tensor is copied (own storage, engine dtype) before it is sent, because the
+        trainer may free or reuse its buffer while the worker still holds a layer's pieces (cost:
+        ~1 s per 1.2 GB here). Pass copy=False when the iterator already yields tensors the caller
+        will not touch again (full.ZeRO3Policy.iter_full_params does); they are then only cast.
 
         Returns {"n_tensors", "n_chunks", "bytes", "t_s", "t_begin_s", "t_load_s", "t_finish_s",
         "repacked_lm_head"} (seconds, bytes). Raises WeightSyncError when the deadline passes, a
@@ -324,7 +326,7 @@ class VLLMSampler:
                     if name in sent:
                         raise WeightSyncError(f"parameter {name!r} sent twice in one sync")
                     with torch.no_grad():  # own storage: the trainer may free or reuse its buffer
-                        t = tensor.detach().to(dtype=self.torch_dtype, copy=True)
+                        t = tensor.detach().to(dtype=self.torch_dtype, copy=copy)
                     chunk.append((name, t))
                     sent.add(name)
                     nbytes += t.numel() * t.element_size()

@@ -290,6 +290,9 @@ def test_sync_sends_every_tensor_once_in_bounded_chunks_sec3_3(ckpt):
     assert [m for m, _ in llm.rpcs][0] == "rubricem_sync_begin"
     assert [m for m, _ in llm.rpcs][-1] == "rubricem_sync_finish" and llm.prefix_resets == 1
     assert info["repacked_lm_head"] and info["n_tensors"] == len(sent)
+    w.chunks.clear()  # copy=False: an fp32 tensor goes as is (the caller promised not to reuse it)
+    s.sync_weights(sd.items(), copy=False)
+    assert all(t.data_ptr() == sd[n].data_ptr() for c in w.chunks for n, t in c)
 
 
 def test_sync_missing_or_repeated_tensor_raises_and_blocks_sampling_sec3_3(ckpt):
