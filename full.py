@@ -45,7 +45,7 @@ Deviations from the paper
 Launch
     python full.py dry-run                                   # print the plan, check the machine
     torchrun --nproc_per_node 2 full.py selftest --model DIR --out DIR   # ZeRO-3 check, any device
-    deepspeed --num_gpus 8 train.py --full ...               # the full loop (see docs_full.md)
+    deepspeed --num_gpus 8 train.py --full ...               # the full loop (see docs/full_mode.md)
 """
 from __future__ import annotations
 
@@ -363,7 +363,7 @@ class _LogProbModule(torch.nn.Module):
 
 def _load_lm(path: str, ds: dict, dtype: torch.dtype):
     """HF causal LM partitioned at load time: HfDeepSpeedConfig must be alive during from_pretrained
-    (a bare constructor under zero.Init would skip HF's weight init; see docs_full.md)."""
+    (a bare constructor under zero.Init would skip HF's weight init; see docs/full_mode.md)."""
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
@@ -858,7 +858,7 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
     needed = {"deepspeed": "pip install '.[full]'", "accelerate": "pip install '.[full]'",
               "datasets": "pip install '.[full]'"}
     if full.sampler == "vllm":
-        needed["vllm"] = "pip install vllm; it pins its own torch and transformers (docs_full.md)"
+        needed["vllm"] = "pip install vllm; it pins its own torch and transformers (docs/full_mode.md)"
     for dist in ("torch", "transformers", "deepspeed", "accelerate", "vllm", "sentence-transformers",
                  "datasets"):
         v = _version(dist)

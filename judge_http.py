@@ -51,7 +51,7 @@ Deviations from the paper
 6. Proposed rubric weights are clipped to [0.1, 10] (not a reason to re-ask); an empty reflection
    candidate scores 0 on both criteria without a call (there is nothing to judge).
 
-Usage (full mode; see docs_http.md for a self-hosted vLLM server):
+Usage (full mode; see docs/http_judge.md for a self-hosted vLLM server):
     export GEMINI_API_KEY=...
     judge = HTTPJudge(HTTPJudgeConfig(backend="gemini", model="gemini-2.5-flash"))
     result = judge.judge_group(query, rollouts, step)     # judge.JudgeResult, R (n, 4)

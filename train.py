@@ -27,7 +27,7 @@ One step (Algorithm 1; step numbers here are 0-based, the paper's 1-based):
     7. log metrics; save the bank every 10 steps (PAPER) and at the end; write a checkpoint of the
        whole training state every `checkpoint.every` steps and at the end (checkpoint.py)
 
-Checkpoints and faults (not in the paper; docs_robustness.md)
+Checkpoints and faults (not in the paper; docs/robustness.md)
     python train.py --toy --resume                 # continue runs/toy from its newest valid checkpoint
     python train.py --resume runs/toy/checkpoints/step-000020       # from a given checkpoint
     python train.py --toy --set checkpoint.stop_after=10            # stop after 10 steps (time slices)
