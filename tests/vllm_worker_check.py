@@ -41,7 +41,7 @@ TOL = 1e-4  # max |log-prob difference| engine (fp32) vs HF (fp32)
 
 
 def _env_defaults() -> None:
-    # vLLM reads these when its engine starts (see docs_vllm.md); the caller may override them.
+    # vLLM reads these when its engine starts (see docs/vllm.md); the caller may override them.
     ncpu = os.cpu_count() or 1
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
