@@ -565,21 +565,10 @@ class FrozenReference:
 
 
 def pad_rows(batch, idx: Sequence[int], pad_id: int):
-    """Right-pad sequences idx of an UpdateBatch: (ids, attention, loss mask, advantages), each (B, L)
-    with dtypes int64, int64, bool, float32."""
-    L = max(len(batch.ids[i]) for i in idx)
-    B = len(idx)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    att = torch.zeros((B, L), dtype=torch.long)
-    mask = torch.zeros((B, L), dtype=torch.bool)
-    adv = torch.zeros((B, L), dtype=torch.float32)
-    for r, i in enumerate(idx):
-        n = len(batch.ids[i])
-        ids[r, :n] = torch.tensor(batch.ids[i])
-        att[r, :n] = 1
-        mask[r, :n] = torch.tensor(batch.mask[i], dtype=torch.bool)
-        adv[r, :n] = torch.tensor(batch.adv[i], dtype=torch.float32)
-    return ids, att, mask, adv
+    """train.pad_rows (one padding rule for both engines)."""
+    from train import pad_rows as _pad_rows
+
+    return _pad_rows(batch, idx, pad_id)
 
 
 def _sequence_logprobs(fn, batch, pad_id: int, micro: int) -> list[torch.Tensor]:

@@ -422,7 +422,9 @@ class UpdateBatch:
     kind: list[str] = field(default_factory=list)  # "task" | "reflection"
 
 
-def _pad(batch: UpdateBatch, idx: Sequence[int], pad_id: int):
+def pad_rows(batch: UpdateBatch, idx: Sequence[int], pad_id: int):
+    """Right-pad sequences idx of an UpdateBatch: (ids, attention, loss mask, advantages), each (B, L)
+    with dtypes int64, int64, bool, float32."""
     L = max(len(batch.ids[i]) for i in idx)
     B = len(idx)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
@@ -434,7 +436,7 @@ def _pad(batch: UpdateBatch, idx: Sequence[int], pad_id: int):
         ids[r, :n] = torch.tensor(batch.ids[i])
         att[r, :n] = 1
         mask[r, :n] = torch.tensor(batch.mask[i], dtype=torch.bool)
-        adv[r, :n] = torch.tensor(batch.adv[i])
+        adv[r, :n] = torch.tensor(batch.adv[i], dtype=torch.float32)
     return ids, att, mask, adv
 
 
@@ -447,7 +449,7 @@ def batch_logprobs(model, batch: UpdateBatch, pad_id: int, micro: int) -> list[t
     order = sorted(range(len(batch.ids)), key=lambda i: len(batch.ids[i]))
     for s in range(0, len(order), micro):
         idx = order[s : s + micro]
-        ids, att, _, _ = _pad(batch, idx, pad_id)
+        ids, att, _, _ = pad_rows(batch, idx, pad_id)
         lp = token_logprobs(model, ids, att)
         for r, i in enumerate(idx):
             out[i] = lp[r, : len(batch.ids[i])].clone()
@@ -477,7 +479,7 @@ def policy_update(model, ref_model, opt, batch: UpdateBatch, cfg: SSGRPOConfig, 
         stats_acc = {"loss/total": 0.0, "loss/policy": 0.0, "kl": 0.0, "clip_frac": 0.0}
         for s in range(0, len(mb), cfg.micro_batch):
             idx = mb[s : s + cfg.micro_batch]
-            ids, att, mask, adv = _pad(batch, idx, pad_id)
+            ids, att, mask, adv = pad_rows(batch, idx, pad_id)
             L = ids.shape[1]
             old_lp = torch.zeros(len(idx), L)
             ref_lp = torch.zeros(len(idx), L)
