@@ -149,4 +149,5 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         # log pi(x_{t+1} | x_{<=t}) = log_softmax(logits_t)[x_{t+1}]
         lp = torch.log_softmax(logits, dim=-1)
         pieces.append(lp.gather(-1, input_ids[:, s + 1 : e + 1, None]).squeeze(-1))  # (B, c)
+        del logits, lp  # free this chunk's (B, c, V) tensors before the next one is built
     return torch.cat(pieces, dim=1)  # (B, L)
