@@ -130,13 +130,15 @@ def _fsync_dir(path: str) -> None:
 
 
 def save_checkpoint(run_dir: str, step: int, model, tokenizer, state: dict, keep: int = 3,
-                    meta: dict | None = None) -> str:
+                    meta: dict | None = None, extra=None) -> str:
     """Write checkpoint `step` (completed steps, int >= 0) atomically; returns its directory.
 
     model/tokenizer: Hugging Face objects (save_pretrained); state: a dict of tensors and plain
     values (torch.save); meta: JSON-serialisable values stored in the manifest (e.g. the config, so
     that it can be read without loading state.pt). Keeps the newest `keep` (int >= 1) checkpoints
-    and prunes older ones.
+    and prunes older ones. extra: None or a callable(checkpoint_dir) that writes more files into the
+    checkpoint before its manifest (full.ZeRO3Engine.save_state: DeepSpeed's partitions); they are
+    hashed and made atomic with the rest.
     Raises OSError if the disk write fails (the previous checkpoints are then untouched).
     """
     root = checkpoints_dir(run_dir)
@@ -147,6 +149,8 @@ def save_checkpoint(run_dir: str, step: int, model, tokenizer, state: dict, keep
         model.save_pretrained(os.path.join(tmp, _MODEL), safe_serialization=True)
         tokenizer.save_pretrained(os.path.join(tmp, _MODEL))
         torch.save(state, os.path.join(tmp, _STATE))
+        if extra is not None:
+            extra(tmp)
         files = {}
         for dirpath, _, names in os.walk(tmp):
             for f in sorted(names):

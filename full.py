@@ -68,8 +68,6 @@ import torch
 
 log = logging.getLogger("rubricem.full")
 
-from retrieval import PAPER_EMBED_MODEL  # PAPER: rubric bank embeddings Qwen3-Embedding-0.6B
-
 # PAPER (appendix): RL data "rl-research/dr-tulu-rl-data".
 PAPER_RL_DATA = "rl-research/dr-tulu-rl-data"
 
@@ -136,14 +134,17 @@ def device_kind() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def init_distributed(env: DistEnv | None = None) -> DistEnv:
+def init_distributed(env: DistEnv | None = None, timeout_min: float | None = None) -> DistEnv:
     """Initialise torch.distributed through DeepSpeed (nccl on GPU, gloo on CPU).
 
     An unlaunched process becomes rank 0 of 1: we export RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR and a
     free MASTER_PORT first, since DeepSpeed would otherwise try MPI discovery (needs mpi4py).
-    Idempotent. Returns the DistEnv in effect.
+    timeout_min: collective timeout in minutes (None = torch's default). Idempotent. Returns the
+    DistEnv in effect.
     """
     env = env or dist_env()
+    # torch deprecation notices raised inside DeepSpeed's collectives, once per call: not ours to fix.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     if not env.launched:  # SCALE: a plain `python` run still needs a process group for ZeRO-3
         port = free_port()
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -163,7 +164,12 @@ def init_distributed(env: DistEnv | None = None) -> DistEnv:
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
-    deepspeed.init_distributed(verbose=False)
+    kw = {}
+    if timeout_min is not None:
+        import datetime
+
+        kw["timeout"] = datetime.timedelta(minutes=float(timeout_min))
+    deepspeed.init_distributed(verbose=False, **kw)
     return env
 
 
@@ -234,10 +240,13 @@ class FullConfig:
     weight_decay: float = 0.0  # ours, as the toy path
     reference: str = "zero3"  # pi_ref placement: ZeRO-3 partitioned for inference (see docstring)
     logprob_chunk: int = 1024  # positions per vocabulary projection in policy.token_logprobs
-    sampler: str = "vllm"  # rollout backend in full mode: "vllm" | "hf"
-    embed_model: str = PAPER_EMBED_MODEL  # PAPER: bank retriever embeddings
-    data: str = PAPER_RL_DATA  # PAPER: RL data set
     world_size_hint: int = 8  # dry run without a launcher: assume one node of 8 GPUs (the paper's SFT node)
+    dist_timeout_min: float = 180.0  # ours: collective timeout; ranks > 0 wait in a collective while
+    # rank 0 samples, judges and reflects, which for 256 long rollouts can take far longer than
+    # torch's 10-30 minute default
+    vllm_max_model_len: int = 0  # 0 = longest prompt budget + rollout.max_response_tokens (see
+    # train.build_sampler); the engine's context length
+    vllm_gpu_memory_utilization: float = 0.5  # ours: leaves room for the ZeRO-3 shards on rank 0's GPU
 
 
 def full_config(cfg) -> FullConfig:
@@ -380,7 +389,8 @@ class ZeRO3Policy:
     and HF's weight init has run). Every method is collective: all ranks must call it, in the same
     order, with the same number of micro-batches (ZeRO-3 all-gathers each layer's weights per forward).
 
-    Per optimizer step: `plan.grad_accum` times (logprobs -> loss -> backward), then `step()`.
+    Per optimizer step: (logprobs -> loss -> backward(loss, boundary)) per micro-batch, the last one
+    with boundary=True, then `step()`.
     """
 
     def __init__(self, lm, ds_config: dict, lr: float, *, full: FullConfig | None = None,
@@ -389,7 +399,6 @@ class ZeRO3Policy:
 
         full = full or FullConfig()
         self.ds_config = ds_config
-        self.grad_accum = int(ds_config["gradient_accumulation_steps"])
         self._keep = _keep_alive
         if full.gradient_checkpointing:  # PAPER: gradient checkpointing
             kw = {"use_reentrant": False}  # the non-reentrant variant is the one ZeRO-3 hooks support
@@ -406,7 +415,7 @@ class ZeRO3Policy:
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, optimizer=opt,
                                                                  config=ds_config)
         self.world_size = self.engine.world_size
-        self._pending = 0
+        self._boundary_pending = False
 
     @classmethod
     def from_pretrained(cls, path: str, ds_config: dict, lr: float, *, full: FullConfig | None = None):
@@ -436,31 +445,36 @@ class ZeRO3Policy:
         """
         return self.engine(input_ids.to(self.device), attention_mask.to(self.device)).float()
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, boundary: bool) -> None:
         """Accumulate gradients of `loss`, a 0-dim tensor normalised with the *global* normalisers
         (sequences, masked tokens) of the optimizer step, so that summing it over micro-batches and
-        ranks gives the full-batch loss (ss_grpo.aggregate). Raises RuntimeError after grad_accum calls
-        without step()."""
-        if self._pending >= self.grad_accum:
-            raise RuntimeError(f"backward() called {self._pending + 1} times before step(); the batch "
-                               f"plan has {self.grad_accum} micro-batches per rank per optimizer step")
+        ranks gives the full-batch loss (ss_grpo.aggregate). boundary: True for the last micro-batch
+        of an optimizer step (then call step()). The number of micro-batches may vary from step to
+        step (a reflection batch joins every other update); it must be the same on every rank."""
+        if self._boundary_pending:
+            raise RuntimeError("backward() after the boundary micro-batch: call step() first")
+        # SCALE: the accumulation boundary is ours, not DeepSpeed's micro-step counter, so an
+        # optimizer step can take any number of micro-batches (train_batch_size is nominal).
+        self.engine.set_gradient_accumulation_boundary(bool(boundary))
         # SCALE: DeepSpeed averages gradients over ranks; x world_size restores the sum (deviation 3).
         # scale_wrt_gas=False: the global normalisers already account for accumulation.
         self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
-        self._pending += 1
-        if self._pending < self.grad_accum:
+        if boundary:
+            self._boundary_pending = True
+        else:
             self.engine.step()  # not a boundary: DeepSpeed only advances its micro-step counter
 
     def step(self) -> float:
         """Apply the optimizer step (gradient clipping from the config). Returns the global gradient
-        norm before clipping (nan if DeepSpeed does not report it). Raises RuntimeError unless exactly
-        grad_accum backward() calls preceded it."""
-        if self._pending != self.grad_accum:
-            raise RuntimeError(f"step() after {self._pending} backward() calls; the batch plan has "
-                               f"{self.grad_accum} micro-batches per rank per optimizer step")
+        norm before clipping (nan if DeepSpeed does not report it). Raises RuntimeError unless the
+        last backward() was a boundary."""
+        if not self._boundary_pending:
+            raise RuntimeError("step() without a boundary backward(): pass boundary=True on the last "
+                               "micro-batch of the optimizer step")
         assert self.engine.is_gradient_accumulation_boundary()
         self.engine.step()
-        self._pending = 0
+        self.engine.set_gradient_accumulation_boundary(False)
+        self._boundary_pending = False
         gn = self.engine.get_global_grad_norm()
         return float(gn) if gn is not None else float("nan")
 
@@ -571,49 +585,113 @@ def pad_rows(batch, idx: Sequence[int], pad_id: int):
     return _pad_rows(batch, idx, pad_id)
 
 
-def _sequence_logprobs(fn, batch, pad_id: int, micro: int) -> list[torch.Tensor]:
-    """Per-sequence (L_i,) float32 CPU log-probs from fn(ids, att), micro-batch by micro-batch."""
+@dataclass
+class UpdatePlan:
+    """One rank's part of an SS-GRPO update (built on rank 0 by `plan_update`). The pass counts are
+    the same on every rank, because every ZeRO-3 forward is collective: a rank with fewer sequences
+    runs padding passes that contribute nothing."""
+
+    minibatches: list  # per optimizer step, the indices of this rank's sequences in it
+    n_micro: list  # per optimizer step, forward/backward passes (same on every rank)
+    n_seq: list  # per optimizer step, the global number of sequences (loss normaliser)
+    n_tok: list  # per optimizer step, the global number of loss-masked tokens (loss normaliser)
+    score_passes: int  # no-grad forward passes for the old (and reference) log-probs
+
+
+def plan_update(batch, world_size: int, minibatches: int, micro: int, rng=None):
+    """Split a whole train.UpdateBatch (rank 0) into per-rank shards and plans: ([UpdateBatch] * W,
+    [UpdatePlan] * W).
+
+    The optimizer steps are exactly train.policy_update's: `rng` (a random.Random, or None for no
+    shuffle) shuffles the sequence order once and step j takes order[j::M], M = min(minibatches, N);
+    step j's sequences are then dealt to ranks round-robin. So W ranks and one process take the same
+    optimizer steps on the same sequences, and the same `rng` state follows. Raises ValueError for
+    world_size, minibatches or micro < 1.
+    """
+    from train import UpdateBatch
+
+    if min(world_size, minibatches, micro) < 1:
+        raise ValueError("world_size, minibatches and micro must be >= 1")
+    N = len(batch.ids)
+    order = list(range(N))
+    if rng is not None:
+        rng.shuffle(order)
+    M = max(1, min(minibatches, N))
+    mbs = [order[j::M] for j in range(M)]
+    shards, local_mbs = [], []
+    for r in range(world_size):
+        sel = [mb[r::world_size] for mb in mbs]
+        flat = [i for part in sel for i in part]
+        shards.append(UpdateBatch([batch.ids[i] for i in flat], [batch.mask[i] for i in flat],
+                                  [batch.adv[i] for i in flat], [batch.kind[i] for i in flat]))
+        pos, lm = 0, []
+        for part in sel:
+            lm.append(list(range(pos, pos + len(part))))
+            pos += len(part)
+        local_mbs.append(lm)
+    ceil = lambda n: -(-n // micro)  # noqa: E731
+    n_micro = [max(1, max(ceil(len(local_mbs[r][j])) for r in range(world_size))) for j in range(M)]
+    score = max(1, max(ceil(len(sh.ids)) for sh in shards))
+    n_seq = [float(len(mb)) for mb in mbs]
+    n_tok = [float(sum(sum(batch.mask[i]) for i in mb)) for mb in mbs]
+    plans = [UpdatePlan(local_mbs[r], list(n_micro), list(n_seq), list(n_tok), score)
+             for r in range(world_size)]
+    return shards, plans
+
+
+def _padding_pass(pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 2-token all-padding micro-batch (1, 2) for ranks with fewer sequences than the plan."""
+    return torch.full((1, 2), pad_id, dtype=torch.long), torch.ones((1, 2), dtype=torch.long)
+
+
+def _sequence_logprobs(fn, batch, pad_id: int, micro: int, passes: int) -> list[torch.Tensor]:
+    """Per-sequence (L_i,) float32 CPU log-probs from fn(ids, att), micro-batch by micro-batch, in
+    exactly `passes` calls of fn (padding passes after this rank's sequences)."""
     out = []
     with torch.no_grad():
-        for s in range(0, len(batch.ids), micro):
-            idx = list(range(s, min(s + micro, len(batch.ids))))
+        for p in range(passes):
+            idx = list(range(p * micro, min((p + 1) * micro, len(batch.ids))))
+            if not idx:
+                fn(*_padding_pass(pad_id))
+                continue
             ids, att, _, _ = pad_rows(batch, idx, pad_id)
             lp = fn(ids, att).cpu()
             out += [lp[r, : len(batch.ids[i])].clone() for r, i in enumerate(idx)]
+    if len(out) != len(batch.ids):
+        raise ValueError(f"{passes} passes of {micro} cannot score {len(batch.ids)} sequences")
     return out
 
 
-def zero3_policy_update(policy: ZeRO3Policy, ref: FrozenReference | None, local, cfg, pad_id: int
-                        ) -> dict:
+def zero3_policy_update(policy: ZeRO3Policy, ref: FrozenReference | None, local, cfg, pad_id: int,
+                        plan: UpdatePlan) -> dict:
     """SS-GRPO update (§3.3) of this rank's shard `local` (a train.UpdateBatch), as train.policy_update.
 
-    Old log-probs (and reference ones when cfg.beta > 0) are computed once; then cfg.minibatches
-    optimizer steps, minibatch j being local sequences j, j + M, j + 2M, ... on every rank (shuffle
-    before sharding: a per-rank shuffle would make minibatches depend on the rank layout). Each
-    minibatch's normalisers (sequences, masked tokens) are summed over ranks, so the loss is the
-    global one. cfg: train.SSGRPOConfig. Returns the mean stats over optimizer steps ("loss/total",
-    "loss/policy", "kl", "clip_frac", "grad_norm") plus "per_step": a list of those per step, all
-    global values. Raises ValueError when ranks hold different micro-batch counts.
+    Old log-probs (and reference ones when cfg.beta > 0) are computed once; then one optimizer step
+    per plan.minibatches entry, each normalised with the global counts in the plan, so the loss is
+    the full batch's. cfg: train.SSGRPOConfig; plan: this rank's `plan_update` output. Collective:
+    every rank calls it with its own shard and plan. Returns the mean stats over optimizer steps
+    ("loss/total", "loss/policy", "kl", "clip_frac", "grad_norm") plus "per_step": a list of those
+    per step, all global values.
     """
     import ss_grpo
 
-    n_local, micro = len(local.ids), int(cfg.micro_batch)
-    M = max(1, int(cfg.minibatches))
-    if not same_on_all_ranks(n_local):
-        raise ValueError("every rank must hold the same number of sequences (ZeRO-3 forwards are "
-                         f"collective); this rank holds {n_local}")
+    micro = int(cfg.micro_batch)
     policy.train(False)
-    old = _sequence_logprobs(policy.logprobs, local, pad_id, micro)
-    refl = _sequence_logprobs(ref.logprobs, local, pad_id, micro) if cfg.beta > 0 else None
+    old = _sequence_logprobs(policy.logprobs, local, pad_id, micro, plan.score_passes)
+    refl = (_sequence_logprobs(ref.logprobs, local, pad_id, micro, plan.score_passes)
+            if cfg.beta > 0 else None)
     policy.train(True)
     keys = ("loss/total", "loss/policy", "kl", "clip_frac")
     per_step = []
-    for j in range(M):
-        mb = list(range(j, n_local, M))
-        n_seq, n_tok = all_reduce_sum([len(mb), sum(sum(local.mask[i]) for i in mb)])
+    for mb, n_micro, n_seq, n_tok in zip(plan.minibatches, plan.n_micro, plan.n_seq, plan.n_tok):
         acc = [0.0] * len(keys)
-        for s in range(0, len(mb), micro):
-            idx = mb[s : s + micro]
+        for p in range(n_micro):
+            idx = mb[p * micro : (p + 1) * micro]
+            last = p == n_micro - 1
+            if not idx:  # padding pass: same collectives as the other ranks, zero loss
+                logp = policy.logprobs(*_padding_pass(pad_id))
+                policy.backward(logp.sum() * 0.0, last)
+                continue
             ids, att, mask, adv = pad_rows(local, idx, pad_id)
             old_lp, ref_lp = torch.zeros(ids.shape), torch.zeros(ids.shape)
             for r, i in enumerate(idx):
@@ -627,13 +705,153 @@ def zero3_policy_update(policy: ZeRO3Policy, ref: FrozenReference | None, local,
                 logp, old_lp.to(dev), ref_lp.to(dev) if refl is not None else None, adv.to(dev),
                 mask.to(dev), eta=cfg.eta, beta=cfg.beta, agg=cfg.agg, num_sequences=n_seq,
                 num_tokens=max(n_tok, 1.0))
-            policy.backward(loss)
+            policy.backward(loss, last)
             acc = [a + float(st[k]) for a, k in zip(acc, keys)]
         gn = policy.step()
         per_step.append({**dict(zip(keys, all_reduce_sum(acc))), "grad_norm": gn})
     policy.train(False)
+    M = max(len(per_step), 1)
     mean = {k: sum(s[k] for s in per_step) / M for k in (*keys, "grad_norm")}
     return {**mean, "per_step": per_step}
+
+
+# ----------------------------------------------------------------------------------------------------
+# The policy engine of train.py on ZeRO-3: rank 0 leads, the other ranks follow its commands
+
+
+class ZeRO3Engine:
+    """train.py's policy engine (cfg.engine = "zero3") over the launcher's ranks.
+
+    Rank 0 runs Algorithm 1 itself (rollouts, judge, reflection, bank, metrics, checkpoints) and
+    calls this engine for the collective parts; every other rank runs `serve()`, which waits for
+    rank 0's commands and takes part in the same collectives:
+        update(batch, pad_id, rng)   SS-GRPO update; rank 0 deals the batch out (plan_update)
+        sync(sampler)                the new pi_theta into rank 0's sampler, one gathered tensor at a time
+        save_pretrained(dir)         HF checkpoint (rank 0 writes)
+        save_state(dir) / load(...)  DeepSpeed's partitioned optimizer + fp32 weights (every rank
+                                     writes its own partition: a shared filesystem across nodes)
+        close()                      lets the other ranks return
+    A command travels with torch.distributed.scatter_object_list, so each rank receives only its own
+    shard of the update batch.
+
+    Rank 0 keeps a plain copy of pi_theta (`model`, e.g. for HF generate) that sync() refreshes; the
+    sampler could equally be vLLM (vllm_sampler.VLLMSampler.sync_weights).
+    """
+
+    def __init__(self, cfg, model=None):
+        self.cfg = cfg
+        self.env = dist_env()
+        self.model = model  # rank 0: the plain sampling copy; None elsewhere
+        dev = device_kind()
+        ds = deepspeed_config(cfg, self.env.world_size, dev, cfg.full)
+        self.policy = ZeRO3Policy.from_pretrained(cfg.model, ds, cfg.ss_grpo.lr, full=cfg.full)
+        self.ref = (FrozenReference.from_pretrained(cfg.model, ds, chunk_size=cfg.full.logprob_chunk)
+                    if cfg.ss_grpo.beta > 0 else None)
+        self.world_size = self.env.world_size
+        self.closed = False
+
+    # rank 0 --------------------------------------------------------------------------------------
+    def _send(self, kind: str, payloads: Sequence | None = None):
+        """Scatter (kind, payload_r) to every rank r; returns rank 0's own payload."""
+        payloads = list(payloads) if payloads is not None else [None] * self.world_size
+        if self.world_size == 1:
+            return payloads[0]
+        out = [None]
+        torch.distributed.scatter_object_list(out, [(kind, p) for p in payloads], src=0)
+        return out[0][1]
+
+    def update(self, batch, pad_id: int, rng) -> dict:
+        """train.policy_update on ZeRO-3: the same optimizer steps (plan_update consumes `rng` as
+        policy_update does) with global normalisers; returns the same metric keys."""
+        if not batch.ids:
+            return {}
+        shards, plans = plan_update(batch, self.world_size, self.cfg.ss_grpo.minibatches,
+                                    self.cfg.ss_grpo.micro_batch, rng)
+        mine = self._send("update", [(sh, pl, pad_id) for sh, pl in zip(shards, plans)])
+        res = zero3_policy_update(self.policy, self.ref, mine[0], self.cfg.ss_grpo, pad_id, mine[1])
+        res.pop("per_step")
+        return res
+
+    def sync(self, sampler) -> dict:
+        """Copy the updated weights into rank 0's sampler: the plain `model` (HF generate) or a vLLM
+        engine. Gathers one parameter at a time (iter_full_params). Returns {"sync_s": seconds}."""
+        t0 = time.perf_counter()
+        self._send("sync")
+        params = self.policy.iter_full_params(device="cpu")
+        try:
+            if hasattr(sampler, "sync_weights"):  # vLLM: tensors are fresh copies, no second copy
+                sampler.sync_weights(params, copy=False)
+            else:
+                own = dict(self.model.named_parameters())
+                with torch.no_grad():
+                    for name, t in params:
+                        own[name].copy_(t)
+        finally:
+            for _ in params:  # every rank must take part in every gather, even after an error
+                pass
+        return {"sync_s": time.perf_counter() - t0}
+
+    def save_pretrained(self, out_dir: str, **_) -> None:
+        """HF checkpoint of pi_theta (collective; rank 0 writes): loads with plain transformers."""
+        self._send("save_hf", [out_dir] * self.world_size)
+        self.policy.save_pretrained(out_dir)
+
+    def save_state(self, ckpt_dir: str) -> None:
+        """DeepSpeed's training state (fp32 master weights, Adam moments; one file per rank) into
+        ckpt_dir/zero: what `load` needs besides the training state of train.py."""
+        d = os.path.join(ckpt_dir, "zero")
+        self._send("save_ds", [d] * self.world_size)
+        self.policy.engine.save_checkpoint(d, tag="state")
+
+    def state_dict(self):
+        return None  # the optimizer lives in the DeepSpeed partitions (save_state)
+
+    def load(self, ckpt_dir: str, state: dict) -> None:
+        """Restore pi_theta and the optimizer from a checkpoint written by save_state, and the
+        sampling copy from its HF weights. Raises checkpoint.CheckpointError without a zero/ folder."""
+        import checkpoint as ckpt_mod
+
+        d = os.path.join(ckpt_dir, "zero")
+        if not os.path.isdir(d):
+            raise ckpt_mod.CheckpointError(f"{ckpt_dir} has no DeepSpeed state (zero/): it was not "
+                                           "written by engine zero3")
+        self._send("load_ds", [d] * self.world_size)
+        self.policy.engine.load_checkpoint(d, tag="state", load_optimizer_states=True,
+                                           load_lr_scheduler_states=False)
+        ckpt_mod.load_model_weights(self.model, ckpt_dir)
+
+    def close(self) -> None:
+        """Release the other ranks (their serve() returns). Idempotent."""
+        if not self.closed and self.env.is_rank0:
+            self.closed = True
+            self._send("stop")
+
+    # ranks > 0 -----------------------------------------------------------------------------------
+    def serve(self) -> int:
+        """Follow rank 0's commands until "stop"; returns the number of updates taken part in."""
+        updates = 0
+        while True:
+            out = [None]
+            torch.distributed.scatter_object_list(out, None, src=0)
+            kind, payload = out[0]
+            if kind == "stop":
+                return updates
+            if kind == "update":
+                shard_, plan, pad_id = payload
+                zero3_policy_update(self.policy, self.ref, shard_, self.cfg.ss_grpo, pad_id, plan)
+                updates += 1
+            elif kind == "sync":
+                for _ in self.policy.iter_full_params(device="cpu"):
+                    pass
+            elif kind == "save_hf":
+                self.policy.save_pretrained(payload)
+            elif kind == "save_ds":
+                self.policy.engine.save_checkpoint(payload, tag="state")
+            elif kind == "load_ds":
+                self.policy.engine.load_checkpoint(payload, tag="state", load_optimizer_states=True,
+                                                   load_lr_scheduler_states=False)
+            else:
+                raise RuntimeError(f"unknown command from rank 0: {kind!r}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -680,15 +898,6 @@ def synthetic_batch(vocab_size: int, n_seq: int, group: int = 8, seed: int = 0, 
     return out
 
 
-def shard(batch, rank: int, world_size: int):
-    """This rank's sequences rank, rank + W, rank + 2W, ... of an UpdateBatch (a new UpdateBatch)."""
-    from train import UpdateBatch
-
-    idx = range(rank, len(batch.ids), world_size)
-    return UpdateBatch([batch.ids[i] for i in idx], [batch.mask[i] for i in idx],
-                       [batch.adv[i] for i in idx], [batch.kind[i] for i in idx])
-
-
 def selftest_config(n_seq: int, group: int, minibatches: int, micro: int, lr: float,
                     eta: float | None = None):
     """The `full` preset with a small batch: n_seq = prompts x group sequences per RL step."""
@@ -721,14 +930,15 @@ def selftest(model_dir: str, out_dir: str, *, updates: int = 1, n_seq: int = 16,
     t_load = time.perf_counter() - t0
     mc = policy.module.config
     batch = synthetic_batch(mc.vocab_size, n_seq, group, seed, min_len, max_len)
-    local = shard(batch, env.rank, env.world_size)
+    shards, plans = plan_update(batch, env.world_size, minibatches, micro)
+    local, lplan = shards[env.rank], plans[env.rank]
     tokens = sum(len(x) for x in batch.ids)
     per_step, times = [], []
     for _ in range(updates):
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        st = zero3_policy_update(policy, ref, local, cfg.ss_grpo, mc.pad_token_id or 0)
+        st = zero3_policy_update(policy, ref, local, cfg.ss_grpo, mc.pad_token_id or 0, lplan)
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
@@ -805,7 +1015,8 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
               f"agg {cfg.ss_grpo.agg}, advantage {cfg.ss_grpo.advantage}, grad_clip {cfg.ss_grpo.grad_clip:g}",
               f"  rollouts: temperature {cfg.rollout.temperature:g}, max response "
               f"{cfg.rollout.max_response_tokens} tokens, max tool calls {cfg.rollout.max_tool_calls}",
-              f"  data {full.data}; bank retriever {full.embed_model}, top-k {cfg.bank.top_k}", ""]
+              f"  data {cfg.data.source or '(toy world)'}; bank retriever {cfg.bank.retriever} "
+              f"({cfg.bank.embed_model if cfg.bank.retriever == 'dense' else 'BM25'}), top-k {cfg.bank.top_k}", ""]
     if not cfg.model:
         problems.append("no policy model: pass --model (the paper starts RL from its Qwen3-8B SFT model)")
     try:
@@ -827,7 +1038,8 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
                   f"reference model {full.reference}", ""]
     except ValueError as err:
         problems.append(f"batch arithmetic: {err}")
-    lines += ["backends", f"  judge {cfg.judge.backend}, sampler {full.sampler}"]
+    lines += ["backends", f"  engine {cfg.engine}, judge {cfg.judge.backend} ({cfg.judge.model}), sampler "
+                          f"{cfg.sampler}, search {cfg.search.backend}"]
     if cfg.judge.backend == "toy":
         problems.append("judge.backend is 'toy': full mode scores with an HTTP judge "
                         "(--set judge.backend=\"gemini\"; PAPER: Gemini Flash)")
@@ -846,7 +1058,7 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
         problems.append("no GPU visible: full mode trains on GPUs")
     needed = {"deepspeed": "pip install '.[full]'", "accelerate": "pip install '.[full]'",
               "datasets": "pip install '.[full]'"}
-    if full.sampler == "vllm":
+    if cfg.sampler == "vllm":
         needed["vllm"] = "pip install vllm; it pins its own torch and transformers (docs/full_mode.md)"
     for dist in ("torch", "transformers", "deepspeed", "accelerate", "vllm", "sentence-transformers",
                  "datasets"):

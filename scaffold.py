@@ -309,7 +309,10 @@ class HFSampler:
                     out[i] = []
                 continue
             kw = dict(do_sample=temperature > 0, max_new_tokens=mnt, eos_token_id=self.stop_token_ids,
-                      pad_token_id=self.pad_id, top_k=0, top_p=1.0)
+                      pad_token_id=self.pad_id, top_k=0, top_p=1.0,
+                      # Full mode samples on rank 0 alone: never wait for the other ranks (HF would
+                      # turn this on by itself under a DeepSpeed ZeRO-3 config with world size > 1).
+                      synced_gpus=False)
             if temperature > 0:
                 kw["temperature"] = temperature
             if self._string_stops:

@@ -70,7 +70,9 @@ import torch
 import checkpoint as ckpt_mod
 import ss_grpo
 from faults import JUDGE_KINDS, TOOL_KINDS, FaultConfig, validate_fault_config
+from full import PAPER_RL_DATA, FullConfig  # settings only: full.py imports DeepSpeed lazily
 from judge import BUFFER_CAPS
+from retrieval import PAPER_EMBED_MODEL
 from reflection import ReflectionBatch, ReflectionConfig, run_reflection_branch
 from scaffold import STAGES, SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT
 from sft import SFTConfig, TeacherConfig
@@ -115,7 +117,12 @@ class SSGRPOConfig:
 
 @dataclass
 class JudgeConfig:
-    backend: str = "toy"  # "toy" | "gemini" | "openai" (full mode)
+    backend: str = "toy"  # "toy" (ToyJudge, the toy world's ground truth) | "gemini" | "openai"
+    # (judge_http.HTTPJudge; the key comes from $GEMINI_API_KEY / $OPENAI_API_KEY, never from here)
+    model: str = "gemini-2.5-flash"  # PAPER: "Gemini Flash" (the exact version is ours)
+    base_url: str = ""  # "" = the backend's public endpoint; tests point it at a loopback server
+    concurrency: int = 8  # parallel judge requests
+    timeout_s: float = 120.0  # one HTTP request
     caps: list = field(default_factory=lambda: list(BUFFER_CAPS))  # PAPER: 3, 2, 2, 3
     max_retries: int = 3  # ours: re-asks of one failed judge call before its cells become missing
     max_failure_rate: float = 0.5  # ours: a step whose share of failed judge calls exceeds this...
@@ -128,6 +135,23 @@ class BankSettings:
     top_k: int = 2  # PAPER: top-k 2
     save_every: int = 10  # PAPER: bank saved every 10 steps
     max_chars: int = 600
+    retriever: str = "bm25"  # "bm25" (toy) | "dense" (retrieval.DenseRetriever; full preset)
+    embed_model: str = PAPER_EMBED_MODEL  # dense only; PAPER: Qwen3-Embedding-0.6B
+
+
+@dataclass
+class DataSettings:
+    source: str = ""  # "" = the toy world's questions; else RL rows in the DR Tulu schema: a Hugging
+    # Face dataset id or a local .jsonl / .json / .parquet file (data.load_rl_rows); full: PAPER
+    split: str = "train"
+    limit: int = 0  # 0 = every row
+
+
+@dataclass
+class SearchSettings:
+    backend: str = "toy"  # "toy" (BM25 over the toy world) | "serper" (search_http, $SERPER_API_KEY)
+    base_url: str = "https://google.serper.dev"
+    k: int = 5  # results per query (Serper "num")
 
 
 @dataclass
@@ -169,6 +193,12 @@ class Config:
     threads: int = 2
     progress: bool = True
     dry_run: bool = False  # full mode: check the environment and print the plan only
+    engine: str = "torch"  # policy engine: "torch" (one process, torch AdamW) | "zero3" (DeepSpeed
+    # ZeRO-3 over the launcher's ranks, full.ZeRO3Engine)
+    sampler: str = "hf"  # rollouts: "hf" (transformers generate) | "vllm" (vllm_sampler.VLLMSampler)
+    data: DataSettings = field(default_factory=DataSettings)
+    search: SearchSettings = field(default_factory=SearchSettings)
+    full: FullConfig = field(default_factory=FullConfig)  # DeepSpeed settings (engine = "zero3")
     world: WorldConfig = field(default_factory=WorldConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -191,6 +221,11 @@ def toy_preset() -> Config:
 def full_preset() -> Config:
     """Full mode: the paper's RL configuration (appendix)."""
     c = Config(mode="full", steps=1400, run_dir="runs/full")  # PAPER: final run 1400 steps
+    c.engine, c.sampler = "zero3", "vllm"  # PAPER: ZeRO-3 training, vLLM sampling
+    c.data.source = PAPER_RL_DATA  # PAPER: rl-research/dr-tulu-rl-data
+    c.search.backend = "serper"  # PAPER: web search tool (google_search)
+    c.judge.backend = "gemini"  # PAPER: Gemini Flash judge and rubric generator
+    c.bank.retriever = "dense"  # PAPER: Qwen3-Embedding-0.6B bank retrieval
     c.rollout = RolloutConfig(prompts_per_step=32, n=8, temperature=1.0,  # PAPER: 32 x 8
                               max_response_tokens=18432, max_tool_calls=10,  # PAPER
                               system_prompt="full")
@@ -226,6 +261,7 @@ def apply_overrides(cfg: Config, items: Sequence[str]) -> Config:
 
 def validate_config(cfg: Config) -> None:
     """Clear errors naming the field for configurations that cannot run."""
+    check_no_secrets(cfg)  # first: the messages below quote values, and a key must never be printed
     K = len(STAGES)
     try:
         ss_grpo.validate_lambda(cfg.ss_grpo.lam, expected_k=K)
@@ -254,8 +290,24 @@ def validate_config(cfg: Config) -> None:
                 or v == float("inf"):
             want = f"in [0, {hi:g}]" if hi is not None else ">= 0 and finite (0 = no limit)"
             raise ValueError(f"{name} must be a number {want}, got {v!r}")
+    for name, allowed in (("engine", ("torch", "zero3")), ("sampler", ("hf", "vllm")),
+                          ("judge.backend", ("toy", "gemini", "openai")),
+                          ("search.backend", ("toy", "serper")), ("bank.retriever", ("bm25", "dense"))):
+        if _field(cfg, name) not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {_field(cfg, name)!r}")
+    if cfg.judge.backend == "toy" and cfg.data.source:
+        raise ValueError("judge.backend 'toy' scores against the toy world's ground truth: it needs "
+                         "data.source = \"\" (the toy world's questions); use an HTTP judge "
+                         "(gemini / openai) for other data")
+    if cfg.engine == "zero3" and not cfg.model:
+        raise ValueError("engine 'zero3' loads the policy on every rank from --model (a local Hugging "
+                         "Face directory, e.g. an SFT checkpoint or a toy run's final/)")
+    if cfg.sampler == "vllm" and not cfg.model:
+        raise ValueError("sampler 'vllm' loads its engine from --model (a local Hugging Face directory)")
+    if cfg.faults.judge_rate > 0 and cfg.judge.backend != "toy":
+        raise ValueError("--faults injects judge faults into the toy judge only; an HTTP judge is "
+                         "tested against a loopback server instead (tests/loopback.py)")
     validate_fault_config(cfg.faults, "faults")
-    check_no_secrets(cfg)
 
 
 def _field(cfg: Config, dotted: str):
@@ -322,7 +374,8 @@ def config_from_dict(d: dict, cls=None, prefix: str = ""):
 # limits are wall-clock safety nets and the failure thresholds only decide when to stop.
 RESUME_MAY_CHANGE = ("steps", "run_dir", "progress", "threads", "cache_dir", "checkpoint.", "eval.",
                      "rollout.tool_timeout_s", "rollout.deadline_s", "judge.max_failure_rate",
-                     "judge.max_failure_steps")
+                     "judge.max_failure_steps", "judge.base_url", "judge.concurrency", "judge.timeout_s",
+                     "search.base_url", "full.dist_timeout_min")
 
 
 def resume_config_diff(saved: dict, cfg: Config) -> list[str]:
@@ -505,6 +558,50 @@ def policy_update(model, ref_model, opt, batch: UpdateBatch, cfg: SSGRPOConfig, 
     return tot
 
 
+class TorchEngine:
+    """The policy engine in one process (cfg.engine = "torch"): a Hugging Face model, torch AdamW and
+    `policy_update`. Toy mode uses it; in full mode it is the single-process reference that
+    full.ZeRO3Engine (same interface) must reproduce.
+
+    model: pi_theta, also the weights the HF sampler generates with; ref_model: the frozen pi_ref
+    (a copy of the starting policy)."""
+
+    def __init__(self, model, cfg: Config):
+        self.model, self.cfg = model, cfg
+        self.ref_model = copy.deepcopy(model).eval()  # frozen reference pi_ref (= the starting policy)
+        for p in self.ref_model.parameters():
+            p.requires_grad_(False)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.ss_grpo.lr, betas=(0.9, 0.95),
+                                     weight_decay=0.0)
+
+    def update(self, batch: UpdateBatch, pad_id: int, rng: random.Random) -> dict:
+        return policy_update(self.model, self.ref_model, self.opt, batch, self.cfg.ss_grpo, pad_id, rng)
+
+    def sync(self, sampler) -> dict:
+        """The HF sampler shares `model`; a vLLM sampler receives the new weights."""
+        if not hasattr(sampler, "sync_weights"):
+            return {}
+        t0 = time.perf_counter()
+        sampler.sync_weights(self.model.named_parameters())
+        return {"sync_s": time.perf_counter() - t0}
+
+    def save_pretrained(self, out_dir: str, **kw) -> None:
+        self.model.save_pretrained(out_dir, **kw)
+
+    def save_state(self, ckpt_dir: str) -> None:
+        pass  # the optimizer state travels in state.pt (state_dict)
+
+    def state_dict(self) -> dict:
+        return self.opt.state_dict()
+
+    def load(self, ckpt_dir: str, state: dict) -> None:
+        ckpt_mod.load_model_weights(self.model, ckpt_dir)
+        self.opt.load_state_dict(state["optimizer"])
+
+    def close(self) -> None:
+        pass
+
+
 def task_advantages(R: np.ndarray, n: int, cfg: SSGRPOConfig) -> tuple[torch.Tensor, dict]:
     """(N, 4) advantages for N = groups x n rollouts from stage scores R (NaN = missing)."""
     Rt = torch.from_numpy(R).to(torch.float64)
@@ -600,8 +697,8 @@ class FailureMonitor:
                 "with --resume latest, or raise the thresholds.")
 
 
-def training_state(step: int, cfg: Config, opt, rng: random.Random, judge, bank, pending,
-                   logger: MetricsLog, samples_out: list, engine, tool, monitor: FailureMonitor,
+def training_state(step: int, cfg: Config, engine, rng: random.Random, judge, bank, pending,
+                   logger: MetricsLog, samples_out: list, rollouts, tool, monitor: FailureMonitor,
                    reference: dict, order: DataOrder) -> dict:
     """Everything besides the policy weights that step `step` (completed steps) needs to continue
     exactly: a dict of tensors and plain values for checkpoint.save_checkpoint."""
@@ -609,26 +706,25 @@ def training_state(step: int, cfg: Config, opt, rng: random.Random, judge, bank,
     return {
         "format": 1, "step": int(step), "config": asdict(cfg), "reference": dict(reference),
         "data_order": {"n": order.n, "per_batch": order.P, "seed": order.seed},
-        "optimizer": opt.state_dict(),
+        "optimizer": engine.state_dict(),  # None for ZeRO-3: its partitions are in zero/
         "rng": {"python": random.getstate(), "loop": rng.getstate(),
                 "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
                 "torch": torch.get_rng_state()},
         "judge": judge.state_dict(), "bank": bank.state_dict(), "pending": pending.to_dict(),
         "metrics": [dict(r) for r in logger.rows], "samples": list(samples_out),
-        "engine": dict(engine.stats), "tool": tool.state_dict() if hasattr(tool, "state_dict") else None,
+        "engine": dict(rollouts.stats), "tool": tool.state_dict() if hasattr(tool, "state_dict") else None,
         "monitor": list(monitor.streak),
     }
 
 
-def restore_training_state(state: dict, opt, rng: random.Random, judge, bank, engine, tool,
+def restore_training_state(state: dict, rng: random.Random, judge, bank, rollouts, tool,
                            monitor: FailureMonitor, order: DataOrder) -> None:
-    """Inverse of `training_state` for the objects rebuilt by `train` (in place). Raises
-    checkpoint.CheckpointError if the checkpoint's data order does not fit this data set, ValueError
-    (from the bank) if its bank state is invalid."""
+    """Inverse of `training_state` for the objects rebuilt by `train` (in place; the policy engine
+    restores its weights and optimizer itself). Raises checkpoint.CheckpointError if the checkpoint's
+    data order does not fit this data set, ValueError (from the bank) if its bank state is invalid."""
     if state["data_order"] != {"n": order.n, "per_batch": order.P, "seed": order.seed}:
         raise ckpt_mod.CheckpointError(f"the checkpoint's data order {state['data_order']} does not "
                                        "fit this data set")
-    opt.load_state_dict(state["optimizer"])
     rs = state["rng"]
     random.setstate(rs["python"])
     rng.setstate(rs["loop"])
@@ -637,7 +733,7 @@ def restore_training_state(state: dict, opt, rng: random.Random, judge, bank, en
     torch.set_rng_state(rs["torch"])
     judge.load_state_dict(state["judge"])
     bank.load_state_dict(state["bank"])
-    engine.stats.update(state["engine"])
+    rollouts.stats.update(state["engine"])
     if state.get("tool") is not None and hasattr(tool, "load_state_dict"):
         tool.load_state_dict(state["tool"])
     monitor.streak = list(state["monitor"])
@@ -678,17 +774,16 @@ def train(cfg: Config, resume: str | None = None) -> dict:
     Raises ValueError (bad configuration, naming the field), checkpoint.CheckpointError (a checkpoint
     that is corrupt or does not fit this configuration) or JudgeFailureAbort.
     """
-    from tqdm import tqdm
-
-    import bank as bank_mod
-    from faults import FaultyJudge, FaultyTool
-    from judge import ToyJudge
-    from scaffold import HFSampler, RolloutEngine
-    from world import BM25SearchTool, load_rows, make_world
-
     validate_config(cfg)
     torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed)
+    if cfg.engine == "zero3":
+        import full  # SCALE: DeepSpeed is imported there, only for engine zero3
+
+        env = full.init_distributed(timeout_min=cfg.full.dist_timeout_min)
+        if not env.is_rank0:  # ranks > 0 follow rank 0's commands (full.ZeRO3Engine.serve)
+            full.ZeRO3Engine(cfg).serve()
+            return {}
     ckpt_path, state = _open_run(cfg, resume)
     os.makedirs(cfg.run_dir, exist_ok=True)
     ckpt_mod.remove_debris(cfg.run_dir)
@@ -700,43 +795,127 @@ def train(cfg: Config, resume: str | None = None) -> dict:
     timings: dict[str, float] = {}
 
     t0 = time.perf_counter()
-    world = make_world(cfg.world)
-    tool = BM25SearchTool(world.docs)
-    train_q = load_rows(world.train_rows)
-    held_q = load_rows(world.heldout_rows)
+    world, tool, train_q, held_q = build_environment(cfg)
     timings["world_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     model, tok, sft_info = setup_policy(cfg, world, tool)
     timings["warm_start_s"] = time.perf_counter() - t0
     model.eval()
-    ref_model = copy.deepcopy(model).eval()  # frozen reference pi_ref (= the SFT policy)
-    for p in ref_model.parameters():
-        p.requires_grad_(False)
     # A checkpoint records which reference it trained against instead of storing its weights.
     reference = {"source": str(sft_info.get("source", "")),
-                 "sha256": ckpt_mod.weights_fingerprint(ref_model)}
+                 "sha256": ckpt_mod.weights_fingerprint(model)}
+    if cfg.engine == "zero3":
+        import full
+
+        policy = full.ZeRO3Engine(cfg, model)  # collective with the other ranks' ZeRO3Engine(cfg)
+    else:
+        policy = TorchEngine(model, cfg)
+    try:
+        return _train_loop(cfg, state, ckpt_path, policy, model, tok, sft_info, reference, world, tool,
+                           train_q, held_q, mpath, timings, t_start)
+    finally:
+        policy.close()
+
+
+def build_environment(cfg: Config):
+    """(world or None, search tool, train queries, held-out queries) for cfg's data and search
+    backends: the toy world and its BM25 tool, or DR Tulu rows (data.load_rl_rows) and the Serper
+    tool (search_http). The toy world is built when anything needs it (toy data, tool or judge, or
+    the SFT warm start)."""
+    from world import BM25SearchTool, load_rows, make_world
+
+    need_world = (not cfg.data.source or cfg.search.backend == "toy" or cfg.judge.backend == "toy"
+                  or not cfg.model)
+    world = make_world(cfg.world) if need_world else None
+    if cfg.search.backend == "serper":
+        from search_http import SerperConfig, SerperSearchTool
+
+        tool = SerperSearchTool(SerperConfig(base_url=cfg.search.base_url, k=cfg.search.k,
+                                             cache_dir=os.path.join(cfg.cache_dir, "search")))
+    else:
+        tool = BM25SearchTool(world.docs)
+    if cfg.data.source:
+        from data import load_rl_rows
+
+        train_q = load_rl_rows(cfg.data.source, cfg.data.split, cfg.data.limit or None)
+        held_q = []
+    else:
+        train_q, held_q = load_rows(world.train_rows), load_rows(world.heldout_rows)
+    if len(train_q) < cfg.rollout.prompts_per_step:
+        raise ValueError(f"data: {len(train_q)} training questions, fewer than "
+                         f"rollout.prompts_per_step = {cfg.rollout.prompts_per_step}")
+    return world, tool, train_q, held_q
+
+
+def build_judge(cfg: Config, world):
+    """The stage judge of §3.4: ToyJudge (the toy world's ground truth) or judge_http.HTTPJudge
+    (Gemini or an OpenAI-compatible server; the key is read from the environment per request)."""
+    if cfg.judge.backend == "toy":
+        from judge import ToyJudge
+
+        return ToyJudge(world, cfg.judge.caps)
+    from judge_http import HTTPJudge, HTTPJudgeConfig
+
+    hc = HTTPJudgeConfig(backend=cfg.judge.backend, model=cfg.judge.model, base_url=cfg.judge.base_url,
+                         timeout_s=cfg.judge.timeout_s, max_retries=cfg.judge.max_retries,
+                         concurrency=cfg.judge.concurrency,
+                         cache_dir=os.path.join(cfg.cache_dir, "judge"))
+    return HTTPJudge(hc, cfg.judge.caps)
+
+
+def build_sampler(cfg: Config, model, tok):
+    """The rollout sampler on rank 0: HF generate over `model`, or vLLM loaded from cfg.model (its
+    weights follow pi_theta through the engine's sync after every update)."""
+    from scaffold import HFSampler
+
+    if cfg.sampler != "vllm":
+        return HFSampler(model, tok)
+    from vllm_sampler import VLLMSampler  # SCALE: vLLM only when asked for
+
+    kw = {}
+    if torch.cuda.is_available():
+        kw["gpu_memory_utilization"] = cfg.full.vllm_gpu_memory_utilization
+    return VLLMSampler(cfg.model, tok, seed=cfg.seed,
+                       max_model_len=cfg.full.vllm_max_model_len or cfg.rollout.max_response_tokens + 4096,
+                       **kw)
+
+
+def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, reference, world, tool,
+                train_q, held_q, mpath, timings, t_start) -> dict:
+    """Algorithm 1 on rank 0 (train's body once the policy engine exists)."""
+    from tqdm import tqdm
+
+    import bank as bank_mod
+    from faults import FaultyJudge, FaultyTool
+    from scaffold import HFSampler, RolloutEngine
+
     if state is not None:
         if state["reference"]["sha256"] != reference["sha256"]:
             raise ckpt_mod.CheckpointError(
                 f"cannot resume from {ckpt_path}: the reference model (SFT warm start) rebuilt from "
                 f"{reference['source']} differs from the one the run started with "
                 f"({state['reference']['source']}); restore that warm start or --model")
-        ckpt_mod.load_model_weights(model, ckpt_path)
+        policy.load(ckpt_path, state)
     system = SYSTEM_PROMPT_COMPACT if cfg.rollout.system_prompt == "compact" else SYSTEM_PROMPT
-    sampler = HFSampler(model, tok)
+    sampler = build_sampler(cfg, model, tok)
+    if state is not None and hasattr(sampler, "sync_weights"):
+        policy.sync(sampler)  # vLLM loaded the starting weights
     # Injected tool faults reach the RL rollouts only: the warm start and evaluation use the clean
     # tool, so their results do not depend on the fault settings.
     rl_tool = FaultyTool(tool, cfg.faults) if cfg.faults.tool_rate > 0 else tool
     engine = RolloutEngine(sampler, tok, {tool.name: rl_tool}, cfg.rollout.max_response_tokens,
                            cfg.rollout.max_tool_calls, system, cfg.rollout.temperature,
                            tool_timeout_s=cfg.rollout.tool_timeout_s, deadline_s=cfg.rollout.deadline_s)
-    judge = ToyJudge(world, cfg.judge.caps)
+    judge = build_judge(cfg, world)
     if cfg.faults.judge_rate > 0:
         judge = FaultyJudge(judge, cfg.faults, cfg.judge.max_retries)
-    bank = bank_mod.RubricBank(max_chars=cfg.bank.max_chars)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.ss_grpo.lr, betas=(0.9, 0.95),
-                            weight_decay=0.0)
+    retriever = None
+    if cfg.bank.retriever == "dense":
+        from retrieval import DenseRetriever
+
+        retriever = DenseRetriever(cfg.bank.embed_model)
+    bank = bank_mod.RubricBank(max_chars=cfg.bank.max_chars, retriever=retriever)
     order = DataOrder(len(train_q), cfg.rollout.prompts_per_step, cfg.seed)
     rng = random.Random(cfg.seed + 1)
     logger = MetricsLog(mpath)
@@ -745,7 +924,7 @@ def train(cfg: Config, resume: str | None = None) -> dict:
     monitor = FailureMonitor(cfg.judge.max_failure_rate, cfg.judge.max_failure_steps)
     start = 0
     if state is not None:
-        restore_training_state(state, opt, rng, judge, bank, engine, rl_tool, monitor, order)
+        restore_training_state(state, rng, judge, bank, engine, rl_tool, monitor, order)
         pending = ReflectionBatch.from_dict(state["pending"])
         samples_out = list(state["samples"])
         logger.reset(state["metrics"])
@@ -757,10 +936,10 @@ def train(cfg: Config, resume: str | None = None) -> dict:
     last_ckpt = ckpt_path
 
     def save_checkpoint(done: int) -> str:
-        st = training_state(done, cfg, opt, rng, judge, bank, pending, logger, samples_out, engine,
+        st = training_state(done, cfg, policy, rng, judge, bank, pending, logger, samples_out, engine,
                             rl_tool, monitor, reference, order)
-        return ckpt_mod.save_checkpoint(cfg.run_dir, done, model, tok, st, keep=cfg.checkpoint.keep,
-                                        meta={"config": asdict(cfg)})
+        return ckpt_mod.save_checkpoint(cfg.run_dir, done, policy, tok, st, keep=cfg.checkpoint.keep,
+                                        meta={"config": asdict(cfg)}, extra=policy.save_state)
 
     bar = tqdm(range(start, stop_at), desc="rl", initial=start, total=cfg.steps,
                disable=not cfg.progress)
@@ -768,6 +947,7 @@ def train(cfg: Config, resume: str | None = None) -> dict:
         m: dict[str, Any] = {}
         t_step = time.perf_counter()
         judge_before = dict(judge.counters)
+        http_before = judge.stats() if hasattr(judge, "stats") else None
         engine_before = dict(engine.stats)
         tool_before = dict(getattr(rl_tool, "counts", {}))
         b, mode = curriculum(step, cfg.curriculum.K, cfg.curriculum.enabled)
@@ -784,6 +964,8 @@ def train(cfg: Config, resume: str | None = None) -> dict:
         # 3. rollouts
         t0 = time.perf_counter()
         torch.manual_seed(cfg.seed * 7919 + step)
+        if hasattr(sampler, "reseed"):  # vLLM: per-request seeds, reproducible per step
+            sampler.reseed(cfg.seed * 7919 + step)
         rollouts = engine.run(queries, n=n, bank_items=items)
         m["time/rollout_s"] = time.perf_counter() - t0
         # 4. judge, one group per query
@@ -816,8 +998,12 @@ def train(cfg: Config, resume: str | None = None) -> dict:
             ub.adv.append([a * x for x in mk])
             ub.kind.append("reflection")
         m["update/reflection_seqs"] = len(pending.sequences)
-        m.update(policy_update(model, ref_model, opt, ub, cfg.ss_grpo, tok.pad_token_id, rng))
+        m.update(policy.update(ub, tok.pad_token_id, rng))
         m["time/update_s"] = time.perf_counter() - t0
+        # pi_theta changed: the sampler's copy follows (ZeRO-3 shards gathered one tensor at a time)
+        t0 = time.perf_counter()
+        policy.sync(sampler)
+        m["time/sync_s"] = time.perf_counter() - t0
         # 6. reflection branch on this step's trajectories (applied at the next update)
         t0 = time.perf_counter()
         pending, rmet = run_reflection_branch(step, rollouts, judged, judge, bank, sampler, tok,
@@ -837,7 +1023,8 @@ def train(cfg: Config, resume: str | None = None) -> dict:
         m["judge/missing"] = int(np.isnan(R).sum())
         m["judge/proposed"] = int(sum(res.stats["proposed"] for res in results))
         m["judge/pruned"] = int(sum(res.stats["pruned"] for res in results))
-        m.update(judge_step_metrics(judge_before, judge.counters))
+        m.update(judge_step_metrics(judge_before, judge.counters, http_before,
+                                    judge.stats() if http_before is not None else None))
         m["tokens/sampled"] = int(sum(sum(r.loss_mask) for r in rollouts))
         m["tokens/total"] = int(sum(len(r.response_ids) for r in rollouts))
         m["tools/calls"] = float(np.mean([r.n_tool_calls for r in rollouts]))
@@ -889,7 +1076,7 @@ def train(cfg: Config, resume: str | None = None) -> dict:
                                 "".join(json.dumps(s) + "\n" for s in samples_out).encode("utf-8"))
 
     def save_final(d: str) -> None:
-        model.save_pretrained(d)
+        policy.save_pretrained(d)
         tok.save_pretrained(d)
 
     ckpt_mod.save_dir_atomic(save_final, os.path.join(cfg.run_dir, "final"))
@@ -898,13 +1085,19 @@ def train(cfg: Config, resume: str | None = None) -> dict:
     # ---- held-out evaluation: SFT start vs trained policy, same questions and seed (clean judge
     # and tool: evaluation measures the policy, whatever faults training saw)
     summary = {"sft": sft_info, "timings": timings}
-    if cfg.eval.n_questions > 0:
+    if hasattr(judge, "close"):
+        judge.close()
+    if hasattr(sampler, "close"):
+        sampler.close()
+    # The held-out evaluation scores with the toy world's static rubrics, against pi_ref in this
+    # process: toy judge and the torch engine only.
+    if cfg.eval.n_questions > 0 and cfg.judge.backend == "toy" and cfg.engine == "torch" and held_q:
         t0 = time.perf_counter()
         qs = held_q[: cfg.eval.n_questions]
         eval_judge = judge.inner if isinstance(judge, FaultyJudge) else judge
-        ref_engine = RolloutEngine(HFSampler(ref_model, tok), tok, {tool.name: tool},
+        ref_engine = RolloutEngine(HFSampler(policy.ref_model, tok), tok, {tool.name: tool},
                                    cfg.rollout.max_response_tokens, cfg.rollout.max_tool_calls, system)
-        eval_engine = RolloutEngine(sampler, tok, {tool.name: tool}, cfg.rollout.max_response_tokens,
+        eval_engine = RolloutEngine(HFSampler(model, tok), tok, {tool.name: tool}, cfg.rollout.max_response_tokens,
                                     cfg.rollout.max_tool_calls, system, cfg.rollout.temperature)
         summary["eval_sft"] = evaluate(ref_engine, eval_judge, qs, cfg.eval.samples,
                                        cfg.eval.temperature, cfg.seed + 12345)
@@ -916,17 +1109,30 @@ def train(cfg: Config, resume: str | None = None) -> dict:
     return summary
 
 
-def judge_step_metrics(before: dict, after: dict) -> dict:
+def judge_step_metrics(before: dict, after: dict, http_before: dict | None = None,
+                       http_after: dict | None = None) -> dict:
     """Per-step judge reliability from two snapshots of judge.counters: judge/calls,
     judge/failures (calls given up after the retry bound), judge/failure_rate in [0, 1] (0 when
-    there were no calls), judge/retries, and judge/faults/<kind> (injected faults per kind)."""
+    there were no calls), judge/retries, and judge/faults/<kind> (injected faults per kind).
+
+    With an HTTP judge, http_before / http_after are two snapshots of HTTPJudge.stats(): the step's
+    HTTP figures are logged as judge/http/<name> (calls, requests, failures, retries,
+    invalid_replies, cache_hits, tokens_in, tokens_out, cost_usd in USD), and calls / failures /
+    failure_rate count HTTP calls (one per rollout scored, per proposal, per reflection scoring)."""
     d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    if http_before is not None and http_after is not None:
+        h = {k[len("judge/"):]: http_after[k] - http_before.get(k, 0) for k in http_after
+             if k != "judge/latency_s"}
+        d["calls"], d["failures"] = h["calls"], h["failures"]
+        d["retries"] = d.get("retries", 0) + h["retries"]
     calls, fails = d.get("calls", 0), d.get("failures", 0)
     out = {"judge/calls": calls, "judge/failures": fails,
            "judge/failure_rate": fails / calls if calls else 0.0, "judge/retries": d.get("retries", 0)}
     for kind in JUDGE_KINDS:
         if f"fault/{kind}" in after:
             out[f"judge/faults/{kind}"] = d[f"fault/{kind}"]
+    if http_before is not None and http_after is not None:
+        out.update({f"judge/http/{k}": v for k, v in h.items()})
     return out
 
 
@@ -1040,10 +1246,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if cfg.dry_run:
             return full.main_dry_run(cfg)
-        print("full-mode training is not wired into this loop yet: `--full --dry-run` checks the "
-              "environment and prints the plan; the ZeRO-3 engine, vLLM sampler and HTTP judge are "
-              "in full.py, vllm_sampler.py and judge_http.py (see README, Full mode)", file=sys.stderr)
-        return 2
     try:
         s = train(cfg, resume)
     except JudgeFailureAbort as e:
@@ -1052,13 +1254,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ckpt_mod.CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not s:
+        return 0  # a ZeRO-3 rank > 0: rank 0 reports
     print(f"run dir: {cfg.run_dir}")
     if "stopped_at" in s:
         print(f"stopped after step {s['stopped_at']} (checkpoint {s['checkpoint']}); continue with "
               "--resume latest")
         return 0
-    print(f"SFT warm start: {'cached' if s['sft'].get('cached') else 'trained'}"
-          f" ({s['sft'].get('train_seconds', 0):.0f} s, final loss {s['sft'].get('final_loss', float('nan')):.3f})")
+    if "train_seconds" in s["sft"]:
+        print(f"SFT warm start: {'cached' if s['sft'].get('cached') else 'trained'}"
+              f" ({s['sft']['train_seconds']:.0f} s, final loss {s['sft'].get('final_loss', float('nan')):.3f})")
+    else:
+        print(f"policy: {s['sft'].get('source')}")
     if "eval_sft" in s:
         e0, e1 = s["eval_sft"], s["eval_rl"]
         print(f"held-out score (mean of 4 stage scores): SFT {e0['score']:.3f} -> RL {e1['score']:.3f}")

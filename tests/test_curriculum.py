@@ -91,7 +91,11 @@ def test_data_order_depends_on_seed_and_reshuffles_per_epoch_sec3_5():
 
 def test_presets_are_valid_sec3_3():
     validate_config(toy_preset())
-    validate_config(full_preset())
+    f = full_preset()
+    with pytest.raises(ValueError, match="--model"):  # full mode trains a given (SFT) checkpoint
+        validate_config(f)
+    f.model = "/models/qwen3-8b-sft"
+    validate_config(f)
     assert toy_preset().ss_grpo.lam == [list(r) for r in ss_grpo.PAPER_LAMBDA]
 
 

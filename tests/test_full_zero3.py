@@ -114,7 +114,11 @@ def test_dry_run_reports_key_names_only_and_lists_problems(monkeypatch):
     assert "$GEMINI_API_KEY set" in text and "abc-value" not in text
     assert not any("GEMINI_API_KEY" in p for p in problems)
     _, problems = full.dry_run(full_preset(), {})
-    assert any("judge.backend is 'toy'" in p for p in problems)
+    assert not any("judge.backend is 'toy'" in p for p in problems)  # PAPER: Gemini judge by default
+    toy_judge = full_preset()
+    toy_judge.judge.backend = "toy"
+    _, with_toy = full.dry_run(toy_judge, {})
+    assert any("judge.backend is 'toy'" in p for p in with_toy)
     assert any("GEMINI" in p or "SERPER_API_KEY" in p for p in problems)
     assert any("no policy model" in p for p in problems)
 
@@ -170,8 +174,9 @@ def _reference_steps(init_dir):
     model.train()
     out = []
     for j in range(MINIBATCHES):
-        # Rank r holds sequences r, r + W, ...; its minibatch j is every M-th of those from j on.
-        mb = [i for i in everything if (i // WORLD) % MINIBATCHES == j]
+        # full.plan_update without a shuffle: optimizer step j takes sequences j, j + M, ... (as
+        # train.policy_update's order[j::M]), dealt to the ranks round-robin.
+        mb = everything[j::MINIBATCHES]
         ids, att, mask, adv = full.pad_rows(batch, mb, pad)
         L = ids.shape[1]
         logp = token_logprobs(model, ids, att)
