@@ -125,16 +125,32 @@ def load_policy(path: str, dtype: torch.dtype = torch.float32):
     return model, tok
 
 
+def _chunk_logprobs(head, h: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
+    """(B, c) float32 log-probs of the next tokens `nxt` (B, c) from hidden states h (B, c, H)."""
+    # log pi(x_{t+1} | x_{<=t}) = log_softmax(logits_t)[x_{t+1}]
+    lp = torch.log_softmax(head(h).float(), dim=-1)  # (B, c, V)
+    return lp.gather(-1, nxt[..., None]).squeeze(-1)
+
+
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   chunk_size: int = 1024) -> torch.Tensor:
+                   chunk_size: int = 1024, recompute: bool | None = None) -> torch.Tensor:
     """log pi_theta(x_{t+1} | x_{<=t}) for every position, memory-bounded.
 
     input_ids, attention_mask: (B, L) int64. Returns (B, L) float32 where column t holds the
     log-prob of token t given tokens < t (column 0 is 0: the first token has no prediction).
     The final hidden states (B, L, H) are computed once; the vocabulary projection and log-softmax
-    run on `chunk_size` positions at a time, so peak extra memory is B * chunk_size * V floats
-    instead of B * L * V. Gradients flow through (use under torch.no_grad() for old/ref log-probs).
+    run on `chunk_size` positions at a time, so the forward holds at most B * chunk_size * V floats
+    of logits instead of B * L * V. Gradients flow through (use under torch.no_grad() for old/ref
+    log-probs).
+
+    recompute: with gradient, autograd would keep every chunk's (B, c, V) log-softmax for the
+    backward, i.e. the full B * L * V again; recompute=True (the default whenever gradients are
+    recorded) keeps only each chunk's inputs and recomputes its projection in the backward
+    (torch.utils.checkpoint), for one extra vocabulary projection per chunk.
+    benchmarks/logprob_memory.py measures both.
     """
+    from torch.utils.checkpoint import checkpoint
+
     B, L = input_ids.shape
     # Left-padded batches: positions must count from each row's first real token.
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -142,12 +158,14 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     hidden = base(input_ids=input_ids, attention_mask=attention_mask,
                   position_ids=position_ids).last_hidden_state  # (B, L, H)
     head = model.get_output_embeddings()
+    if recompute is None:
+        recompute = torch.is_grad_enabled() and hidden.requires_grad
     pieces = [torch.zeros(B, 1, dtype=torch.float32, device=input_ids.device)]
     for s in range(0, L - 1, chunk_size):
         e = min(s + chunk_size, L - 1)
-        logits = head(hidden[:, s:e]).float()  # (B, c, V)
-        # log pi(x_{t+1} | x_{<=t}) = log_softmax(logits_t)[x_{t+1}]
-        lp = torch.log_softmax(logits, dim=-1)
-        pieces.append(lp.gather(-1, input_ids[:, s + 1 : e + 1, None]).squeeze(-1))  # (B, c)
-        del logits, lp  # free this chunk's (B, c, V) tensors before the next one is built
+        h, nxt = hidden[:, s:e], input_ids[:, s + 1 : e + 1]
+        if recompute:  # SCALE: the backward rebuilds this chunk's logits instead of storing them
+            pieces.append(checkpoint(_chunk_logprobs, head, h, nxt, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(head, h, nxt))  # (B, c); its logits are freed here
     return torch.cat(pieces, dim=1)  # (B, L)

@@ -1233,7 +1233,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry point. Exit codes: 0 done (or stopped by checkpoint.stop_after), 2 bad
-    configuration or unusable checkpoint, 3 judge failures above the abort threshold."""
+    configuration or unusable input (data file or rows, model directory, checkpoint), 3 judge
+    failures above the abort threshold."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         cfg, resume = parse_cli(argv)
@@ -1251,7 +1252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except JudgeFailureAbort as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
-    except ckpt_mod.CheckpointError as e:
+    except (ckpt_mod.CheckpointError, ValueError, OSError) as e:  # unusable input (data, model, checkpoint)
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not s:

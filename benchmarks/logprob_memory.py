@@ -8,10 +8,11 @@ SS-GRPO loss (§3.3) needs only log pi of each sampled token, so policy.token_lo
 
 Variants (each in a fresh subprocess, so every peak is its own)
     naive            model(...).logits -> log_softmax over (B, L, V) -> gather
-    chunked          policy.token_logprobs(model, ids, att, chunk)
-    chunked_recompute  the same chunks, each wrapped in torch.utils.checkpoint: the backward
-                     recomputes a chunk's logits instead of keeping its log-softmax (a candidate for
-                     policy.py; measured here, not used by the training code)
+    chunked          policy.token_logprobs(model, ids, att, chunk, recompute=False): chunks, but
+                     with gradient autograd keeps every chunk's log-softmax for the backward
+    chunked_recompute  policy.token_logprobs(model, ids, att, chunk), the training default: with
+                     gradient each chunk is wrapped in torch.utils.checkpoint and the backward
+                     recomputes its logits (without gradient it equals "chunked")
 each with mode "nograd" (old / reference log-probs) and "grad" (forward + backward of the
 SS-GRPO-like sum_t w_t log pi_t). Memory: CPU = peak RSS (getrusage ru_maxrss) minus the RSS after
 the model and inputs exist; GPU = torch.cuda.max_memory_allocated minus the allocation before the
@@ -61,25 +62,6 @@ def naive_logprobs(model, ids, att):
     return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)  # (B, L)
 
 
-def recompute_logprobs(model, ids, att, chunk):
-    """Chunked log-probs whose backward recomputes each chunk (torch.utils.checkpoint)."""
-    from torch.utils.checkpoint import checkpoint
-
-    pos = (att.long().cumsum(-1) - 1).clamp(min=0)
-    hidden = model.get_decoder()(input_ids=ids, attention_mask=att, position_ids=pos).last_hidden_state
-    head = model.get_output_embeddings()
-
-    def piece(h, nxt):
-        return torch.log_softmax(head(h).float(), dim=-1).gather(-1, nxt[..., None]).squeeze(-1)
-
-    L = ids.shape[1]
-    out = [torch.zeros(ids.shape[0], 1, device=ids.device)]
-    for s in range(0, L - 1, chunk):
-        e = min(s + chunk, L - 1)
-        out.append(checkpoint(piece, hidden[:, s:e], ids[:, s + 1 : e + 1], use_reentrant=False))
-    return torch.cat(out, dim=1)
-
-
 def worker(a) -> None:
     from policy import token_logprobs
 
@@ -91,8 +73,8 @@ def worker(a) -> None:
     att = torch.ones_like(ids)
     w = torch.randn(a.batch, a.seq_len, generator=g).to(a.device)  # advantage-like token weights
     fn = {"naive": lambda: naive_logprobs(model, ids, att),
-          "chunked": lambda: token_logprobs(model, ids, att, a.chunk),
-          "chunked_recompute": lambda: recompute_logprobs(model, ids, att, a.chunk)}[a.variant]
+          "chunked": lambda: token_logprobs(model, ids, att, a.chunk, recompute=False),
+          "chunked_recompute": lambda: token_logprobs(model, ids, att, a.chunk)}[a.variant]
     cuda = a.device.startswith("cuda")
     if cuda:
         torch.cuda.synchronize()

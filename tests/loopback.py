@@ -231,3 +231,26 @@ class FakeServer:
             out.append({"candidate_id": cid, "justification": "by length",
                         "within": min(1.0, n / 100), "cross": 0.5})
         return {"scores": out}
+
+
+def serve(url_file: str) -> None:
+    """Run a Gemini and a Serper fake server (key TEST_KEY) until killed; write their URLs to url_file
+    as JSON {"gemini": ..., "serper": ...} once they listen (scripts/gpu_smoke.sh uses this)."""
+    import os
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})  # for sigwait below
+    with FakeServer("gemini", model="gemini-test") as gj, FakeServer("serper") as ss:
+        tmp = url_file + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump({"gemini": gj.url, "serper": ss.url, "key": TEST_KEY}, fh)
+        os.replace(tmp, url_file)
+        signal.sigwait({signal.SIGTERM, signal.SIGINT})
+        print(f"loopback: {len(gj.requests)} judge requests ({len(gj.errors)} rejected), "
+              f"{len(ss.requests)} search requests ({len(ss.errors)} rejected)", flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    serve(sys.argv[1])

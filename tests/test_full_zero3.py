@@ -228,3 +228,43 @@ def test_zero3_checkpoint_loads_with_plain_transformers(zero3_run):
     assert torch.isfinite(m(ids).logits).all()
     stats = zero3_run["stats"]
     assert stats["plan"]["grad_accum"] == 2 and stats["world_size"] == 2
+
+
+# ----------------------------------------------------------------------------------------------------
+# plan_update: the ranks' optimizer steps are exactly train.policy_update's (no DeepSpeed needed)
+
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+
+@given(n=st.integers(1, 40), world=st.integers(1, 4), minibatches=st.integers(1, 4),
+       micro=st.integers(1, 3), seed=st.integers(0, 10 ** 6))
+def test_plan_update_deals_policy_update_minibatches_to_ranks(n, world, minibatches, micro, seed):
+    import random
+
+    from train import UpdateBatch
+
+    batch = UpdateBatch(ids=[[i, i + 1] for i in range(n)], mask=[[0] + [1] * (i % 3) for i in range(n)],
+                        adv=[[0.0, 0.0] for _ in range(n)], kind=["task"] * n)
+    rng_a, rng_b = random.Random(seed), random.Random(seed)
+    shards, plans = full.plan_update(batch, world, minibatches, micro, rng_a)
+    # train.policy_update: shuffle once, optimizer step j takes order[j::M]
+    order = list(range(n))
+    rng_b.shuffle(order)
+    M = max(1, min(minibatches, n))
+    want = [sorted(order[j::M]) for j in range(M)]
+    assert rng_a.getstate() == rng_b.getstate()  # the loop's RNG advances as in one process
+    assert len(shards) == len(plans) == world
+    got = [sorted(shards[r].ids[i][0] for r in range(world) for i in plans[r].minibatches[j])
+           for j in range(M)]
+    assert got == want
+    for j in range(M):
+        assert plans[0].n_seq[j] == len(want[j])
+        assert plans[0].n_tok[j] == sum(sum(batch.mask[i]) for i in want[j])
+    for r in range(world):
+        p = plans[r]
+        # every rank makes the same number of (collective) passes, enough for its own sequences
+        assert (p.n_micro, p.score_passes) == (plans[0].n_micro, plans[0].score_passes)
+        assert all(len(mb) <= k * micro for mb, k in zip(p.minibatches, p.n_micro))
+        assert len(shards[r].ids) <= p.score_passes * micro
+        assert sorted(i for mb in p.minibatches for i in mb) == list(range(len(shards[r].ids)))

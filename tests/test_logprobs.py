@@ -1,7 +1,7 @@
 """policy.token_logprobs (the chunked log pi pass behind every SS-GRPO ratio and KL term, §3.3)
 equals the full-logits log_softmax: values for several chunk sizes, right and left padding, and
-gradients. Also checks the recompute-per-chunk variant measured in benchmarks/logprob_memory.py."""
-import importlib.util
+gradients, with and without recomputing each chunk in the backward; and that recomputing keeps no
+(tokens x vocab) tensor alive for the backward."""
 import os
 
 import pytest
@@ -74,8 +74,9 @@ def test_left_padding_equals_each_sequence_alone(model):
             assert torch.allclose(lp[r, real][1:], alone[1:], atol=1e-5)
 
 
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "keep"])
 @pytest.mark.parametrize("left", [False, True], ids=["right_pad", "left_pad"])
-def test_chunked_gradients_equal_naive(model, left):
+def test_chunked_gradients_equal_naive(model, left, recompute):
     ids, att = batch([16, 9], left, seed=1)
     w = torch.randn(ids.shape, generator=torch.Generator().manual_seed(2)) * valid(att)
 
@@ -84,25 +85,35 @@ def test_chunked_gradients_equal_naive(model, left):
         (fn() * w).sum().backward()  # an advantage-weighted sum, like the surrogate at rho = 1
         return {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    g_chunk = grads(lambda: policy.token_logprobs(model, ids, att, chunk_size=5))
+    g_chunk = grads(lambda: policy.token_logprobs(model, ids, att, chunk_size=5, recompute=recompute))
     g_naive = grads(lambda: naive(model, ids, att))
     for n in g_naive:
         assert torch.allclose(g_chunk[n], g_naive[n], atol=1e-6, rtol=1e-4), n
 
 
-def test_recompute_variant_of_the_benchmark_matches_chunked(model):
-    spec = importlib.util.spec_from_file_location(
-        "logprob_memory", os.path.join(ROOT, "benchmarks", "logprob_memory.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    ids, att = batch([16, 16], left=False, seed=4)
-    w = torch.randn(ids.shape, generator=torch.Generator().manual_seed(5))
-    outs = []
-    for fn in (lambda: policy.token_logprobs(model, ids, att, 5),
-               lambda: bench.recompute_logprobs(model, ids, att, 5)):
-        model.zero_grad(set_to_none=True)
-        lp = fn()
-        (lp * w).sum().backward()
-        outs.append((lp.detach(), model.get_input_embeddings().weight.grad.clone()))
-    assert torch.allclose(outs[0][0], outs[1][0], atol=1e-6)
-    assert torch.allclose(outs[0][1], outs[1][1], atol=1e-6)
+def _saved_numel(fn) -> int:
+    """Elements of every tensor autograd saves for the backward while fn() runs."""
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total[0]
+
+
+def test_recompute_saves_no_tokens_by_vocab_tensor_for_the_backward(model):
+    ids, att = batch([40, 40], left=False, seed=4)
+    B, L = ids.shape
+    keep = _saved_numel(lambda: policy.token_logprobs(model, ids, att, 8, recompute=False))
+    auto = _saved_numel(lambda: policy.token_logprobs(model, ids, att, 8))  # grad on: recompute
+    # Without recomputation the log-softmax of every chunk is kept: >= B * (L - 1) * V elements.
+    assert keep >= B * (L - 1) * V
+    # With it, what remains is the decoder's activations plus each chunk's hidden input; removing
+    # the head's share must save at least the (B, L-1, V) log-softmax.
+    assert keep - auto >= B * (L - 1) * V, (keep, auto)
+    with torch.no_grad():
+        assert torch.equal(policy.token_logprobs(model, ids, att, 8),
+                           policy.token_logprobs(model, ids, att, 8, recompute=True))
