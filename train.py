@@ -876,9 +876,11 @@ def build_sampler(cfg: Config, model, tok):
     kw = {}
     if torch.cuda.is_available():
         kw["gpu_memory_utilization"] = cfg.full.vllm_gpu_memory_utilization
-    return VLLMSampler(cfg.model, tok, seed=cfg.seed,
-                       max_model_len=cfg.full.vllm_max_model_len or cfg.rollout.max_response_tokens + 4096,
-                       **kw)
+    # The engine's context: the configured length, else the response budget plus 4096 prompt tokens,
+    # never beyond what the model's positions allow.
+    limit = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+    max_len = min(cfg.full.vllm_max_model_len or cfg.rollout.max_response_tokens + 4096, limit)
+    return VLLMSampler(cfg.model, tok, seed=cfg.seed, max_model_len=max_len, **kw)
 
 
 def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, reference, world, tool,
@@ -1004,6 +1006,9 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
         t0 = time.perf_counter()
         policy.sync(sampler)
         m["time/sync_s"] = time.perf_counter() - t0
+        if hasattr(sampler, "sync_weights"):  # vLLM: weight syncs so far and the last one's size
+            m["sampler/syncs"] = sampler.stats["syncs"]
+            m["sampler/sync_bytes"] = sampler.stats["last_sync"].get("bytes", 0)
         # 6. reflection branch on this step's trajectories (applied at the next update)
         t0 = time.perf_counter()
         pending, rmet = run_reflection_branch(step, rollouts, judged, judge, bank, sampler, tok,

