@@ -247,6 +247,8 @@ class FullConfig:
     vllm_max_model_len: int = 0  # 0 = longest prompt budget + rollout.max_response_tokens (see
     # train.build_sampler); the engine's context length
     vllm_gpu_memory_utilization: float = 0.5  # ours: leaves room for the ZeRO-3 shards on rank 0's GPU
+    # (on CPU: the fraction of RAM vLLM requires to be free at start)
+    vllm_cpu_kv_cache_gib: int = 2  # CPU only: vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)
 
 
 def full_config(cfg) -> FullConfig:
@@ -776,6 +778,12 @@ class ZeRO3Engine:
         """Copy the updated weights into rank 0's sampler: the plain `model` (HF generate) or a vLLM
         engine. Gathers one parameter at a time (iter_full_params). Returns {"sync_s": seconds}."""
         t0 = time.perf_counter()
+        if getattr(sampler, "in_process", True) is False:
+            # An out-of-process vLLM engine (world size > 1, see train.build_sampler): rank 0 writes
+            # the gathered weights as a HF checkpoint on tmpfs (collective, one tensor at a time)
+            # and the engine reloads them in place.
+            info = sampler.reload_from_checkpoint(self)
+            return {"sync_s": time.perf_counter() - t0, **info}
         self._send("sync")
         params = self.policy.iter_full_params(device="cpu")
         try:

@@ -873,14 +873,21 @@ def build_sampler(cfg: Config, model, tok):
         return HFSampler(model, tok)
     from vllm_sampler import VLLMSampler  # SCALE: vLLM only when asked for
 
-    kw = {}
-    if torch.cuda.is_available():
-        kw["gpu_memory_utilization"] = cfg.full.vllm_gpu_memory_utilization
+    # SCALE: on GPU the fraction of GPU memory for weights + KV cache; on CPU vLLM reads the same
+    # setting as a fraction of RAM it checks is free, and the KV cache has its own size.
+    kw = {"gpu_memory_utilization": cfg.full.vllm_gpu_memory_utilization}
+    if not torch.cuda.is_available():
+        kw["kv_cache_space_gib"] = cfg.full.vllm_cpu_kv_cache_gib
     # The engine's context: the configured length, else the response budget plus 4096 prompt tokens,
     # never beyond what the model's positions allow.
     limit = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
     max_len = min(cfg.full.vllm_max_model_len or cfg.rollout.max_response_tokens + 4096, limit)
-    return VLLMSampler(cfg.model, tok, seed=cfg.seed, max_model_len=max_len, **kw)
+    # Under a multi-rank launcher, vLLM's in-process engine would build its process groups on the
+    # trainer's default group, which every rank must join (it hangs): the engine then runs in its
+    # own process and takes new weights from a checkpoint on tmpfs (full.ZeRO3Engine.sync).
+    in_process = int(os.environ.get("WORLD_SIZE", "1")) <= 1
+    return VLLMSampler(cfg.model, tok, seed=cfg.seed, max_model_len=max_len, in_process=in_process,
+                       **kw)
 
 
 def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, reference, world, tool,
@@ -1006,8 +1013,9 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
         t0 = time.perf_counter()
         policy.sync(sampler)
         m["time/sync_s"] = time.perf_counter() - t0
-        if hasattr(sampler, "sync_weights"):  # vLLM: weight syncs so far and the last one's size
-            m["sampler/syncs"] = sampler.stats["syncs"]
+        if hasattr(sampler, "sync_weights"):  # vLLM: weight syncs so far (in place or through a
+            # checkpoint reload) and the size of the last in-place one
+            m["sampler/syncs"] = sampler.stats["syncs"] + sampler.stats["reloads"]
             m["sampler/sync_bytes"] = sampler.stats["last_sync"].get("bytes", 0)
         # 6. reflection branch on this step's trajectories (applied at the next update)
         t0 = time.perf_counter()

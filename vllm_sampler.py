@@ -155,7 +155,7 @@ class VLLMSampler:
         self.stop_token_ids, self.string_stops = stop_rule(tokenizer, stop_strings)
         self.expected_names = _checkpoint_names(model_dir)
         self.stats = {"requests": 0, "gen_calls": 0, "gen_tokens": 0, "gen_s": 0.0,
-                      "guard_trims": 0, "syncs": 0, "last_sync": {}, "init_s": 0.0}
+                      "guard_trims": 0, "syncs": 0, "last_sync": {}, "reloads": 0, "init_s": 0.0}
         self._lock = threading.RLock()
         self._state = "ok"  # "ok" | "mixed" (sync failed between rpcs) | "unknown" (rpc timed out)
         self._inflight: threading.Thread | None = None
@@ -404,6 +404,7 @@ class VLLMSampler:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
         t1 = time.perf_counter()
+        self.stats["reloads"] += 1
         return {"mode": mode, "save_s": t_saved - t0, "reload_s": t1 - t_saved, "t_s": t1 - t0}
 
     def close(self) -> None:

@@ -50,13 +50,14 @@ def _run(cmd, timeout=600):
     return time.perf_counter() - t0
 
 
-def _full_run(tmp, name, model, rows, ranks, *extra):
+def _full_run(tmp, name, model, rows, ranks, *extra, python=sys.executable):
     """One `train.py --full` run against fresh loopback servers; returns (run dir, servers, seconds)."""
     with FakeServer("gemini", model="gemini-test") as gj, FakeServer("serper") as ss:
         args = ["--full", "--model", str(model), "--steps", str(STEPS), "--run-dir", str(tmp / name),
                 "--no-progress", "--set", f'data.source="{rows}"',
                 "--set", f'judge.base_url="{gj.url}"', "--set", 'judge.model="gemini-test"',
                 "--set", f'search.base_url="{ss.url}"', "--set", 'sampler="hf"',
+                "--set", "full.vllm_cpu_kv_cache_gib=1", "--set", "full.vllm_gpu_memory_utilization=0.3",
                 "--set", 'bank.retriever="bm25"', "--set", "rollout.prompts_per_step=2",
                 "--set", "rollout.n=4", "--set", "rollout.max_response_tokens=96",
                 "--set", 'rollout.system_prompt="compact"', "--set", "reflection.m=4",
@@ -65,9 +66,9 @@ def _full_run(tmp, name, model, rows, ranks, *extra):
                 "--set", f'cache_dir="{tmp / ("cache-" + name)}"', "--set", "threads=1",
                 "--set", "checkpoint.every=1", *extra]
         if ranks == 1:
-            cmd = [sys.executable, os.path.join(ROOT, "train.py"), *args, "--set", 'engine="torch"']
+            cmd = [python, os.path.join(ROOT, "train.py"), *args, "--set", 'engine="torch"']
         else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+            cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                    "--master_port", str(full.free_port()), os.path.join(ROOT, "train.py"), *args]
         secs = _run(cmd)
         servers = {"judge": (list(gj.requests), list(gj.errors)),
@@ -180,3 +181,41 @@ def test_full_mode_never_writes_the_api_key(runs):
             for f in files:
                 with open(os.path.join(dirpath, f), "rb") as fh:
                     assert TEST_KEY.encode() not in fh.read(), os.path.join(dirpath, f)
+
+
+def _vllm_python_with_deepspeed():
+    py = os.environ.get("RUBRICEM_VLLM_PYTHON")
+    if not py or not os.path.exists(py):
+        pytest.skip("RUBRICEM_VLLM_PYTHON is not set (a python with vllm / vllm-cpu; see docs/vllm.md)")
+    r = subprocess.run([py, "-c", "import deepspeed, accelerate"], capture_output=True,
+                       env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    if r.returncode:
+        pytest.skip("the vLLM environment has no deepspeed / accelerate")
+    return py
+
+
+@pytest.mark.slow
+def test_full_mode_two_zero3_ranks_with_the_vllm_sampler(runs, tmp_path):
+    """ZeRO-3 on 2 ranks + vLLM on rank 0 (its own process: see train.build_sampler), synced after
+    every update through a checkpoint on tmpfs. The sync must reach the engine: with lr 0 and lr 1e-3
+    the first step samples the same trajectories (same weights, same per-request seeds) and the
+    second step differs only if the engine received the updated weights."""
+    py = _vllm_python_with_deepspeed()
+    rows = tmp_path / "rows.jsonl"
+    with open(rows, "w") as fh:
+        for r in tiny_world().train_rows:
+            fh.write(json.dumps({k: v for k, v in r.items() if k != "toy"}) + "\n")
+    out = {}
+    for lr in ("0", "1e-3"):
+        d, servers, secs = _full_run(tmp_path, f"vllm-lr{lr}", runs["model"], rows, 2,
+                                     "--set", 'sampler="vllm"', "--set", f"ss_grpo.lr={lr}",
+                                     python=py)
+        assert not servers["judge"][1] and not servers["search"][1]
+        rows_m = _metrics(d)
+        assert [r["sampler/syncs"] for r in rows_m] == [1, 2]
+        with open(d / "samples.jsonl") as fh:
+            out[lr] = [json.loads(line) for line in fh]
+        print(f"lr {lr}: {secs:.1f} s")
+    first = lambda xs, step: [x["trajectory"] for x in xs if x["step"] == step]  # noqa: E731
+    assert first(out["0"], 0) == first(out["1e-3"], 0)
+    assert first(out["0"], 1) != first(out["1e-3"], 1)
