@@ -15,7 +15,9 @@ What is here
     ZeRO3Policy                       pi_theta under ZeRO-3: logprobs, backward, step, save_pretrained,
                                       iter_full_params (one gathered parameter at a time)
     FrozenReference                   pi_ref, ZeRO-3 partitioned for inference (no optimizer)
-    zero3_policy_update               train.policy_update's SS-GRPO update, data-parallel
+    plan_update / zero3_policy_update train.policy_update's SS-GRPO update, dealt to ranks, data-parallel
+    ZeRO3Engine                       train.py's policy engine (cfg.engine = "zero3"): rank 0 runs
+                                      Algorithm 1 and sends commands, the other ranks serve() them
     dry_run / main_dry_run            resolve the configuration, check the machine, print the plan
 
 Memory (Qwen3-8B, 8 GPUs, bf16, ZeRO-3, optimizer offloaded; P = 8.2e9 parameters)
@@ -45,7 +47,8 @@ Deviations from the paper
 Launch
     python full.py dry-run                                   # print the plan, check the machine
     torchrun --nproc_per_node 2 full.py selftest --model DIR --out DIR   # ZeRO-3 check, any device
-    deepspeed --num_gpus 8 train.py --full ...               # the full loop (see docs/full_mode.md)
+    deepspeed --num_gpus 8 train.py --full --model DIR       # the full loop (see docs/full_mode.md)
+    torchrun --nproc_per_node 2 train.py --full --model DIR ...     # the same on 2 CPU ranks (tests)
 """
 from __future__ import annotations
 
@@ -171,6 +174,15 @@ def init_distributed(env: DistEnv | None = None, timeout_min: float | None = Non
         kw["timeout"] = datetime.timedelta(minutes=float(timeout_min))
     deepspeed.init_distributed(verbose=False, **kw)
     return env
+
+
+def _shutdown() -> None:
+    """End of a multi-rank run: wait for every rank, then destroy the process group, so that no rank
+    exits while a peer still uses its connections (gloo aborts the survivor otherwise)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if torch.distributed.get_world_size() > 1:
+            torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def _world() -> tuple[int, int]:
@@ -829,10 +841,12 @@ class ZeRO3Engine:
         ckpt_mod.load_model_weights(self.model, ckpt_dir)
 
     def close(self) -> None:
-        """Release the other ranks (their serve() returns). Idempotent."""
+        """Release the other ranks (their serve() returns), then take the process group down on
+        every rank together. Idempotent."""
         if not self.closed and self.env.is_rank0:
             self.closed = True
             self._send("stop")
+            _shutdown()
 
     # ranks > 0 -----------------------------------------------------------------------------------
     def serve(self) -> int:
@@ -843,6 +857,7 @@ class ZeRO3Engine:
             torch.distributed.scatter_object_list(out, None, src=0)
             kind, payload = out[0]
             if kind == "stop":
+                _shutdown()
                 return updates
             if kind == "update":
                 shard_, plan, pad_id = payload
@@ -1116,6 +1131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     res = selftest(a.model, a.out, updates=a.updates, n_seq=a.n_seq, group=a.group,
                    minibatches=a.minibatches, micro=a.micro, lr=a.lr, min_len=a.min_len,
                    max_len=a.max_len, eta=a.eta, full=full)
+    _shutdown()
     for i, s in enumerate(res["per_step"]):
         rank0_print(f"step {i}: loss {s['loss/total']:.6f} kl {s['kl']:.3e} "
                     f"clip_frac {s['clip_frac']:.3f} grad_norm {s['grad_norm']:.4f}")

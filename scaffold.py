@@ -317,8 +317,10 @@ class HFSampler:
                 kw["temperature"] = temperature
             if self._string_stops:
                 kw.update(stop_strings=list(self._string_stops), tokenizer=self.tok)
+            dev = self.model.device  # the model's device (CPU in toy mode, rank 0's GPU in full mode)
             with torch.no_grad():
-                gen = self.model.generate(input_ids=inp, attention_mask=att, **kw)[:, L:]
+                gen = self.model.generate(input_ids=inp.to(dev), attention_mask=att.to(dev),
+                                          **kw)[:, L:].cpu()
             for r, i in enumerate(idx):
                 out[i] = self._cut(gen[r].tolist(), max_new_tokens[i])
         return out

@@ -656,7 +656,10 @@ def setup_policy(cfg: Config, world, tool):
 
     system = SYSTEM_PROMPT_COMPACT if cfg.rollout.system_prompt == "compact" else SYSTEM_PROMPT
     if cfg.model:
-        model, tok = load_policy(cfg.model)
+        # ZeRO-3 on GPUs trains in bf16: rank 0's sampling copy uses the same precision (half the
+        # memory of fp32; 16 GB at 8B). Everywhere else fp32.
+        bf16 = cfg.engine == "zero3" and torch.cuda.is_available() and cfg.full.bf16 != "off"
+        model, tok = load_policy(cfg.model, dtype=torch.bfloat16 if bf16 else torch.float32)
         return model, tok, {"source": cfg.model}
     model, tok, info, path = warm_start(world, tool, system, cfg.sft, cfg.teacher, cfg.model_size,
                                         cfg.vocab_size, cfg.cache_dir, progress=cfg.progress,
@@ -808,6 +811,8 @@ def train(cfg: Config, resume: str | None = None) -> dict:
     if cfg.engine == "zero3":
         import full
 
+        if torch.cuda.is_available() and cfg.sampler == "hf":
+            model.to(f"cuda:{full.dist_env().local_rank}")  # HF generate on rank 0's GPU
         policy = full.ZeRO3Engine(cfg, model)  # collective with the other ranks' ZeRO3Engine(cfg)
     else:
         policy = TorchEngine(model, cfg)
