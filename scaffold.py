@@ -317,7 +317,8 @@ class HFSampler:
                 kw["temperature"] = temperature
             if self._string_stops:
                 kw.update(stop_strings=list(self._string_stops), tokenizer=self.tok)
-            dev = self.model.device  # the model's device (CPU in toy mode, rank 0's GPU in full mode)
+            # the model's device: CPU in toy mode, rank 0's GPU in full mode (stand-ins may have none)
+            dev = getattr(self.model, "device", None) or torch.device("cpu")
             with torch.no_grad():
                 gen = self.model.generate(input_ids=inp.to(dev), attention_mask=att.to(dev),
                                           **kw)[:, L:].cpu()
