@@ -53,8 +53,10 @@ def _run(cmd, timeout=600):
     return time.perf_counter() - t0
 
 
-def _full_run(tmp, name, model, rows, ranks, *extra, python=sys.executable):
-    """One `train.py --full` run against fresh loopback servers; returns (run dir, servers, seconds)."""
+def _full_run(tmp, name, model, rows, ranks, *extra, python=sys.executable, torchrun=None):
+    """One `train.py --full` run against fresh loopback servers; returns (run dir, servers, seconds).
+    ranks=1 without torchrun: the one-process torch engine; otherwise ZeRO-3 under torchrun."""
+    torchrun = ranks > 1 if torchrun is None else torchrun
     with FakeServer("gemini", model="gemini-test") as gj, FakeServer("serper") as ss:
         args = ["--full", "--model", str(model), "--steps", str(STEPS), "--run-dir", str(tmp / name),
                 "--no-progress", "--set", f'data.source="{rows}"',
@@ -68,7 +70,7 @@ def _full_run(tmp, name, model, rows, ranks, *extra, python=sys.executable):
                 "--set", "ss_grpo.micro_batch=1", "--set", "ss_grpo.lr=1e-3",
                 "--set", f'cache_dir="{tmp / ("cache-" + name)}"', "--set", "threads=1",
                 "--set", "checkpoint.every=1", *extra]
-        if ranks == 1:
+        if not torchrun:
             cmd = [python, os.path.join(ROOT, "train.py"), *args, "--set", 'engine="torch"']
         else:
             cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
@@ -202,13 +204,14 @@ def test_full_mode_two_zero3_ranks_with_the_vllm_sampler(runs, tmp_path):
     """ZeRO-3 on 2 ranks + vLLM on rank 0 (its own process: see train.build_sampler), synced after
     every update through a checkpoint on tmpfs. The sync must reach the engine: with lr 0 and lr 1e-3
     the first step samples the same trajectories (same weights, same per-request seeds) and the
-    second step differs only if the engine received the updated weights."""
+    second step differs only if the engine received the updated weights. Then one ZeRO-3 rank with
+    the in-process engine and the in-place sync samples the same as the 2-rank run."""
     py = _vllm_python_with_deepspeed()
     rows = tmp_path / "rows.jsonl"
     with open(rows, "w") as fh:
         for r in tiny_world().train_rows:
             fh.write(json.dumps({k: v for k, v in r.items() if k != "toy"}) + "\n")
-    out = {}
+    out, syncs = {}, {}
     for lr in ("0", "1e-3"):
         d, servers, secs = _full_run(tmp_path, f"vllm-lr{lr}", runs["model"], rows, 2,
                                      "--set", 'sampler="vllm"', "--set", f"ss_grpo.lr={lr}",
@@ -219,6 +222,17 @@ def test_full_mode_two_zero3_ranks_with_the_vllm_sampler(runs, tmp_path):
         with open(d / "samples.jsonl") as fh:
             out[lr] = [json.loads(line) for line in fh]
         print(f"lr {lr}: {secs:.1f} s")
+        syncs[lr] = [r["sampler/sync_bytes"] for r in rows_m]
     first = lambda xs, step: [x["trajectory"] for x in xs if x["step"] == step]  # noqa: E731
     assert first(out["0"], 0) == first(out["1e-3"], 0)
     assert first(out["0"], 1) != first(out["1e-3"], 1)
+    assert syncs["1e-3"] == [0, 0]  # 2 ranks: reloaded from tmpfs, not synced in place
+    # One ZeRO-3 rank keeps vLLM in process and streams iter_full_params() into sync_weights; the
+    # engine then holds the same weights as after the 2-rank reload, so it samples the same.
+    d, _, _ = _full_run(tmp_path, "vllm-1rank", runs["model"], rows, 1, "--set", 'sampler="vllm"',
+                        "--set", "ss_grpo.lr=1e-3", python=py, torchrun=True)
+    one = _metrics(d)
+    assert [r["sampler/syncs"] for r in one] == [1, 2] and all(r["sampler/sync_bytes"] > 0 for r in one)
+    with open(d / "samples.jsonl") as fh:
+        samples = [json.loads(line) for line in fh]
+    assert first(samples, 0) == first(out["1e-3"], 0) and first(samples, 1) == first(out["1e-3"], 1)
