@@ -9,7 +9,7 @@ give the same losses and weights as one plain PyTorch process.
 
 What is here
     dist_env / init_distributed       rank, world size, master address from the launcher's environment
-    FullConfig                        full-mode settings the RL config tree does not carry (yet)
+    FullConfig                        DeepSpeed / vLLM settings, train.Config.full (`--set full.x=...`)
     batch_plan                        256 sequences per step -> micro-batch x accumulation x ranks
     deepspeed_config                  the ZeRO-3 JSON, built from the `full` preset
     ZeRO3Policy                       pi_theta under ZeRO-3: logprobs, backward, step, save_pretrained,
@@ -239,7 +239,7 @@ def all_reduce_sum(values: Sequence[float]) -> list[float]:
 
 @dataclass
 class FullConfig:
-    """Full-mode settings that the RL config tree (train.Config) does not carry. Values the paper
+    """DeepSpeed and vLLM settings of full mode, carried by train.Config as `full`. Values the paper
     fixes are marked PAPER; the rest are ours (module docstring, deviation 1)."""
 
     zero_stage: int = 3  # PAPER: "ZeRO-3"
@@ -264,7 +264,7 @@ class FullConfig:
 
 
 def full_config(cfg) -> FullConfig:
-    """The FullConfig of a train.Config: `cfg.full` once the tree carries one, else the defaults."""
+    """The FullConfig of a train.Config (`cfg.full`), or the defaults for an object without one."""
     fc = getattr(cfg, "full", None)
     return fc if isinstance(fc, FullConfig) else FullConfig()
 
