@@ -492,17 +492,19 @@ class ZeRO3Policy:
         gn = self.engine.get_global_grad_norm()
         return float(gn) if gn is not None else float("nan")
 
-    def iter_full_params(self, device: str | torch.device | None = None
+    def iter_full_params(self, device: str | torch.device | None = None, copy: bool = True
                          ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF parameter name, full tensor) one parameter at a time (weight sync to a sampler,
-        checkpoints). Only one parameter is ever gathered; each yielded tensor is a copy (on `device`,
-        default the engine's), safe to keep. Collective: every rank must exhaust the iterator. Tied
-        weights appear once (under the input embedding's name)."""
+        checkpoints). Only one parameter is ever gathered; with copy=True each yielded tensor is a
+        copy (on `device`, default the engine's), safe to keep; with copy=False it is the gathered
+        parameter itself, valid only until the next item (for a caller that copies it at once, or a
+        rank that only takes part in the gathers). Collective: every rank must exhaust the iterator.
+        Tied weights appear once (under the input embedding's name)."""
         import deepspeed
 
         for name, p in self.module.named_parameters():
             with deepspeed.zero.GatheredParameters([p], modifier_rank=None):  # SCALE
-                yield name, p.detach().to(device or p.device, copy=True)
+                yield name, (p.detach().to(device or p.device, copy=True) if copy else p.detach())
 
     def save_pretrained(self, out_dir: str, max_shard_bytes: int = 5 * 2 ** 30) -> None:
         """Write a checkpoint that plain `transformers` loads: config, generation config and
@@ -786,20 +788,23 @@ class ZeRO3Engine:
         res.pop("per_step")
         return res
 
-    def sync(self, sampler) -> dict:
+    def sync(self, sampler) -> None:
         """Copy the updated weights into rank 0's sampler: the plain `model` (HF generate) or a vLLM
-        engine. Gathers one parameter at a time (iter_full_params). Returns {"sync_s": seconds}."""
-        t0 = time.perf_counter()
+        engine. Gathers one parameter at a time (iter_full_params)."""
         if getattr(sampler, "in_process", True) is False:
             # An out-of-process vLLM engine (world size > 1, see train.build_sampler): rank 0 writes
             # the gathered weights as a HF checkpoint on tmpfs (collective, one tensor at a time)
             # and the engine reloads them in place.
-            info = sampler.reload_from_checkpoint(self)
-            return {"sync_s": time.perf_counter() - t0, **info}
+            sampler.reload_from_checkpoint(self)
+            return
         self._send("sync")
-        params = self.policy.iter_full_params(device="cpu")
+        vllm = hasattr(sampler, "sync_weights")
+        # vLLM keeps a layer's tensors until the layer is complete: it gets fresh CPU copies (and
+        # makes no second one); the HF copy takes each gathered parameter straight away.
+        params = self.policy.iter_full_params(device="cpu") if vllm else \
+            self.policy.iter_full_params(copy=False)
         try:
-            if hasattr(sampler, "sync_weights"):  # vLLM: tensors are fresh copies, no second copy
+            if vllm:
                 sampler.sync_weights(params, copy=False)
             else:
                 own = dict(self.model.named_parameters())
@@ -809,7 +814,6 @@ class ZeRO3Engine:
         finally:
             for _ in params:  # every rank must take part in every gather, even after an error
                 pass
-        return {"sync_s": time.perf_counter() - t0}
 
     def save_pretrained(self, out_dir: str, **_) -> None:
         """HF checkpoint of pi_theta (collective; rank 0 writes): loads with plain transformers."""
@@ -864,7 +868,7 @@ class ZeRO3Engine:
                 zero3_policy_update(self.policy, self.ref, shard_, self.cfg.ss_grpo, pad_id, plan)
                 updates += 1
             elif kind == "sync":
-                for _ in self.policy.iter_full_params(device="cpu"):
+                for _ in self.policy.iter_full_params(copy=False):  # take part in the gathers only
                     pass
             elif kind == "save_hf":
                 self.policy.save_pretrained(payload)

@@ -577,13 +577,10 @@ class TorchEngine:
     def update(self, batch: UpdateBatch, pad_id: int, rng: random.Random) -> dict:
         return policy_update(self.model, self.ref_model, self.opt, batch, self.cfg.ss_grpo, pad_id, rng)
 
-    def sync(self, sampler) -> dict:
+    def sync(self, sampler) -> None:
         """The HF sampler shares `model`; a vLLM sampler receives the new weights."""
-        if not hasattr(sampler, "sync_weights"):
-            return {}
-        t0 = time.perf_counter()
-        sampler.sync_weights(self.model.named_parameters())
-        return {"sync_s": time.perf_counter() - t0}
+        if hasattr(sampler, "sync_weights"):
+            sampler.sync_weights(self.model.named_parameters())
 
     def save_pretrained(self, out_dir: str, **kw) -> None:
         self.model.save_pretrained(out_dir, **kw)
