@@ -98,7 +98,7 @@ def runs(tmp_path_factory):
     with open(rows, "w") as fh:
         for r in tiny_world().train_rows:
             fh.write(json.dumps({k: v for k, v in r.items() if k != "toy"}) + "\n")
-    out = {"model": model}
+    out = {"model": model, "rows": rows}
     out["single"] = _full_run(tmp, "single", model, rows, 1)
     out["zero3"] = _full_run(tmp, "zero3", model, rows, 2)
     _full_run(tmp, "resumed", model, rows, 2, "--set", "checkpoint.stop_after=1")
@@ -159,9 +159,15 @@ def test_full_mode_checkpoint_loads_with_plain_transformers_and_matches(runs):
     b = load_file(z / "final" / "model.safetensors")
     init = load_file(runs["model"] / "model.safetensors")
     assert set(a) == set(b)
-    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    diff = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
     moved = max((a[k] - init[k]).abs().max().item() for k in a)
-    assert worst < 1e-5 < 1e-4 < moved, (worst, moved)  # 1e-5 = 1% of one AdamW step of lr 1e-3
+    # 4 AdamW steps of lr 1e-3 move weights by up to 4e-3. Adam divides by sqrt(v): an element whose
+    # gradient is near zero turns rounding noise into a visible step, so a few elements differ more
+    # than the rest (measured over 4 runs: max 1.6e-6 to 1.1e-5, 1-3 of 125,888 elements above 1e-6).
+    # A wrong update moves every weight by ~lr; the bounds: max 1e-4 (10% of one step), and at most
+    # 0.01% of the elements above 1e-6.
+    assert diff.max().item() < 1e-4 < moved, (diff.max().item(), moved)
+    assert (diff > 1e-6).float().mean().item() <= 1e-4, (diff > 1e-6).sum().item()
     # Training-state checkpoints: HF weights + DeepSpeed partitions (one optimizer file per rank).
     ck = z / "checkpoints" / f"step-{STEPS:06d}"
     AutoModelForCausalLM.from_pretrained(ck / "model", local_files_only=True)
@@ -207,10 +213,7 @@ def test_full_mode_two_zero3_ranks_with_the_vllm_sampler(runs, tmp_path):
     second step differs only if the engine received the updated weights. Then one ZeRO-3 rank with
     the in-process engine and the in-place sync samples the same as the 2-rank run."""
     py = _vllm_python_with_deepspeed()
-    rows = tmp_path / "rows.jsonl"
-    with open(rows, "w") as fh:
-        for r in tiny_world().train_rows:
-            fh.write(json.dumps({k: v for k, v in r.items() if k != "toy"}) + "\n")
+    rows = runs["rows"]
     out, syncs = {}, {}
     for lr in ("0", "1e-3"):
         d, servers, secs = _full_run(tmp_path, f"vllm-lr{lr}", runs["model"], rows, 2,
