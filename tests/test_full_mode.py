@@ -23,7 +23,6 @@ import time
 import pytest
 import torch
 
-import full
 from loopback import TEST_KEY, FakeServer
 from toyfix import tiny_world
 
@@ -73,8 +72,9 @@ def _full_run(tmp, name, model, rows, ranks, *extra, python=sys.executable, torc
         if not torchrun:
             cmd = [python, os.path.join(ROOT, "train.py"), *args, "--set", 'engine="torch"']
         else:
-            cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                   "--master_port", str(full.free_port()), os.path.join(ROOT, "train.py"), *args]
+            # --standalone: torchrun picks a free rendezvous port itself (no race with free_port)
+            cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                   str(ranks), os.path.join(ROOT, "train.py"), *args]
         secs = _run(cmd)
         servers = {"judge": (list(gj.requests), list(gj.errors)),
                    "search": (list(ss.requests), list(ss.errors))}
