@@ -470,7 +470,6 @@ def build_engine(model_dir: str, preset: str = "toy", search: str = "", sampler:
     cfg = train.toy_preset() if preset == "toy" else train.full_preset()
     cfg.model, cfg.seed, cfg.sampler, cfg.engine = model_dir, seed, sampler, "torch"
     cfg.data.source = ""  # the benchmark supplies the queries; train.py's data is not read
-    cfg.judge.backend = "toy"
     cfg.search.backend = search or cfg.search.backend
     if cache_dir:
         cfg.cache_dir = cache_dir
@@ -487,7 +486,8 @@ def build_engine(model_dir: str, preset: str = "toy", search: str = "", sampler:
                            tool_timeout_s=cfg.rollout.tool_timeout_s)
     return engine, {"model": model_dir, "preset": preset, "search": cfg.search.backend,
                     "sampler": sampler, "max_response_tokens": cfg.rollout.max_response_tokens,
-                    "max_tool_calls": cfg.rollout.max_tool_calls, "system_prompt": cfg.rollout.system_prompt}
+                    "max_tool_calls": cfg.rollout.max_tool_calls,
+                    "system_prompt": cfg.rollout.system_prompt}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -593,7 +593,7 @@ def validate_race(obj: Any) -> dict:
 def validate_rr(obj: Any, ternary: bool) -> dict:
     """{explanation, verdict, score}: the verdict must be allowed (Partially Satisfied only when
     ternary); s comes from the verdict, the reported score is kept for the record."""
-    allowed = RR_VERDICTS if ternary else {k: v for k, v in RR_VERDICTS.items() if k != "Partially Satisfied"}
+    allowed = {k: v for k, v in RR_VERDICTS.items() if ternary or k != "Partially Satisfied"}
     v = obj.get("verdict") if isinstance(obj, dict) else None
     if v not in allowed:
         raise ValueError(f"verdict {v!r} not in {sorted(allowed)}")
@@ -618,9 +618,12 @@ class Job:
     validate: Callable[[Any], Any]
 
 
-def run_jobs(judge, jobs: Sequence[Job], concurrency: int, progress: bool = True, desc: str = "grading") -> dict:
+def run_jobs(judge, jobs: Sequence[Job], concurrency: int, progress: bool = True,
+             desc: str = "grading") -> dict:
     """{(ex, key): validated reply or None (the call failed after the retry bound)}; calls run at most
-    `concurrency` at a time through judge.ask (judge_http.HTTPJudge: retries, cache, cost)."""
+    `concurrency` at a time through judge.ask (judge_http.HTTPJudge: retries, cache, cost). An
+    unexpected exception inside one call is logged and makes that call None (its example is skipped);
+    it never stops the other calls."""
     from tqdm import tqdm
 
     out: dict = {}
@@ -629,7 +632,12 @@ def run_jobs(judge, jobs: Sequence[Job], concurrency: int, progress: bool = True
         futs = {pool.submit(judge.ask, j.system, j.user, j.schema, j.validate): j for j in jobs}
         for f in as_completed(futs):
             j = futs[f]
-            out[(j.ex, j.key)] = f.result()
+            try:
+                out[(j.ex, j.key)] = f.result()
+            except Exception as e:  # a bug or an odd reply must not lose the other judgments
+                log.warning("judge call for example %d (%s) raised %s: %s", j.ex, j.key,
+                            type(e).__name__, str(e)[:200])
+                out[(j.ex, j.key)] = None
             bar.update(1)
     return out
 
@@ -735,8 +743,9 @@ def examples_healthbench(rows, answers, res) -> list[dict]:
             if v is not None:  # a tag with no positive item in this example is dropped
                 tags[t] = v
         out.append({"id": r["id"], "score": s, "example_tags": r["example_tags"], "rubric_tags": tags,
-                    "items": [{"criterion": it["criterion"], "points": it["points"], "met": g["criteria_met"],
-                               "explanation": g["explanation"]} for it, g in zip(r["items"], rep)]})
+                    "items": [{"criterion": it["criterion"], "points": it["points"],
+                               "met": g["criteria_met"], "explanation": g["explanation"]}
+                              for it, g in zip(r["items"], rep)]})
     return out
 
 
@@ -749,10 +758,11 @@ def examples_researchqa(rows, answers, res, batch: int = RQA_BATCH) -> list[dict
             continue
         rep = _replies(res, e, range(0, len(r["items"]), batch))
         if rep is None:
-            out.append(_skip(r, "label count wrong after retries"))
+            out.append(_skip(r, "label count wrong or call failed after retries"))
             continue
         labels = [lb for g in rep for lb in g["labels"]]
-        out.append({"id": r["id"], "score": researchqa_coverage(labels), "general_domain": r["general_domain"],
+        out.append({"id": r["id"], "score": researchqa_coverage(labels),
+                    "general_domain": r["general_domain"],
                     "items": [{"item": it["item"], "type": it["type"], "label": lb,
                                "value": researchqa_item_value(lb)} for it, lb in zip(r["items"], labels)]})
     return out
@@ -817,8 +827,9 @@ def examples_researchrubrics(rows, answers, res) -> list[dict]:
             if v is not None:
                 axes[ax] = v
         out.append({"id": r["id"], "score": c, "domain": r["domain"], "axes": axes,
-                    "items": [{"criterion": it["criterion"], "weight": it["weight"], "verdict": g["verdict"],
-                               "s": g["s"], "explanation": g["explanation"]} for it, g in zip(r["items"], rep)]})
+                    "items": [{"criterion": it["criterion"], "weight": it["weight"],
+                               "verdict": g["verdict"], "s": g["s"], "explanation": g["explanation"]}
+                              for it, g in zip(r["items"], rep)]})
     return out
 
 
@@ -847,7 +858,8 @@ def summarize(bench: str, examples: list[dict], seed: int = 0, n_resamples: int 
     score = stat(vals)
     bs = bootstrap(vals, stat, n_resamples, seed)
     if bench == "healthbench":
-        breakdown = {"example_tag": _group(ok, lambda r: {t: r["score"] for t in r["example_tags"]}, stat, seed),
+        breakdown = {"example_tag": _group(ok, lambda r: dict.fromkeys(r["example_tags"], r["score"]),
+                                           stat, seed),
                      "rubric_tag": _group(ok, lambda r: r["rubric_tags"], stat, seed)}
     elif bench == "researchqa":
         def by_type(r):
@@ -876,7 +888,8 @@ BENCHMARKS = {
     "healthbench": dict(id_key="prompt_id", jobs=jobs_healthbench, examples=examples_healthbench),
     "researchqa": dict(id_key="id", jobs=jobs_researchqa, examples=examples_researchqa),
     "drb": dict(id_key="id", jobs=jobs_drb, examples=examples_drb),
-    "researchrubrics": dict(id_key="sample_id", jobs=jobs_researchrubrics, examples=examples_researchrubrics),
+    "researchrubrics": dict(id_key="sample_id", jobs=jobs_researchrubrics,
+                            examples=examples_researchrubrics),
 }
 
 
@@ -942,7 +955,8 @@ def write_report(report: dict, out_dir: str) -> tuple[str, str]:
              f"Paper (RubricEM-8B): {PAPER_SCORES[b]}.", ""]
     for group, rows in s["breakdown"].items():
         lines += [f"| {group} | score | std | n |", "|---|---|---|---|"]
-        lines += [f"| {k} | {100 * v['score']:.1f} | {100 * v['std']:.2f} | {v['n']} |" for k, v in rows.items()]
+        lines += [f"| {k} | {100 * v['score']:.1f} | {100 * v['std']:.2f} | {v['n']} |"
+                  for k, v in rows.items()]
         lines.append("")
     j = report["judge"]
     lines += [f"Judge: {j.get('judge/calls', 0)} calls, {j.get('judge/requests', 0)} requests, "
@@ -1031,8 +1045,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     j.add_argument("--judge-cache-dir", default=os.path.join(".cache", "rubricem", "eval-judge"))
     j.add_argument("--judge-backoff", type=float, default=d.backoff_s)
     j.add_argument("--price-in", type=float, default=d.price_per_1k_input, help="USD per 1k input tokens")
-    j.add_argument("--price-out", type=float, default=d.price_per_1k_output, help="USD per 1k output tokens")
-    j.add_argument("--openai-response-format", choices=("json_schema", "json_object"), default="json_schema")
+    j.add_argument("--price-out", type=float, default=d.price_per_1k_output,
+                   help="USD per 1k output tokens")
+    j.add_argument("--openai-response-format", choices=("json_schema", "json_object"),
+                   default="json_schema", help="json_object for servers without schema support")
     p.add_argument("--ternary", action="store_true", help="researchrubrics: Partially Satisfied = 0.5")
     p.add_argument("--seed", type=int, default=0, help="bootstrap and generation seed")
     p.add_argument("--out", default="", help="report directory (default runs/eval/<benchmark>)")

@@ -7,7 +7,6 @@ No request leaves 127.0.0.1; nothing is downloaded.
 from __future__ import annotations
 
 import json
-import math
 import re
 
 import pytest
@@ -148,12 +147,13 @@ def test_bootstrap_constant_values_and_bounds():
 # HealthBench through a loopback Gemini judge
 
 HB_ROWS = [
-    {"prompt": [{"role": "user", "content": "My son has had a fever of 39.2 C since this morning. What now?"}],
+    {"prompt": [{"role": "user", "content": "My son has had a fever of 39.2 C since morning. What now?"}],
      "prompt_id": "hb-1", "example_tags": ["theme:fever", "physician_agreed_category:enough-context"],
      "canary": "x", "ideal_completions_data": None,
      "rubrics": [{"criterion": "A1 advises keeping the child hydrated", "points": 5,
                   "tags": ["axis:completeness", "level:example"]},
-                 {"criterion": "A2 recommends aspirin for the child", "points": -8, "tags": ["axis:accuracy"]},
+                 {"criterion": "A2 recommends aspirin for the child", "points": -8,
+                  "tags": ["axis:accuracy"]},
                  {"criterion": "A3 lists warning signs that need urgent care", "points": 3,
                   "tags": ["axis:accuracy"]}]},
     {"prompt": [{"role": "user", "content": "Fever again."}, {"role": "assistant", "content": "How high?"},
@@ -168,10 +168,12 @@ HB_ROWS = [
      "prompt_id": "hb-3", "example_tags": ["theme:sleep"],
      "rubrics": [{"criterion": "C1 mentions the usual adult range of sleep", "points": 2,
                   "tags": ["axis:completeness"]},
-                 {"criterion": "C2 asks about daytime sleepiness", "points": 2, "tags": ["axis:accuracy"]}]},
+                 {"criterion": "C2 asks about daytime sleepiness", "points": 2,
+                  "tags": ["axis:accuracy"]}]},
     {"prompt": [{"role": "user", "content": "Question nobody answered."}], "prompt_id": "hb-4",
      "example_tags": ["theme:sleep"], "rubrics": [{"criterion": "E1 anything", "points": 1, "tags": []}]},
-    {"prompt": [{"role": "user", "content": "Is a rash after amoxicillin an allergy?"}], "prompt_id": "hb-5",
+    {"prompt": [{"role": "user", "content": "Is a rash after amoxicillin an allergy?"}],
+     "prompt_id": "hb-5",
      "example_tags": ["theme:rash"], "rubrics": [{"criterion": "D1 never graded validly", "points": 1,
                                                    "tags": ["axis:accuracy"]}]},
 ]
@@ -295,7 +297,7 @@ def test_researchqa_coverage_batches_and_skips_by_hand(tmp_path, key):
     c1 = (1 + 0.75 + 0.5 + 0.25 + 0 + 1 + 1 + 0.75 + 0.5 + 1) / 10  # labels R1..R10 -> (x - 1) / 4
     c3 = (0.75 + 0.25) / 2
     assert ex["q1"]["score"] == pytest.approx(c1) and ex["q3"]["score"] == pytest.approx(c3)
-    assert ex["q2"]["skipped"] == "label count wrong after retries"
+    assert ex["q2"]["skipped"] == "label count wrong or call failed after retries"
     S = out["summary"]
     assert S["score"] == pytest.approx((c1 + c3) / 2) and S["skipped"]["count"] == 1
     # item types: per example the mean over its items of that type, then the mean over examples
@@ -407,8 +409,8 @@ def test_drb_loader_checks_dimension_weights(tmp_path):
     bad = [dict(DRB_CRITERIA[0], dimension_weight={"comprehensiveness": 0.5, "insight": 0.3,
                                                    "instruction_following": 0.2, "readability": 0.1})]
     with pytest.raises(ValueError, match="sum to 1"):
-        ev.load_drb(write_jsonl(tmp_path / "q.jsonl", DRB_QUERIES[:1]), write_jsonl(tmp_path / "c.jsonl", bad),
-                    write_jsonl(tmp_path / "r.jsonl", DRB_REFERENCE))
+        ev.load_drb(write_jsonl(tmp_path / "q.jsonl", DRB_QUERIES[:1]),
+                    write_jsonl(tmp_path / "c.jsonl", bad), write_jsonl(tmp_path / "r.jsonl", DRB_REFERENCE))
 
 
 def test_race_reply_missing_a_dimension_is_invalid():
@@ -468,6 +470,21 @@ def test_researchrubrics_compliance_negative_weights_and_ternary(tmp_path, key, 
     assert ax["Implicit"]["score"] == pytest.approx(k2) and ax["Communication"]["n"] == 2
 
 
+def test_a_raising_judge_call_skips_only_its_example():
+    class StubJudge:  # judge.ask's contract, with one call that raises
+        def ask(self, system, user, schema, validate):
+            if "L1 uses" in user:
+                raise RuntimeError("unexpected")
+            return validate({"explanation": "", "verdict": "Satisfied", "score": 1})
+
+    rows = [{"id": r["sample_id"], "prompt": r["prompt"], "domain": r["domain"],
+             "items": [dict(x, weight=float(x["weight"])) for x in r["rubrics"]]} for r in RR_ROWS[:2]]
+    out = ev.grade("researchrubrics", rows, ["report a", "report b"], StubJudge(), progress=False)
+    ex = {r["id"]: r for r in out["examples"]}
+    assert ex["s1"]["score"] == pytest.approx((5 + 3 - 4 + 2) / 10)
+    assert ex["s2"]["skipped"] == "judge call failed" and out["summary"]["skipped"]["count"] == 1
+
+
 def test_researchrubrics_binary_rejects_partial_verdict():
     with pytest.raises(ValueError):
         ev.validate_rr({"verdict": "Partially Satisfied", "score": 0.5}, ternary=False)
@@ -482,7 +499,8 @@ def test_load_responses_formats_and_errors(tmp_path):
     p = write_jsonl(tmp_path / "a.jsonl", [{"prompt_id": "x", "completion": "A"}, {"id": 7, "answer": "B"}])
     assert ev.load_responses(p, "prompt_id") == {"x": "A", "7": "B"}
     with pytest.raises(ValueError, match="repeated"):
-        ev.load_responses(write_jsonl(tmp_path / "d.jsonl", [{"id": 1, "answer": "a"}, {"id": 1, "answer": "b"}]))
+        ev.load_responses(write_jsonl(tmp_path / "d.jsonl", [{"id": 1, "answer": "a"},
+                                                               {"id": 1, "answer": "b"}]))
     with pytest.raises(ValueError, match="no response text"):
         ev.load_responses(write_jsonl(tmp_path / "n.jsonl", [{"id": 1, "score": 3}]))
 
