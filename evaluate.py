@@ -462,6 +462,8 @@ def build_engine(model_dir: str, preset: str = "toy", search: str = "", sampler:
     (build_environment for the search tool, setup_policy, build_sampler). preset "toy" (compact
     system prompt, BM25 over the toy world) or "full" (full prompt, Serper, PAPER response budget);
     search "" keeps the preset's tool ("toy" | "serper"). The toy path runs offline on CPU."""
+    import torch
+
     import train
     from scaffold import SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT, RolloutEngine
 
@@ -480,11 +482,15 @@ def build_engine(model_dir: str, preset: str = "toy", search: str = "", sampler:
     world, tool, _, _ = train.build_environment(cfg)
     model, tok, info = train.setup_policy(cfg, world, tool)
     model.eval()
+    if sampler == "hf" and torch.cuda.is_available():
+        # SCALE: HF generate on the GPU in bf16 (our choice; vLLM loads its own copy instead)
+        model.to("cuda", dtype=torch.bfloat16)
     system = SYSTEM_PROMPT_COMPACT if cfg.rollout.system_prompt == "compact" else SYSTEM_PROMPT
     engine = RolloutEngine(train.build_sampler(cfg, model, tok), tok, {tool.name: tool},
                            cfg.rollout.max_response_tokens, cfg.rollout.max_tool_calls, system,
                            tool_timeout_s=cfg.rollout.tool_timeout_s)
-    return engine, {"model": model_dir, "preset": preset, "search": cfg.search.backend,
+    return engine, {"model": model_dir, "source": info.get("source", model_dir), "preset": preset,
+                    "search": cfg.search.backend,
                     "sampler": sampler, "max_response_tokens": cfg.rollout.max_response_tokens,
                     "max_tool_calls": cfg.rollout.max_tool_calls,
                     "system_prompt": cfg.rollout.system_prompt}
