@@ -31,9 +31,9 @@ Deviations (from the benchmarks' released graders; the formulas above are theirs
     1. The grader prompts are our own wording, with each benchmark's output schema. ResearchQA's
        released grader answers one label per line; ours returns the same five labels as a JSON list
        (our HTTP judge validates JSON replies), one per item, in order.
-    2. A call that still fails after judge_http's retry bound skips its whole example (counted). The
-       released graders differ (ResearchQA: 3 attempts then skip, as here; RACE: 10 attempts then
-       skip; HealthBench: retries until valid).
+    2. A call that still fails after judge_http's retry bound (1 + --judge-max-retries attempts,
+       default 4) skips its whole example (counted). The released graders bound attempts differently
+       (ResearchQA: 3 then skip; RACE: 10 then skip; HealthBench: retries until valid).
     3. RACE matches a judge's criterion name to the task's criteria by exact, then case-insensitive,
        then substring name (either way round); a name that matches nothing gets the dimension's mean
        criterion weight (as we read the released scorer) and is counted in `unmatched`. A task whose
