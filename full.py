@@ -687,7 +687,9 @@ def zero3_policy_update(policy: ZeRO3Policy, ref: FrozenReference | None, local,
     the full batch's. cfg: train.SSGRPOConfig; plan: this rank's `plan_update` output. Collective:
     every rank calls it with its own shard and plan. Returns the mean stats over optimizer steps
     ("loss/total", "loss/policy", "kl", "clip_frac", "grad_norm") plus "per_step": a list of those
-    per step, all global values.
+    per step, all global values. A minibatch without a single loss-masked token on any rank is
+    skipped by every rank alike (its count is global) and counted in "update/empty_minibatches"
+    (present only when > 0), as in train.policy_update.
     """
     import ss_grpo
 
@@ -698,8 +700,11 @@ def zero3_policy_update(policy: ZeRO3Policy, ref: FrozenReference | None, local,
             if cfg.beta > 0 else None)
     policy.train(True)
     keys = ("loss/total", "loss/policy", "kl", "clip_frac")
-    per_step = []
+    per_step, empty = [], 0
     for mb, n_micro, n_seq, n_tok in zip(plan.minibatches, plan.n_micro, plan.n_seq, plan.n_tok):
+        if n_tok == 0:  # nothing sampled to learn from, on any rank: no pass, no optimizer step
+            empty += 1
+            continue
         acc = [0.0] * len(keys)
         for p in range(n_micro):
             idx = mb[p * micro : (p + 1) * micro]
@@ -720,14 +725,19 @@ def zero3_policy_update(policy: ZeRO3Policy, ref: FrozenReference | None, local,
             loss, st = ss_grpo.ss_grpo_loss(
                 logp, old_lp.to(dev), ref_lp.to(dev) if refl is not None else None, adv.to(dev),
                 mask.to(dev), eta=cfg.eta, beta=cfg.beta, agg=cfg.agg, num_sequences=n_seq,
-                num_tokens=max(n_tok, 1.0))
+                num_tokens=n_tok)
             policy.backward(loss, last)
             acc = [a + float(st[k]) for a, k in zip(acc, keys)]
         gn = policy.step()
         per_step.append({**dict(zip(keys, all_reduce_sum(acc))), "grad_norm": gn})
     policy.train(False)
+    if empty and is_rank0():
+        log.warning("SS-GRPO update: %d of %d minibatches have no loss-masked token; skipped",
+                    empty, len(plan.minibatches))
     M = max(len(per_step), 1)
-    mean = {k: sum(s[k] for s in per_step) / M for k in (*keys, "grad_norm")}
+    mean = {k: sum(s[k] for s in per_step) / M for k in (*keys, "grad_norm")} if per_step else {}
+    if empty:
+        mean["update/empty_minibatches"] = empty
     return {**mean, "per_step": per_step}
 
 

@@ -512,7 +512,14 @@ def batch_logprobs(model, batch: UpdateBatch, pad_id: int, micro: int) -> list[t
 def policy_update(model, ref_model, opt, batch: UpdateBatch, cfg: SSGRPOConfig, pad_id: int,
                   rng: random.Random) -> dict:
     """SS-GRPO update on one batch (§3.3): old log-probs once, then `minibatches` optimizer steps,
-    each accumulating micro-batches with the minibatch's global normalisers."""
+    each accumulating micro-batches with the minibatch's global normalisers.
+
+    Returns the means over minibatches of "loss/total", "loss/policy", "kl", "clip_frac" and
+    "grad_norm" (pre-clip L2 norm), {} for an empty batch. Not in the paper: a minibatch without a
+    single loss-masked token (every response empty or masked) has no loss to normalise; it is
+    skipped, left out of the means and counted in "update/empty_minibatches" (present only when
+    > 0), instead of raising.
+    """
     from policy import token_logprobs
 
     if not batch.ids:
@@ -525,9 +532,13 @@ def policy_update(model, ref_model, opt, batch: UpdateBatch, cfg: SSGRPOConfig, 
     mbs = [order[j::n_mb] for j in range(n_mb)]
     model.train()
     tot = {"loss/total": 0.0, "loss/policy": 0.0, "kl": 0.0, "clip_frac": 0.0, "grad_norm": 0.0}
+    done, empty = [], 0  # (stats, grad norm) of the minibatches taken; minibatches skipped
     for mb in mbs:
         n_seq = len(mb)
         n_tok = float(sum(sum(batch.mask[i]) for i in mb))
+        if n_tok == 0:  # nothing sampled to learn from: no loss, no optimizer step (counted)
+            empty += 1
+            continue
         opt.zero_grad(set_to_none=True)
         stats_acc = {"loss/total": 0.0, "loss/policy": 0.0, "kl": 0.0, "clip_frac": 0.0}
         for s in range(0, len(mb), cfg.micro_batch):
@@ -551,10 +562,19 @@ def policy_update(model, ref_model, opt, batch: UpdateBatch, cfg: SSGRPOConfig, 
                 stats_acc[k] += float(st[k])
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
-        for k in ("loss/total", "loss/policy", "kl", "clip_frac"):
-            tot[k] += stats_acc[k] / len(mbs)
-        tot["grad_norm"] += float(gn) / len(mbs)
+        done.append((stats_acc, float(gn)))
     model.eval()
+    if empty:
+        log.warning("SS-GRPO update: %d of %d minibatches have no loss-masked token; skipped",
+                    empty, len(mbs))
+    if not done:
+        return {"update/empty_minibatches": empty}
+    for stats_acc, gn in done:
+        for k in ("loss/total", "loss/policy", "kl", "clip_frac"):
+            tot[k] += stats_acc[k] / len(done)
+        tot["grad_norm"] += gn / len(done)
+    if empty:
+        tot["update/empty_minibatches"] = empty
     return tot
 
 

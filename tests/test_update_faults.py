@@ -1,0 +1,164 @@
+"""The SS-GRPO update (§3.3) under inputs a long run meets sooner or later, on both engines:
+train.policy_update (one process) and full.zero3_policy_update (the ZeRO-3 update). The ZeRO-3
+update runs here through `OneProcessPolicy`, a plain-PyTorch stand-in with full.ZeRO3Policy's
+interface (train / logprobs / backward / step), so no DeepSpeed is needed; world size 1, so
+full.plan_update hands it the whole batch.
+
+Faults: a minibatch with no loss-masked token (skipped and counted, not a crash).
+"""
+import copy
+import random
+
+import pytest
+import torch
+
+import full
+import policy
+import train
+from policy import token_logprobs
+from train import SSGRPOConfig, UpdateBatch
+
+V, PAD, SEED = 64, 0, 3
+
+
+def tiny_qwen3(seed: int = 0, **config):
+    """A randomly initialised XS Qwen3 (policy.SIZES) over a 64-token vocabulary."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=V, max_position_embeddings=128, tie_word_embeddings=True,
+                      pad_token_id=PAD, **policy.SIZES["XS"], **config)
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+def make_batch(n: int, masked=(), seed: int = 0) -> UpdateBatch:
+    """n sequences: 4 prompt tokens (mask 0), then 8-11 response tokens with advantage +-1. The
+    sequences in `masked` have no loss-masked token at all (an empty or fully masked response)."""
+    g = torch.Generator().manual_seed(seed)
+    b = UpdateBatch()
+    for i in range(n):
+        L = 12 + i % 4
+        m = [0] * L if i in masked else [0] * 4 + [1] * (L - 4)
+        a = 1.0 if i % 2 else -1.0
+        b.ids.append(torch.randint(1, V, (L,), generator=g).tolist())
+        b.mask.append(m)
+        b.adv.append([a * x for x in m])
+        b.kind.append("task")
+    return b
+
+
+def minibatch(n: int, M: int, j: int, seed: int) -> list[int]:
+    """The sequences of optimizer step j, as policy_update / plan_update deal them (order[j::M])."""
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    return order[j::M]
+
+
+def weights(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def same(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+class OneProcessPolicy:
+    """full.ZeRO3Policy's interface over a plain model: torch AdamW, clip_grad_norm_ in step().
+    Like DeepSpeed's ZeRO-3 optimizer, step() discards a step whose gradient norm is not finite."""
+
+    def __init__(self, model, cfg: SSGRPOConfig):
+        self.model, self.clip = model, cfg.grad_clip
+        self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                                     weight_decay=0.0)
+        self.steps = 0  # optimizer steps applied
+
+    def train(self, mode: bool = True) -> None:
+        self.model.train(mode)
+
+    def logprobs(self, ids, att):
+        return token_logprobs(self.model, ids, att)
+
+    def backward(self, loss, boundary: bool) -> None:
+        loss.backward()
+
+    def step(self) -> float:
+        gn = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip))
+        if gn == gn and abs(gn) != float("inf"):
+            self.opt.step()
+            self.steps += 1
+        self.opt.zero_grad(set_to_none=True)
+        return gn
+
+
+class Reference:
+    """full.FrozenReference's interface over a plain frozen model."""
+
+    def __init__(self, model):
+        self.model = model
+
+    @torch.no_grad()
+    def logprobs(self, ids, att):
+        return token_logprobs(self.model, ids, att)
+
+
+def torch_update(model, batch, cfg, seed=SEED, opt=None):
+    """train.policy_update with a fresh AdamW (as train.TorchEngine builds it) unless `opt`."""
+    ref = copy.deepcopy(model).eval()
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                                   weight_decay=0.0)
+    return train.policy_update(model, ref, opt, batch, cfg, PAD, random.Random(seed))
+
+
+def zero3_update(model, batch, cfg, seed=SEED, pol=None):
+    """full.zero3_policy_update on one rank, over OneProcessPolicy: (stats, the policy)."""
+    ref = Reference(copy.deepcopy(model).eval())
+    pol = pol or OneProcessPolicy(model, cfg)
+    shards, plans = full.plan_update(batch, 1, cfg.minibatches, cfg.micro_batch, random.Random(seed))
+    return full.zero3_policy_update(pol, ref, shards[0], cfg, PAD, plans[0]), pol
+
+
+# ----------------------------------------------------------------------------------------------------
+# A minibatch with no loss-masked token
+
+
+@pytest.mark.parametrize("engine", ["torch", "zero3"])
+def test_s33_minibatch_without_tokens_is_skipped_and_counted(engine):
+    cfg = SSGRPOConfig(minibatches=2, micro_batch=2, lr=1e-3)
+    batch = make_batch(6, masked=minibatch(6, 2, 0, SEED))  # optimizer step 0 has nothing to learn
+    model = tiny_qwen3()
+    w0 = weights(model)
+    if engine == "torch":
+        out = torch_update(model, batch, cfg)
+    else:
+        out, pol = zero3_update(model, batch, cfg)
+        assert pol.steps == 1 and len(out["per_step"]) == 1  # no optimizer step on the empty one
+    assert out["update/empty_minibatches"] == 1
+    for k in ("loss/total", "loss/policy", "kl", "clip_frac", "grad_norm"):
+        assert out[k] == out[k] and abs(out[k]) < 1e6, (k, out)
+    assert out["grad_norm"] > 0
+    assert not same(weights(model), w0)  # the other minibatch trained
+
+
+def test_s33_empty_minibatch_both_engines_take_the_same_step():
+    cfg = SSGRPOConfig(minibatches=2, micro_batch=2, lr=1e-3)
+    batch = make_batch(6, masked=minibatch(6, 2, 1, SEED))
+    a, b = tiny_qwen3(), tiny_qwen3()
+    sa = torch_update(a, batch, cfg)
+    sb, _ = zero3_update(b, batch, cfg)
+    for k in ("loss/total", "loss/policy", "kl", "clip_frac", "grad_norm", "update/empty_minibatches"):
+        assert sa[k] == pytest.approx(sb[k], rel=1e-4, abs=1e-7), k
+    wa, wb = weights(a), weights(b)
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-6
+
+
+@pytest.mark.parametrize("engine", ["torch", "zero3"])
+def test_s33_batch_without_any_token_leaves_the_policy_alone(engine):
+    cfg = SSGRPOConfig(minibatches=2, micro_batch=2, lr=1e-3)
+    batch = make_batch(4, masked=range(4))
+    model = tiny_qwen3()
+    w0 = weights(model)
+    out = torch_update(model, batch, cfg) if engine == "torch" else zero3_update(model, batch, cfg)[0]
+    assert out["update/empty_minibatches"] == 2
+    assert "grad_norm" not in out and "loss/total" not in out  # nothing was computed
+    assert same(weights(model), w0)
+
