@@ -59,6 +59,7 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
+import math
 import os
 import socket
 import sys
@@ -480,17 +481,24 @@ class ZeRO3Policy:
 
     def step(self) -> float:
         """Apply the optimizer step (gradient clipping from the config). Returns the global gradient
-        norm before clipping (nan if DeepSpeed does not report it). Raises RuntimeError unless the
-        last backward() was a boundary."""
+        norm before clipping (nan if DeepSpeed does not report it). A non-finite norm means no step:
+        DeepSpeed's ZeRO-3 optimizer discards a step whose norm is inf/NaN (in bf16 and fp32 too)
+        and clears the gradients, and reports the norm as inf. Raises RuntimeError unless the last
+        backward() was a boundary."""
         if not self._boundary_pending:
             raise RuntimeError("step() without a boundary backward(): pass boundary=True on the last "
                                "micro-batch of the optimizer step")
         assert self.engine.is_gradient_accumulation_boundary()
+        skipped = self.engine.skipped_steps
         self.engine.step()
         self.engine.set_gradient_accumulation_boundary(False)
         self._boundary_pending = False
         gn = self.engine.get_global_grad_norm()
-        return float(gn) if gn is not None else float("nan")
+        gn = float(gn) if gn is not None else float("nan")
+        if not math.isfinite(gn) and self.engine.skipped_steps == skipped:
+            log.error("DeepSpeed applied an optimizer step with gradient norm %s instead of "
+                      "discarding it: its clipped update is 0 or NaN", gn)
+        return gn
 
     def iter_full_params(self, device: str | torch.device | None = None, copy: bool = True
                          ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -689,7 +697,10 @@ def zero3_policy_update(policy: ZeRO3Policy, ref: FrozenReference | None, local,
     ("loss/total", "loss/policy", "kl", "clip_frac", "grad_norm") plus "per_step": a list of those
     per step, all global values. A minibatch without a single loss-masked token on any rank is
     skipped by every rank alike (its count is global) and counted in "update/empty_minibatches"
-    (present only when > 0), as in train.policy_update.
+    (present only when > 0), as in train.policy_update. A step whose global gradient norm is not
+    finite is discarded (ZeRO3Policy.step) and counted in "update/nonfinite_grad_steps" (only when
+    > 0); "grad_norm" averages the finite norms only (absent when there is none; "per_step" keeps
+    the raw ones).
     """
     import ss_grpo
 
@@ -728,14 +739,21 @@ def zero3_policy_update(policy: ZeRO3Policy, ref: FrozenReference | None, local,
                 num_tokens=n_tok)
             policy.backward(loss, last)
             acc = [a + float(st[k]) for a, k in zip(acc, keys)]
-        gn = policy.step()
+        gn = policy.step()  # the same global norm on every rank
+        if not math.isfinite(gn) and is_rank0():
+            log.warning("SS-GRPO update: gradient norm %s; optimizer step skipped", gn)
         per_step.append({**dict(zip(keys, all_reduce_sum(acc))), "grad_norm": gn})
     policy.train(False)
     if empty and is_rank0():
         log.warning("SS-GRPO update: %d of %d minibatches have no loss-masked token; skipped",
                     empty, len(plan.minibatches))
     M = max(len(per_step), 1)
-    mean = {k: sum(s[k] for s in per_step) / M for k in (*keys, "grad_norm")} if per_step else {}
+    mean = {k: sum(s[k] for s in per_step) / M for k in keys} if per_step else {}
+    norms = [s["grad_norm"] for s in per_step if math.isfinite(s["grad_norm"])]
+    if norms:
+        mean["grad_norm"] = sum(norms) / len(norms)
+    if len(norms) < len(per_step):
+        mean["update/nonfinite_grad_steps"] = len(per_step) - len(norms)
     if empty:
         mean["update/empty_minibatches"] = empty
     return {**mean, "per_step": per_step}

@@ -518,7 +518,10 @@ def policy_update(model, ref_model, opt, batch: UpdateBatch, cfg: SSGRPOConfig, 
     "grad_norm" (pre-clip L2 norm), {} for an empty batch. Not in the paper: a minibatch without a
     single loss-masked token (every response empty or masked) has no loss to normalise; it is
     skipped, left out of the means and counted in "update/empty_minibatches" (present only when
-    > 0), instead of raising.
+    > 0), instead of raising. A minibatch whose gradient norm is not finite (an overflowing ratio
+    rho) takes no optimizer step: its gradients are dropped, it is counted in
+    "update/nonfinite_grad_steps" (only when > 0) and "grad_norm" averages the finite norms only
+    (absent when there is none).
     """
     from policy import token_logprobs
 
@@ -532,7 +535,7 @@ def policy_update(model, ref_model, opt, batch: UpdateBatch, cfg: SSGRPOConfig, 
     mbs = [order[j::n_mb] for j in range(n_mb)]
     model.train()
     tot = {"loss/total": 0.0, "loss/policy": 0.0, "kl": 0.0, "clip_frac": 0.0, "grad_norm": 0.0}
-    done, empty = [], 0  # (stats, grad norm) of the minibatches taken; minibatches skipped
+    done, empty = [], 0  # (stats, grad norm or None) of the minibatches taken; minibatches skipped
     for mb in mbs:
         n_seq = len(mb)
         n_tok = float(sum(sum(batch.mask[i]) for i in mb))
@@ -560,19 +563,30 @@ def policy_update(model, ref_model, opt, batch: UpdateBatch, cfg: SSGRPOConfig, 
             # Micro-batches use the minibatch's normalisers, so their values add up (ss_grpo.aggregate).
             for k in ("loss/total", "loss/policy", "kl", "clip_frac"):
                 stats_acc[k] += float(st[k])
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        gn = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+        if not np.isfinite(gn):  # clipping would scale every gradient by 0 (or NaN): no step
+            opt.zero_grad(set_to_none=True)
+            log.warning("SS-GRPO update: gradient norm %s; optimizer step skipped", gn)
+            done.append((stats_acc, None))
+            continue
         opt.step()
-        done.append((stats_acc, float(gn)))
+        done.append((stats_acc, gn))
     model.eval()
     if empty:
         log.warning("SS-GRPO update: %d of %d minibatches have no loss-masked token; skipped",
                     empty, len(mbs))
     if not done:
         return {"update/empty_minibatches": empty}
+    norms = [gn for _, gn in done if gn is not None]
     for stats_acc, gn in done:
         for k in ("loss/total", "loss/policy", "kl", "clip_frac"):
             tot[k] += stats_acc[k] / len(done)
-        tot["grad_norm"] += gn / len(done)
+        if gn is not None:
+            tot["grad_norm"] += gn / len(norms)
+    if not norms:
+        del tot["grad_norm"]
+    if len(norms) < len(done):
+        tot["update/nonfinite_grad_steps"] = len(done) - len(norms)
     if empty:
         tot["update/empty_minibatches"] = empty
     return tot

@@ -4,7 +4,9 @@ update runs here through `OneProcessPolicy`, a plain-PyTorch stand-in with full.
 interface (train / logprobs / backward / step), so no DeepSpeed is needed; world size 1, so
 full.plan_update hands it the whole batch.
 
-Faults: a minibatch with no loss-masked token (skipped and counted, not a crash).
+Faults: a minibatch with no loss-masked token (skipped and counted, not a crash); a ratio rho that
+overflows the fp32 gradient norm (log rho of 45-80: the step is skipped and counted, not applied as
+a zero or NaN update).
 """
 import copy
 import random
@@ -162,3 +164,71 @@ def test_s33_batch_without_any_token_leaves_the_policy_alone(engine):
     assert "grad_norm" not in out and "loss/total" not in out  # nothing was computed
     assert same(weights(model), w0)
 
+
+
+# ----------------------------------------------------------------------------------------------------
+# A gradient norm that overflows fp32
+
+
+def stale_old_logprobs(monkeypatch, model, shift: float) -> None:
+    """Make the old log-probs of `model` `shift` nats below its current ones (a sampler far behind
+    the policy): rho = exp(shift) on every response token; the reference stays untouched."""
+    scored_t, scored_z = train.batch_logprobs, full._sequence_logprobs
+
+    def batch_logprobs(m, *a):
+        out = scored_t(m, *a)
+        return [x - shift for x in out] if m is model else out
+
+    def sequence_logprobs(fn, *a):
+        out = scored_z(fn, *a)
+        return [x - shift for x in out] if getattr(fn, "__self__", None) is not None \
+            and getattr(fn.__self__, "model", None) is model else out
+
+    monkeypatch.setattr(train, "batch_logprobs", batch_logprobs)
+    monkeypatch.setattr(full, "_sequence_logprobs", sequence_logprobs)
+
+
+@pytest.mark.parametrize("shift", [45.0, 80.0])
+@pytest.mark.parametrize("engine", ["torch", "zero3"])
+def test_s33_overflowing_ratio_skips_the_step_and_counts_it(monkeypatch, engine, shift):
+    cfg = SSGRPOConfig(minibatches=2, micro_batch=2, lr=1e-3)
+    model = tiny_qwen3()
+    # One healthy update first, so AdamW carries momentum that a zero-gradient step would still apply.
+    if engine == "torch":
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        torch_update(model, make_batch(6, seed=1), cfg, opt=opt)
+    else:
+        pol = zero3_update(model, make_batch(6, seed=1), cfg)[1]
+    w0 = weights(model)
+    stale_old_logprobs(monkeypatch, model, shift)
+    if engine == "torch":
+        out = torch_update(model, make_batch(6), cfg, opt=opt)
+    else:
+        out, pol = zero3_update(model, make_batch(6), cfg, pol=pol)
+        assert all(s["grad_norm"] == float("inf") for s in out["per_step"])
+        assert pol.steps == 2  # only the healthy update's
+    assert out["update/nonfinite_grad_steps"] == 2
+    assert "grad_norm" not in out  # no finite norm to report: never logged as a bogus number
+    assert all(torch.isfinite(v).all() for v in weights(model).values())
+    assert same(weights(model), w0)  # no step at all, not even on momentum
+    assert out["loss/total"] > 1e15  # the cause stays visible in the log
+
+
+def test_s33_overflow_in_one_minibatch_keeps_the_other_step(monkeypatch):
+    cfg = SSGRPOConfig(minibatches=2, micro_batch=2, lr=1e-3)
+    model = tiny_qwen3()
+    w0 = weights(model)
+    # rho overflows in optimizer step 1 only: its sequences' old log-probs are 60 nats too low
+    bad = set(minibatch(6, 2, 1, SEED))
+    scored = train.batch_logprobs
+
+    def batch_logprobs(m, b, *a):
+        out = scored(m, b, *a)
+        return [x - 60.0 if m is model and i in bad else x for i, x in enumerate(out)]
+
+    monkeypatch.setattr(train, "batch_logprobs", batch_logprobs)
+    out = torch_update(model, make_batch(6), cfg)
+    assert out["update/nonfinite_grad_steps"] == 1
+    assert 0 < out["grad_norm"] < 1e6  # the finite step's norm alone
+    assert not same(weights(model), w0)
+    assert all(torch.isfinite(v).all() for v in weights(model).values())
