@@ -405,15 +405,20 @@ class ZeRO3Policy:
     order, with the same number of micro-batches (ZeRO-3 all-gathers each layer's weights per forward).
 
     Per optimizer step: (logprobs -> loss -> backward(loss, boundary)) per micro-batch, the last one
-    with boundary=True, then `step()`.
+    with boundary=True, then `step()`. Dropout is disabled in `lm` (policy.disable_dropout), as in
+    train.TorchEngine.
     """
 
     def __init__(self, lm, ds_config: dict, lr: float, *, full: FullConfig | None = None,
                  _keep_alive=None):
         import deepspeed
 
+        from policy import disable_dropout
+
         full = full or FullConfig()
         self.ds_config = ds_config
+        if disable_dropout(lm):  # old (eval) and new (train) log-probs must be the same function
+            log.info("dropout disabled for RL (policy.disable_dropout)")
         self._keep = _keep_alive
         if full.gradient_checkpointing:  # PAPER: gradient checkpointing
             kw = {"use_reentrant": False}  # the non-reentrant variant is the one ZeRO-3 hooks support

@@ -598,10 +598,14 @@ class TorchEngine:
     full.ZeRO3Engine (same interface) must reproduce.
 
     model: pi_theta, also the weights the HF sampler generates with; ref_model: the frozen pi_ref
-    (a copy of the starting policy)."""
+    (a copy of the starting policy). Dropout is disabled in both (policy.disable_dropout)."""
 
     def __init__(self, model, cfg: Config):
+        from policy import disable_dropout
+
         self.model, self.cfg = model, cfg
+        if disable_dropout(model):  # old (eval) and new (train) log-probs must be the same function
+            log.info("dropout disabled for RL (policy.disable_dropout)")
         self.ref_model = copy.deepcopy(model).eval()  # frozen reference pi_ref (= the starting policy)
         for p in self.ref_model.parameters():
             p.requires_grad_(False)

@@ -6,10 +6,17 @@ full.plan_update hands it the whole batch.
 
 Faults: a minibatch with no loss-masked token (skipped and counted, not a crash); a ratio rho that
 overflows the fp32 gradient norm (log rho of 45-80: the step is skipped and counted, not applied as
-a zero or NaN update).
+a zero or NaN update); dropout in the model's config (disabled for RL, so the first minibatch is
+exactly on-policy). The last test repeats the dropout and overflow cases on a real DeepSpeed ZeRO-3
+engine (tests/zero3_update_check.py, one CPU rank).
 """
 import copy
+import importlib.util
+import json
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,6 +27,7 @@ import train
 from policy import token_logprobs
 from train import SSGRPOConfig, UpdateBatch
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V, PAD, SEED = 64, 0, 3
 
 
@@ -232,3 +240,72 @@ def test_s33_overflow_in_one_minibatch_keeps_the_other_step(monkeypatch):
     assert 0 < out["grad_norm"] < 1e6  # the finite step's norm alone
     assert not same(weights(model), w0)
     assert all(torch.isfinite(v).all() for v in weights(model).values())
+
+
+# ----------------------------------------------------------------------------------------------------
+# Dropout: old log-probs (eval mode) and new ones (train mode) must come from the same function
+
+
+def record_log_ratios(monkeypatch) -> list:
+    """Wrap ss_grpo.ss_grpo_loss (both engines call it through the module): per call, the largest
+    |log rho| over loss-masked tokens and the clip fraction."""
+    import ss_grpo
+
+    loss_fn, seen = ss_grpo.ss_grpo_loss, []
+
+    def wrapped(logp, old_logp, ref_logp, adv, mask, **kw):
+        m = mask.bool()
+        seen.append(((logp.detach() - old_logp)[m].abs().max().item(), None))
+        loss, st = loss_fn(logp, old_logp, ref_logp, adv, mask, **kw)
+        seen[-1] = (seen[-1][0], float(st["clip_frac"]))
+        return loss, st
+
+    monkeypatch.setattr(ss_grpo, "ss_grpo_loss", wrapped)
+    return seen
+
+
+def test_s33_first_minibatch_is_on_policy_with_attention_dropout(monkeypatch):
+    cfg = train.Config()
+    cfg.ss_grpo = SSGRPOConfig(minibatches=2, micro_batch=8, lr=1e-3, eta=0.02)
+    model = tiny_qwen3(attention_dropout=0.1)
+    engine = train.TorchEngine(model, cfg)
+    seen = record_log_ratios(monkeypatch)
+    out = engine.update(make_batch(6), PAD, random.Random(SEED))
+    log_rho, clip = seen[0]  # the first minibatch: nothing has moved yet, rho = 1 exactly
+    assert log_rho < 1e-6 and clip == 0.0, seen
+    assert seen[1][0] > 0 and out["grad_norm"] > 0  # the second one is off-policy, as it should be
+    assert model.config.attention_dropout == 0.0 and engine.ref_model.config.attention_dropout == 0.0
+
+
+def test_disable_dropout_covers_modules_attributes_and_config():
+    model = tiny_qwen3(attention_dropout=0.1)
+    model.model.extra = torch.nn.Dropout(0.3)
+    n = policy.disable_dropout(model)
+    assert n == 1 + 2 + 1  # the Dropout module, 2 attention layers, the config field
+    assert model.model.extra.p == 0.0
+    assert all(layer.self_attn.attention_dropout == 0.0 for layer in model.model.layers)
+    assert policy.disable_dropout(model) == 0  # idempotent
+
+
+# ----------------------------------------------------------------------------------------------------
+# The same on a real DeepSpeed ZeRO-3 engine (one CPU rank, ~5 s)
+
+
+@pytest.mark.skipif(not (importlib.util.find_spec("deepspeed") and importlib.util.find_spec("accelerate")),
+                    reason="deepspeed and accelerate are not installed")
+def test_s33_zero3_engine_on_policy_with_dropout_and_skips_overflowing_steps(tmp_path):
+    tiny_qwen3(attention_dropout=0.1).save_pretrained(tmp_path / "model")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "TOKENIZERS_PARALLELISM": "false"}
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "zero3_update_check.py"),
+                        str(tmp_path / "model"), str(tmp_path / "out.json")], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    res = json.load(open(tmp_path / "out.json"))
+    assert res["attention_dropout"] == [0.0, 0.0]
+    log_rho, clip = res["seen"][0]  # first minibatch of the first update: on-policy
+    assert log_rho < 1e-6 and clip == 0.0, res["seen"]
+    over = res["overflow"]
+    assert over["update/nonfinite_grad_steps"] == 2 and "grad_norm" not in over
+    assert res["skipped_steps"] == 2  # DeepSpeed discarded both steps...
+    assert res["finite"] and res["unchanged"]  # ...so the weights are exactly the first update's
