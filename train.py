@@ -1291,7 +1291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         cfg, resume = parse_cli(argv)
-        validate_config(cfg)
+        if not (cfg.mode == "full" and cfg.dry_run):  # the dry run reports every problem at once
+            validate_config(cfg)
     except (ValueError, ckpt_mod.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
