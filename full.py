@@ -487,8 +487,8 @@ class ZeRO3Policy:
     def step(self) -> float:
         """Apply the optimizer step (gradient clipping from the config). Returns the global gradient
         norm before clipping (nan if DeepSpeed does not report it). A non-finite norm means no step:
-        DeepSpeed's ZeRO-3 optimizer discards a step whose norm is inf/NaN (in bf16 and fp32 too)
-        and clears the gradients, and reports the norm as inf. Raises RuntimeError unless the last
+        DeepSpeed's ZeRO-3 optimizer discards a step whose norm is inf/NaN (its check does not
+        depend on the dtype) and clears the gradients, and reports the norm as inf. Raises RuntimeError unless the last
         backward() was a boundary."""
         if not self._boundary_pending:
             raise RuntimeError("step() without a boundary backward(): pass boundary=True on the last "
