@@ -59,6 +59,7 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
+import math
 import os
 import socket
 import sys
@@ -404,15 +405,20 @@ class ZeRO3Policy:
     order, with the same number of micro-batches (ZeRO-3 all-gathers each layer's weights per forward).
 
     Per optimizer step: (logprobs -> loss -> backward(loss, boundary)) per micro-batch, the last one
-    with boundary=True, then `step()`.
+    with boundary=True, then `step()`. Dropout is disabled in `lm` (policy.disable_dropout), as in
+    train.TorchEngine.
     """
 
     def __init__(self, lm, ds_config: dict, lr: float, *, full: FullConfig | None = None,
                  _keep_alive=None):
         import deepspeed
 
+        from policy import disable_dropout
+
         full = full or FullConfig()
         self.ds_config = ds_config
+        if disable_dropout(lm):  # old (eval) and new (train) log-probs must be the same function
+            log.info("dropout disabled for RL (policy.disable_dropout)")
         self._keep = _keep_alive
         if full.gradient_checkpointing:  # PAPER: gradient checkpointing
             kw = {"use_reentrant": False}  # the non-reentrant variant is the one ZeRO-3 hooks support
@@ -480,17 +486,24 @@ class ZeRO3Policy:
 
     def step(self) -> float:
         """Apply the optimizer step (gradient clipping from the config). Returns the global gradient
-        norm before clipping (nan if DeepSpeed does not report it). Raises RuntimeError unless the
-        last backward() was a boundary."""
+        norm before clipping (nan if DeepSpeed does not report it). A non-finite norm means no step:
+        DeepSpeed's ZeRO-3 optimizer discards a step whose norm is inf/NaN (its check does not
+        depend on the dtype) and clears the gradients, and reports the norm as inf. Raises RuntimeError unless the last
+        backward() was a boundary."""
         if not self._boundary_pending:
             raise RuntimeError("step() without a boundary backward(): pass boundary=True on the last "
                                "micro-batch of the optimizer step")
         assert self.engine.is_gradient_accumulation_boundary()
+        skipped = self.engine.skipped_steps
         self.engine.step()
         self.engine.set_gradient_accumulation_boundary(False)
         self._boundary_pending = False
         gn = self.engine.get_global_grad_norm()
-        return float(gn) if gn is not None else float("nan")
+        gn = float(gn) if gn is not None else float("nan")
+        if not math.isfinite(gn) and self.engine.skipped_steps == skipped:
+            log.error("DeepSpeed applied an optimizer step with gradient norm %s instead of "
+                      "discarding it: its clipped update is 0 or NaN", gn)
+        return gn
 
     def iter_full_params(self, device: str | torch.device | None = None, copy: bool = True
                          ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -687,7 +700,12 @@ def zero3_policy_update(policy: ZeRO3Policy, ref: FrozenReference | None, local,
     the full batch's. cfg: train.SSGRPOConfig; plan: this rank's `plan_update` output. Collective:
     every rank calls it with its own shard and plan. Returns the mean stats over optimizer steps
     ("loss/total", "loss/policy", "kl", "clip_frac", "grad_norm") plus "per_step": a list of those
-    per step, all global values.
+    per step, all global values. A minibatch without a single loss-masked token on any rank is
+    skipped by every rank alike (its count is global) and counted in "update/empty_minibatches"
+    (present only when > 0), as in train.policy_update. A step whose global gradient norm is not
+    finite is discarded (ZeRO3Policy.step) and counted in "update/nonfinite_grad_steps" (only when
+    > 0); "grad_norm" averages the finite norms only (absent when there is none; "per_step" keeps
+    the raw ones).
     """
     import ss_grpo
 
@@ -698,8 +716,11 @@ def zero3_policy_update(policy: ZeRO3Policy, ref: FrozenReference | None, local,
             if cfg.beta > 0 else None)
     policy.train(True)
     keys = ("loss/total", "loss/policy", "kl", "clip_frac")
-    per_step = []
+    per_step, empty = [], 0
     for mb, n_micro, n_seq, n_tok in zip(plan.minibatches, plan.n_micro, plan.n_seq, plan.n_tok):
+        if n_tok == 0:  # nothing sampled to learn from, on any rank: no pass, no optimizer step
+            empty += 1
+            continue
         acc = [0.0] * len(keys)
         for p in range(n_micro):
             idx = mb[p * micro : (p + 1) * micro]
@@ -720,14 +741,26 @@ def zero3_policy_update(policy: ZeRO3Policy, ref: FrozenReference | None, local,
             loss, st = ss_grpo.ss_grpo_loss(
                 logp, old_lp.to(dev), ref_lp.to(dev) if refl is not None else None, adv.to(dev),
                 mask.to(dev), eta=cfg.eta, beta=cfg.beta, agg=cfg.agg, num_sequences=n_seq,
-                num_tokens=max(n_tok, 1.0))
+                num_tokens=n_tok)
             policy.backward(loss, last)
             acc = [a + float(st[k]) for a, k in zip(acc, keys)]
-        gn = policy.step()
+        gn = policy.step()  # the same global norm on every rank
+        if not math.isfinite(gn) and is_rank0():
+            log.warning("SS-GRPO update: gradient norm %s; optimizer step skipped", gn)
         per_step.append({**dict(zip(keys, all_reduce_sum(acc))), "grad_norm": gn})
     policy.train(False)
+    if empty and is_rank0():
+        log.warning("SS-GRPO update: %d of %d minibatches have no loss-masked token; skipped",
+                    empty, len(plan.minibatches))
     M = max(len(per_step), 1)
-    mean = {k: sum(s[k] for s in per_step) / M for k in (*keys, "grad_norm")}
+    mean = {k: sum(s[k] for s in per_step) / M for k in keys} if per_step else {}
+    norms = [s["grad_norm"] for s in per_step if math.isfinite(s["grad_norm"])]
+    if norms:
+        mean["grad_norm"] = sum(norms) / len(norms)
+    if len(norms) < len(per_step):
+        mean["update/nonfinite_grad_steps"] = len(per_step) - len(norms)
+    if empty:
+        mean["update/empty_minibatches"] = empty
     return {**mean, "per_step": per_step}
 
 
@@ -1009,22 +1042,101 @@ def _key_envs(cfg) -> list[tuple[str, str]]:
         except ImportError:  # requests missing: the names are fixed anyway
             DEFAULT_KEY_ENVS = {"gemini": "GEMINI_API_KEY", "openai": "OPENAI_API_KEY"}
         out.append((f"judge ({cfg.judge.backend})", DEFAULT_KEY_ENVS[cfg.judge.backend]))
-    out.append(("search (google_search, Serper)", "SERPER_API_KEY"))
+    if cfg.search.backend == "serper":
+        out.append(("search (google_search, Serper)", "SERPER_API_KEY"))
     return out
+
+
+def _required_packages(cfg) -> dict[str, str]:
+    """{distribution: why this configuration needs it (and how to install it)} for cfg's backends."""
+    full_extra = "pip install '.[full]'"
+    need = {"torch": "every engine", "transformers": "every engine"}
+    if cfg.engine == "zero3":
+        need["deepspeed"] = f"engine 'zero3'; {full_extra}"
+        need["accelerate"] = f"engine 'zero3' (transformers' HfDeepSpeedConfig); {full_extra}"
+    if cfg.sampler == "vllm":
+        need["vllm"] = ("sampler 'vllm'; pip install vllm (it pins its own torch and transformers, "
+                        "docs/full_mode.md)")
+    if cfg.bank.retriever == "dense":
+        need["sentence-transformers"] = f"bank.retriever 'dense' ({cfg.bank.embed_model}); {full_extra}"
+    http = [f"judge.backend '{cfg.judge.backend}'"] if cfg.judge.backend in ("gemini", "openai") else []
+    http += [f"search.backend '{cfg.search.backend}'"] if cfg.search.backend == "serper" else []
+    if http:
+        need["requests"] = f"{' and '.join(http)}; {full_extra}"
+    if cfg.data.source and not _looks_local(cfg.data.source):
+        need["datasets"] = f"data.source {cfg.data.source!r} (a Hugging Face dataset id); {full_extra}"
+    return need
+
+
+def _looks_local(path: str) -> bool:
+    """data._is_local's rule: it exists, or it is written as a path or a file name."""
+    from data import _is_local
+
+    return _is_local(path)
+
+
+def _path_problems(cfg) -> list[str]:
+    """Problems with the local paths the run would read: the policy model (--model, a Hugging Face
+    directory), data.source and the dense retriever's embedding model when given as local paths."""
+    out = []
+    if not cfg.model:
+        out.append("no policy model: pass --model (the paper starts RL from its Qwen3-8B SFT model)")
+    elif not os.path.isdir(os.path.expanduser(cfg.model)):
+        out.append(f"policy model {cfg.model!r} does not exist (--model takes a local Hugging Face "
+                   "directory)")
+    elif not os.path.isfile(os.path.join(os.path.expanduser(cfg.model), "config.json")):
+        out.append(f"policy model {cfg.model!r} has no config.json: not a Hugging Face model directory")
+    if cfg.data.source and _looks_local(cfg.data.source) \
+            and not os.path.exists(os.path.expanduser(cfg.data.source)):
+        out.append(f"data.source {cfg.data.source!r} does not exist")
+    emb = cfg.bank.embed_model
+    if cfg.bank.retriever == "dense" and _looks_local(emb) and not os.path.isdir(os.path.expanduser(emb)):
+        out.append(f"bank.embed_model {emb!r} does not exist")
+    return out
+
+
+def _config_problem(cfg) -> list[str]:
+    """train.validate_config's verdict as a list (it stops at the first error). The policy model
+    is checked by _path_problems, so a missing one is filled in here to let the other checks run."""
+    from train import validate_config
+
+    probe = copy.deepcopy(cfg)
+    probe.model = probe.model or "(--model)"
+    try:
+        validate_config(probe)
+    except ValueError as err:
+        return [f"configuration: {err}"]
+    return []
+
+
+def _redact(text: str, environ) -> str:
+    """Replace the value of every secret environment variable (train.SECRET_ENV_VARS, *_API_KEY,
+    *_TOKEN, *_SECRET; 8 characters or more) in `text` by $NAME."""
+    from train import SECRET_ENV_VARS
+
+    for name, v in environ.items():
+        if (name in SECRET_ENV_VARS or name.endswith(("_API_KEY", "_TOKEN", "_SECRET"))) \
+                and isinstance(v, str) and len(v) >= 8:
+            text = text.replace(v, f"${name}")
+    return text
 
 
 def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
     """Resolve `cfg` (a train.Config, normally the `full` preset) into a launch plan without training.
 
-    Checks: the batch arithmetic for the launcher's world size (or FullConfig.world_size_hint GPUs
-    when not launched), GPUs via torch.cuda, versions of torch / transformers / deepspeed / vllm
-    (importlib.metadata; nothing heavy is imported), and whether each API key's environment variable
-    is set, reported by NAME only (values are never read into the report). Returns (report text,
-    list of problems); an empty list means the plan is launchable as far as we can tell.
+    Collects every problem it finds instead of stopping at the first: the configuration
+    (train.validate_config), the local paths the run reads (policy model directory, data.source,
+    embedding model), the batch arithmetic for the launcher's world size (or
+    FullConfig.world_size_hint GPUs when not launched), each API key's environment variable
+    (reported by NAME only; values never reach the report), GPUs via torch.cuda, and the packages
+    the chosen backends need (deepspeed, accelerate, vllm, sentence-transformers, requests,
+    datasets) with the versions found (importlib.metadata; nothing heavy is imported). Returns
+    (report text, list of problems); an empty list means the plan is launchable as far as we can
+    tell.
     """
     e = os.environ if environ is None else environ
     full = full_config(cfg)
-    problems: list[str] = []
+    problems: list[str] = _config_problem(cfg) + _path_problems(cfg)
     lines = ["RubricEM full mode: dry run (nothing is trained)", ""]
     try:
         env = dist_env(e)
@@ -1044,8 +1156,6 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
               f"{cfg.rollout.max_response_tokens} tokens, max tool calls {cfg.rollout.max_tool_calls}",
               f"  data {cfg.data.source or '(toy world)'}; bank retriever {cfg.bank.retriever} "
               f"({cfg.bank.embed_model if cfg.bank.retriever == 'dense' else 'BM25'}), top-k {cfg.bank.top_k}", ""]
-    if not cfg.model:
-        problems.append("no policy model: pass --model (the paper starts RL from its Qwen3-8B SFT model)")
     try:
         plan = batch_plan(cfg, ws)
         lines += ["batch arithmetic (per RL step)",
@@ -1083,18 +1193,16 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
     else:
         lines.append("  GPUs: none visible (torch.cuda.is_available() is False)")
         problems.append("no GPU visible: full mode trains on GPUs")
-    needed = {"deepspeed": "pip install '.[full]'", "accelerate": "pip install '.[full]'",
-              "datasets": "pip install '.[full]'"}
-    if cfg.sampler == "vllm":
-        needed["vllm"] = "pip install vllm; it pins its own torch and transformers (docs/full_mode.md)"
+    needed = _required_packages(cfg)
     for dist in ("torch", "transformers", "deepspeed", "accelerate", "vllm", "sentence-transformers",
-                 "datasets"):
+                 "requests", "datasets"):
         v = _version(dist)
-        lines.append(f"  {dist} {v or 'not installed'}")
+        why = f" (needed: {needed[dist].split(';')[0]})" if dist in needed else ""
+        lines.append(f"  {dist} {v or 'not installed'}{why}")
         if v is None and dist in needed:
-            problems.append(f"{dist} is not installed ({needed[dist]})")
+            problems.append(f"{dist} is not installed, needed by {needed[dist]}")
     lines += ["", "problems" if problems else "no problems found"] + [f"  - {p}" for p in problems]
-    return "\n".join(lines), problems
+    return _redact("\n".join(lines), e), [_redact(p, e) for p in problems]
 
 
 def main_dry_run(cfg) -> int:

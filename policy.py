@@ -14,6 +14,8 @@ Functions
 - `load_policy(path)`: model + tokenizer from a local directory (never downloads in toy mode).
 - `token_logprobs(model, input_ids, attention_mask)`: log pi(a_t | h_t) of every next token, computed
   in chunks of the sequence so the (tokens x vocab) fp32 logits are never materialised at once.
+- `disable_dropout(model)`: every dropout probability to 0, so the old (eval-mode) and new
+  (train-mode) log-probs of the SS-GRPO update come from the same function.
 
 Deviations from the paper
 1. Toy mode trains a tiny model from scratch (SFT warm start, sft.py) instead of starting from a
@@ -123,6 +125,34 @@ def load_policy(path: str, dtype: torch.dtype = torch.float32):
         tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     return model, tok
+
+
+def disable_dropout(model) -> int:
+    """Set every dropout probability of `model` to 0, in place; returns how many were > 0.
+
+    Covers torch dropout modules (p), float module attributes whose name contains "dropout" (e.g.
+    the `attention_dropout` a Hugging Face attention layer passes to its attention kernel in train
+    mode) and such fields of `model.config` (so saved checkpoints say how the model was trained).
+    Not in the paper; we do it for RL because the old log-probs are computed in eval mode and the
+    new ones in train mode (gradient checkpointing needs it): with dropout p > 0 the ratio
+    rho = exp(log pi_new - log pi_old) departs from 1 on the very first, on-policy minibatch
+    (|log rho| up to ~0.1 at p = 0.1) and PPO clipping acts on noise. Idempotent.
+    """
+    changed = 0
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+            m.p = 0.0
+            changed += 1
+        for name, v in list(vars(m).items()):
+            if "dropout" in name and isinstance(v, float) and v > 0:
+                setattr(m, name, 0.0)
+                changed += 1
+    cfg = getattr(model, "config", None)
+    for name, v in (list(vars(cfg).items()) if cfg is not None else []):
+        if "dropout" in name and isinstance(v, float) and v > 0:
+            setattr(cfg, name, 0.0)
+            changed += 1
+    return changed
 
 
 def _chunk_logprobs(head, h: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:

@@ -512,7 +512,17 @@ def batch_logprobs(model, batch: UpdateBatch, pad_id: int, micro: int) -> list[t
 def policy_update(model, ref_model, opt, batch: UpdateBatch, cfg: SSGRPOConfig, pad_id: int,
                   rng: random.Random) -> dict:
     """SS-GRPO update on one batch (§3.3): old log-probs once, then `minibatches` optimizer steps,
-    each accumulating micro-batches with the minibatch's global normalisers."""
+    each accumulating micro-batches with the minibatch's global normalisers.
+
+    Returns the means over minibatches of "loss/total", "loss/policy", "kl", "clip_frac" and
+    "grad_norm" (pre-clip L2 norm), {} for an empty batch. Not in the paper: a minibatch without a
+    single loss-masked token (every response empty or masked) has no loss to normalise; it is
+    skipped, left out of the means and counted in "update/empty_minibatches" (present only when
+    > 0), instead of raising. A minibatch whose gradient norm is not finite (an overflowing ratio
+    rho) takes no optimizer step: its gradients are dropped, it is counted in
+    "update/nonfinite_grad_steps" (only when > 0) and "grad_norm" averages the finite norms only
+    (absent when there is none).
+    """
     from policy import token_logprobs
 
     if not batch.ids:
@@ -525,9 +535,13 @@ def policy_update(model, ref_model, opt, batch: UpdateBatch, cfg: SSGRPOConfig, 
     mbs = [order[j::n_mb] for j in range(n_mb)]
     model.train()
     tot = {"loss/total": 0.0, "loss/policy": 0.0, "kl": 0.0, "clip_frac": 0.0, "grad_norm": 0.0}
+    done, empty = [], 0  # (stats, grad norm or None) of the minibatches taken; minibatches skipped
     for mb in mbs:
         n_seq = len(mb)
         n_tok = float(sum(sum(batch.mask[i]) for i in mb))
+        if n_tok == 0:  # nothing sampled to learn from: no loss, no optimizer step (counted)
+            empty += 1
+            continue
         opt.zero_grad(set_to_none=True)
         stats_acc = {"loss/total": 0.0, "loss/policy": 0.0, "kl": 0.0, "clip_frac": 0.0}
         for s in range(0, len(mb), cfg.micro_batch):
@@ -549,12 +563,32 @@ def policy_update(model, ref_model, opt, batch: UpdateBatch, cfg: SSGRPOConfig, 
             # Micro-batches use the minibatch's normalisers, so their values add up (ss_grpo.aggregate).
             for k in ("loss/total", "loss/policy", "kl", "clip_frac"):
                 stats_acc[k] += float(st[k])
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        gn = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+        if not np.isfinite(gn):  # clipping would scale every gradient by 0 (or NaN): no step
+            opt.zero_grad(set_to_none=True)
+            log.warning("SS-GRPO update: gradient norm %s; optimizer step skipped", gn)
+            done.append((stats_acc, None))
+            continue
         opt.step()
-        for k in ("loss/total", "loss/policy", "kl", "clip_frac"):
-            tot[k] += stats_acc[k] / len(mbs)
-        tot["grad_norm"] += float(gn) / len(mbs)
+        done.append((stats_acc, gn))
     model.eval()
+    if empty:
+        log.warning("SS-GRPO update: %d of %d minibatches have no loss-masked token; skipped",
+                    empty, len(mbs))
+    if not done:
+        return {"update/empty_minibatches": empty}
+    norms = [gn for _, gn in done if gn is not None]
+    for stats_acc, gn in done:
+        for k in ("loss/total", "loss/policy", "kl", "clip_frac"):
+            tot[k] += stats_acc[k] / len(done)
+        if gn is not None:
+            tot["grad_norm"] += gn / len(norms)
+    if not norms:
+        del tot["grad_norm"]
+    if len(norms) < len(done):
+        tot["update/nonfinite_grad_steps"] = len(done) - len(norms)
+    if empty:
+        tot["update/empty_minibatches"] = empty
     return tot
 
 
@@ -564,10 +598,14 @@ class TorchEngine:
     full.ZeRO3Engine (same interface) must reproduce.
 
     model: pi_theta, also the weights the HF sampler generates with; ref_model: the frozen pi_ref
-    (a copy of the starting policy)."""
+    (a copy of the starting policy). Dropout is disabled in both (policy.disable_dropout)."""
 
     def __init__(self, model, cfg: Config):
+        from policy import disable_dropout
+
         self.model, self.cfg = model, cfg
+        if disable_dropout(model):  # old (eval) and new (train) log-probs must be the same function
+            log.info("dropout disabled for RL (policy.disable_dropout)")
         self.ref_model = copy.deepcopy(model).eval()  # frozen reference pi_ref (= the starting policy)
         for p in self.ref_model.parameters():
             p.requires_grad_(False)
@@ -1253,7 +1291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         cfg, resume = parse_cli(argv)
-        validate_config(cfg)
+        if not (cfg.mode == "full" and cfg.dry_run):  # the dry run reports every problem at once
+            validate_config(cfg)
     except (ValueError, ckpt_mod.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,100 @@
+"""The full-mode dry run (full.dry_run, `python train.py --full --dry-run`) reports every problem it
+finds in one report: configuration, local paths (policy model, data.source), API keys by variable
+name, GPUs, and the packages the chosen backends need with the versions found. Missing packages,
+GPUs and paths are simulated (monkeypatch, tmp_path); nothing touches the network."""
+import os
+import types
+
+import pytest
+import torch
+
+import full
+import train
+
+KEYS = {"GEMINI_API_KEY": "gemini-key-value-123", "SERPER_API_KEY": "serper-key-value-456"}
+
+
+@pytest.fixture
+def ready(tmp_path, monkeypatch):
+    """A machine where the full preset is launchable: a model directory, a local data file, 8 GPUs,
+    every package installed (version 9.9). Returns (config, environ, missing packages: a set the
+    test may fill)."""
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "config.json").write_text("{}")
+    (tmp_path / "rows.jsonl").write_text("{}\n")
+    cfg = train.full_preset()
+    cfg.model, cfg.data.source = str(tmp_path / "sft"), str(tmp_path / "rows.jsonl")
+    missing: set = set()
+    monkeypatch.setattr(full, "_version", lambda dist: None if dist in missing else "9.9")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(name="H100", total_memory=80 * 2 ** 30))
+    return cfg, dict(KEYS), missing
+
+
+def test_dry_run_ready_machine_has_no_problem_and_lists_versions(ready):
+    cfg, env, _ = ready
+    text, problems = full.dry_run(cfg, env)
+    assert problems == [], problems
+    for dist in ("deepspeed", "vllm", "sentence-transformers", "requests"):
+        assert f"  {dist} 9.9 (needed: " in text
+    assert "$GEMINI_API_KEY set" in text and "$SERPER_API_KEY set" in text
+    assert not any(v in text for v in KEYS.values())
+
+
+@pytest.mark.parametrize("fault, expected", [
+    ("model_missing", "policy model '{model}' does not exist"),
+    ("model_not_hf", "has no config.json"),
+    ("data_missing", "data.source '{data}' does not exist"),
+    ("sentence-transformers", "sentence-transformers is not installed, needed by bank.retriever 'dense'"),
+    ("requests", "requests is not installed, needed by judge.backend 'gemini' and search.backend 'serper'"),
+])
+def test_dry_run_names_each_missing_piece(ready, fault, expected):
+    cfg, env, missing = ready
+    if fault == "model_missing":
+        cfg.model += "-typo"
+    elif fault == "model_not_hf":
+        os.remove(os.path.join(cfg.model, "config.json"))
+    elif fault == "data_missing":
+        cfg.data.source += ".gz.jsonl"
+    else:
+        missing.add(fault)
+    _, problems = full.dry_run(cfg, env)
+    assert len(problems) == 1 and expected.format(model=cfg.model, data=cfg.data.source) in problems[0], \
+        problems
+
+
+def test_dry_run_collects_every_problem_at_once(ready, tmp_path, monkeypatch):
+    cfg, _, missing = ready
+    cfg.model, cfg.data.source = str(tmp_path / "nope"), str(tmp_path / "nope.parquet")
+    missing |= {"deepspeed", "vllm", "sentence-transformers", "requests"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    text, problems = full.dry_run(cfg, {})
+    want = ["policy model", "data.source", "GEMINI_API_KEY", "SERPER_API_KEY", "no GPU",
+            "deepspeed is not installed", "vllm is not installed",
+            "sentence-transformers is not installed", "requests is not installed"]
+    for w in want:
+        assert sum(w in p for p in problems) == 1, (w, problems)
+    assert len(problems) == len(want)
+    assert text.endswith("\n".join(f"  - {p}" for p in problems))
+
+
+def test_dry_run_never_prints_a_key_that_leaked_into_the_configuration(ready, monkeypatch):
+    cfg, env, _ = ready
+    monkeypatch.setenv("GEMINI_API_KEY", KEYS["GEMINI_API_KEY"])
+    cfg.judge.base_url = f"https://judge.example/?key={KEYS['GEMINI_API_KEY']}"
+    cfg.data.source = f"/data/{KEYS['GEMINI_API_KEY']}.jsonl"
+    text, problems = full.dry_run(cfg, {**env, **dict(KEYS)})
+    assert KEYS["GEMINI_API_KEY"] not in text + "".join(problems)
+    assert any(p.startswith("configuration:") and "$GEMINI_API_KEY" in p for p in problems), problems
+
+
+def test_cli_full_dry_run_without_model_reports_everything_and_exits_1(ready, capsys, monkeypatch):
+    for k in KEYS:
+        monkeypatch.delenv(k, raising=False)
+    rc = train.main(["--full", "--dry-run"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    problems = out.split("\nproblems\n", 1)[1]
+    assert "no policy model" in problems and "GEMINI_API_KEY" in problems and "SERPER_API_KEY" in problems
