@@ -348,7 +348,7 @@ def _cut_off(text: str) -> bool:
         return True
     for m in _LABEL_RE.finditer(t):
         w = m.group(1).lower()
-        if w not in _LABELS and any(lab.startswith(w) for lab in _LABELS):
+        if len(w) >= 2 and w not in _LABELS and any(lab.startswith(w) for lab in _LABELS):
             return True
     return False
 
@@ -776,7 +776,8 @@ class ToyJudge(EvolvingJudge):
         within (same query again) = mean of
             facts: share of the failed facts named ("Entity aspect") minus the share of asked facts
                    named that did not fail (a list of every fact gains nothing);
-            stage: 1 if it names a stage that failed, minus 0.25 per named stage that did not fail;
+            stage: 1 if it names a stage that failed, minus 0.25 per named stage that did not fail
+                   (1 when no stage failed);
         cross (similar queries) = share of the failure kinds for which it states the general
             lesson, minus 0.25 per lesson for a failure that did not occur (a keyword list loses).
         Invalid candidates (`_reflection_defect`) get 0, 0, 0 and valid=False: they must never be
@@ -798,10 +799,8 @@ class ToyJudge(EvolvingJudge):
                 fact_term = len(named & failed) / len(failed) - len(named - failed) / nf
             else:
                 fact_term = 1.0 - len(named) / nf
-            if stages:
-                stage_term = float(bool(said & stages)) - 0.25 * len(said - stages)
-            else:
-                stage_term = 1.0 - 0.25 * len(said)
+            # Nothing failed: any stage may carry the general lesson, so none is penalised.
+            stage_term = float(bool(said & stages)) - 0.25 * len(said - stages) if stages else 1.0
             within = 0.5 * (float(np.clip(fact_term, 0, 1)) + float(np.clip(stage_term, 0, 1)))
             present = {k for k, ws in _LESSONS.items() if any(w in t.lower() for w in ws)}
             if need:
