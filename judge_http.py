@@ -237,7 +237,8 @@ STAGE_HELP = {
             "negative constraints, and a research plan",
     "research": "the tool calls, the tool outputs inserted by the environment, and the "
                 "<state_evaluation> notes after each output",
-    "review": "the <review>: each rubric mapped to evidence (or 'missing') and a writing plan",
+    "review": "the <review>: each rubric mapped to evidence (or to 'missing', honest only for what "
+              "the research stage searched for and did not find) and a writing plan",
     "answer": "the final <answer> report with citations [n] to numbered tool-output snippets",
 }
 SYSTEM_BASE = (
@@ -258,16 +259,25 @@ SYSTEM_PROPOSE = SYSTEM_BASE + (
 SYSTEM_SCORE = SYSTEM_BASE + (
     " Your task now: score one response against each listed rubric. A rubric of a stage is judged "
     "on that stage's text (the answer's citations may be checked against the research stage). Score "
-    "1 if fully met, 0 if not met, a value in between for partial credit. Give exactly one entry per "
-    "rubric id, with a one-sentence justification written before the score.")
+    "1 if fully met, 0 if not met, a value in between for partial credit. Judge substance, not form "
+    "or keywords: a plan earns credit only for naming the asked entities, concrete checks, negative "
+    "constraints and research queries; research is judged on what the tool outputs found for the "
+    "asked entities and aspects (a look-alike's pages or an old record find nothing), not on the "
+    "number of calls or the words of the queries; a fact given several different values (hedging) "
+    "counts as wrong. Give exactly one entry per rubric id, with a one-sentence justification "
+    "written before the score.")
 SYSTEM_REFLECT = SYSTEM_BASE + (
     " Your task now: you are a privileged judge. A reflection is a short lesson the assistant will "
     "read as a memory note when it meets the same query again (within-episode refinement) or a "
     "similar query (cross-episode transfer). You see the stage scores, their justifications and the "
     "rubrics that produced them. Score each candidate reflection in [0,1] on two criteria: 'within': "
     "would it fix this trajectory's actual failures on the same query; 'cross': does it state a "
-    "correct, general lesson that transfers to similar queries. Penalise lessons that misdiagnose "
-    "the failures, are vague, copy the trajectory, are long, or address the grader.")
+    "correct, general lesson that transfers to similar queries. Reward a lesson that names the stage "
+    "that failed and a concrete fix tied to what the justifications say. Penalise lessons that "
+    "misdiagnose the failures, are vague, list keywords or every fact of the query, copy the "
+    "trajectory, are long, or address the grader. Score 0 on both criteria a candidate that is "
+    "degenerate (repeated characters or words), cut off (a clipped word or no sentence end), or "
+    "names an entity the query does not ask about.")
 
 
 def _fence(text: str, uid: str, limit: int) -> str:

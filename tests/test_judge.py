@@ -4,6 +4,7 @@ initial (data-row) rubrics always scored, state round trip, robustness to inject
 the privileged scoring of reflections."""
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -405,3 +406,234 @@ def test_invalid_caps_raise_naming_judge_caps_sec3_4(world, caps):
         ToyJudge(world, caps)
     with pytest.raises(ValueError, match="judge.caps"):
         EvolvingJudge(caps)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Adversarial trajectories: what the toy judge must not reward (hedging, unsearched "missing", empty
+# plans, calls that find nothing, degenerate or off-topic reflections)
+
+
+def _handmade(q, plan, searches, write, tools=None):
+    """Replay a hand-made trajectory: `plan`, one google_search per query in `searches` (each output
+    followed by a state evaluation), then the review and the answer. `write(handle)` gets the first
+    handle of each returned document ({doc_id: handle}, from a first pass with the same deterministic
+    tool) and returns (state evaluations, review text, answer text)."""
+
+    def turns(evals, tail):
+        calls = [f'<call_tool name="google_search">{s}</call_tool>' for s in searches]
+        if not calls:
+            return [plan + tail]
+        out = [plan + calls[0]]
+        out += [f"<state_evaluation>{e}</state_evaluation>\n{c}" for e, c in zip(evals, calls[1:])]
+        return out + [f"<state_evaluation>{evals[-1]}</state_evaluation>\n{tail}"]
+
+    first = tf.replay(q, turns(["x"] * len(searches), "<answer></answer>"), tools=tools)[0]
+    handle = {}
+    for h, r in sorted(first.evidence.items()):
+        handle.setdefault(r.doc_id, h)
+    evals, review, answer = write(handle)
+    return tf.replay(q, turns(evals, review + answer + "<|im_end|>"), tools=tools)[0]
+
+
+def _query_with(pred):
+    return next(q for q in tf.train_queries() if pred(q))
+
+
+def _teacher_plan(q):
+    return tf.teacher(q, 0, tf.PERFECT_TEACHER).segments[0][1].split("<call_tool")[0]
+
+
+def test_hedged_answer_scores_no_more_than_committing_in_expectation_sec3_4(world, queries):
+    from world import ANSWER_TEMPLATES
+
+    q = queries[0]
+    facts = [f for f in q.facts if f["doc_id"] is not None]
+    assert len(facts) >= 2
+    judge = ToyJudge(world)
+    plan = _teacher_plan(q)
+    searches = [sft.fact_key(f) for f in q.facts]
+
+    def values(f, m):  # the true value first, then m - 1 wrong values of the same aspect
+        wrong = sorted({e[f["aspect"]] for e in world.entities.values()} - {f["value"]})
+        return [f["value"]] + wrong[: m - 1]
+
+    def rollout(pick):  # pick(f) -> the values the answer states for fact f
+        def write(handle):
+            hs = {sft.fact_key(f): handle[f["doc_id"]] for f in facts}
+            evals = [f"{sft.fact_key(f)}: {f['value']} [{hs[sft.fact_key(f)]}]" for f in facts]
+            review = ("<review><rubrics_review>" + "; ".join(f"{k}: [{h}]" for k, h in hs.items())
+                      + "</rubrics_review><writing_plan>" + ", ".join(hs) + "</writing_plan></review>\n")
+            sents = [ANSWER_TEMPLATES[f["aspect"]].format(name=f["entity"], value=v)
+                     + f" [{hs[sft.fact_key(f)]}]." for f in facts for v in pick(f)]
+            return evals, review, "<answer>" + " ".join(sents) + "</answer>"
+        return _handmade(q, plan, [sft.fact_key(f) for f in facts], write)
+
+    for m in (2, 3):
+        hedged = rollout(lambda f: values(f, m))
+        committed = [rollout(lambda f, j=j: values(f, m)[j : j + 1]) for j in range(m)]
+        ctx, by_key = judge._context(q, hedged), {sft.fact_key(f): f for f in q.facts}
+        assert all(judge._check(("ans_fact", sft.fact_key(f)), ctx, by_key) == 0.0 for f in facts)
+        s_hedge = judge.evaluate(q, [hedged])[0, ANSWER]
+        # Committing to a value drawn uniformly from the same m values: expectation over the m picks.
+        s_commit = judge.evaluate(q, committed)[:, ANSWER].mean()
+        assert s_hedge <= s_commit + 1e-12, (m, s_hedge, s_commit)
+        assert judge.evaluate(q, committed[:1])[0, ANSWER] == pytest.approx(1.0)  # the true one
+
+
+def test_review_missing_is_honest_only_after_a_search_sec3_4(world):
+    q = _query_with(lambda q: any(f["doc_id"] is None for f in q.facts)
+                    and any(f["doc_id"] is not None for f in q.facts) and len(q.facts) >= 3)
+    absent = next(f for f in q.facts if f["doc_id"] is None)
+    present = [f for f in q.facts if f["doc_id"] is not None]
+    skipped, kept = present[-1], present[:-1]
+    judge, by_key = ToyJudge(world), {sft.fact_key(f): f for f in q.facts}
+
+    def write_for(searched):
+        def write(handle):
+            got = {sft.fact_key(f): handle[f["doc_id"]] for f in kept}
+            evals = [f"{k}: {by_key[k]['value']} [{h}]" for k, h in got.items()]
+            evals += [f"{sft.fact_key(absent)}: not found"] * (len(searched) - len(kept))
+            items = [f"{k}: [{h}]" for k, h in got.items()]
+            items += [f"{sft.fact_key(absent)}: missing", f"{sft.fact_key(skipped)}: missing"]
+            review = (f"<review><rubrics_review>{'; '.join(items)}</rubrics_review><writing_plan>"
+                      f"{', '.join(got)}</writing_plan></review>\n")
+            return evals, review, "<answer></answer>"
+        return write
+
+    base = [sft.fact_key(f) for f in kept]
+    unsearched = _handmade(q, _teacher_plan(q), base, write_for(base))
+    searched = _handmade(q, _teacher_plan(q), base + [sft.fact_key(absent)],
+                         write_for(base + [sft.fact_key(absent)]))
+    for ro in (unsearched, searched):  # the skipped fact's document never came back
+        assert skipped["doc_id"] not in {r.doc_id for c in ro.tool_calls for r in c.results}
+    cu, cs = judge._context(q, unsearched), judge._context(q, searched)
+    # "missing" without a search for it earns nothing, whether or not a document exists ...
+    assert judge._check(("rev_map", sft.fact_key(skipped)), cu, by_key) == 0.0
+    assert judge._check(("rev_map", sft.fact_key(absent)), cu, by_key) == 0.0
+    # ... and is honest once a search named the fact and found no document for it.
+    assert judge._check(("rev_map", sft.fact_key(absent)), cs, by_key) == 1.0
+    assert judge._check(("rev_map", sft.fact_key(skipped)), cs, by_key) == 0.0
+    assert judge.evaluate(q, [unsearched])[0, REVIEW] < judge.evaluate(q, [searched])[0, REVIEW]
+
+
+def test_plan_of_aspect_names_does_not_saturate_plan_score_sec3_4(world, queries):
+    q = queries[0]
+    aspects = ", ".join(q.toy["aspects"])
+    empty = (f"<structured_plan><analysis>{aspects}.</analysis><rubrics>{aspects}; avoid:</rubrics>"
+             f"<research_plan>{aspects}</research_plan></structured_plan>\n")
+    segs = tf.policy_segments(tf.teacher(q, 0, tf.PERFECT_TEACHER).segments)
+    real_plan = _teacher_plan(q)
+    assert segs[0].startswith(real_plan)
+    vague = _replay_trace(q, sft.TeacherTrace([(False, segs[0].replace(real_plan, empty))]
+                                              + [(False, s) for s in segs[1:]]))
+    unclosed = _replay_trace(q, sft.TeacherTrace(
+        [(False, segs[0].replace(real_plan, empty.replace("</structured_plan>", "")))]
+        + [(False, s) for s in segs[1:]]))
+    judge = ToyJudge(world)
+    ctx, by_key = judge._context(q, vague), {sft.fact_key(f): f for f in q.facts}
+    assert judge._check(("plan_form",), ctx, by_key) == 0.0
+    assert judge._check(("plan_avoid",), ctx, by_key) == 0.0  # "avoid:" with nothing to avoid
+    assert judge.evaluate(q, [vague])[0, PLAN] < 0.25
+    # Even when form is all that separates the group, a plan without content does not score 1.
+    res = judge.judge_group(q, [vague, unclosed], step=0)
+    assert res.R[0, PLAN] < 0.5
+    perfect = _replay_trace(q, tf.teacher(q, 0, tf.PERFECT_TEACHER))
+    assert judge._check(("plan_form",), judge._context(q, perfect), by_key) == 1.0
+
+
+class LookalikeTool:
+    """A search engine that confuses names: whatever the query, it returns the look-alike's pages."""
+
+    name = "google_search"
+
+    def __init__(self, docs):
+        self.docs = docs
+
+    def __call__(self, query):
+        return [SearchResult(d.doc_id, d.title, d.text) for d in self.docs]
+
+
+def test_research_is_judged_on_what_was_found_not_calls_or_query_words_sec3_4(world):
+    q = _query_with(lambda q: len(q.toy["lookalikes"]) == 1 and len(q.facts) >= 3
+                    and len(q.toy["entities"]) == 1)
+    (ent, la), = q.toy["lookalikes"].items()
+    tool = LookalikeTool([d for d in world.docs if d.entity == la])
+    keys = [sft.fact_key(f) for f in q.facts]  # perfect query words, one call per fact
+
+    def write(handle):
+        review = ("<review><rubrics_review>" + "; ".join(f"{k}: missing" for k in keys)
+                  + "</rubrics_review><writing_plan>none</writing_plan></review>\n")
+        answer = " ".join(f"No source gives the {f['aspect']} of {ent}." for f in q.facts)
+        return [f"{k}: not found" for k in keys], review, f"<answer>{answer}</answer>"
+
+    fooled = _handmade(q, _teacher_plan(q), keys, write, tools={"google_search": tool})
+    assert all(world.doc(r.doc_id).entity == la for c in fooled.tool_calls for r in c.results)
+    judge, by_key = ToyJudge(world), {sft.fact_key(f): f for f in q.facts}
+    ctx = judge._context(q, fooled)
+    n_absent = sum(f["doc_id"] is None for f in q.facts)
+    assert n_absent < len(q.facts)
+    # Query words and call count are perfect, but the calls found look-alike pages only.
+    assert judge._check(("res_named",), ctx, by_key) == pytest.approx(n_absent / len(keys))
+    assert judge._check(("res_efficient",), ctx, by_key) <= 0.25 * (1 + n_absent)
+    assert judge.evaluate(q, [fooled])[0, RESEARCH] < 0.5
+    perfect = _replay_trace(q, tf.teacher(q, 0, tf.PERFECT_TEACHER))
+    assert judge.evaluate(q, [perfect])[0, RESEARCH] == pytest.approx(1.0)
+
+
+def _uncited_one(q, world):
+    """A perfect trajectory whose answer leaves the second fact uncited (an Answer-stage failure)."""
+    from world import ANSWER_TEMPLATES
+
+    segs = tf.policy_segments(tf.teacher(q, 0, tf.PERFECT_TEACHER).segments)
+    f = q.facts[1]
+    s = ANSWER_TEMPLATES[f["aspect"]].format(name=f["entity"], value=f["value"])
+    last, n = re.subn(re.escape(s) + r" \[\d+\]\.", s + ".", segs[-1])
+    assert n == 1
+    return tf.replay(q, segs[:-1] + [last])[0], sft.fact_key(f)
+
+
+def test_privileged_reflection_judge_ranks_a_specific_lesson_first_sec3_4(world, queries):
+    q = queries[0]
+    ro, key = _uncited_one(q, world)
+    judge = ToyJudge(world)
+    judged = judge.judge_group(q, [ro, _replay_trace(q, tf.teacher(q, 0, tf.PERFECT_TEACHER))], 0)
+    assert judged.R[0, ANSWER] < 1 and np.all(judged.R[0, :ANSWER] == 1)  # only the answer failed
+    other = sft.fact_key(q.facts[0])
+    honest = f"The answer stage left {key} uncited: cite a snippet for every claim."
+    cands = [honest,
+             "Lesson: cite every claim.",  # generic: no stage failure tied to this trajectory
+             "Lessons: search every asked aspect; cite; old record; look-alike; what to avoid; "
+             "plan; review; answer.",  # a keyword list
+             "missed: " + ", ".join(sft.fact_key(f) for f in q.facts) + ". Lesson: cite every claim.",
+             f"The research stage missed {other}: search every asked aspect with the full name."]
+    s = judge.score_reflections(q, ro, judged, 0, cands)
+    assert all(c.valid for c in s)
+    assert all(s[0].score > c.score for c in s[1:]), [c.score for c in s]
+    assert s[0].within > max(c.within for c in s[1:])
+
+
+def test_degenerate_cut_off_or_off_topic_reflections_are_invalid_sec3_4(world, queries):
+    q = queries[0]
+    ro, key = _uncited_one(q, world)
+    judge = ToyJudge(world)
+    judged = judge.judge_group(q, [ro, _replay_trace(q, tf.teacher(q, 0, tf.PERFECT_TEACHER))], 0)
+    ent = q.toy["entities"][0]
+    stranger = next(e for e in world.entities if e not in q.toy["entities"])
+    bad = [f"missed: {ent[:2]}elfefefefefefe.",  # degenerate repetition
+           "missed: " + "Lo" + "elfe" * 12,
+           "mis: one search per asked aspect...",  # a clipped label, an ellipsis
+           f"missed: {key}. Lesson: cite a snippet for every cl",  # cut mid-word, no sentence end
+           f"The answer stage left {stranger} {q.facts[1]['aspect']} uncited: cite every claim.",
+           f"The answer stage left Tumiren year uncited: cite every claim."]  # a made-up name
+    good = [f"The answer stage left {key} uncited: cite a snippet for every claim."]
+    s = judge.score_reflections(q, ro, judged, 0, bad + good)
+    for c, text in zip(s[: len(bad)], bad):
+        assert c.valid is False and c.score == c.within == c.cross == 0.0, text
+        assert c.justification.startswith("invalid")
+    assert s[-1].valid and s[-1].score > 0.5
+    # The validity gate does not reject the teacher's own reflections.
+    for q2 in tf.train_queries()[:20]:
+        tr = tf.teacher(q2, 1)
+        r2 = _replay_trace(q2, tr)
+        res = judge.judge_group(q2, [r2, r2], 0)
+        assert judge.score_reflections(q2, r2, res, 0, [sft.teacher_reflection(q2, tr)])[0].valid
