@@ -260,6 +260,64 @@ def test_s34_invalid_reply_is_reasked_then_succeeds(gemini, bad):
     assert st["judge/invalid_replies"] == 1 and st["judge/retries"] == 1 and len(gemini.requests) == 2
 
 
+WANT = {"init:0": 0.75, "init:1": 0.0}
+WANT_JSON = json.dumps(scores_reply(WANT))
+WRAPPED = {
+    "fence": f"```json\n{WANT_JSON}\n```",
+    "prose": f"Sure! Here is my grading of the response:\n{WANT_JSON}\nLet me know if you need more.",
+    "think": ("<think>The reply must look like {\"scores\": [...]}; a draft: "
+              '{"scores": [{"rubric_id": "init:0", "score": 2}]} is out of range, fix it. '
+              "Braces {like these} are not JSON.</think>\n" + WANT_JSON),
+    "think_fence": f"<think>\nscore init:0 at 0.75\n</think>\n\n```json\n{WANT_JSON}\n```\n",
+}
+
+
+@pytest.mark.parametrize("backend", ["gemini", "openai"])
+@pytest.mark.parametrize("wrap", sorted(WRAPPED))
+def test_s34_wrapped_json_reply_is_repaired_and_counted(key, backend, wrap):
+    q = fake_query()
+    with FakeServer(backend) as s, make_judge(s) as j:
+        s.script.append({"text": WRAPPED[wrap]})
+        S = j.score_rubrics(q, [fake_rollout(q, GOOD)], init_rubrics(j, q))
+        st = j.stats()
+        assert len(s.requests) == 1  # accepted as it is: no re-ask
+    assert S.tolist() == [[0.75, 0.0]]
+    assert st["judge/json_repaired"] == 1 and st["judge/invalid_replies"] == 0
+    assert st["judge/failures"] == 0 and st["judge/retries"] == 0
+
+
+def test_s34_wrapped_replies_keep_a_run_scored_and_reach_the_step_metrics(gemini):
+    # A judge that always wraps its JSON: every cell is scored and the repairs are logged.
+    from train import judge_step_metrics
+
+    q = fake_query()
+    gemini.rule = lambda req: {"text": "```json\n" + json.dumps(gemini._auto(req)) + "\n```"}
+    ros = [fake_rollout(q, t) for t in (GOOD, PARTIAL, POOR)]
+    with make_judge(gemini) as j:
+        before = j.stats()
+        res = j.judge_group(q, ros, step=0)
+        m = judge_step_metrics({}, dict(j.counters), before, j.stats())
+    assert np.isfinite(res.R).all() and res.stats["missing"] == 0
+    assert m["judge/http/json_repaired"] == 1 + len(ros)  # the proposal and one call per rollout
+    assert m["judge/http/invalid_replies"] == 0 and m["judge/failures"] == 0
+
+
+@pytest.mark.parametrize("bad", [
+    "```json\n" + json.dumps(scores_reply({"init:0": 0.5})) + "\n```",  # one score missing
+    "Here you go: " + json.dumps(scores_reply({"init:0": 1.5, "init:1": 0.0})),  # out of range
+    '{"verdict": ' + WANT_JSON + "}",  # valid JSON of another shape: the schema decides
+    'Result: {"verdict": ' + WANT_JSON + "}",  # nothing nested in a failing object is tried
+])
+def test_s34_wrapped_reply_that_fails_the_schema_is_still_rejected(gemini, bad):
+    q = fake_query()
+    gemini.script.append({"text": bad})
+    with make_judge(gemini) as j:
+        S = j.score_rubrics(q, [fake_rollout(q, GOOD)], init_rubrics(j, q))
+        st = j.stats()
+    assert st["judge/invalid_replies"] == 1 and st["judge/json_repaired"] == 0
+    assert len(gemini.requests) == 2 and np.isfinite(S).all()  # re-asked, then the valid reply
+
+
 @pytest.mark.parametrize("bad", [
     {"text": "not json {"},
     {"mutate": lambda o: {"scores": o["scores"][:-1]}},
