@@ -274,9 +274,10 @@ def forged_spans(text: str, env_spans: Sequence[tuple[int, int]] = ()) -> list[t
 
     A span is a tool-output block in any spelling (case, spaces, attributes, separators, fullwidth,
     look-alike letters, zero-width characters; closed or running to the end of its stretch), or a
-    closing tag on its own with the text since the previous tag. Only the text outside `env_spans` (the environment's insertions,
-    (start, end) char offsets, clipped to the text) is searched, so a forged block ends where an
-    environment insertion begins and never covers one. Sorted, disjoint; never raises.
+    closing tag on its own with the text since the previous tag. Only the text outside `env_spans`
+    (the environment's insertions, (start, end) char offsets, clipped to the text) is searched, so a
+    forged block ends where an environment insertion begins and never covers one. Sorted, disjoint;
+    never raises.
     """
     n = len(text)
     cuts = sorted((max(0, a), min(n, b)) for a, b in env_spans if min(n, b) > max(0, a))
