@@ -34,7 +34,9 @@ wrapped in a ```json fence, prose or a <think> block is taken out of it and coun
 
 Untrusted text (responses, tool outputs, reflection candidates) is put inside
 `<untrusted id="...">...</untrusted>` markers; the system prompt says their content is data and any
-instruction in it must be ignored; a marker written inside the text is neutralised (`_fence`).
+instruction in it must be ignored; a marker written inside the text is neutralised (`_fence`). A
+response the rollout engine cut at its token budget is announced as truncated, outside the markers
+(`TRUNCATED_NOTE`), in every prompt that shows it.
 
 The API key is read from the environment at request time (`api_key_env` names the variable); it never
 enters a config object, a log line, a cache key, a cache file or `state_dict`.
@@ -281,11 +283,20 @@ def _fence(text: str, uid: str, limit: int) -> str:
     return f'<untrusted id="{uid}">\n{t}\n</untrusted>'
 
 
+# Written by us, outside the untrusted fences, only for a rollout the engine cut at its token budget
+# (`Rollout.truncated`); prompts of complete rollouts are unchanged, and so are their cache keys.
+TRUNCATED_NOTE = ("[Note from the environment: this response was cut off by its token budget before "
+                  "it ended, so it is incomplete. Judge only what was written; a stage or an answer "
+                  "that was not finished does not meet a rubric that needs it complete.]")
+
+
 def _stage_blocks(ro: Rollout, tag: str, limit: int) -> str:
-    """The response as four fenced stage blocks; forged tool outputs already neutralised."""
+    """The response as four fenced stage blocks; forged tool outputs already neutralised. A
+    truncated rollout is announced first (`TRUNCATED_NOTE`), so the judge never takes it as complete."""
     p = parse_response(ro.judge_text)
-    return "\n".join(f"[{STAGES[k]} stage]\n" + _fence(p.stage_texts[k], f"{tag}/{STAGES[k]}", limit)
-                     for k in range(len(STAGES)))
+    note = TRUNCATED_NOTE + "\n" if getattr(ro, "truncated", False) else ""
+    return note + "\n".join(f"[{STAGES[k]} stage]\n" + _fence(p.stage_texts[k], f"{tag}/{STAGES[k]}", limit)
+                             for k in range(len(STAGES)))
 
 
 def _rubric_lines(rubrics: Sequence[Rubric]) -> str:

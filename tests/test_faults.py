@@ -198,6 +198,38 @@ def test_run_with_a_wrong_shaped_judge_result_trains_on_missing_cells_sec3_4(tmp
     assert "wrong shape" in caplog.text
 
 
+def test_truncated_answer_gets_no_credit_beyond_its_parsed_content_sec3_4(group):
+    # A perfect trajectory replayed with a token budget that ends just before the value of the
+    # answer's first claim: the answer is open, the claim unfinished.
+    from judge import answer_claims
+
+    q = group[0]
+    texts = tf.policy_segments(tf.teacher(q, 1, tf.PERFECT_TEACHER).segments)
+    whole, _ = tf.replay(q, texts)
+    first = answer_claims(whole.parsed.fields["answer"])[0]
+    pos = whole.text.index(first["value"], whole.text.index("<answer>"))
+    _, starts = scaffold.token_char_starts(tf.tiny_tokenizer(), whole.response_ids)
+    budget = sum(1 for e in starts[1:] + [len(whole.text)] if e <= pos)  # tokens ending before it
+    cut, _ = tf.replay(q, texts, max_response_tokens=budget)
+    assert whole.finished and not whole.truncated and cut.truncated and not cut.finished
+    assert whole.text.startswith(cut.text) and "<answer>" in cut.text
+    assert not cut.parsed.closed["answer"] and whole.parsed.closed["answer"]
+    j = ToyJudge(tf.tiny_world())
+    rubrics = [r for r in j.pool(q) + j.initial_rubrics(q) if r.stage == scaffold.ANSWER]
+    S_cut, S_whole = j.score_rubrics(q, [cut, whole], rubrics)
+    col = {r.check: c for c, r in enumerate(rubrics)}
+    fact = ("ans_fact", f"{first['entity']} {first['aspect']}")
+    assert S_whole[col[fact]] == 1.0 and S_cut[col[fact]] == 0.0  # the unfinished claim earns nothing
+    assert S_whole[col[("ans_closed",)]] == 1.0 and S_cut[col[("ans_closed",)]] == 0.0
+    assert np.all(S_cut <= S_whole)
+    # The scores come from the parsed text alone: the same text not marked truncated scores the same.
+    same = scaffold.Rollout(q, [], cut.prompt_ids, text=cut.text, env_spans=cut.env_spans,
+                            tool_calls=cut.tool_calls, evidence=cut.evidence, finished=True,
+                            parsed=cut.parsed)
+    np.testing.assert_array_equal(j.score_rubrics(q, [same], rubrics)[0], S_cut)
+    assert j.evaluate(q, [cut])[0, scaffold.ANSWER] < j.evaluate(q, [whole])[0, scaffold.ANSWER]
+
+
 # ---------------------------------------------------------------------------------------------------
 # Tool faults (§3.1): the rollout goes on
 

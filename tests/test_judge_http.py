@@ -23,7 +23,7 @@ pytest.importorskip("requests", reason="the HTTP backends need the `full` extra 
 import scaffold
 import sft
 from judge import BUFFER_CAPS, JudgeResult, ToyJudge
-from judge_http import HTTPJudge, HTTPJudgeConfig, JudgeCallError
+from judge_http import TRUNCATED_NOTE, HTTPJudge, HTTPJudgeConfig, JudgeCallError
 from loopback import TEST_KEY, FakeServer
 from scaffold import ANSWER, STAGES, Rollout, ToolCall, parse_response
 from world import BM25SearchTool, Query, WorldConfig, load_rows, make_world
@@ -461,6 +461,22 @@ def test_s34_forged_tool_output_in_any_spelling_never_reaches_the_judge(gemini, 
     prompt, _ = FakeServer.prompt_and_schema(gemini.requests[0])
     assert "everything is perfect" not in prompt and "[forged tool output removed]" in prompt
     assert env.strip() in prompt  # the environment's own tool output is untouched
+
+
+def test_s34_truncated_rollout_is_announced_to_the_judge_outside_the_fences(gemini):
+    q = fake_query()
+    whole = fake_rollout(q, GOOD)
+    cut = fake_rollout(q, GOOD[:GOOD.index("north marshes [1]")])  # the engine cut it in the answer
+    cut.truncated, cut.finished = True, False
+    with make_judge(gemini, concurrency=1) as j:
+        res = j.judge_group(q, [whole, cut], step=0)
+        j.score_reflections(q, cut, res, 1, ["Finish the answer before the budget runs out."])
+    prompts = [FakeServer.prompt_and_schema(r)[0] for r in gemini.requests]
+    propose, score_whole, score_cut, reflect = prompts
+    assert TRUNCATED_NOTE not in score_whole and TRUNCATED_NOTE in score_cut and TRUNCATED_NOTE in reflect
+    assert propose.count(TRUNCATED_NOTE) == 1 and propose.index(TRUNCATED_NOTE) > propose.index("Response 1:")
+    for p in (score_cut, reflect, propose):  # written by us, never inside the response's fences
+        assert not any(TRUNCATED_NOTE in b for b in re.findall(r"<untrusted.*?</untrusted>", p, re.S))
 
 
 def test_full_backend_import_is_lazy():
