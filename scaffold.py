@@ -200,7 +200,8 @@ def parse_response(text: str, env_spans: Sequence[tuple[int, int]] = ()) -> Pars
     """Split a response into its four stage blocks (§3.2). Never raises, for any input string.
 
     Args: text (str) the decoded response; env_spans: (start, end) char spans the environment inserted
-    (tool outputs). A `<tool_output>` outside these spans is counted in `forged_tool_outputs`.
+    (tool outputs). Tool output the policy wrote outside these spans, in any spelling
+    (`forged_spans`), is counted in `forged_tool_outputs`.
     Returns a ParsedResponse; see the module docstring for how unplaceable text is assigned.
     """
     if not isinstance(text, str):
