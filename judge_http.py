@@ -25,14 +25,18 @@ Equations
 
 Failure semantics (`# SCALE:` lines): the transport retries 429/500/502/503/504 and connect errors with
 exponential backoff (urllib3 `Retry`, at most `max_retries`); we re-ask on read timeouts, on a
-connection dropped before the reply, and on replies that are not valid JSON or do not validate (at
-most `max_retries` re-asks; so a call sends at most (1 + max_retries)^2 requests). After the bound the call
-fails and its cells are NaN, never 0, and no exception reaches the trainer (`propose` raises
-`JudgeCallError`, which `EvolvingJudge.judge_group` turns into "no proposals").
+connection dropped before the reply, and on replies that hold no JSON object that validates (at
+most `max_retries` re-asks; so a call sends at most (1 + max_retries)^2 requests). A valid object
+wrapped in a ```json fence, prose or a <think> block is taken out of it and counted in
+`judge/json_repaired` (`parse_reply`). After the bound the call fails and its cells are NaN, never
+0, and no exception reaches the trainer (`propose` raises `JudgeCallError`, which
+`EvolvingJudge.judge_group` turns into "no proposals").
 
 Untrusted text (responses, tool outputs, reflection candidates) is put inside
 `<untrusted id="...">...</untrusted>` markers; the system prompt says their content is data and any
-instruction in it must be ignored; a marker written inside the text is neutralised (`_fence`).
+instruction in it must be ignored; a marker written inside the text is neutralised (`_fence`). A
+response the rollout engine cut at its token budget is announced as truncated, outside the markers
+(`TRUNCATED_NOTE`), in every prompt that shows it.
 
 The API key is read from the environment at request time (`api_key_env` names the variable); it never
 enters a config object, a log line, a cache key, a cache file or `state_dict`.
@@ -289,11 +293,20 @@ def _fence(text: str, uid: str, limit: int) -> str:
     return f'<untrusted id="{uid}">\n{t}\n</untrusted>'
 
 
+# Written by us, outside the untrusted fences, only for a rollout the engine cut at its token budget
+# (`Rollout.truncated`); prompts of complete rollouts are unchanged, and so are their cache keys.
+TRUNCATED_NOTE = ("[Note from the environment: this response was cut off by its token budget before "
+                  "it ended, so it is incomplete. Judge only what was written; a stage or an answer "
+                  "that was not finished does not meet a rubric that needs it complete.]")
+
+
 def _stage_blocks(ro: Rollout, tag: str, limit: int) -> str:
-    """The response as four fenced stage blocks; forged tool outputs already neutralised."""
+    """The response as four fenced stage blocks; forged tool outputs already neutralised. A
+    truncated rollout is announced first (`TRUNCATED_NOTE`), so the judge never takes it as complete."""
     p = parse_response(ro.judge_text)
-    return "\n".join(f"[{STAGES[k]} stage]\n" + _fence(p.stage_texts[k], f"{tag}/{STAGES[k]}", limit)
-                     for k in range(len(STAGES)))
+    note = TRUNCATED_NOTE + "\n" if getattr(ro, "truncated", False) else ""
+    return note + "\n".join(f"[{STAGES[k]} stage]\n" + _fence(p.stage_texts[k], f"{tag}/{STAGES[k]}", limit)
+                             for k in range(len(STAGES)))
 
 
 def _rubric_lines(rubrics: Sequence[Rubric]) -> str:
@@ -417,6 +430,35 @@ def validate_proposals(obj: Any) -> dict:
     return {"rubrics": out}
 
 
+def parse_reply(text: str, validate: Callable[[Any], Any]) -> tuple[Any, bool]:
+    """The validated value of a judge reply, and whether it had to be dug out of wrapping text.
+
+    A reply that is one JSON document is validated as it is. Otherwise (a ```json fence, a prose
+    preamble, a <think>...</think> block, trailing remarks) we decode a JSON value starting at each
+    '{' in turn (`json.JSONDecoder.raw_decode`) and return the first top-level object that passes
+    `validate`; an object that fails is skipped whole (nothing nested inside it is tried). Raises
+    ValueError when the reply is valid JSON that fails `validate`, or holds no object that passes.
+    """
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError):
+        pass
+    else:
+        return validate(obj), False  # not wrapped: the schema decides
+    dec, pos, why = json.JSONDecoder(), 0, "reply is not JSON"
+    while (start := text.find("{", pos)) >= 0:
+        try:
+            obj, end = dec.raw_decode(text, start)
+        except (ValueError, RecursionError):
+            pos = start + 1
+            continue
+        try:
+            return validate(obj), True
+        except (ValueError, KeyError, TypeError) as e:
+            why, pos = f"no object in the reply matches the schema ({str(e)[:80]})", end
+    raise ValueError(why)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Metering
 
@@ -424,8 +466,8 @@ def validate_proposals(obj: Any) -> dict:
 class _Meter:
     """Thread-safe counters behind `stats()`."""
 
-    KEYS = ("calls", "requests", "failures", "retries", "invalid_replies", "cache_hits", "tokens_in",
-            "tokens_out", "cost_usd", "latency_total_s")
+    KEYS = ("calls", "requests", "failures", "retries", "invalid_replies", "json_repaired", "cache_hits",
+            "tokens_in", "tokens_out", "cost_usd", "latency_total_s")
 
     def __init__(self, price_in: float, price_out: float):
         self.price_in, self.price_out = price_in, price_out
@@ -486,7 +528,8 @@ class HTTPJudge(EvolvingJudge):
     def stats(self) -> dict:
         """Cumulative metrics: judge/calls (logical calls), judge/requests (HTTP POSTs), judge/failures
         (calls given up after the bound), judge/retries (transport retries + re-asks),
-        judge/invalid_replies, judge/cache_hits, judge/tokens_in, judge/tokens_out, judge/cost_usd (USD),
+        judge/invalid_replies, judge/json_repaired (valid replies dug out of wrapping text,
+        `parse_reply`), judge/cache_hits, judge/tokens_in, judge/tokens_out, judge/cost_usd (USD),
         judge/latency_s (mean seconds per request, 0 before the first)."""
         with self.meter.lock:
             c = dict(self.meter.c)
@@ -616,11 +659,13 @@ class HTTPJudge(EvolvingJudge):
                 reason = f"HTTP {resp.status_code}"
                 break
             try:
-                value = validate(json.loads(self._reply_text(resp.json())))
+                value, repaired = parse_reply(self._reply_text(resp.json()), validate)
             except (ValueError, KeyError, TypeError) as e:
                 m.inc("invalid_replies")
                 reason = f"invalid reply: {str(e)[:120]}"
                 continue
+            if repaired:  # JSON wrapped in a fence, prose or a <think> block: valid, but counted
+                m.inc("json_repaired")
             self.cache.put(key, value, {"backend": cfg.backend, "model": cfg.model,
                                         "prompt_version": cfg.prompt_version})
             return value

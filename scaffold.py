@@ -40,7 +40,9 @@ order, repeated) belongs to the later stage. Unclosed blocks run to the next bou
 Safety: only the environment inserts tool outputs. The engine records the character spans it
 inserted (`env_spans`); any `<tool_output>` the policy writes itself is *forged*: it is counted,
 replaced by a marker in `Rollout.judge_text`, and never becomes evidence (citations resolve only
-against `Rollout.evidence`, which the environment fills).
+against `Rollout.evidence`, which the environment fills). Forged means any spelling a reader would
+take for the tag (other case, spaces, attributes, fullwidth or look-alike letters, zero-width
+characters) and a closing tag on its own (`forged_spans`).
 
 Deviations from the paper
 1. Tool outputs are numbered snippets "[h] title | text" with per-rollout handles h = 1, 2, ...
@@ -57,6 +59,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -104,6 +107,28 @@ _STATE_EVAL_RE = re.compile(r"<state_evaluation>(.*?)(?:</state_evaluation>|$)",
 _CALL_RE = re.compile(r'<call_tool\s+name="([^"]*)"\s*>(.*?)</call_tool>', re.S)
 _TOOL_OUT_RE = re.compile(r"<tool_output>.*?(?:</tool_output>|$)", re.S)
 _CITE_RE = re.compile(r"\[(\d{1,3})\]")
+
+# Forged tool outputs in any spelling. The detector reads a *view* of the text (`_tag_view`): NFKC
+# (fullwidth and mathematical forms become ASCII), zero-width / format characters and combining
+# marks dropped, and the Cyrillic / Greek look-alikes of the tag's letters folded to Latin; then a
+# case-insensitive tag pattern that tolerates spaces, separators and attributes. The view is used
+# only to find spans; the text itself is never rewritten except where a forged span is replaced.
+_LOOKALIKES = {
+    "<": "\u2039\u27e8\u3008\u02c2",  # single angle quotation mark, math / CJK angle bracket, arrowhead
+    ">": "\u203a\u27e9\u3009\u02c3",
+    "/": "\u2044\u2215",  # fraction slash, division slash
+    "t": "\u0442\u03c4",  # Cyrillic te, Greek tau (capitals fold to these after NFKC + lower)
+    "o": "\u043e\u03bf\u0585",  # Cyrillic o, Greek omicron, Armenian oh
+    "l": "\u04cf\u03b9\u0131",  # Cyrillic palochka, Greek iota, dotless i
+    "u": "\u03c5\u057d\u1d1c",  # Greek upsilon, Armenian seh, small capital u
+    "p": "\u0440\u03c1",  # Cyrillic er, Greek rho
+}
+_FOLD = str.maketrans({c: latin for latin, chars in _LOOKALIKES.items() for c in chars})
+_TAG_TAIL = r"\s*tool[\s_.\-]*output\b[^<>]*>"  # the name, then anything up to the bracket
+# A block (closed or not), or a closing tag on its own together with the text since the previous
+# tag, which it passes off as tool output (`(?<![^<>])`: starts right after a tag or at the start).
+_FORGED_RE = re.compile(rf"<{_TAG_TAIL}.*?(?:<\s*/{_TAG_TAIL}|$)|(?<![^<>])[^<>]*<\s*/{_TAG_TAIL}",
+                        re.S | re.I)
 
 
 def build_user_message(query: str, bank_items: Sequence[str] = ()) -> str:
@@ -175,7 +200,8 @@ def parse_response(text: str, env_spans: Sequence[tuple[int, int]] = ()) -> Pars
     """Split a response into its four stage blocks (§3.2). Never raises, for any input string.
 
     Args: text (str) the decoded response; env_spans: (start, end) char spans the environment inserted
-    (tool outputs). A `<tool_output>` outside these spans is counted in `forged_tool_outputs`.
+    (tool outputs). Tool output the policy wrote outside these spans, in any spelling
+    (`forged_spans`), is counted in `forged_tool_outputs`.
     Returns a ParsedResponse; see the module docstring for how unplaceable text is assigned.
     """
     if not isinstance(text, str):
@@ -208,10 +234,7 @@ def parse_response(text: str, env_spans: Sequence[tuple[int, int]] = ()) -> Pars
            "<review>" in st[REVIEW] or "<rubrics_review>" in st[REVIEW], "<answer>" in st[ANSWER])
     closed = {"structured_plan": "</structured_plan>" in st[PLAN],
               "review": "</review>" in st[REVIEW], "answer": "</answer>" in st[ANSWER]}
-    forged = 0
-    for m in _TOOL_OUT_RE.finditer(text):
-        if not any(a <= m.start() < b for a, b in env_spans):
-            forged += 1
+    forged = len(forged_spans(text, env_spans))
     return ParsedResponse((b1, b2, b3), st, fields, evals, calls, cites, has, closed, forged)
 
 
@@ -232,16 +255,53 @@ def assign_stage_ids(token_char_starts: Sequence[int], parsed: ParsedResponse) -
     return [0 if c < b1 else 1 if c < b2 else 2 if c < b3 else 3 for c in token_char_starts]
 
 
+def _tag_view(text: str) -> tuple[str, list[int] | None]:
+    """The text as the forged-tag detector reads it (see `_LOOKALIKES`), and for each of its
+    characters the index of the character of `text` it comes from (None: the view is `text`)."""
+    if text.isascii():
+        return text, None  # nothing to fold; the pattern ignores case
+    chars, where = [], []
+    for i, ch in enumerate(text):
+        for c in unicodedata.normalize("NFKC", ch).lower().translate(_FOLD):
+            if unicodedata.category(c) not in ("Cf", "Mn"):  # zero-width, format, combining
+                chars.append(c)
+                where.append(i)
+    return "".join(chars), where
+
+
+def forged_spans(text: str, env_spans: Sequence[tuple[int, int]] = ()) -> list[tuple[int, int]]:
+    """(start, end) char spans of `text` where the policy wrote tool output itself (§3.2: only the
+    environment inserts tool outputs).
+
+    A span is a tool-output block in any spelling (case, spaces, attributes, separators, fullwidth,
+    look-alike letters, zero-width characters; closed or running to the end of its stretch), or a
+    closing tag on its own with the text since the previous tag. Only the text outside `env_spans`
+    (the environment's insertions, (start, end) char offsets, clipped to the text) is searched, so a
+    forged block ends where an environment insertion begins and never covers one. Sorted, disjoint;
+    never raises.
+    """
+    n = len(text)
+    cuts = sorted((max(0, a), min(n, b)) for a, b in env_spans if min(n, b) > max(0, a))
+    out, pos = [], 0
+    for a, b in cuts + [(n, n)]:
+        if a > pos:  # a stretch the policy wrote
+            view, where = _tag_view(text[pos:a])
+            for m in _FORGED_RE.finditer(view):
+                s, e = (m.start(), m.end()) if where is None else (where[m.start()], where[m.end() - 1] + 1)
+                out.append((pos + s, pos + e))
+        pos = max(pos, b)
+    return out
+
+
 def neutralise_forged(text: str, env_spans: Sequence[tuple[int, int]]) -> str:
-    """The response as the judge reads it: policy-written <tool_output> blocks are replaced by a
-    marker, so forged evidence is visible as forged and can never be read as a tool result."""
+    """The response as the judge reads it: policy-written tool-output blocks and closing tags, in
+    any spelling (`forged_spans`), are replaced by a marker, so forged evidence is visible as forged
+    and can never be read as a tool result. Environment insertions are left as they are."""
     out, last = [], 0
-    for m in _TOOL_OUT_RE.finditer(text):
-        if any(a <= m.start() < b for a, b in env_spans):
-            continue
-        out.append(text[last:m.start()])
+    for a, b in forged_spans(text, env_spans):
+        out.append(text[last:a])
         out.append("[forged tool output removed]")
-        last = m.end()
+        last = b
     out.append(text[last:])
     return "".join(out)
 

@@ -71,7 +71,7 @@ import checkpoint as ckpt_mod
 import ss_grpo
 from faults import JUDGE_KINDS, TOOL_KINDS, FaultConfig, validate_fault_config
 from full import PAPER_RL_DATA, FullConfig  # settings only: full.py imports DeepSpeed lazily
-from judge import BUFFER_CAPS
+from judge import BUFFER_CAPS, JudgeResult
 from retrieval import PAPER_EMBED_MODEL
 from reflection import ReflectionBatch, ReflectionConfig, run_reflection_branch
 from scaffold import STAGES, SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT
@@ -1021,14 +1021,18 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
         t0 = time.perf_counter()
         results, R = [], np.zeros((len(rollouts), len(STAGES)))
         judged = {}
+        bad_shape = 0
         for gi, q in enumerate(queries):
             grp = rollouts[gi * n:(gi + 1) * n]
-            res = judge.judge_group(q, grp, step)
+            res, bad = checked_judge_result(judge.judge_group(q, grp, step), len(grp), step, q.query)
+            bad_shape += bad
             results.append(res)
             R[gi * n:(gi + 1) * n] = res.R
             for j in range(n):
                 judged[gi * n + j] = (res, j)
         m["time/judge_s"] = time.perf_counter() - t0
+        if bad_shape:  # only on steps where it happened: fault-free metrics rows stay as they were
+            m["judge/bad_shape"] = bad_shape
         # 5. advantages and update (task batch + last step's reflection batch)
         t0 = time.perf_counter()
         A, amet = task_advantages(R, n, cfg.ss_grpo)
@@ -1160,6 +1164,40 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
     timings["total_s"] = time.perf_counter() - t_start
     ckpt_mod.atomic_write_json(os.path.join(cfg.run_dir, "eval.json"), summary)
     return summary
+
+
+def checked_judge_result(res: Any, n: int, step: int = 0, query: str = "") -> tuple[Any, bool]:
+    """A group's judge result as the loop may use it, and whether it had to be replaced.
+
+    The loop reads R (n, 4) float64 stage scores in [0,1] or NaN (§3.4), justifications[i][k] for
+    i < n, k < 4, rubrics[k] for k < 4 and stats["proposed"], ["pruned"], ["buffer_sizes"] (4 ints).
+    A result with any of these missing or wrong-shaped (e.g. R of shape (1, 4) for n = 2, which
+    numpy would broadcast to every rollout, or the wrong stage count) is not trained on: it becomes
+    a result with every cell missing (NaN; SS-GRPO gives those cells advantage 0, ss_grpo.py
+    deviation 1), a warning is logged, and the second value is True (counted in judge/bad_shape).
+    Never raises. Not in the paper; a guard against a broken judge backend.
+    """
+    K = len(STAGES)
+    try:
+        R = np.asarray(res.R, dtype=np.float64)
+        just, st = res.justifications, res.stats
+        if R.shape != (n, K):
+            why = f"R has shape {R.shape}, expected {(n, K)}"
+        elif len(just) != n or any(len(j) != K for j in just):
+            why = f"justifications are not {n} x {K}"
+        elif len(res.rubrics) != K:
+            why = f"rubrics are not {K} lists, one per stage"
+        elif len(st["buffer_sizes"]) != K or not all(np.isscalar(st[k]) for k in ("proposed", "pruned")):
+            why = "stats lack proposed / pruned / buffer_sizes"
+        else:
+            return res, False
+    except Exception as e:  # not even readable: no R, a ragged array, stats that are not a dict, ...
+        why = f"unreadable result ({type(e).__name__}: {str(e)[:80]})"
+    log.warning("step %d: judge result for %r has the wrong shape (%s); its %d x %d cells are "
+                "missing", step, query[:60], why, n, K)
+    return JudgeResult(np.full((n, K), np.nan), [["judge result had the wrong shape"] * K for _ in range(n)],
+                       [[] for _ in range(K)], {"proposed": 0, "pruned": 0, "missing": n * K,
+                                                "buffer_sizes": [0] * K}), True
 
 
 def judge_step_metrics(before: dict, after: dict, http_before: dict | None = None,

@@ -24,7 +24,7 @@ import train
 from bank import RubricBank
 from faults import (JUDGE_KINDS, FaultConfig, FaultyJudge, FaultyTool, fault_draw,
                     validate_fault_config)
-from judge import ToyJudge
+from judge import JudgeResult, ToyJudge
 from reflection import ReflectionConfig, run_reflection_branch
 from runfix import fast_args, metric_rows
 from scaffold import CALL_OPEN, RESEARCH, STAGES
@@ -148,6 +148,86 @@ def test_run_aborts_with_exit_code_3_when_the_judge_keeps_failing(tmp_path, toy_
         assert r["judge/failure_rate"] == 1.0 and r["judge/retries"] == r["judge/calls"]
         assert r["loss/total"] is not None and math.isfinite(r["loss/total"])
         assert r["judge/missing"] == 2 * 2 * len(STAGES)  # every cell of R missing
+
+
+# Wrong-shaped judge results: a group of n = 2 whose R lost a row (numpy would broadcast it to both
+# rollouts), lost a stage, or whose justifications / stats do not match.
+WRONG_SHAPES = {
+    "one_row_for_two": lambda res: JudgeResult(res.R[:1], res.justifications, res.rubrics, res.stats),
+    "three_stages": lambda res: JudgeResult(res.R[:, :3], res.justifications, res.rubrics, res.stats),
+    "flat_row": lambda res: JudgeResult(res.R.ravel(), res.justifications, res.rubrics, res.stats),
+    "short_justifications": lambda res: JudgeResult(res.R, res.justifications[:1], res.rubrics, res.stats),
+    "no_stats": lambda res: JudgeResult(res.R, res.justifications, res.rubrics, {}),
+    "not_a_result": lambda res: res.R.tolist(),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(WRONG_SHAPES))
+def test_wrong_shaped_judge_result_is_missing_not_broadcast_sec3_4(group, kind, caplog):
+    q, ros = group
+    res = ToyJudge(tf.tiny_world()).judge_group(q, ros[:2], step=0)
+    assert train.checked_judge_result(res, 2) == (res, False)  # a good result passes unchanged
+    out, bad = train.checked_judge_result(WRONG_SHAPES[kind](res), 2, 5, q.query)
+    assert bad and out.R.shape == (2, len(STAGES)) and np.isnan(out.R).all()
+    assert out.stats["missing"] == 2 * len(STAGES) and len(out.stats["buffer_sizes"]) == len(STAGES)
+    assert len(out.justifications) == 2 and len(out.rubrics) == len(STAGES)
+    assert "wrong shape" in caplog.text and "step 5" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["one_row_for_two", "three_stages"])
+def test_run_with_a_wrong_shaped_judge_result_trains_on_missing_cells_sec3_4(tmp_path, toy_cache,
+                                                                             monkeypatch, caplog, kind):
+    # The toy judge, except that the first group of step 1 comes back with the wrong shape.
+    class WrongShapeOnce(ToyJudge):
+        broken = False
+
+        def judge_group(self, query, rollouts, step):
+            res = super().judge_group(query, rollouts, step)
+            if step == 1 and not self.broken:
+                self.broken = True
+                return WRONG_SHAPES[kind](res)
+            return res
+
+    monkeypatch.setattr(train, "build_judge", lambda cfg, world: WrongShapeOnce(world, cfg.judge.caps))
+    d = tmp_path / "run"
+    assert train.main(fast_args(d, toy_cache, 3, "--set", "checkpoint.every=0")) == 0
+    rows = metric_rows(d)
+    assert [r.get("judge/bad_shape") for r in rows] == [None, 1, None]
+    assert rows[1]["judge/missing"] >= 2 * len(STAGES)  # the whole group, not a broadcast row
+    assert math.isfinite(rows[1]["loss/total"])
+    assert "wrong shape" in caplog.text
+
+
+def test_truncated_answer_gets_no_credit_beyond_its_parsed_content_sec3_4(group):
+    # A perfect trajectory replayed with a token budget that ends just before the value of the
+    # answer's first claim: the answer is open, the claim unfinished.
+    from judge import answer_claims
+
+    q = group[0]
+    texts = tf.policy_segments(tf.teacher(q, 1, tf.PERFECT_TEACHER).segments)
+    whole, _ = tf.replay(q, texts)
+    first = answer_claims(whole.parsed.fields["answer"])[0]
+    pos = whole.text.index(first["value"], whole.text.index("<answer>"))
+    _, starts = scaffold.token_char_starts(tf.tiny_tokenizer(), whole.response_ids)
+    budget = sum(1 for e in starts[1:] + [len(whole.text)] if e <= pos)  # tokens ending before it
+    cut, _ = tf.replay(q, texts, max_response_tokens=budget)
+    assert whole.finished and not whole.truncated and cut.truncated and not cut.finished
+    assert whole.text.startswith(cut.text) and "<answer>" in cut.text
+    assert not cut.parsed.closed["answer"] and whole.parsed.closed["answer"]
+    j = ToyJudge(tf.tiny_world())
+    rubrics = [r for r in j.pool(q) + j.initial_rubrics(q) if r.stage == scaffold.ANSWER]
+    S_cut, S_whole = j.score_rubrics(q, [cut, whole], rubrics)
+    col = {r.check: c for c, r in enumerate(rubrics)}
+    fact = ("ans_fact", f"{first['entity']} {first['aspect']}")
+    assert S_whole[col[fact]] == 1.0 and S_cut[col[fact]] == 0.0  # the unfinished claim earns nothing
+    assert S_whole[col[("ans_closed",)]] == 1.0 and S_cut[col[("ans_closed",)]] == 0.0
+    assert np.all(S_cut <= S_whole)
+    # The scores come from the parsed text alone: the same text not marked truncated scores the same.
+    same = scaffold.Rollout(q, [], cut.prompt_ids, text=cut.text, env_spans=cut.env_spans,
+                            tool_calls=cut.tool_calls, evidence=cut.evidence, finished=True,
+                            parsed=cut.parsed)
+    np.testing.assert_array_equal(j.score_rubrics(q, [same], rubrics)[0], S_cut)
+    assert j.evaluate(q, [cut])[0, scaffold.ANSWER] < j.evaluate(q, [whole])[0, scaffold.ANSWER]
 
 
 # ---------------------------------------------------------------------------------------------------
