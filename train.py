@@ -22,8 +22,9 @@ One step (Algorithm 1; step numbers here are 0-based, the paper's 1-based):
     4. judge each query's group: propose, merge, score (R), prune (judge.EvolvingJudge)
     5. SS-GRPO advantages and the policy update, together with the reflection GRPO batch of the
        previous step (one-step lag)
-    6. reflection branch on this step's trajectories: m candidates, privileged judge, best valid one
-       into the bank, GRPO batch kept for the next update
+    6. reflection branch on this step's trajectories: for every query one trajectory of its group,
+       m candidates each (one batched sampler call), privileged judge, each query's best valid
+       candidate into the bank, P GRPO groups of m kept for the next update
     7. log metrics; save the bank every 10 steps (PAPER) and at the end; write a checkpoint of the
        whole training state every `checkpoint.every` steps and at the end (checkpoint.py)
 
@@ -1023,7 +1024,7 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
         t0 = time.perf_counter()
         pending, rmet = run_reflection_branch(step, rollouts, judged, judge, bank, sampler, tok,
                                               system, cfg.reflection, rng, cfg.ss_grpo.std,
-                                              cfg.ss_grpo.eps)
+                                              cfg.ss_grpo.eps, group_size=n)
         m.update(rmet)
         m["time/reflection_s"] = time.perf_counter() - t0
         # 7. metrics
