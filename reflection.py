@@ -17,9 +17,10 @@ Equation (K = 1 GRPO over each query's m candidates, `ss_grpo.group_advantages`,
     query p gets A_{p,j}.
 
 Asynchrony (PAPER: one-step lag): the branch runs on the trajectories of step t after step t's update
-and returns a `ReflectionBatch` that the trainer adds to step t+1's update. In a distributed run the
-branch would overlap step t+1's rollouts; here it runs in sequence, which keeps toy runs exactly
-reproducible for a fixed seed and gives the same data dependencies.
+and returns a `ReflectionBatch` that the trainer applies at the start of step t+1, as its own update
+before step t+1's task rollouts (train.apply_reflection_batch), as in Algorithm 1. In a distributed
+run the branch would overlap the next step's work; here it runs in sequence, which keeps toy runs
+exactly reproducible for a fixed seed and gives the same data dependencies.
 
 Deviations from the paper
 1. The policy does not see scores or rubrics (as in the paper); candidates that fail bank admission

@@ -16,12 +16,13 @@ Launch
     deepspeed train.py --full ...              # full mode (DeepSpeed ZeRO-3, vLLM, HTTP judge)
 
 One step (Algorithm 1; step numbers here are 0-based, the paper's 1-based):
+    0. the previous step's reflection GRPO batch (one-step lag) is applied as its own update, before
+       this step's rollouts (`apply_reflection_batch`)
     1. curriculum: batch b and retrieval mode for this step (§3.5, `curriculum`)
     2. retrieve bank items for each query (similar: top-k = 2 other queries; exact: its own entry)
     3. sample n rollouts per query at temperature 1.0 (scaffold.RolloutEngine)
     4. judge each query's group: propose, merge, score (R), prune (judge.EvolvingJudge)
-    5. SS-GRPO advantages and the policy update, together with the reflection GRPO batch of the
-       previous step (one-step lag)
+    5. SS-GRPO advantages and the policy update on the task batch
     6. reflection branch on this step's trajectories: for every query one trajectory of its group,
        m candidates each (one batched sampler call), privileged judge, each query's best valid
        candidate into the bank, P GRPO groups of m kept for the next update
@@ -44,7 +45,8 @@ Deviations from the paper (besides the toy world, see world.py / sft.py)
     2. Each step's batch is split into `minibatches` optimizer steps (PPO-style), so the ratio rho
        departs from 1 and clipping acts; the paper does not say how many updates a batch gets.
     3. The reflection branch runs in sequence after the update (see reflection.py), not on a
-       separate worker.
+       separate worker; its GRPO batch is applied at the start of the next step, before that step's
+       rollouts, as in Algorithm 1 (so each step may make two updates, with a weight sync after each).
     4. Fault handling the paper does not describe: a judge call that still fails after
        `judge.max_retries` re-asks leaves its cells of R missing (advantage 0 for those cells);
        the run stops (JudgeFailureAbort, exit code 3) only when more than `judge.max_failure_rate`
@@ -600,6 +602,30 @@ class TorchEngine:
         pass
 
 
+def apply_reflection_batch(policy, pending: ReflectionBatch, sampler, pad_id: int,
+                           rng: random.Random) -> dict:
+    """The deferred reflection update (§3.4, Algorithm 1): one policy update on the previous step's
+    reflection GRPO groups (only reflection tokens carry gradient, each with its candidate's A_j),
+    then the sampler takes the new weights, so the next task rollouts use them.
+
+    Returns metrics: update/reflection_seqs (int) and, when there was a batch, the update's losses
+    under reflect/ (reflect/loss/total, reflect/kl, ...). An empty batch (first step, reflection
+    off) changes nothing and draws nothing from `rng`.
+    """
+    out: dict[str, Any] = {"update/reflection_seqs": len(pending.sequences)}
+    if not pending.sequences:
+        return out
+    rb = UpdateBatch()
+    for seq, mk, a in zip(pending.sequences, pending.masks, pending.advantages):
+        rb.ids.append(seq)
+        rb.mask.append(mk)
+        rb.adv.append([a * x for x in mk])  # every reflection token of candidate j gets A_j
+        rb.kind.append("reflection")
+    out.update({f"reflect/{k}": v for k, v in policy.update(rb, pad_id, rng).items()})
+    policy.sync(sampler)
+    return out
+
+
 def task_advantages(R: np.ndarray, n: int, cfg: SSGRPOConfig) -> tuple[torch.Tensor, dict]:
     """(N, 4) advantages for N = groups x n rollouts from stage scores R (NaN = missing)."""
     Rt = torch.from_numpy(R).to(torch.float64)
@@ -962,6 +988,11 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
         http_before = judge.stats() if hasattr(judge, "stats") else None
         engine_before = dict(engine.stats)
         tool_before = dict(getattr(rl_tool, "counts", {}))
+        # 0. the previous step's reflection GRPO batch (one-step lag), applied before this step's
+        # task rollouts (PAPER: Algorithm 1, §3.4 asynchrony)
+        t0 = time.perf_counter()
+        m.update(apply_reflection_batch(policy, pending, sampler, tok.pad_token_id, rng))
+        m["time/reflection_update_s"] = time.perf_counter() - t0
         b, mode = curriculum(step, cfg.curriculum.K, cfg.curriculum.enabled)
         queries = [train_q[i] for i in order.batch(b)]
         # 2. retrieval from the rubric bank (§3.5)
@@ -992,7 +1023,7 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
             for j in range(n):
                 judged[gi * n + j] = (res, j)
         m["time/judge_s"] = time.perf_counter() - t0
-        # 5. advantages and update (task batch + last step's reflection batch)
+        # 5. SS-GRPO advantages and the update on this step's task batch
         t0 = time.perf_counter()
         A, amet = task_advantages(R, n, cfg.ss_grpo)
         m.update(amet)
@@ -1004,12 +1035,6 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
             mk = torch.tensor(ub.mask[-1])[None]
             ub.adv.append(ss_grpo.token_advantages(A[i:i + 1], st, mk)[0].tolist())
             ub.kind.append("task")
-        for seq, mk, a in zip(pending.sequences, pending.masks, pending.advantages):
-            ub.ids.append(seq)
-            ub.mask.append(mk)
-            ub.adv.append([a * x for x in mk])
-            ub.kind.append("reflection")
-        m["update/reflection_seqs"] = len(pending.sequences)
         m.update(policy.update(ub, tok.pad_token_id, rng))
         m["time/update_s"] = time.perf_counter() - t0
         # pi_theta changed: the sampler's copy follows (ZeRO-3 shards gathered one tensor at a time)

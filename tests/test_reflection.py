@@ -128,3 +128,40 @@ def test_replayed_batch_finds_each_querys_own_reflection_sec3_5(tmp_path, toy_ca
     assert r1["retrieval/hits"] >= 0.9
     assert sum(1 for _, t in calls if t == 0.7) == 2  # one batched reflection call per step
     assert [k for k, t in calls if t == 0.7] == [4 * 2, 4 * 2]  # P x m prompts each
+
+
+@pytest.mark.slow
+def test_deferred_reflection_update_runs_before_the_next_rollouts_alg1(tmp_path, toy_cache,
+                                                                       monkeypatch):
+    """Algorithm 1: step t's reflection GRPO batch is applied at step t+1 before its task rollouts,
+    as an update of reflection sequences only; the task update holds task sequences only."""
+    events = []
+
+    class Log(list):
+        def append(self, call):
+            super().append(call)
+            events.append(("generate", call[1]))
+
+    patch_sampler(monkeypatch, Log())
+    update = train.TorchEngine.update
+
+    def logged(self, batch, pad_id, rng):
+        events.append(("update", tuple(sorted(set(batch.kind))), len(batch.ids)))
+        return update(self, batch, pad_id, rng)
+
+    monkeypatch.setattr(train.TorchEngine, "update", logged)
+    run = tmp_path / "run"
+    assert train.main(fast_args(run, toy_cache, 2, "--set", "reflection.max_new_tokens=48",
+                                "--set", "eval.n_questions=0")) == 0
+    P, n, m = 2, 2, 2
+    updates = [e for e in events if e[0] == "update"]
+    assert updates == [("update", ("task",), P * n), ("update", ("reflection",), P * m),
+                       ("update", ("task",), P * n)]
+    # Step 1: the reflection update comes before the first rollout generation of that step.
+    i_refl = events.index(("update", ("reflection",), P * m))
+    first_refl_gen = next(i for i, e in enumerate(events) if e == ("generate", 0.7))
+    assert first_refl_gen < i_refl  # step 0's reflections were sampled first
+    assert events[i_refl + 1] == ("generate", 1.0)  # then step 1's rollouts
+    r0, r1 = metric_rows(run)
+    assert r0["update/reflection_seqs"] == 0 and r1["update/reflection_seqs"] == P * m
+    assert "reflect/loss/total" in r1 and "reflect/loss/total" not in r0
