@@ -39,9 +39,9 @@ from scaffold import Rollout
 
 @dataclass
 class ReflectionConfig:
-    """Reflection branch settings (PAPER values: m = 8, temperature 0.7, 1 trajectory per query)."""
+    """Reflection branch settings (PAPER values: m = 8, temperature 0.7, 1 trajectory per query). Whether
+    the branch runs at all is the ablation arm's choice (train.ARMS)."""
 
-    enabled: bool = True
     m: int = 8  # PAPER: 8 candidates
     temperature: float = 0.7  # PAPER: 0.7
     trajectories_per_query: int = 1  # PAPER: reflection trajectories sampled = 1 (per query: Algorithm 1
@@ -131,7 +131,7 @@ def run_reflection_branch(step: int, rollouts: Sequence[Rollout], judged: dict, 
     metrics = {"reflect/trajectories": 0, "reflect/candidates": 0, "reflect/admitted": 0,
                "reflect/score_mean": float("nan"), "reflect/score_best": float("nan"),
                "reflect/within": float("nan"), "reflect/cross": float("nan")}
-    if not cfg.enabled or not rollouts:
+    if not rollouts:
         return batch, metrics
     picks = pick_trajectories(len(rollouts), group_size or len(rollouts), cfg.trajectories_per_query,
                               rng)
