@@ -1151,7 +1151,7 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
               f"  mode {cfg.mode}, steps {cfg.steps}, run_dir {cfg.run_dir}",
               f"  policy model {cfg.model or '(not set: pass --model, the SFT checkpoint)'}",
               f"  lr {cfg.ss_grpo.lr:g}, beta {cfg.ss_grpo.beta:g} (k3), eta {cfg.ss_grpo.eta:g}, "
-              f"agg {cfg.ss_grpo.agg}, advantage {cfg.ss_grpo.advantage}, grad_clip {cfg.ss_grpo.grad_clip:g}",
+              f"agg {cfg.ss_grpo.agg}, arm {cfg.arm}, grad_clip {cfg.ss_grpo.grad_clip:g}",
               f"  rollouts: temperature {cfg.rollout.temperature:g}, max response "
               f"{cfg.rollout.max_response_tokens} tokens, max tool calls {cfg.rollout.max_tool_calls}",
               f"  data {cfg.data.source or '(toy world)'}; bank retriever {cfg.bank.retriever} "

@@ -5,14 +5,17 @@ Implements §3.4: per query the judge keeps a rubric buffer per stage (caps Plan
 Answer 3). Each step, for that query's group of n rollouts, it
   (1) proposes discriminative rubrics (failure modes seen on-policy)      -> `propose`
   (2) merges them with the active buffer                                  -> `EvolvingJudge.judge_group`
-  (3) scores every rollout's every stage against that stage's rubrics    -> R in [0,1]^(n x 4)
-  (4) prunes rubrics that no longer discriminate, keeping the most discriminative up to the cap.
+  (3) scores every rollout's every stage against that stage's merged rubrics (buffer + proposals)
+                                                                          -> R in [0,1]^(n x 4)
+  (4) prunes rubrics that no longer discriminate, keeping the most discriminative up to the cap,
+      for the next step (R of this step is already computed on the merged set).
 It also scores reflection candidates on the paper's two criteria (within-episode refinement and
 cross-episode transfer) as a *privileged* judge: it sees stage scores, justifications and buffers.
 
 Equations
 - Stage score: R_{i,k} = sum_r w_r s_{i,r} / sum_r w_r over the rubrics r active for stage k
-  (s in [0,1] the rubric's score for rollout i); `EvolvingJudge._stage_scores`.
+  (s in [0,1] the rubric's score for rollout i), over the merged set M_k = buffer + proposals;
+  `EvolvingJudge._score_step`.
 - Discriminativeness of a rubric over the group: d_r = Std_i s_{i,r} (population std); a rubric with
   d_r = 0 "no longer separates the rollouts" and is pruned; `discriminativeness`.
 
@@ -164,45 +167,64 @@ class EvolvingJudge:
 
     # mechanics ---------------------------------------------------------------------------------
     def judge_group(self, query, rollouts: Sequence[Rollout], step: int) -> JudgeResult:
-        """Propose -> merge -> score -> prune for one query's group (§3.4). Never raises on model
-        output; a backend failure leaves NaN cells (missing), counted in `stats["failures"]`."""
+        """Propose -> merge -> score -> prune for one query's group of n rollouts (§3.4).
+
+        The stage scores R (n, 4) are computed on the *merged* set, the active buffer plus this
+        step's proposals, as in the paper; pruning runs afterwards and only decides which rubrics the
+        buffer carries into the query's next step. Never raises on model output; a backend failure
+        leaves NaN cells (missing), counted in `counters["failures"]`.
+        """
         n = len(rollouts)
         buf = self.buffers.setdefault(query.query, [[] for _ in STAGES])
+        init = self.initial_rubrics(query)
+        # 1. propose: new discriminative rubrics (failure modes seen on-policy), at most cap per stage
+        pool, fresh, S, col = self._propose_step(query, rollouts, step, buf, init)
+        # 2. merge: M_k = B_k (active buffer) + P_k (proposals)
+        merged = [list(buf[k]) + fresh[k] for k in range(len(STAGES))]
+        # 3. score every rollout's every stage against the merged rubrics of that stage
+        R, just, active = self._score_step(S, col, merged, pool, init)
+        # 4. prune: B_k <- the most discriminative of M_k up to the cap (for the next step)
+        stats = {"proposed": sum(len(f) for f in fresh), "pruned": self._prune_step(buf, merged, step)}
+        self.counters["proposed"] += stats["proposed"]
+        self.counters["pruned"] += stats["pruned"]
+        stats["missing"] = int(np.isnan(R).sum())
+        stats["buffer_sizes"] = [len(b) for b in buf]
+        return JudgeResult(R, just, active, stats)
+
+    def _propose_step(self, query, rollouts, step, buf, init):
+        """Step 1: (pool, fresh, S, col). pool[k]: the buffer plus every backend proposal for stage k
+        not already in it; S (n, |pool| + |init|): one scoring call over all of them (it ranks the
+        proposals, scores the merged set and backs an empty one); col: id(rubric) -> column of S;
+        fresh[k]: the proposals with d_r > 0, most discriminative first, at most caps[k]."""
         try:
             proposals = self.propose(query, rollouts, step)
         except Exception:
             proposals, self.counters["failures"] = [], self.counters["failures"] + 1
-        init = self.initial_rubrics(query)
-        merged: list[list[Rubric]] = []
+        pool, cands = [], []
         for k in range(len(STAGES)):
             have = {r.rid for r in buf[k]}
-            new = [r for r in proposals if r.stage == k and r.rid not in have]
-            merged.append(list(buf[k]) + new)
-        # Score the pool of each stage once: it ranks proposals and backs an empty buffer.
-        allr = [r for k in range(len(STAGES)) for r in merged[k]] + init
+            cands.append([r for r in proposals if r.stage == k and r.rid not in have])
+            pool.append(list(buf[k]) + cands[k])
+        allr = [r for k in range(len(STAGES)) for r in pool[k]] + init
         S = self._safe_scores(query, rollouts, allr)  # (n, |allr|)
         col = {id(r): j for j, r in enumerate(allr)}
         for r in allr:
+            # Eq.: d_r = Std_i s_{i,r}  (population std over the group)
             r.discrim = discriminativeness(S[:, col[id(r)]])
-        stats = {"proposed": 0, "pruned": 0}
-        active: list[list[Rubric]] = []
+        fresh = [sorted((r for r in cands[k] if r.discrim > 0), key=lambda r: (-r.discrim, r.rid))
+                 [: self.caps[k]] for k in range(len(STAGES))]
+        return pool, fresh, S, col
+
+    def _score_step(self, S, col, merged, pool, init):
+        """Step 3: (R (n, 4), justifications, the rubrics that scored each stage). Stage k is scored
+        on merged[k]; Answer on the data row's rubrics + merged[ANSWER]; an empty merged set on the
+        stage's whole pool (deviation 2: the same score for everyone, zero advantage)."""
+        n = S.shape[0]
+        active = []
         for k in range(len(STAGES)):
-            old = {r.rid for r in buf[k]}
-            fresh = sorted((r for r in merged[k] if r.rid not in old and r.discrim > 0),
-                           key=lambda r: (-r.discrim, r.rid))[: self.caps[k]]
-            stats["proposed"] += len(fresh)
-            cand = list(buf[k]) + fresh
-            # Prune: keep the most discriminative up to the cap; d_r = 0 no longer separates.
-            keep = sorted((r for r in cand if r.discrim > 0), key=lambda r: (-r.discrim, r.rid))
-            keep = keep[: self.caps[k]]
-            stats["pruned"] += len(cand) - len(keep)
-            for r in keep:
-                if r.rid not in old:
-                    r.born_step = step
-            buf[k] = keep
-            scoring = list(keep) if keep else list(merged[k])  # empty buffer: the whole pool
+            scoring = list(merged[k]) if merged[k] else list(pool[k])
             if k == ANSWER:
-                scoring = init + list(keep)
+                scoring = init + list(merged[k])
             active.append(scoring)
         R = np.full((n, len(STAGES)), np.nan)
         just = [["" for _ in STAGES] for _ in range(n)]
@@ -211,16 +233,28 @@ class EvolvingJudge:
             w = np.array([r.weight for r in active[k]], dtype=np.float64)
             for i in range(n):
                 s = S[i, cols] if cols else np.array([])
-                ok = ~np.isnan(s)
+                ok = ~np.isnan(s)  # a missing rubric score is left out of the weighted mean
                 if ok.any() and w[ok].sum() > 0:
-                    # Eq.: R_{i,k} = sum_r w_r s_{i,r} / sum_r w_r
+                    # Eq.: R_{i,k} = sum_r w_r s_{i,r} / sum_r w_r   (r over the merged rubrics of k)
                     R[i, k] = float(np.clip((w[ok] * s[ok]).sum() / w[ok].sum(), 0.0, 1.0))
                 just[i][k] = _justify(active[k], s)
-        self.counters["proposed"] += stats["proposed"]
-        self.counters["pruned"] += stats["pruned"]
-        stats["missing"] = int(np.isnan(R).sum())
-        stats["buffer_sizes"] = [len(b) for b in buf]
-        return JudgeResult(R, just, active, stats)
+        return R, just, active
+
+    def _prune_step(self, buf, merged, step) -> int:
+        """Step 4, in place on `buf`: keep the most discriminative rubrics of each merged set up to the
+        cap (d_r = 0 no longer separates the group); returns how many were dropped."""
+        pruned = 0
+        for k in range(len(STAGES)):
+            old = {r.rid for r in buf[k]}
+            # Eq.: B_k <- top_{caps[k]} of {r in M_k : d_r > 0} by d_r (ties by rubric id)
+            keep = sorted((r for r in merged[k] if r.discrim > 0),
+                          key=lambda r: (-r.discrim, r.rid))[: self.caps[k]]
+            pruned += len(merged[k]) - len(keep)
+            for r in keep:
+                if r.rid not in old:
+                    r.born_step = step
+            buf[k] = keep
+        return pruned
 
     def _safe_scores(self, query, rollouts, rubrics) -> np.ndarray:
         n = len(rollouts)

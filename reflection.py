@@ -2,20 +2,25 @@
 privileged information, stored in the rubric bank, and trained as a GRPO group.
 
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
-Implements §3.4: after judging, sample one (query, trajectory) pair (PAPER: reflection trajectories
+Implements §3.4 and the reflection jobs of Algorithm 1: after judging, for *every* query of the step
+sample one (query, trajectory) pair uniformly from that query's group (PAPER: reflection trajectories
 sampled = 1); prompt the *same* backbone with the query and that trajectory as fixed context; sample
-m candidates (PAPER: m = 8, temperature 0.7); the privileged judge scores each on within-episode and
-cross-episode usefulness; the best *valid* candidate is upserted into the bank (key: sha256 of the
-query); the m candidates and their scores form a GRPO group in which only reflection tokens carry
-gradient (the trajectory context is masked).
+m candidates (PAPER: m = 8, temperature 0.7), all P x m of the step in one batched sampler call; the
+privileged judge scores each on within-episode and cross-episode usefulness; the best *valid*
+candidate of each query is upserted into the bank (key: sha256 of the query), so a replayed batch
+finds "the reflection written for that very query on the first pass" (§3.5); each query's m
+candidates and their scores form one GRPO group (P groups of m, each normalised on its own) in which
+only reflection tokens carry gradient (the trajectory context is masked).
 
-Equation (K = 1 GRPO over the m candidates, `ss_grpo.group_advantages` with Lambda = [[1]]):
-    A_j = (s_j - mean_j' s_j') / (Std_j' s_j' + eps),   every token of candidate j gets A_j.
+Equation (K = 1 GRPO over each query's m candidates, `ss_grpo.group_advantages`, Lambda = [[1]]):
+    A_{p,j} = (s_{p,j} - mean_j' s_{p,j'}) / (Std_j' s_{p,j'} + eps),  every token of candidate j of
+    query p gets A_{p,j}.
 
 Asynchrony (PAPER: one-step lag): the branch runs on the trajectories of step t after step t's update
-and returns a `ReflectionBatch` that the trainer adds to step t+1's update. In a distributed run the
-branch would overlap step t+1's rollouts; here it runs in sequence, which keeps toy runs exactly
-reproducible for a fixed seed and gives the same data dependencies.
+and returns a `ReflectionBatch` that the trainer applies at the start of step t+1, as its own update
+before step t+1's task rollouts (train.apply_reflection_batch), as in Algorithm 1. In a distributed
+run the branch would overlap the next step's work; here it runs in sequence, which keeps toy runs
+exactly reproducible for a fixed seed and gives the same data dependencies.
 
 Deviations from the paper
 1. The policy does not see scores or rubrics (as in the paper); candidates that fail bank admission
@@ -34,12 +39,13 @@ from scaffold import Rollout
 
 @dataclass
 class ReflectionConfig:
-    """Reflection branch settings (PAPER values: m = 8, temperature 0.7, 1 trajectory per step)."""
+    """Reflection branch settings (PAPER values: m = 8, temperature 0.7, 1 trajectory per query). Whether
+    the branch runs at all is the ablation arm's choice (train.ARMS)."""
 
-    enabled: bool = True
     m: int = 8  # PAPER: 8 candidates
     temperature: float = 0.7  # PAPER: 0.7
-    trajectories_per_step: int = 1  # PAPER: reflection trajectories sampled = 1
+    trajectories_per_query: int = 1  # PAPER: reflection trajectories sampled = 1 (per query: Algorithm 1
+    # launches a reflection job for every query of the step)
     max_new_tokens: int = 64  # ours: toy reflections are one or two sentences
     train: bool = True  # add the GRPO group to the next update (False: bank only)
 
@@ -84,10 +90,36 @@ def reflection_text(tok, ids: Sequence[int]) -> str:
     return text.strip()
 
 
+def pick_trajectories(n_rollouts: int, group_size: int, per_query: int, rng: random.Random) -> list[int]:
+    """Indices of the rollouts to reflect on: `per_query` drawn uniformly without replacement from each
+    query's group (Algorithm 1: one reflection job per query of the step; PAPER per_query = 1).
+
+    n_rollouts: int, a multiple of group_size (rollouts are query-major, group_size per query).
+    Returns a list of ints in [0, n_rollouts), query-major. Uses `rng` only (deterministic per seed).
+    Raises ValueError if group_size < 1 or n_rollouts is not a multiple of it.
+    """
+    if group_size < 1 or n_rollouts % group_size:
+        raise ValueError(f"{n_rollouts} rollouts do not split into groups of {group_size}")
+    out = []
+    for g in range(n_rollouts // group_size):
+        for j in sorted(rng.sample(range(group_size), min(per_query, group_size))):
+            out.append(g * group_size + j)
+    return out
+
+
 def run_reflection_branch(step: int, rollouts: Sequence[Rollout], judged: dict, judge, bank, sampler,
                           tok, system: str, cfg: ReflectionConfig, rng: random.Random,
-                          std: str = "sample", eps: float = 1e-6) -> tuple[ReflectionBatch, dict]:
-    """One reflection step (§3.4). `judged` maps a rollout's index to (JudgeResult, row in it).
+                          std: str = "sample", eps: float = 1e-6,
+                          group_size: int | None = None) -> tuple[ReflectionBatch, dict]:
+    """One reflection step (§3.4, Algorithm 1) over all queries of a training step.
+
+    rollouts: the step's rollouts, query-major, `group_size` per query (None: one group of all).
+    judged: maps a rollout's index to (JudgeResult, row in it). For every query, `cfg.trajectories_
+    per_query` trajectories are drawn uniformly from its group (`pick_trajectories`); the m candidates
+    of *every* picked trajectory are sampled in one batched sampler call (P x m prompts at
+    temperature cfg.temperature); the privileged judge scores each trajectory's m candidates; the best
+    valid candidate of each is upserted into the bank (key: sha256 of its query); each trajectory's m
+    candidates form their own GRPO group (normalised on their own).
 
     Returns (batch for the next update, metrics). Never raises on model output; a judge failure
     gives NaN scores, whose candidates get advantage 0.
@@ -96,18 +128,22 @@ def run_reflection_branch(step: int, rollouts: Sequence[Rollout], judged: dict, 
     import torch
 
     batch = ReflectionBatch(step)
-    metrics = {"reflect/candidates": 0, "reflect/admitted": 0, "reflect/score_mean": float("nan"),
-               "reflect/score_best": float("nan"), "reflect/within": float("nan"),
-               "reflect/cross": float("nan")}
-    if not cfg.enabled or not rollouts:
+    metrics = {"reflect/trajectories": 0, "reflect/candidates": 0, "reflect/admitted": 0,
+               "reflect/score_mean": float("nan"), "reflect/score_best": float("nan"),
+               "reflect/within": float("nan"), "reflect/cross": float("nan")}
+    if not rollouts:
         return batch, metrics
-    picks = rng.sample(range(len(rollouts)), min(cfg.trajectories_per_step, len(rollouts)))
+    picks = pick_trajectories(len(rollouts), group_size or len(rollouts), cfg.trajectories_per_query,
+                              rng)
+    prompts = [reflection_prompt_ids(tok, rollouts[i].query.query, rollouts[i], system) for i in picks]
+    # One batched call for the whole step: (P x m) prompts, candidate c of pick p at p * m + c.
+    flat = sampler.generate([p for p in prompts for _ in range(cfg.m)],
+                            [cfg.max_new_tokens] * (len(picks) * cfg.m), cfg.temperature)
     all_scores, within, cross = [], [], []
-    for idx in picks:
+    for p, (idx, prompt) in enumerate(zip(picks, prompts)):
         ro = rollouts[idx]
         res, row = judged[idx]
-        prompt = reflection_prompt_ids(tok, ro.query.query, ro, system)
-        cands = sampler.generate([prompt] * cfg.m, [cfg.max_new_tokens] * cfg.m, cfg.temperature)
+        cands = [list(c) for c in flat[p * cfg.m:(p + 1) * cfg.m]]  # (m,) candidate ids
         texts = [reflection_text(tok, c) for c in cands]
         scored = judge.score_reflections(ro.query, ro, res, row, texts)
         s = np.array([r.score for r in scored], dtype=np.float64)
@@ -125,7 +161,7 @@ def run_reflection_branch(step: int, rollouts: Sequence[Rollout], judged: dict, 
                 metrics["reflect/admitted"] += 1
                 break
         if cfg.train:
-            # Eq.: A_j = (s_j - mean s) / (Std s + eps)  (GRPO over the m candidates, K = 1)
+            # Eq.: A_j = (s_j - mean s) / (Std s + eps)  (GRPO over this trajectory's m candidates)
             missing = torch.from_numpy(~np.isfinite(s))[:, None]
             A = group_advantages(torch.from_numpy(np.nan_to_num(s))[:, None], std=std, eps=eps,
                                  missing=missing)[:, 0]
@@ -136,6 +172,7 @@ def run_reflection_branch(step: int, rollouts: Sequence[Rollout], judged: dict, 
                 batch.masks.append([0] * len(prompt) + [1] * len(c))
                 batch.advantages.append(float(a))
                 batch.scores.append(float(s[j]))
+    metrics["reflect/trajectories"] = len(picks)
     metrics["reflect/candidates"] = len(all_scores)
     if all_scores:
         arr = np.array(all_scores)

@@ -102,9 +102,12 @@ def teacher_trajectory(q: Query, tool, world: World, rng: random.Random, cfg: Te
     ents = (q.toy or {}).get("entities", [])
     aspects = (q.toy or {}).get("aspects", [])
     defects: dict = {}
-    skip = {fact_key(f) for f in facts if rng.random() < cfg.p_skip and fact_key(f) not in remembered}
+    # A list in the order of the asked facts, not a set: the set's iteration order follows Python's
+    # per-process string hashing (PYTHONHASHSEED), and `defects` keeps this order into the teacher's
+    # reflection text ("missed: A year, B use"), so a set made the SFT data differ between processes.
+    skip = [fact_key(f) for f in facts if rng.random() < cfg.p_skip and fact_key(f) not in remembered]
     if len(skip) == len(facts):
-        skip.discard(fact_key(facts[0]))
+        skip.remove(fact_key(facts[0]))
     for k in skip:
         defects[k] = "skipped"
     need = "; ".join(f"need: {fact_key(f)}" for f in facts)

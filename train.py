@@ -12,18 +12,20 @@ Implements Algorithm 1 and §3.5; the pieces live in their own modules:
 
 Launch
     python train.py --toy                      # ~10 min on 2 CPU cores: SFT warm start + RL + eval
-    python train.py --toy --advantage flat     # the ablation's baseline RL (one terminal score)
+    python train.py --toy --arm baseline_rl    # an ablation arm (ARMS; run dir runs/toy-baseline_rl)
     deepspeed train.py --full ...              # full mode (DeepSpeed ZeRO-3, vLLM, HTTP judge)
 
 One step (Algorithm 1; step numbers here are 0-based, the paper's 1-based):
+    0. the previous step's reflection GRPO batch (one-step lag) is applied as its own update, before
+       this step's rollouts (`apply_reflection_batch`)
     1. curriculum: batch b and retrieval mode for this step (§3.5, `curriculum`)
     2. retrieve bank items for each query (similar: top-k = 2 other queries; exact: its own entry)
     3. sample n rollouts per query at temperature 1.0 (scaffold.RolloutEngine)
     4. judge each query's group: propose, merge, score (R), prune (judge.EvolvingJudge)
-    5. SS-GRPO advantages and the policy update, together with the reflection GRPO batch of the
-       previous step (one-step lag)
-    6. reflection branch on this step's trajectories: m candidates, privileged judge, best valid one
-       into the bank, GRPO batch kept for the next update
+    5. SS-GRPO advantages and the policy update on the task batch
+    6. reflection branch on this step's trajectories: for every query one trajectory of its group,
+       m candidates each (one batched sampler call), privileged judge, each query's best valid
+       candidate into the bank, P GRPO groups of m kept for the next update
     7. log metrics; save the bank every 10 steps (PAPER) and at the end; write a checkpoint of the
        whole training state every `checkpoint.every` steps and at the end (checkpoint.py)
 
@@ -43,7 +45,8 @@ Deviations from the paper (besides the toy world, see world.py / sft.py)
     2. Each step's batch is split into `minibatches` optimizer steps (PPO-style), so the ratio rho
        departs from 1 and clipping acts; the paper does not say how many updates a batch gets.
     3. The reflection branch runs in sequence after the update (see reflection.py), not on a
-       separate worker.
+       separate worker; its GRPO batch is applied at the start of the next step, before that step's
+       rollouts, as in Algorithm 1 (so each step may make two updates, with a weight sync after each).
     4. Fault handling the paper does not describe: a judge call that still fails after
        `judge.max_retries` re-asks leaves its cells of R missing (advantage 0 for those cells);
        the run stops (JudgeFailureAbort, exit code 3) only when more than `judge.max_failure_rate`
@@ -102,7 +105,6 @@ class RolloutConfig:
 
 @dataclass
 class SSGRPOConfig:
-    advantage: str = "ss_grpo"  # "ss_grpo" | "flat" (baseline RL of the ablations)
     lam: list = field(default_factory=lambda: [list(r) for r in ss_grpo.PAPER_LAMBDA])  # PAPER
     std: str = ss_grpo.DEFAULT_STD
     eps: float = ss_grpo.DEFAULT_EPS
@@ -183,6 +185,8 @@ class Config:
     """Everything a run needs. `toy_preset()` / `full_preset()` fill it; `--set a.b=v` overrides."""
 
     mode: str = "toy"
+    arm: str = "rubricem"  # ablation arm (ARMS): "rubricem" | "ss_grpo" | "meta_policy" | "baseline_rl"
+    # | "baseline_rl_info"; selects the advantage, the reflection branch and bank retrieval together
     seed: int = 0
     steps: int = 24  # toy: four curriculum windows of 2K = 6 steps
     run_dir: str = "runs/toy"
@@ -236,6 +240,35 @@ def full_preset() -> Config:
     return c
 
 
+# ----------------------------------------------------------------------------------------------------
+# Ablation arms (paper, "Ablation: RL training recipes": 600 steps from the same SFT checkpoint)
+
+
+@dataclass(frozen=True)
+class Arm:
+    """What one ablation arm turns on. advantage: "ss_grpo" (stagewise, G = R Lambda^T, §3.3),
+    "terminal_answer" (one terminal score, R_{i,Answer}, broadcast to every token) or
+    "terminal_mean" (the mean of the four stage scores, broadcast); reflection: the reflection
+    meta-policy branch, its bank upserts and its deferred GRPO update (§3.4); bank: rubric-bank
+    retrieval into the rollout prompts (§3.5)."""
+
+    advantage: str
+    reflection: bool
+    bank: bool
+
+
+ARMS = {
+    "rubricem": Arm("ss_grpo", reflection=True, bank=True),  # PAPER: full RubricEM
+    "ss_grpo": Arm("ss_grpo", reflection=False, bank=False),  # PAPER: "SS-GRPO" alone
+    "meta_policy": Arm("terminal_answer", reflection=True, bank=True),  # PAPER: "Meta-Policy" alone
+    "baseline_rl": Arm("terminal_answer", reflection=False, bank=False),  # PAPER: "Baseline RL", one
+    # terminal rubric score broadcast to all tokens
+    "baseline_rl_info": Arm("terminal_mean", reflection=False, bank=False),  # not in the paper: Baseline
+    # RL matched in judge information (its terminal score averages all four stage scores, so it sees
+    # what SS-GRPO sees, minus the stage-wise credit assignment)
+}
+
+
 def apply_overrides(cfg: Config, items: Sequence[str]) -> Config:
     """`a.b=value` overrides (value parsed as JSON when possible). Raises ValueError naming the
     field when it does not exist."""
@@ -270,8 +303,8 @@ def validate_config(cfg: Config) -> None:
     if len(cfg.judge.caps) != K:
         raise ValueError(f"judge.caps must have {K} entries (one per stage {STAGES}), "
                          f"got {cfg.judge.caps}")
-    if cfg.ss_grpo.advantage not in ("ss_grpo", "flat"):
-        raise ValueError(f"ss_grpo.advantage must be 'ss_grpo' or 'flat', got {cfg.ss_grpo.advantage!r}")
+    if cfg.arm not in ARMS:
+        raise ValueError(f"arm must be one of {tuple(ARMS)}, got {cfg.arm!r}")
     if cfg.ss_grpo.agg not in ss_grpo.AGG_MODES:
         raise ValueError(f"ss_grpo.agg must be one of {ss_grpo.AGG_MODES}")
     if cfg.rollout.n < 2:
@@ -637,18 +670,65 @@ class TorchEngine:
         pass
 
 
-def task_advantages(R: np.ndarray, n: int, cfg: SSGRPOConfig) -> tuple[torch.Tensor, dict]:
-    """(N, 4) advantages for N = groups x n rollouts from stage scores R (NaN = missing)."""
+def apply_reflection_batch(policy, pending: ReflectionBatch, sampler, pad_id: int,
+                           rng: random.Random) -> dict:
+    """The deferred reflection update (§3.4, Algorithm 1): one policy update on the previous step's
+    reflection GRPO groups (only reflection tokens carry gradient, each with its candidate's A_j),
+    then the sampler takes the new weights, so the next task rollouts use them.
+
+    Returns metrics: update/reflection_seqs (int) and, when there was a batch, the update's losses
+    under reflect/ (reflect/loss/total, reflect/kl, ...). An empty batch (first step, reflection
+    off) changes nothing and draws nothing from `rng`.
+    """
+    out: dict[str, Any] = {"update/reflection_seqs": len(pending.sequences)}
+    if not pending.sequences:
+        return out
+    rb = UpdateBatch()
+    for seq, mk, a in zip(pending.sequences, pending.masks, pending.advantages):
+        rb.ids.append(seq)
+        rb.mask.append(mk)
+        rb.adv.append([a * x for x in mk])  # every reflection token of candidate j gets A_j
+        rb.kind.append("reflection")
+    out.update({f"reflect/{k}": v for k, v in policy.update(rb, pad_id, rng).items()})
+    policy.sync(sampler)
+    return out
+
+
+def terminal_answer(R: torch.Tensor) -> torch.Tensor:
+    """Baseline RL's terminal score (§3.3, ablations): r_i = R_{i,Answer}. R (N, 4) -> (N,), NaN kept."""
+    return R[:, STAGES.index("answer")]
+
+
+def terminal_mean(R: torch.Tensor) -> torch.Tensor:
+    """The information-matched terminal score (not in the paper): r_i = (1/4) sum_k R_{i,k}.
+    R (N, 4) -> (N,); NaN (missing) if any stage is missing, so that rollout gets advantage 0."""
+    # Eq.: r_i = mean_k R_{i,k}
+    return R.mean(1)
+
+
+TERMINAL_SCORES = {"terminal_answer": terminal_answer, "terminal_mean": terminal_mean}
+
+
+def task_advantages(R: np.ndarray, n: int, cfg: SSGRPOConfig, kind: str = "ss_grpo"
+                    ) -> tuple[torch.Tensor, dict]:
+    """(N, 4) float32 advantages for N = groups x n rollouts from stage scores R (N, 4), NaN =
+    missing, and the logged frac_zero_std_groups. kind (Arm.advantage): "ss_grpo" (§3.3 stagewise) or
+    a key of TERMINAL_SCORES (one terminal score, GRPO-normalised per group, broadcast to all stages).
+    Raises ValueError for an unknown kind."""
     Rt = torch.from_numpy(R).to(torch.float64)
-    if cfg.advantage == "flat":
-        # Baseline RL: one terminal score (the Answer stage's) broadcast to every stage.
-        A = ss_grpo.flat_advantages(Rt[:, -1], len(STAGES), std=cfg.std, eps=cfg.eps, group_size=n)
-        G = Rt[:, -1:].repeat(1, len(STAGES))
-    else:
+    if kind == "ss_grpo":
         # Eq.: G = R Lambda^T, then A[i,k] = (G[i,k] - mean G[:,k]) / (Std G[:,k] + eps) per group
         G, missing = ss_grpo.stage_returns(Rt, cfg.lam, group_size=n)
         A = ss_grpo.group_advantages_batched(G, group_size=n, std=cfg.std, eps=cfg.eps,
                                              missing=missing)
+    elif kind in TERMINAL_SCORES:
+        r = TERMINAL_SCORES[kind](Rt)  # (N,)
+        # Eq.: A_i = (r_i - mean r) / (Std r + eps), the same for every stage of rollout i
+        A = ss_grpo.flat_advantages(r, len(STAGES), std=cfg.std, eps=cfg.eps, group_size=n)
+        G = r[:, None].repeat(1, len(STAGES))
+    else:
+        raise ValueError(f"unknown advantage kind {kind!r}; expected 'ss_grpo' or one of "
+                         f"{tuple(TERMINAL_SCORES)}")
     Gg = G.reshape(-1, n, G.shape[1])  # (groups, n, K)
     zero_std = ((Gg.max(1).values - Gg.min(1).values) == 0).double().mean().item()
     return A.float(), {"frac_zero_std_groups": zero_std}
@@ -981,6 +1061,7 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
         start = int(state["step"])
         log.info("resumed from %s at step %d", ckpt_path, start)
     n = cfg.rollout.n
+    arm = ARMS[cfg.arm]  # which of advantage kind, reflection branch and bank retrieval run
     stop_at = min(cfg.steps, start + cfg.checkpoint.stop_after) if cfg.checkpoint.stop_after else cfg.steps
     last_ckpt = ckpt_path
 
@@ -999,12 +1080,17 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
         http_before = judge.stats() if hasattr(judge, "stats") else None
         engine_before = dict(engine.stats)
         tool_before = dict(getattr(rl_tool, "counts", {}))
+        # 0. the previous step's reflection GRPO batch (one-step lag), applied before this step's
+        # task rollouts (PAPER: Algorithm 1, §3.4 asynchrony)
+        t0 = time.perf_counter()
+        m.update(apply_reflection_batch(policy, pending, sampler, tok.pad_token_id, rng))
+        m["time/reflection_update_s"] = time.perf_counter() - t0
         b, mode = curriculum(step, cfg.curriculum.K, cfg.curriculum.enabled)
         queries = [train_q[i] for i in order.batch(b)]
         # 2. retrieval from the rubric bank (§3.5)
         items = []
         for q in queries:
-            got = bank.retrieve(q.query, mode, k=cfg.bank.top_k)
+            got = bank.retrieve(q.query, mode, k=cfg.bank.top_k) if arm.bank else []
             items.append(bank_mod.format_for_prompt(got))
         m["retrieval/mode_exact"] = int(mode == "exact")
         m["retrieval/batch"] = b
@@ -1033,9 +1119,9 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
         m["time/judge_s"] = time.perf_counter() - t0
         if bad_shape:  # only on steps where it happened: fault-free metrics rows stay as they were
             m["judge/bad_shape"] = bad_shape
-        # 5. advantages and update (task batch + last step's reflection batch)
+        # 5. SS-GRPO advantages and the update on this step's task batch
         t0 = time.perf_counter()
-        A, amet = task_advantages(R, n, cfg.ss_grpo)
+        A, amet = task_advantages(R, n, cfg.ss_grpo, arm.advantage)
         m.update(amet)
         ub = UpdateBatch()
         for i, r in enumerate(rollouts):
@@ -1045,12 +1131,6 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
             mk = torch.tensor(ub.mask[-1])[None]
             ub.adv.append(ss_grpo.token_advantages(A[i:i + 1], st, mk)[0].tolist())
             ub.kind.append("task")
-        for seq, mk, a in zip(pending.sequences, pending.masks, pending.advantages):
-            ub.ids.append(seq)
-            ub.mask.append(mk)
-            ub.adv.append([a * x for x in mk])
-            ub.kind.append("reflection")
-        m["update/reflection_seqs"] = len(pending.sequences)
         m.update(policy.update(ub, tok.pad_token_id, rng))
         m["time/update_s"] = time.perf_counter() - t0
         # pi_theta changed: the sampler's copy follows (ZeRO-3 shards gathered one tensor at a time)
@@ -1063,9 +1143,11 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
             m["sampler/sync_bytes"] = sampler.stats["last_sync"].get("bytes", 0)
         # 6. reflection branch on this step's trajectories (applied at the next update)
         t0 = time.perf_counter()
-        pending, rmet = run_reflection_branch(step, rollouts, judged, judge, bank, sampler, tok,
-                                              system, cfg.reflection, rng, cfg.ss_grpo.std,
-                                              cfg.ss_grpo.eps)
+        pending, rmet = ReflectionBatch(step), {}
+        if arm.reflection:
+            pending, rmet = run_reflection_branch(step, rollouts, judged, judge, bank, sampler, tok,
+                                                  system, cfg.reflection, rng, cfg.ss_grpo.std,
+                                                  cfg.ss_grpo.eps, group_size=n)
         m.update(rmet)
         m["time/reflection_s"] = time.perf_counter() - t0
         # 7. metrics
@@ -1266,7 +1348,12 @@ def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
     ap.add_argument("--seed", type=int)
     ap.add_argument("--run-dir")
     ap.add_argument("--model", help="local Hugging Face causal-LM directory (skips the warm start)")
-    ap.add_argument("--advantage", choices=["ss_grpo", "flat"])
+    ap.add_argument("--arm", choices=list(ARMS),
+                    help="ablation arm: rubricem (default: SS-GRPO + reflection meta-policy + bank), "
+                         "ss_grpo (stagewise advantages only), meta_policy (terminal score + reflection "
+                         "+ bank), baseline_rl (terminal Answer score only), baseline_rl_info (terminal "
+                         "mean of the four stage scores only); default run dir runs/toy-<arm>")
+    ap.add_argument("--advantage", help=argparse.SUPPRESS)  # replaced by --arm: a clear error below
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--dry-run", action="store_true",
                     help="full mode: resolve the configuration, check the environment, print the "
@@ -1281,8 +1368,12 @@ def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
                     help="override any config field, e.g. --set ss_grpo.lr=1e-4")
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
     a = ap.parse_args(argv)
+    if a.advantage is not None:
+        raise ValueError("--advantage was replaced by --arm: --arm baseline_rl is one terminal score "
+                         "without reflection or bank, --arm meta_policy the same score with them")
     cfg = full_preset() if a.full else toy_preset()
-    run_dir = a.run_dir or (f"{cfg.run_dir}-seed{a.seed}" if a.seed is not None else cfg.run_dir)
+    run_dir = cfg.run_dir + (f"-{a.arm}" if a.arm and a.arm != "rubricem" else "")
+    run_dir = a.run_dir or (f"{run_dir}-seed{a.seed}" if a.seed is not None else run_dir)
     if a.resume:
         path = a.resume
         if a.resume == "latest":
@@ -1300,8 +1391,8 @@ def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
         cfg.seed = a.seed
     if a.model:
         cfg.model = a.model
-    if a.advantage:
-        cfg.ss_grpo.advantage = a.advantage
+    if a.arm:
+        cfg.arm = a.arm
     if a.no_progress:
         cfg.progress = False
     cfg.dry_run = bool(a.dry_run)

@@ -117,7 +117,7 @@ def _cfg(**changes):
     ({"ss_grpo__lam": [[1, 0, 0], [0, 1, 0]]}, "ss_grpo.lam"),
     ({"judge__caps": [3, 2, 2]}, "judge.caps"),
     ({"judge__caps": [3, 2, 2, 3, 1]}, "judge.caps"),
-    ({"ss_grpo__advantage": "ppo"}, "ss_grpo.advantage"),
+    ({"arm": "flat"}, "arm"),
     ({"ss_grpo__agg": "sum"}, "ss_grpo.agg"),
     ({"rollout__n": 1}, "rollout.n"),
     ({"rollout__n": 0}, "rollout.n"),
@@ -130,9 +130,9 @@ def test_validate_config_error_names_the_field_sec3_3(changes, field):
 
 def test_apply_overrides_sets_known_fields_sec3_5():
     c = apply_overrides(toy_preset(), ["ss_grpo.lr=1e-4", "rollout.n=4", "curriculum.K=2",
-                                       "ss_grpo.advantage=flat", "judge.caps=[1,1,1,1]"])
+                                       "arm=baseline_rl", "judge.caps=[1,1,1,1]"])
     assert c.ss_grpo.lr == 1e-4 and c.rollout.n == 4 and c.curriculum.K == 2
-    assert c.ss_grpo.advantage == "flat" and c.judge.caps == [1, 1, 1, 1]
+    assert c.arm == "baseline_rl" and c.judge.caps == [1, 1, 1, 1]
     validate_config(c)
 
 

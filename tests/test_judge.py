@@ -91,9 +91,11 @@ def test_buffers_never_exceed_caps_sec3_4(world, queries, pool, data, caps):
         init = judge.initial_rubrics(q)
         assert [r.rid for r in res.rubrics[ANSWER][: len(init)]] == [r.rid for r in init]
         assert all(r.source == "initial" for r in res.rubrics[ANSWER][: len(init)])
+        # R was scored on the merged set (buffer before the step + proposals); the pruned buffer
+        # carried into the next step is a subset of it.
         for k in (PLAN, RESEARCH, REVIEW):
             if judge.buffers[q.query][k]:
-                assert res.rubrics[k] == judge.buffers[q.query][k]
+                assert {r.rid for r in judge.buffers[q.query][k]} <= {r.rid for r in res.rubrics[k]}
 
 
 class RandomJudge(EvolvingJudge):
@@ -168,6 +170,40 @@ def test_pruning_keeps_the_most_discriminative_up_to_the_cap_sec3_4():
     assert [r.rid for r in buf] == ["medium", "weak"]
     assert [r.born_step for r in buf] == [0, 1]
     assert "flat" not in {r.rid for b in judge.buffers["q?"] for r in b}
+
+
+class WeightedTableJudge(TableJudge):
+    """TableJudge whose rubrics carry weights {rid: w}."""
+
+    def __init__(self, table, weights, caps=BUFFER_CAPS, stage=RESEARCH):
+        super().__init__(table, caps, stage)
+        self.weights = weights
+
+    def propose(self, query, rollouts, step):
+        return [Rubric(rid, self.stage, rid, rid, weight=self.weights[rid]) for rid in self.table]
+
+
+def test_stage_scores_use_the_merged_set_before_pruning_sec3_4():
+    """§3.4: score against old buffer + proposals (merged), then prune for the next step."""
+    q = Query("q?", [{"title": "t", "description": "d", "weight": 1.0}])
+    table = {"strong": [0, 1, 0, 1], "medium": [0, 0.5, 0, 0.5], "weak": [0.4, 0.6, 0.4, 0.6]}
+    w = {"strong": 2.0, "medium": 1.0, "weak": 0.5}
+    judge = WeightedTableJudge(table, w)  # Research cap 2
+    judge.judge_group(q, [object()] * 4, step=0)
+    assert [r.rid for r in judge.buffers["q?"][RESEARCH]] == ["strong", "medium"]
+    # The strong rubric stops separating the group: this step still scores with it (it is in the
+    # merged set), and only the buffer for the next step drops it.
+    table["strong"] = [1, 1, 1, 1]
+    res = judge.judge_group(q, [object()] * 4, step=1)
+    assert [r.rid for r in res.rubrics[RESEARCH]] == ["strong", "medium", "weak"]
+    assert [r.rid for r in judge.buffers["q?"][RESEARCH]] == ["medium", "weak"]
+    S = np.array([table["strong"], table["medium"], table["weak"]]).T  # (n, 3)
+    wv = np.array([w["strong"], w["medium"], w["weak"]])
+    # Eq.: R_{i,k} = sum_r w_r s_{i,r} / sum_r w_r over the merged rubrics of stage k
+    np.testing.assert_allclose(res.R[:, RESEARCH], (S * wv).sum(1) / wv.sum())
+    pruned_only = (S[:, 1:] * wv[1:]).sum(1) / wv[1:].sum()
+    assert not np.allclose(res.R[:, RESEARCH], pruned_only)
+    assert res.stats["pruned"] == 1 and res.stats["proposed"] == 1
 
 
 def test_toy_judge_prunes_rubrics_that_do_not_discriminate_sec3_4(world, queries):
