@@ -129,6 +129,7 @@ def run_reflection_branch(step: int, rollouts: Sequence[Rollout], judged: dict, 
 
     batch = ReflectionBatch(step)
     metrics = {"reflect/trajectories": 0, "reflect/candidates": 0, "reflect/admitted": 0,
+               "reflect/invalid": 0,
                "reflect/score_mean": float("nan"), "reflect/score_best": float("nan"),
                "reflect/within": float("nan"), "reflect/cross": float("nan")}
     if not rollouts:
@@ -150,11 +151,17 @@ def run_reflection_branch(step: int, rollouts: Sequence[Rollout], judged: dict, 
         all_scores += s.tolist()
         within += [r.within for r in scored]
         cross += [r.cross for r in scored]
-        # Best valid candidate -> bank (upsert by sha256 of the query).
+        # Best valid candidate -> bank (upsert by sha256 of the query). "Valid" is two gates: the
+        # privileged judge's verdict (ReflectionScore.valid: degenerate, cut-off or off-topic text is
+        # never a lesson, whatever its score) and the bank's admission rules (bank.validate_reflection).
+        invalid = [not getattr(r, "valid", True) for r in scored]
+        metrics["reflect/invalid"] += sum(invalid)
         order = sorted(range(len(texts)), key=lambda j: (-(s[j] if np.isfinite(s[j]) else -1), j))
         for j in order:
             if not np.isfinite(s[j]):
                 break
+            if invalid[j]:  # keeps its (zero) score in the GRPO group below, never enters the bank
+                continue
             meta = {"within": scored[j].within, "cross": scored[j].cross}
             if bank.upsert(ro.query.query, texts[j], step, float(s[j]), meta=meta,
                            trajectory_text=ro.judge_text):

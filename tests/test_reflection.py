@@ -91,6 +91,45 @@ def test_one_reflection_per_query_in_one_batched_call_alg1_sec3_4(step_batch):
         assert qs[p].query in prompt
 
 
+class MarkingJudge(AdmittingJudge):
+    """Scores like AdmittingJudge but marks the two best candidates of every trajectory invalid (as the
+    toy judge does for degenerate, cut-off or off-topic text), with the highest scores."""
+
+    def score_reflections(self, query, rollout, judged, row, candidates):
+        out = super().score_reflections(query, rollout, judged, row, candidates)
+        m = len(candidates)
+        return [ReflectionScore(r.within, r.cross, r.score, "invalid: degenerate", valid=False)
+                if j >= m - 2 else r for j, r in enumerate(out)]
+
+
+def test_candidates_the_judge_marks_invalid_never_enter_the_bank_sec3_4(step_batch):
+    """The best *valid* candidate is upserted: a high-scoring candidate marked invalid is skipped,
+    counted, and keeps its score in the GRPO group; a trajectory whose candidates are all invalid
+    adds nothing to the bank."""
+    qs, ros = step_batch
+    n, m = 2, 4
+    tok = tf.tiny_tokenizer()
+    judged = {i: (None, i % n) for i in range(len(ros))}
+    bank = RubricBank()
+    cfg = ReflectionConfig(m=m, max_new_tokens=64)
+    batch, met = run_reflection_branch(0, ros, judged, MarkingJudge(), bank, CountingStub(tok), tok,
+                                       tf.SYSTEM, cfg, random.Random(0), group_size=n)
+    assert met["reflect/invalid"] == 2 * len(qs) and met["reflect/admitted"] == len(qs)
+    for p, q in enumerate(qs):  # candidate m - 3 is the best valid one
+        (e,) = bank.retrieve(q.query, "exact")
+        assert e.reflection.endswith(f"Variant {p * m + m - 3}.")
+    assert len(batch.sequences) == len(qs) * m  # invalid candidates still train (their low score)
+
+    class AllInvalid(AdmittingJudge):
+        def score_reflections(self, query, rollout, judged, row, candidates):
+            return [ReflectionScore(1.0, 1.0, 1.0, "invalid: cut off", valid=False) for _ in candidates]
+
+    bank2 = RubricBank()
+    _, met2 = run_reflection_branch(0, ros, judged, AllInvalid(), bank2, CountingStub(tok), tok,
+                                    tf.SYSTEM, cfg, random.Random(0), group_size=n)
+    assert len(bank2) == 0 and met2["reflect/admitted"] == 0 and met2["reflect/invalid"] == len(qs) * m
+
+
 class ReflectionTextSampler:
     """Wraps the run's sampler: rollouts pass through; reflection calls (temperature 0.7) are
     recorded and answered with a valid lesson, so the bank admission does not hinge on a 2-step SFT
