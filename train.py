@@ -75,6 +75,7 @@ from judge import BUFFER_CAPS
 from retrieval import PAPER_EMBED_MODEL
 from reflection import ReflectionBatch, ReflectionConfig, run_reflection_branch
 from scaffold import STAGES, SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT
+from settings import variation_run_dir
 from sft import SFTConfig, TeacherConfig
 from world import WorldConfig
 
@@ -746,7 +747,8 @@ def _open_run(cfg: Config, resume: str | None) -> tuple[str | None, dict | None]
         have = ckpt_mod.list_checkpoints(cfg.run_dir)
         if have:
             why = ("none of them verifies (see the warnings above)" if resume else
-                   "pass --resume latest to continue that run, or choose another --run-dir")
+                   "continue that run with --resume (= --resume latest), or start a separate run "
+                   f"with --run-dir DIR (or delete {cfg.run_dir})")
             raise ckpt_mod.CheckpointError(f"{cfg.run_dir} already holds checkpoints (up to step "
                                            f"{have[-1][0]}); {why}")
         return None, None
@@ -1188,7 +1190,9 @@ def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
     g.add_argument("--full", action="store_true", help="full preset (paper values)")
     ap.add_argument("--steps", type=int)
     ap.add_argument("--seed", type=int)
-    ap.add_argument("--run-dir")
+    ap.add_argument("--run-dir", help="where the run's files go (default: the preset's runs/toy or "
+                    "runs/full, with -seedN, -model-NAME, -faults-J-T appended for --seed, --model "
+                    "(toy) and --faults)")
     ap.add_argument("--model", help="local Hugging Face causal-LM directory (skips the warm start)")
     ap.add_argument("--advantage", choices=["ss_grpo", "flat"])
     ap.add_argument("--no-progress", action="store_true")
@@ -1206,7 +1210,10 @@ def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
     a = ap.parse_args(argv)
     cfg = full_preset() if a.full else toy_preset()
-    run_dir = a.run_dir or (f"{cfg.run_dir}-seed{a.seed}" if a.seed is not None else cfg.run_dir)
+    # Each variation of the preset gets its own default run dir (settings.variation_run_dir); full
+    # mode always names a --model, so only the toy preset derives a directory from it.
+    run_dir = a.run_dir or variation_run_dir(cfg.run_dir, seed=a.seed, model=None if a.full else a.model,
+                                             faults=a.faults)
     if a.resume:
         path = a.resume
         if a.resume == "latest":
