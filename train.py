@@ -75,7 +75,7 @@ from judge import BUFFER_CAPS
 from retrieval import PAPER_EMBED_MODEL
 from reflection import ReflectionBatch, ReflectionConfig, run_reflection_branch
 from scaffold import STAGES, SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT
-from settings import variation_run_dir
+from settings import check_local_inputs, set_override, variation_run_dir
 from sft import SFTConfig, TeacherConfig
 from world import WorldConfig
 
@@ -238,25 +238,18 @@ def full_preset() -> Config:
 
 
 def apply_overrides(cfg: Config, items: Sequence[str]) -> Config:
-    """`a.b=value` overrides (value parsed as JSON when possible). Raises ValueError naming the
-    field when it does not exist."""
+    """`a.b=value` overrides, each converted to its field's type (int, float, bool, str, list;
+    settings.convert) when the command line is parsed, so that a bad value stops the run before
+    anything is written. Raises ValueError naming the field: an unknown field (with the closest
+    known ones), a value of the wrong type ("ss_grpo.lr: expected a float, got 'abc'"), or a value
+    that contains an API key (named by its variable, never quoted)."""
     for it in items:
-        if "=" not in it:
-            raise ValueError(f"--set expects key=value, got {it!r}")
-        key, raw = it.split("=", 1)
-        try:
-            val = json.loads(raw)
-        except json.JSONDecodeError:
-            val = raw
-        obj = cfg
-        parts = key.split(".")
-        for p in parts[:-1]:
-            if not hasattr(obj, p):
-                raise ValueError(f"unknown config field {key!r}")
-            obj = getattr(obj, p)
-        if not hasattr(obj, parts[-1]):
-            raise ValueError(f"unknown config field {key!r}")
-        setattr(obj, parts[-1], val)
+        key = it.split("=", 1)[0]
+        for name, secret in _secrets().items():  # the type errors below quote the value
+            if secret in it:
+                raise ValueError(f"{key} contains the value of ${name}: API keys are read from the "
+                                 "environment only and never stored in the configuration")
+        set_override(cfg, it)
     return cfg
 
 
@@ -1261,6 +1254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg, resume = parse_cli(argv)
         validate_config(cfg)
+        check_local_inputs(cfg)  # before anything is written
     except (ValueError, ckpt_mod.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

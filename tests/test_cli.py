@@ -44,3 +44,59 @@ def test_fresh_run_into_a_run_dir_with_checkpoints_is_refused_naming_the_fix(tmp
     err = capsys.readouterr().err
     assert "--run-dir DIR" in err and "--resume" in err and "step 24" in err
     assert sorted(os.listdir(d)) == ["checkpoints"]  # nothing written
+
+
+# ---------------------------------------------------------------------------------------------------
+# Settings are checked before any work: typed --set overrides
+
+
+@pytest.mark.parametrize("item, message", [
+    ("ss_grpo.lr=abc", "ss_grpo.lr: expected a float, got 'abc'"),
+    ("ss_grpo.lr=nan", "ss_grpo.lr: expected a finite float"),
+    ("rollout.n=4.5", "rollout.n: expected an int, got '4.5'"),
+    ("rollout.n=true", "rollout.n: expected an int"),
+    ("curriculum.enabled=maybe", "curriculum.enabled: expected a bool"),
+    ("judge.caps=3", "judge.caps: expected a list"),
+    ('judge.caps=[3,"a",2,3]', "judge.caps[1]: expected an int"),
+    ("ss_grpo.lam=[[1,0],[0,x]]", "ss_grpo.lam: expected a list"),
+    ("rollout.nn=4", "unknown config field 'rollout.nn'; did you mean rollout.n"),
+    ("rollout=4", "rollout is a group of settings"),
+    ("rollout.n=1", "rollout.n must be >= 2"),  # a value of the right type that cannot run
+])
+def test_bad_settings_exit_2_naming_the_field_and_write_nothing(tmp_path, capsys, item, message):
+    d = tmp_path / "run"
+    assert train.main(["--toy", "--run-dir", str(d), "--no-progress", "--set", item]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert not d.exists() and os.listdir(tmp_path) == []
+
+
+def test_overrides_take_the_type_of_their_field():
+    c = train.apply_overrides(train.toy_preset(), [
+        "ss_grpo.lr=1", "steps=1e3", "rollout.n=4", "progress=false", "curriculum.enabled=Yes",
+        "model_size=XS", 'cache_dir="a b"', "data.source=", 'faults.tool_kinds=["error"]',
+        "judge.caps=[1,1,1,1]", "ss_grpo.lam=[[1,0,0,0],[0,1,0,0],[0,0,1,0],[0,0,0,1]]"])
+    assert c.ss_grpo.lr == 1.0 and type(c.ss_grpo.lr) is float
+    assert c.steps == 1000 and type(c.steps) is int and c.rollout.n == 4
+    assert c.progress is False and c.curriculum.enabled is True
+    assert c.model_size == "XS" and c.cache_dir == "a b" and c.data.source == ""
+    assert c.faults.tool_kinds == ("error",) and c.judge.caps == [1, 1, 1, 1]
+    assert all(type(x) is float for row in c.ss_grpo.lam for x in row)
+    train.validate_config(c)
+
+
+def test_every_field_accepts_its_own_default_as_json():
+    import json
+
+    from settings import leaf_fields
+
+    for key, _, value in leaf_fields(train.toy_preset()):
+        c = train.apply_overrides(train.toy_preset(), [f"{key}={json.dumps(value)}"])
+        assert dict(((k, v) for k, _, v in leaf_fields(c)))[key] == value, key
+
+
+def test_a_missing_model_directory_is_refused_before_the_run_dir_exists(tmp_path, capsys):
+    d = tmp_path / "run"
+    assert train.main(["--toy", "--run-dir", str(d), "--model", str(tmp_path / "nope")]) == 2
+    assert "--model takes a local Hugging Face" in capsys.readouterr().err
+    assert not d.exists()
