@@ -1255,9 +1255,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg, resume = parse_cli(argv)
         validate_config(cfg)
         check_local_inputs(cfg)  # before anything is written
+        finished = ckpt_mod.completed_run(cfg.run_dir, resume, cfg.steps)
     except (ValueError, ckpt_mod.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if finished is not None:  # every rank sees the same files, so every rank stops here
+        print(f"run already complete: {cfg.run_dir} finished all {finished} steps (final/ and eval.json "
+              "are there); nothing changed. Raise --steps to train further, or pass --run-dir DIR "
+              "for a new run.")
+        return 0
     if cfg.mode == "full":
         import full  # SCALE: DeepSpeed / vLLM / HTTP judge live there, imported only in full mode
 

@@ -100,3 +100,51 @@ def test_a_missing_model_directory_is_refused_before_the_run_dir_exists(tmp_path
     assert train.main(["--toy", "--run-dir", str(d), "--model", str(tmp_path / "nope")]) == 2
     assert "--model takes a local Hugging Face" in capsys.readouterr().err
     assert not d.exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# --resume of a finished run
+
+
+def _finished_run(d, steps: int = 3):
+    """A run dir as a finished run leaves it: its last checkpoint at step `steps`, final/, eval.json."""
+    import dataclasses
+    import json
+
+    ck = d / "checkpoints" / f"step-{steps:06d}"
+    os.makedirs(ck)
+    (ck / "state.pt").write_bytes(b"state")
+    cfg = dataclasses.asdict(train.toy_preset())
+    cfg["steps"], cfg["run_dir"] = steps, str(d)
+    (ck / "checkpoint.json").write_text(json.dumps({
+        "format": 1, "step": steps, "meta": {"config": cfg},
+        "files": {"state.pt": {"bytes": 5, "sha256": "0" * 64}}}))
+    os.makedirs(d / "final")
+    (d / "final" / "config.json").write_text("{}")
+    (d / "eval.json").write_text('{"eval_rl": {"score": 0.5}}')
+    (d / "metrics.jsonl").write_text('{"step": 0}\n')
+
+
+def _tree(d) -> dict:
+    return {os.path.relpath(os.path.join(dp, f), d): (open(os.path.join(dp, f), "rb").read(),
+                                                       os.stat(os.path.join(dp, f)).st_mtime_ns)
+            for dp, _, fs in os.walk(d) for f in fs}
+
+
+def test_resume_of_a_finished_run_says_complete_and_changes_nothing(tmp_path, capsys):
+    import checkpoint
+
+    d = tmp_path / "run"
+    _finished_run(d)
+    before = _tree(d)
+    assert train.main(["--resume", str(d / "checkpoints" / "step-000003")]) == 0
+    assert train.main(["--toy", "--run-dir", str(d), "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("run already complete") == 2 and "--steps" in out
+    assert _tree(d) == before
+    # Raising --steps continues the run; without final/ or eval.json the run is not finished.
+    assert checkpoint.completed_run(str(d), "latest", 3) == 3
+    assert checkpoint.completed_run(str(d), "latest", 5) is None
+    assert checkpoint.completed_run(str(d), None, 3) is None
+    os.remove(d / "eval.json")
+    assert checkpoint.completed_run(str(d), "latest", 3) is None
