@@ -74,6 +74,7 @@ from full import PAPER_RL_DATA, FullConfig  # settings only: full.py imports Dee
 from judge import BUFFER_CAPS
 from retrieval import PAPER_EMBED_MODEL
 from reflection import ReflectionBatch, ReflectionConfig, run_reflection_branch
+from runcard import save_with_run_card
 from scaffold import STAGES, SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT
 from settings import check_local_inputs, set_override, variation_run_dir
 from sft import SFTConfig, TeacherConfig
@@ -1087,7 +1088,7 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
 
     def save_final(d: str) -> None:
         policy.save_pretrained(d)
-        tok.save_pretrained(d)
+        save_with_run_card(d, tok, asdict(cfg), system)  # the system prompt travels with the policy
 
     ckpt_mod.save_dir_atomic(save_final, os.path.join(cfg.run_dir, "final"))
     plot_rewards(logger.rows, os.path.join(cfg.run_dir, "reward_curves.png"))
