@@ -36,7 +36,7 @@ from scaffold import Rollout
 class ReflectionConfig:
     """Reflection branch settings (PAPER values: m = 8, temperature 0.7, 1 trajectory per step)."""
 
-    enabled: bool = True
+    enabled: bool = True  # run the reflection branch (false: no reflections, the bank stays empty)
     m: int = 8  # PAPER: 8 candidates
     temperature: float = 0.7  # PAPER: 0.7
     trajectories_per_step: int = 1  # PAPER: reflection trajectories sampled = 1

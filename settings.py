@@ -1,8 +1,9 @@
-"""Command-line settings of train.py: typed `--set key=value` overrides and the default run directory
-of each command-line variation.
+"""Command-line settings of train.py: typed `--set key=value` overrides, the configuration reference
+(`--list-config`) and the default run directory of each command-line variation.
 
 Not part of the paper's method: plumbing that makes a run's settings checkable before any work starts.
 
+    python train.py --list-config                       # every key, its default and what it means
     python train.py --toy --set ss_grpo.lr=abc          # refused at parse time: exit code 2
 
 Conversion rules of `--set key=value` (the target type is the field's annotation in the config tree)
@@ -16,12 +17,17 @@ Every error names the field: "ss_grpo.lr: expected a float, got 'abc'".
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import inspect
+import io
 import json
 import math
 import os
 import re
+import textwrap
+import tokenize
 import typing
 from typing import Any, Iterator
 
@@ -164,6 +170,76 @@ def set_override(cfg, item: str) -> None:
         raise ValueError(f"{key} is a group of settings, not one field: set one of its fields, "
                          f"e.g. {key}.{first}=...")
     setattr(obj, name, convert(key, raw, _hints(type(obj))[name], cur))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The configuration reference (--list-config)
+
+
+def field_docs(cls) -> dict[str, str]:
+    """{field name: its documentation} for a dataclass, read from its source: the comment after the
+    field on its line, the comment-only lines that continue it, and a string literal right below the
+    field (an attribute docstring). Fields without any get ""."""
+    try:
+        src = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    comments: dict[int, str] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    body = ast.parse(src).body[0].body
+    code_lines = {n for node in body for n in range(node.lineno, node.end_lineno + 1)}
+    out: dict[str, str] = {}
+    for i, node in enumerate(body):
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        parts = []
+        line = node.end_lineno
+        if line in comments:
+            parts.append(comments[line])
+            nxt = line + 1
+            while nxt in comments and nxt not in code_lines:  # a comment continued below the field
+                parts.append(comments[nxt])
+                nxt += 1
+        after = body[i + 1] if i + 1 < len(body) else None
+        if isinstance(after, ast.Expr) and isinstance(getattr(after, "value", None), ast.Constant) \
+                and isinstance(after.value.value, str):
+            parts.append(" ".join(after.value.value.split()))
+        out[node.target.id] = " ".join(p for p in parts if p)
+    return out
+
+
+def describe_config(cfg) -> list[tuple[str, str, str]]:
+    """(dotted key, default as JSON, documentation) for every leaf field of `cfg` (a config dataclass
+    instance, e.g. train.toy_preset()), in declaration order."""
+    rows = []
+
+    def walk(obj, prefix):
+        docs = field_docs(type(obj))
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if dataclasses.is_dataclass(v):
+                walk(v, f"{prefix}{f.name}.")
+            else:
+                rows.append((f"{prefix}{f.name}", json.dumps(v), docs.get(f.name, "")))
+
+    walk(cfg, "")
+    return rows
+
+
+def format_config_reference(cfg, other=None, other_name: str = "full", width: int = 100) -> str:
+    """Text of `--list-config`: per key "key = default", with "(full: value)" where the preset `other`
+    (a config of the same tree) differs, then the key's documentation indented and wrapped to
+    `width` columns."""
+    others = {k: v for k, v, _ in describe_config(other)} if other is not None else {}
+    out = []
+    for key, default, doc in describe_config(cfg):
+        alt = others.get(key, default)
+        out.append(f"{key} = {default}" + (f"   ({other_name}: {alt})" if alt != default else ""))
+        if doc:
+            out.extend(textwrap.wrap(doc, width, initial_indent="    ", subsequent_indent="    "))
+    return "\n".join(out) + "\n"
 
 
 def check_local_inputs(cfg) -> None:
