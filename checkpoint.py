@@ -284,8 +284,9 @@ def resolve_resume(resume: str | None, run_dir: str, deep: bool = True) -> str |
     return resume
 
 
-def completed_run(run_dir: str, resume: str | None, steps: int) -> int | None:
-    """The step count of a finished run that `--resume` would only repeat, else None.
+def completed_run(run_dir: str, resume: str | None, steps: int) -> dict | None:
+    """The manifest (with "step" and "meta") of the last checkpoint of a finished run that `--resume`
+    would only repeat, else None.
 
     A run is finished when the checkpoint `resume` names ("latest": the newest one of run_dir that
     verifies by size, as parse_cli reads it) is at step == `steps` (int >= 0) and run_dir holds the
@@ -297,9 +298,9 @@ def completed_run(run_dir: str, resume: str | None, steps: int) -> int | None:
     path = resolve_resume(resume, run_dir, deep=False)
     if path is None:
         return None
-    step = int(verify_checkpoint(path, deep=False).get("step", -1))
+    manifest = verify_checkpoint(path, deep=False)
     ends = os.path.isdir(os.path.join(run_dir, "final")) and os.path.isfile(os.path.join(run_dir, "eval.json"))
-    return step if step == steps and ends else None
+    return manifest if int(manifest.get("step", -1)) == steps and ends else None
 
 
 def run_dir_of(checkpoint_path: str) -> str:

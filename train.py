@@ -1316,8 +1316,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, ckpt_mod.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if finished is not None:  # every rank sees the same files, so every rank stops here
-        print(f"run already complete: {cfg.run_dir} finished all {finished} steps (final/ and eval.json "
+    # A finished run resumed with the same settings has nothing to do (every rank sees the same files,
+    # so every rank stops here); changed settings go on to train's refusal naming them.
+    if finished is not None and not resume_config_diff(finished.get("meta", {}).get("config", {}), cfg):
+        print(f"run already complete: {cfg.run_dir} finished all {finished['step']} steps (final/ and eval.json "
               "are there); nothing changed. Raise --steps to train further, or pass --run-dir DIR "
               "for a new run.")
         return 0

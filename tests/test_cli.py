@@ -111,14 +111,17 @@ def _finished_run(d, steps: int = 3):
     import dataclasses
     import json
 
+    import hashlib
+
     ck = d / "checkpoints" / f"step-{steps:06d}"
     os.makedirs(ck)
-    (ck / "state.pt").write_bytes(b"state")
     cfg = dataclasses.asdict(train.toy_preset())
     cfg["steps"], cfg["run_dir"] = steps, str(d)
+    torch.save({"step": steps, "config": json.loads(json.dumps(cfg))}, ck / "state.pt")
+    data = (ck / "state.pt").read_bytes()
     (ck / "checkpoint.json").write_text(json.dumps({
         "format": 1, "step": steps, "meta": {"config": cfg},
-        "files": {"state.pt": {"bytes": 5, "sha256": "0" * 64}}}))
+        "files": {"state.pt": {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}}))
     os.makedirs(d / "final")
     (d / "final" / "config.json").write_text("{}")
     (d / "eval.json").write_text('{"eval_rl": {"score": 0.5}}')
@@ -142,8 +145,11 @@ def test_resume_of_a_finished_run_says_complete_and_changes_nothing(tmp_path, ca
     out = capsys.readouterr().out
     assert out.count("run already complete") == 2 and "--steps" in out
     assert _tree(d) == before
+    # Changed settings are not silently ignored: the resume goes on to the refusal naming them.
+    assert train.main(["--toy", "--run-dir", str(d), "--resume", "--set", "ss_grpo.lr=0.5"]) == 2
+    assert "ss_grpo.lr" in capsys.readouterr().err and _tree(d) == before
     # Raising --steps continues the run; without final/ or eval.json the run is not finished.
-    assert checkpoint.completed_run(str(d), "latest", 3) == 3
+    assert checkpoint.completed_run(str(d), "latest", 3)["step"] == 3
     assert checkpoint.completed_run(str(d), "latest", 5) is None
     assert checkpoint.completed_run(str(d), None, 3) is None
     os.remove(d / "eval.json")
