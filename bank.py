@@ -739,10 +739,14 @@ def _one_line(s: str, width: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python bank.py {list,show,remove} PATH [KEY_OR_PREFIX]`; returns the exit status (0 ok, 1 error)."""
+    """`python bank.py {list,show,remove} PATH [KEY_OR_PREFIX]`; returns the exit status (0 ok, 1 error).
+
+    list: one line per entry, newest (highest step) first: key prefix, step, score, the query (40
+    characters at most) and the reflection (80 at most; whitespace folded, "..." marks a cut)."""
     parser = argparse.ArgumentParser(prog="bank.py", description="Inspect a saved rubric bank (JSONL).")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("list", help="one row per entry: key prefix, step, score, n_updates, query")
+    p = sub.add_parser("list", help="one line per entry, newest first: key prefix, step, score, "
+                                    "query and reflection (each cut to fit one line)")
     p.add_argument("path")
     for name, text in (("show", "print one entry as JSON"),
                        ("remove", "delete one entry and rewrite the file atomically")):
@@ -755,9 +759,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         bank = RubricBank.load(args.path)
         if args.cmd == "list":
-            print("key\tstep\tscore\tn_updates\tquery")
-            for e in bank:
-                print(f"{e.key[:12]}\t{e.step}\t{e.score:.3f}\t{e.n_updates}\t{_one_line(e.query, 70)}")
+            print("key\tstep\tscore\tquery\treflection")
+            for e in sorted(bank, key=lambda e: -e.step):  # newest first; ties keep key order
+                print(f"{e.key[:12]}\t{e.step}\t{e.score:.3f}\t{_one_line(e.query, 40)}\t"
+                      f"{_one_line(e.reflection, 80)}")
         elif args.cmd == "show":
             print(json.dumps(_find(bank, args.key).to_dict(), ensure_ascii=False, indent=2))
         else:

@@ -284,6 +284,25 @@ def resolve_resume(resume: str | None, run_dir: str, deep: bool = True) -> str |
     return resume
 
 
+def completed_run(run_dir: str, resume: str | None, steps: int) -> dict | None:
+    """The manifest (with "step" and "meta") of the last checkpoint of a finished run that `--resume`
+    would only repeat, else None.
+
+    A run is finished when the checkpoint `resume` names ("latest": the newest one of run_dir that
+    verifies by size, as parse_cli reads it) is at step == `steps` (int >= 0) and run_dir holds the
+    end artefacts final/ and eval.json. Raising `steps` above the checkpoint's step (or a missing
+    final/ or eval.json, e.g. a run stopped between its last checkpoint and eval.json) returns None:
+    the run continues. Raises CheckpointError for an explicit checkpoint path that does not verify."""
+    if not resume:
+        return None
+    path = resolve_resume(resume, run_dir, deep=False)
+    if path is None:
+        return None
+    manifest = verify_checkpoint(path, deep=False)
+    ends = os.path.isdir(os.path.join(run_dir, "final")) and os.path.isfile(os.path.join(run_dir, "eval.json"))
+    return manifest if int(manifest.get("step", -1)) == steps and ends else None
+
+
 def run_dir_of(checkpoint_path: str) -> str:
     """run_dir for a checkpoint path run_dir/checkpoints/step-NNNNNN."""
     return os.path.dirname(os.path.dirname(os.path.abspath(checkpoint_path)))

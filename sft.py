@@ -309,15 +309,15 @@ def encode_examples(tok, examples: Sequence[tuple[list, Sequence[Segment]]]):
 class SFTConfig:
     """SFT hyperparameters (toy values are ours, sized for ~4 min on 2 cores)."""
 
-    n_trajectories: int = 8000
-    n_reflections: int = 1200
-    steps: int = 1000
-    batch_size: int = 16
-    lr: float = 2e-3
-    warmup: int = 30
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    seed: int = 0
+    n_trajectories: int = 8000  # teacher trajectories kept after the SFT filters
+    n_reflections: int = 1200  # reflection examples (the reflection meta-policy's warm start)
+    steps: int = 1000  # optimizer steps
+    batch_size: int = 16  # sequences per optimizer step
+    lr: float = 2e-3  # peak learning rate (linear warm-up, then cosine to 10 %)
+    warmup: int = 30  # warm-up steps
+    weight_decay: float = 0.1  # AdamW weight decay
+    grad_clip: float = 1.0  # max global gradient norm
+    seed: int = 0  # seed of the teacher data, the tokenizer and the model initialisation
 
 
 def build_sft_data(world: World, tool, tok_system: str, cfg: SFTConfig, tcfg: TeacherConfig):
@@ -471,7 +471,9 @@ def warm_start(world: World, tool, system: str, cfg: SFTConfig, tcfg: TeacherCon
             "steps": res["steps"], "params": sum(p.numel() for p in model.parameters()),
             "mean_tokens": sum(len(e[0]) for e in encoded) / len(encoded), "key": key,
             "cached": False}
-    log.info("SFT filters: %s", stats)
+    from report import format_filter_counts
+
+    log.info("SFT filters: %s", format_filter_counts(stats))
     tmp = path + f".tmp{os.getpid()}"
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)

@@ -71,13 +71,16 @@ import numpy as np
 import torch
 
 import checkpoint as ckpt_mod
+import report
 import ss_grpo
 from faults import JUDGE_KINDS, TOOL_KINDS, FaultConfig, validate_fault_config
 from full import PAPER_RL_DATA, FullConfig  # settings only: full.py imports DeepSpeed lazily
 from judge import BUFFER_CAPS, JudgeResult
 from retrieval import PAPER_EMBED_MODEL
 from reflection import ReflectionBatch, ReflectionConfig, run_reflection_branch
+from runcard import save_with_run_card
 from scaffold import STAGES, SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT
+from settings import check_local_inputs, format_config_reference, set_override, variation_run_dir
 from sft import SFTConfig, TeacherConfig
 from world import WorldConfig
 
@@ -106,15 +109,15 @@ class RolloutConfig:
 @dataclass
 class SSGRPOConfig:
     lam: list = field(default_factory=lambda: [list(r) for r in ss_grpo.PAPER_LAMBDA])  # PAPER
-    std: str = ss_grpo.DEFAULT_STD
-    eps: float = ss_grpo.DEFAULT_EPS
+    std: str = ss_grpo.DEFAULT_STD  # Std in A = (G - mean) / (Std + eps): "sample" | "population"
+    eps: float = ss_grpo.DEFAULT_EPS  # eps in A = (G - mean) / (Std + eps); not fixed by the paper
     eta: float = ss_grpo.DEFAULT_ETA  # PPO clip
     beta: float = ss_grpo.PAPER_BETA  # PAPER: KL beta 0.001, k3 estimator
-    agg: str = ss_grpo.DEFAULT_AGG
+    agg: str = ss_grpo.DEFAULT_AGG  # loss aggregation: "token_mean" | "paper" | "seq_mean_token_mean"
     lr: float = 2e-4  # toy: ours; full: PAPER 5e-7 constant
     minibatches: int = 2  # optimizer steps per batch (deviation 2)
     micro_batch: int = 32  # sequences per forward pass (gradient accumulation within a minibatch)
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # max global gradient norm per optimizer step
 
 
 @dataclass
@@ -136,7 +139,7 @@ class JudgeConfig:
 class BankSettings:
     top_k: int = 2  # PAPER: top-k 2
     save_every: int = 10  # PAPER: bank saved every 10 steps
-    max_chars: int = 600
+    max_chars: int = 600  # longest reflection (characters) the bank admits
     retriever: str = "bm25"  # "bm25" (toy) | "dense" (retrieval.DenseRetriever; full preset)
     embed_model: str = PAPER_EMBED_MODEL  # dense only; PAPER: Qwen3-Embedding-0.6B
 
@@ -145,21 +148,21 @@ class BankSettings:
 class DataSettings:
     source: str = ""  # "" = the toy world's questions; else RL rows in the DR Tulu schema: a Hugging
     # Face dataset id or a local .jsonl / .json / .parquet file (data.load_rl_rows); full: PAPER
-    split: str = "train"
+    split: str = "train"  # dataset split of a Hugging Face dataset id in data.source
     limit: int = 0  # 0 = every row
 
 
 @dataclass
 class SearchSettings:
     backend: str = "toy"  # "toy" (BM25 over the toy world) | "serper" (search_http, $SERPER_API_KEY)
-    base_url: str = "https://google.serper.dev"
+    base_url: str = "https://google.serper.dev"  # Serper-compatible endpoint (serper backend only)
     k: int = 5  # results per query (Serper "num")
 
 
 @dataclass
 class CurriculumConfig:
     K: int = 3  # PAPER: window K = 3 (2K = 6 steps)
-    enabled: bool = True
+    enabled: bool = True  # false: every step a fresh batch with similar retrieval (no replay)
 
 
 @dataclass
@@ -175,27 +178,27 @@ class CheckpointConfig:
 
 @dataclass
 class EvalConfig:
-    n_questions: int = 64
-    samples: int = 2
-    temperature: float = 1.0
+    n_questions: int = 64  # held-out questions evaluated at the end (0 = no evaluation)
+    samples: int = 2  # rollouts per held-out question
+    temperature: float = 1.0  # sampling temperature of the held-out evaluation
 
 
 @dataclass
 class Config:
     """Everything a run needs. `toy_preset()` / `full_preset()` fill it; `--set a.b=v` overrides."""
 
-    mode: str = "toy"
+    mode: str = "toy"  # preset the run started from: "toy" | "full" (set by --toy / --full)
     arm: str = "rubricem"  # ablation arm (ARMS): "rubricem" | "ss_grpo" | "meta_policy" | "baseline_rl"
     # | "baseline_rl_info"; selects the advantage, the reflection branch and bank retrieval together
-    seed: int = 0
+    seed: int = 0  # seeds data order, sampling, warm start and evaluation (--seed)
     steps: int = 24  # toy: four curriculum windows of 2K = 6 steps
-    run_dir: str = "runs/toy"
+    run_dir: str = "runs/toy"  # where metrics, checkpoints, final/ and eval.json go (--run-dir)
     model: str = ""  # "" = toy SFT warm start; else a local HF causal-LM directory
-    model_size: str = "S"
-    vocab_size: int = 1024
-    cache_dir: str = ".cache/rubricem"
-    threads: int = 2
-    progress: bool = True
+    model_size: str = "S"  # toy policy size: "XS" | "S" | "M" (policy.SIZES); "S" = 0.5 M parameters
+    vocab_size: int = 1024  # toy byte-level BPE vocabulary size (tokenizer trained on the toy world)
+    cache_dir: str = ".cache/rubricem"  # SFT warm-start cache; HTTP judge and search caches
+    threads: int = 2  # torch CPU threads (torch.set_num_threads)
+    progress: bool = True  # progress bars (--no-progress turns them off)
     dry_run: bool = False  # full mode: check the environment and print the plan only
     engine: str = "torch"  # policy engine: "torch" (one process, torch AdamW) | "zero3" (DeepSpeed
     # ZeRO-3 over the launcher's ranks, full.ZeRO3Engine)
@@ -270,25 +273,18 @@ ARMS = {
 
 
 def apply_overrides(cfg: Config, items: Sequence[str]) -> Config:
-    """`a.b=value` overrides (value parsed as JSON when possible). Raises ValueError naming the
-    field when it does not exist."""
+    """`a.b=value` overrides, each converted to its field's type (int, float, bool, str, list;
+    settings.convert) when the command line is parsed, so that a bad value stops the run before
+    anything is written. Raises ValueError naming the field: an unknown field (with the closest
+    known ones), a value of the wrong type ("ss_grpo.lr: expected a float, got 'abc'"), or a value
+    that contains an API key (named by its variable, never quoted)."""
     for it in items:
-        if "=" not in it:
-            raise ValueError(f"--set expects key=value, got {it!r}")
-        key, raw = it.split("=", 1)
-        try:
-            val = json.loads(raw)
-        except json.JSONDecodeError:
-            val = raw
-        obj = cfg
-        parts = key.split(".")
-        for p in parts[:-1]:
-            if not hasattr(obj, p):
-                raise ValueError(f"unknown config field {key!r}")
-            obj = getattr(obj, p)
-        if not hasattr(obj, parts[-1]):
-            raise ValueError(f"unknown config field {key!r}")
-        setattr(obj, parts[-1], val)
+        key = it.split("=", 1)[0]
+        for name, secret in _secrets().items():  # the type errors below quote the value
+            if secret in it:
+                raise ValueError(f"{key} contains the value of ${name}: API keys are read from the "
+                                 "environment only and never stored in the configuration")
+        set_override(cfg, it)
     return cfg
 
 
@@ -461,6 +457,10 @@ class DataOrder:
 class MetricsLog:
     """`log(metrics, step)`: one JSON line per step in run_dir/metrics.jsonl (rank 0 only).
 
+    Every line has the same keys: a key a step does not log is null there, and a key that first
+    appears at a later step (e.g. bank/rejected/<reason> after the first rejection) is added as null
+    to the earlier lines, which are then rewritten atomically. Keys keep the order of first appearance.
+
     A resumed run calls `reset(rows)` with the checkpoint's rows: the file is rewritten atomically
     from them, so rows of steps after the checkpoint (or a line cut short by a crash) disappear and
     no step appears twice.
@@ -469,19 +469,39 @@ class MetricsLog:
     def __init__(self, path: str | None):
         self.path = path
         self.rows: list[dict] = []
+        self.keys: list[str] = ["step"]
 
-    def reset(self, rows: list[dict]) -> None:
-        self.rows = [dict(r) for r in rows]
+    def _rewrite(self) -> None:
         if self.path:
             data = "".join(json.dumps(r) + "\n" for r in self.rows).encode("utf-8")
             ckpt_mod.atomic_write_bytes(self.path, data)
 
+    def _add_keys(self, row: dict) -> bool:
+        new = [k for k in row if k not in self.keys]
+        self.keys += new
+        return bool(new)
+
+    def _full(self, row: dict) -> dict:
+        return {k: row.get(k) for k in self.keys}
+
+    def reset(self, rows: list[dict]) -> None:
+        self.keys = ["step"]
+        for r in rows:
+            self._add_keys(r)
+        self.rows = [self._full(r) for r in rows]
+        self._rewrite()
+
     def log(self, metrics: dict, step: int) -> None:
         row = {"step": step, **{k: _py(v) for k, v in metrics.items()}}
-        self.rows.append(row)
+        if self._add_keys(row) and self.rows:  # a new key: earlier lines get it as null
+            self.rows = [self._full(r) for r in self.rows]
+            self.rows.append(self._full(row))
+            self._rewrite()
+            return
+        self.rows.append(self._full(row))
         if self.path:
             with open(self.path, "a") as fh:
-                fh.write(json.dumps(row) + "\n")
+                fh.write(json.dumps(self.rows[-1]) + "\n")
 
 
 def _py(v):
@@ -740,7 +760,9 @@ def task_advantages(R: np.ndarray, n: int, cfg: SSGRPOConfig, kind: str = "ss_gr
 
 def evaluate(engine, judge, queries: Sequence, samples: int, temperature: float, seed: int) -> dict:
     """Held-out score with the judge's static rubric set (judge.py, deviation 3): mean of the four
-    stage scores and the answer score, plus format and tool-use rates. Deterministic per seed."""
+    stage scores and the answer score, plus format and tool-use rates, and "per_question": the score,
+    answer score and fact recall of each query (lists of len(queries), each the mean over its
+    samples). Deterministic per seed."""
     torch.manual_seed(seed)
     ro = engine.run(list(queries), n=samples, temperature=temperature)
     S = np.concatenate([judge.evaluate(q, ro[i * samples:(i + 1) * samples])
@@ -757,7 +779,11 @@ def evaluate(engine, judge, queries: Sequence, samples: int, temperature: float,
             "well_formed": float(np.mean([r.parsed.well_formed for r in ro])),
             "tool_call_rate": float(np.mean([r.n_tool_calls >= 1 for r in ro])),
             "mean_tool_calls": float(np.mean([r.n_tool_calls for r in ro])),
-            "fact_recall": float(np.mean(facts)), "rollouts": len(ro)}
+            "fact_recall": float(np.mean(facts)), "rollouts": len(ro),
+            # per held-out question (mean over its samples), for confidence intervals (report.py)
+            "per_question": {"score": S.reshape(len(queries), samples, -1).mean(axis=(1, 2)).tolist(),
+                             "answer": S[:, 3].reshape(len(queries), samples).mean(axis=1).tolist(),
+                             "fact_recall": np.reshape(facts, (len(queries), samples)).mean(axis=1).tolist()}}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -864,7 +890,8 @@ def _open_run(cfg: Config, resume: str | None) -> tuple[str | None, dict | None]
         have = ckpt_mod.list_checkpoints(cfg.run_dir)
         if have:
             why = ("none of them verifies (see the warnings above)" if resume else
-                   "pass --resume latest to continue that run, or choose another --run-dir")
+                   "continue that run with --resume (= --resume latest), or start a separate run "
+                   f"with --run-dir DIR (or delete {cfg.run_dir})")
             raise ckpt_mod.CheckpointError(f"{cfg.run_dir} already holds checkpoints (up to step "
                                            f"{have[-1][0]}); {why}")
         return None, None
@@ -1071,6 +1098,8 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
         return ckpt_mod.save_checkpoint(cfg.run_dir, done, policy, tok, st, keep=cfg.checkpoint.keep,
                                         meta={"config": asdict(cfg)}, extra=policy.save_state)
 
+    if cfg.progress:
+        log.info(report.PROGRESS_LEGEND)
     bar = tqdm(range(start, stop_at), desc="rl", initial=start, total=cfg.steps,
                disable=not cfg.progress)
     for step in bar:
@@ -1216,7 +1245,7 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
 
     def save_final(d: str) -> None:
         policy.save_pretrained(d)
-        tok.save_pretrained(d)
+        save_with_run_card(d, tok, asdict(cfg), system)  # the system prompt travels with the policy
 
     ckpt_mod.save_dir_atomic(save_final, os.path.join(cfg.run_dir, "final"))
     plot_rewards(logger.rows, os.path.join(cfg.run_dir, "reward_curves.png"))
@@ -1340,40 +1369,58 @@ def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
     continues a run); flags and --set apply on top, and `train` refuses changes outside
     RESUME_MAY_CHANGE. Raises ValueError for unknown fields or malformed values.
     """
-    ap = argparse.ArgumentParser(description="RubricEM training (toy or full mode)")
+    ap = argparse.ArgumentParser(description="RubricEM training (toy or full mode)",
+                                 epilog="Every config key, its default and its meaning: --list-config. "
+                                        "README.md has the quick start and the logged metrics.")
     g = ap.add_mutually_exclusive_group()
-    g.add_argument("--toy", action="store_true", help="toy preset (default)")
-    g.add_argument("--full", action="store_true", help="full preset (paper values)")
-    ap.add_argument("--steps", type=int)
-    ap.add_argument("--seed", type=int)
-    ap.add_argument("--run-dir")
-    ap.add_argument("--model", help="local Hugging Face causal-LM directory (skips the warm start)")
+    g.add_argument("--toy", action="store_true", help="toy preset: a tiny policy on CPU in a generated "
+                   "research world, about 13 min on 2 cores (default)")
+    g.add_argument("--full", action="store_true", help="full preset: the paper's values (ZeRO-3, vLLM, "
+                   "Gemini judge, web search; needs --model); default: off")
+    ap.add_argument("--steps", type=int, help="RL steps (default: the preset's, toy 24, full 1400); with "
+                    "--resume, a larger value continues a finished run")
+    ap.add_argument("--seed", type=int, help="random seed (default: 0); the run dir gets -seedN")
+    ap.add_argument("--run-dir", help="where the run's files go (default: the preset's runs/toy or "
+                    "runs/full, with -seedN, -model-NAME, -faults-J-T appended for --seed, --model "
+                    "(toy) and --faults)")
+    ap.add_argument("--model", help="local Hugging Face causal-LM directory as the starting policy (skips "
+                    "the toy SFT warm start; default: none, the warm start)")
     ap.add_argument("--arm", choices=list(ARMS),
-                    help="ablation arm: rubricem (default: SS-GRPO + reflection meta-policy + bank), "
+                    help="ablation arm: rubricem (SS-GRPO + reflection meta-policy + bank; default), "
                          "ss_grpo (stagewise advantages only), meta_policy (terminal score + reflection "
                          "+ bank), baseline_rl (terminal Answer score only), baseline_rl_info (terminal "
-                         "mean of the four stage scores only); default run dir runs/toy-<arm>")
+                         "mean of the four stage scores only); the run dir gets -<arm>")
     ap.add_argument("--advantage", help=argparse.SUPPRESS)  # replaced by --arm: a clear error below
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="no progress bars (default: shown)")
+    ap.add_argument("--list-config", action=_ListConfig, nargs=0,
+                    help="print every config key with its default (toy, and full where it differs) "
+                         "and its meaning, then exit")
     ap.add_argument("--dry-run", action="store_true",
                     help="full mode: resolve the configuration, check the environment, print the "
-                         "plan (full.main_dry_run) and exit without training")
+                         "plan (full.main_dry_run) and exit without training (default: off)")
     ap.add_argument("--resume", nargs="?", const="latest", metavar="PATH|latest",
                     help="continue from a checkpoint directory, or from the newest valid one in the "
                          "run dir ('latest', the default when the flag has no value; a fresh run if "
-                         "there is none)")
+                         "there is none); a finished run is left as it is (default: a fresh run)")
     ap.add_argument("--faults", metavar="JUDGE_RATE[,TOOL_RATE]",
-                    help="inject judge (and tool) faults at these rates, e.g. 0.3,0.1 (faults.py)")
+                    help="inject judge (and tool) faults at these rates, e.g. 0.3,0.1 (faults.py; "
+                         "default: none); the run dir gets -faults-J-T")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override any config field, e.g. --set ss_grpo.lr=1e-4")
+                    help="override any config key, repeatable, e.g. --set ss_grpo.lr=1e-4; the value "
+                         "is checked against the key's type before the run starts (keys and defaults: "
+                         "--list-config; default: none)")
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
     a = ap.parse_args(argv)
     if a.advantage is not None:
         raise ValueError("--advantage was replaced by --arm: --arm baseline_rl is one terminal score "
                          "without reflection or bank, --arm meta_policy the same score with them")
     cfg = full_preset() if a.full else toy_preset()
-    run_dir = cfg.run_dir + (f"-{a.arm}" if a.arm and a.arm != "rubricem" else "")
-    run_dir = a.run_dir or (f"{run_dir}-seed{a.seed}" if a.seed is not None else run_dir)
+    # Each variation of the preset gets its own default run dir (settings.variation_run_dir); full
+    # mode always names a --model, so only the toy preset derives a directory from it.
+    base = cfg.run_dir + (f"-{a.arm}" if a.arm and a.arm != "rubricem" else "")
+    run_dir = a.run_dir or variation_run_dir(base, seed=a.seed, model=None if a.full else a.model,
+                                             faults=a.faults)
     if a.resume:
         path = a.resume
         if a.resume == "latest":
@@ -1408,6 +1455,14 @@ def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
     return apply_overrides(cfg, a.set), a.resume
 
 
+class _ListConfig(argparse.Action):
+    """--list-config: print the configuration reference (settings.format_config_reference), exit 0."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(format_config_reference(toy_preset(), full_preset()), end="")
+        parser.exit(0)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> Config:
     """The configuration of a command line (see parse_cli)."""
     return parse_cli(argv)[0]
@@ -1422,9 +1477,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg, resume = parse_cli(argv)
         if not (cfg.mode == "full" and cfg.dry_run):  # the dry run reports every problem at once
             validate_config(cfg)
+            check_local_inputs(cfg)  # before anything is written
+        finished = ckpt_mod.completed_run(cfg.run_dir, resume, cfg.steps)
     except (ValueError, ckpt_mod.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # A finished run resumed with the same settings has nothing to do (every rank sees the same files,
+    # so every rank stops here); changed settings go on to train's refusal naming them.
+    if finished is not None and not resume_config_diff(finished.get("meta", {}).get("config", {}), cfg):
+        print(f"run already complete: {cfg.run_dir} finished all {finished['step']} steps (final/ and eval.json "
+              "are there); nothing changed. Raise --steps to train further, or pass --run-dir DIR "
+              "for a new run.")
+        return 0
     if cfg.mode == "full":
         import full  # SCALE: DeepSpeed / vLLM / HTTP judge live there, imported only in full mode
 
@@ -1445,15 +1509,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"stopped after step {s['stopped_at']} (checkpoint {s['checkpoint']}); continue with "
               "--resume latest")
         return 0
-    if "train_seconds" in s["sft"]:
-        print(f"SFT warm start: {'cached' if s['sft'].get('cached') else 'trained'}"
-              f" ({s['sft']['train_seconds']:.0f} s, final loss {s['sft'].get('final_loss', float('nan')):.3f})")
-    else:
-        print(f"policy: {s['sft'].get('source')}")
+    print(report.sft_line(s["sft"]) if "train_seconds" in s["sft"] else f"policy: {s['sft'].get('source')}")
     if "eval_sft" in s:
-        e0, e1 = s["eval_sft"], s["eval_rl"]
-        print(f"held-out score (mean of 4 stage scores): SFT {e0['score']:.3f} -> RL {e1['score']:.3f}")
-        print(f"held-out answer score:                   SFT {e0['answer']:.3f} -> RL {e1['answer']:.3f}")
+        print("\n".join(report.heldout_lines(s["eval_sft"], s["eval_rl"])))
+    print("artefacts:\n" + "\n".join(report.artefact_lines(cfg.run_dir)))
     print(f"total time {s['timings']['total_s']:.0f} s")
     return 0
 

@@ -495,7 +495,7 @@ def test_cli_list_show_remove(tmp_path):
     out = run_cli("list", path)
     assert out.returncode == 0, out.stderr
     rows = out.stdout.splitlines()
-    assert rows[0].split("\t") == ["key", "step", "score", "n_updates", "query"] and len(rows) == 7
+    assert rows[0].split("\t") == ["key", "step", "score", "query", "reflection"] and len(rows) == 7
     assert any("mémoire" in r and "0.250" in r for r in rows)
 
     key = query_key(SLEEP)
@@ -511,6 +511,23 @@ def test_cli_list_show_remove(tmp_path):
     assert SLEEP not in loaded and len(loaded) == 5
     assert [n for n in os.listdir(tmp_path)] == ["bank.jsonl"]
     assert run_cli("list", tmp_path / "missing.jsonl").returncode == 1
+
+
+def test_cli_list_shows_reflections_newest_first_one_line_each(tmp_path):
+    path = tmp_path / "bank.jsonl"
+    b = RubricBank()
+    b.upsert("old question", "Search the first record.", step=1, score=0.5)
+    b.upsert("new question", "Check the year twice.\nThen cite it. " + "Long tail " * 30, step=7,
+             score=0.875)
+    b.upsert("middle question", "Name the discoverer.", step=4, score=0.25)
+    b.save(path)
+    out = run_cli("list", path)
+    assert out.returncode == 0, out.stderr
+    rows = [r.split("\t") for r in out.stdout.splitlines()[1:]]
+    assert [(r[1], r[2]) for r in rows] == [("7", "0.875"), ("4", "0.250"), ("1", "0.500")]
+    assert rows[0][4].startswith("Check the year twice. Then cite it.") and rows[0][4].endswith("...")
+    assert len(rows[0][4]) <= 80 and rows[2][4] == "Search the first record."
+    assert len(out.stdout.splitlines()) == 4  # one line per entry, newlines in a reflection folded
 
 
 def test_cli_ambiguous_prefix_is_an_error(tmp_path):

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 import train
+from scaffold import SYSTEM_PROMPT_COMPACT
 
 
 def tiny_args(run_dir, cache_dir, steps=2):
@@ -39,6 +40,9 @@ def test_algorithm1_toy_pipeline_runs_two_steps_and_writes_artefacts(tmp_path, c
     # The final checkpoint loads with plain transformers.
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(run_dir / "final", local_files_only=True)
+    # ...and carries the system prompt it was trained under (runcard.py).
+    card = json.load(open(run_dir / "final" / "rubricem.json"))
+    assert card["system_prompt"] == SYSTEM_PROMPT_COMPACT and card["config"]["steps"] == 2
     # A second run with the same configuration reuses the cached warm start.
     assert train.main(tiny_args(tmp_path / "run2", cache, steps=1)) == 0
     assert "SFT warm start: cached" in capsys.readouterr().out

@@ -1,0 +1,114 @@
+"""What train.py prints for a person reading the run: the progress-bar legend, the SFT filter counts,
+the held-out results with 95 % confidence intervals, and the list of artefacts in the run dir.
+
+Not part of the paper's method. The confidence intervals are percentile bootstrap intervals over
+held-out questions (the unit that is sampled; each question's samples are averaged first), and the
+SFT -> RL difference is bootstrapped paired, on the same resampled questions, since both policies
+answer the same questions.
+"""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+
+# The short fields of the RL progress bar (train._train_loop's bar.set_postfix).
+PROGRESS_LEGEND = ("rl progress bar: R = mean judge score of this step's rollouts over the 4 stages "
+                   "(0-1; 'missing' when the judge gave none), bank = rubric-bank entries")
+
+# sft.sft_filter's reasons, in words.
+FILTER_WORDS = {"no_closing_answer": "no closing </answer>",
+                "non_final_turn_without_valid_call": "a turn before a tool output without a valid call",
+                "missing_required_tag": "a required tag missing",
+                "consecutive_tool_errors": "two tool errors in a row"}
+
+# The run dir's artefacts in the order they are listed, with what each holds.
+ARTEFACTS = (("metrics.jsonl", "metrics, one JSON line per RL step (README: Logged metrics)"),
+             ("reward_curves.png", "mean judge score per stage and step"),
+             ("final", "the trained policy, Hugging Face format (python ask.py DIR asks it)"),
+             ("bank.jsonl", "the rubric bank (python bank.py list FILE)"),
+             ("samples.jsonl", "trajectories of the first and last step with stage scores"),
+             ("eval.json", "held-out evaluation and timings"))
+
+
+def format_filter_counts(stats: dict) -> str:
+    """sft.build_sft_data's counts ({"generated", "kept", <reason>: n}) as one sentence:
+    "kept 40 of 42 teacher trajectories; dropped: 1 no closing </answer>, 1 ..." (unknown reasons
+    are shown by name)."""
+    gen, kept = int(stats.get("generated", 0)), int(stats.get("kept", 0))
+    drops = [(k, int(v)) for k, v in stats.items() if k not in ("generated", "kept") and v]
+    text = f"kept {kept} of {gen} teacher trajectories"
+    if drops:
+        text += "; dropped: " + ", ".join(f"{n} {FILTER_WORDS.get(k, k)}" for k, n in drops)
+    return text
+
+
+def bootstrap_ci(values: Sequence[float], level: float = 0.95, n_boot: int = 2000,
+                 seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of `values` (one float per question, NaN ignored).
+
+    level in (0, 1); n_boot resamples with replacement, seeded (deterministic). Returns (lo, hi);
+    (nan, nan) for no finite values; lo == hi == the value for a single one. Raises ValueError for a
+    level outside (0, 1)."""
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    x = np.asarray(values, dtype=np.float64)
+    x = x[np.isfinite(x)]
+    if x.size == 0:
+        return float("nan"), float("nan")
+    idx = np.random.default_rng(seed).integers(0, x.size, size=(n_boot, x.size))  # (n_boot, n)
+    means = x[idx].mean(axis=1)
+    a = (1 - level) / 2
+    return float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
+
+
+def heldout_lines(e0: dict, e1: dict) -> list[str]:
+    """Lines comparing the SFT start (e0) and the trained policy (e1), two train.evaluate results on
+    the same questions: score, answer score and fact recall, each mean with its 95 % CI and the
+    paired RL - SFT difference with its CI (when the results carry per-question values)."""
+    pq0, pq1 = e0.get("per_question") or {}, e1.get("per_question") or {}
+    labels = (("score", "held-out score (mean of 4 stage scores):"),
+              ("answer", "held-out answer score:                  "),
+              ("fact_recall", "held-out fact recall:                   "))
+    out = []
+    for key, label in labels:
+        line = f"{label} SFT {e0[key]:.3f}"
+        a, b = pq0.get(key), pq1.get(key)
+        if a and b and len(a) == len(b):
+            lo0, hi0 = bootstrap_ci(a)
+            lo1, hi1 = bootstrap_ci(b)
+            dlo, dhi = bootstrap_ci(np.asarray(b) - np.asarray(a))
+            line += (f" [{lo0:.3f}, {hi0:.3f}] -> RL {e1[key]:.3f} [{lo1:.3f}, {hi1:.3f}]; "
+                     f"RL - SFT {e1[key] - e0[key]:+.3f} [{dlo:+.3f}, {dhi:+.3f}]")
+        else:
+            line += f" -> RL {e1[key]:.3f}"
+        out.append(line)
+    if pq0.get("score"):
+        out.append(f"(95% CIs: bootstrap over the {len(pq0['score'])} held-out questions, "
+                   f"{e0.get('rollouts', 0) // max(1, len(pq0['score']))} samples each)")
+    return out
+
+
+def artefact_lines(run_dir: str) -> list[str]:
+    """One line per artefact present in run_dir: its path and what it holds."""
+    out = []
+    for name, what in ARTEFACTS:
+        p = os.path.join(run_dir, name)
+        if os.path.exists(p):
+            shown = p + ("/" if os.path.isdir(p) else "")
+            out.append(f"  {shown:<40} {what}")
+    return out
+
+
+def sft_line(sft: dict) -> str:
+    """The warm-start line of the summary: trained now, or loaded from the cache (then the seconds
+    are those of the earlier training), with the final SFT loss and the filter counts."""
+    loss = sft.get("final_loss", float("nan"))
+    if sft.get("cached"):
+        text = f"SFT warm start: cached (trained earlier in {sft['train_seconds']:.0f} s, final loss {loss:.3f})"
+    else:
+        text = f"SFT warm start: trained ({sft['train_seconds']:.0f} s, final loss {loss:.3f})"
+    if sft.get("filter"):
+        text += f"; SFT filters {format_filter_counts(sft['filter'])}"
+    return text

@@ -1,0 +1,78 @@
+"""What a saved policy needs in order to be used as it was trained: the run card.
+
+A policy learns its four-stage format under one system prompt (scaffold.SYSTEM_PROMPT or, in toy mode,
+SYSTEM_PROMPT_COMPACT); asked without it, it answers out of distribution. So the final checkpoint
+carries the prompt twice:
+
+    rubricem.json     {"format": 1, "system_prompt": str, "config": the run's configuration (asdict)}
+                      read by ask.py (world, search tool and rollout limits come from "config")
+    chat template     the tokenizer's template puts the same prompt in as the default system message,
+                      so plain transformers users get it:
+                      tok.apply_chat_template([{"role": "user", "content": q}], ...) renders exactly
+                      what training rendered for [{"role": "system", ...}, {"role": "user", ...}]
+
+Not part of the paper's method.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+CARD = "rubricem.json"
+FORMAT = 1
+_BEGIN = "{#- rubricem: default system prompt -#}"
+_END = "{#- rubricem: end -#}"
+
+
+def with_default_system(template: str | None, system: str) -> str | None:
+    """A Jinja chat template that inserts `system` as the first message when the conversation has no
+    system message, then renders as `template` does (unchanged otherwise). A default added earlier by
+    this function is replaced, not stacked. None (no template) stays None."""
+    if template is None:
+        return None
+    if template.startswith(_BEGIN) and _END in template:
+        template = template.split(_END, 1)[1]
+    # json.dumps gives a double-quoted literal with \n, \" and \uXXXX escapes, which Jinja decodes.
+    head = (f"{_BEGIN}{{%- if not messages or messages[0]['role'] != 'system' %}}"
+            f"{{%- set messages = [{{'role': 'system', 'content': {json.dumps(system)}}}] + messages %}}"
+            f"{{%- endif %}}{_END}")
+    return head + template
+
+
+def save_with_run_card(out_dir: str, tokenizer, config: dict, system: str) -> None:
+    """Save `tokenizer` into out_dir with `system` as its chat template's default system message, and
+    write out_dir/rubricem.json (system prompt and `config`, a JSON-serialisable dict such as
+    dataclasses.asdict(train.Config)). The tokenizer object itself is left unchanged. Raises OSError
+    if a write fails."""
+    old = tokenizer.chat_template
+    try:
+        tokenizer.chat_template = with_default_system(old, system)
+        tokenizer.save_pretrained(out_dir)
+    finally:
+        tokenizer.chat_template = old
+    with open(os.path.join(out_dir, CARD), "w", encoding="utf-8") as fh:
+        json.dump({"format": FORMAT, "system_prompt": system, "config": config}, fh, indent=1)
+
+
+def read_run_card(model_dir: str) -> tuple[dict | None, str]:
+    """(card, where) for a model directory: its rubricem.json; else, for a run's final/ saved before
+    run cards existed, {"config": ...} from the run dir's config.json beside it (no system prompt);
+    else (None, "none"). Raises ValueError for an unreadable or unknown-format card."""
+    path = os.path.join(model_dir, CARD)
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as fh:
+                card = json.load(fh)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: unreadable run card ({e})") from None
+        if not isinstance(card, dict) or card.get("format") != FORMAT:
+            raise ValueError(f"{path}: unknown run-card format {card.get('format') if isinstance(card, dict) else card!r}")
+        return card, path
+    run_cfg = os.path.join(os.path.dirname(os.path.abspath(model_dir)), "config.json")
+    if os.path.basename(os.path.normpath(model_dir)) == "final" and os.path.isfile(run_cfg):
+        try:
+            with open(run_cfg, encoding="utf-8") as fh:
+                return {"config": json.load(fh)}, run_cfg
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{run_cfg}: unreadable run configuration ({e})") from None
+    return None, "none"
