@@ -82,7 +82,7 @@ def test_each_arm_runs_exactly_its_components(arm, tmp_path, toy_cache, monkeypa
     run = tmp_path / "run"
     assert train.main(fast_args(run, toy_cache, 2, "--arm", arm, "--set", "curriculum.K=1",
                                 "--set", "rollout.prompts_per_step=4", "--set",
-                                "reflection.max_new_tokens=48", "--set", "eval.n_questions=0")) == 0
+                                "reflection.max_new_tokens=96", "--set", "eval.n_questions=0")) == 0
     r0, r1 = metric_rows(run)
     P, m = 4, 2
     assert kinds == [kind, kind]

@@ -301,7 +301,7 @@ class _Stub:
         return [list(self.ids) for _ in prompts]
 
 
-@pytest.mark.parametrize("text, stored", [("<answer>Kuvebro is used for ink</answer>", False),
+@pytest.mark.parametrize("text, stored", [("Lesson: never put <answer>tags</answer> in a lesson.", False),
                                           ("Lesson: cite a snippet for every claim.", True)])
 def test_reflection_failing_admission_is_counted_not_stored_sec3_4(group, text, stored):
     q, ros = group

@@ -5,6 +5,7 @@ judge and tool faults SIGKILLed in the middle of a step and resumed from its lat
 checkpoints are written atomically, verified
 on load, pruned to `keep`; configuration errors name the field. The full 10-trial kill experiment is
 scripts/kill_resume_trials.py."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import torch
 import checkpoint as ckpt_mod
 import train
 from runfix import fast_args, metric_rows, run_fingerprint
+from test_reflection import ReflectionTextSampler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -26,6 +28,21 @@ STEPS = 4  # 2N with N = 2: crosses the first curriculum window's replay boundar
 # Judge faults of every kind and failing tool calls, so that the fault schedule's position is part of
 # what a resume must restore (hangs are left out: a timeout is decided by the wall clock).
 FAULTS = ("--faults", "0.3,0.5", "--set", 'faults.tool_kinds=["error"]')
+# Room for a whole lesson: the in-process runs answer reflection calls with a valid lesson
+# (lesson_sampler), so the bank compared after a resume is not empty; a 2-step SFT policy's own
+# reflections are rejected by the toy judge as cut off or degenerate.
+LESSON_ARGS = ("--set", "reflection.max_new_tokens=96")
+
+
+@contextlib.contextmanager
+def lesson_sampler():
+    """Context: train.build_sampler wrapped so that reflection calls (temperature 0.7) return a valid
+    lesson and rollouts pass through (test_reflection.ReflectionTextSampler)."""
+    build = train.build_sampler
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(train, "build_sampler",
+                  lambda cfg, model, tok: ReflectionTextSampler(build(cfg, model, tok), tok, []))
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +54,11 @@ def references(tmp_path_factory, toy_cache):
     def get(*extra):
         if extra not in made:
             d = tmp_path_factory.mktemp("reference") / "run"
-            assert train.main(fast_args(d, toy_cache, STEPS, *extra)) == 0
+            if extra:  # subprocess comparisons (SIGKILL) run the plain sampler
+                assert train.main(fast_args(d, toy_cache, STEPS, *extra)) == 0
+            else:
+                with lesson_sampler():
+                    assert train.main(fast_args(d, toy_cache, STEPS, *LESSON_ARGS)) == 0
             made[extra] = (d, run_fingerprint(d))
         return made[extra]
     return get
@@ -53,10 +74,12 @@ def test_stop_after_n_then_resume_equals_uninterrupted_2n_run_alg1(tmp_path, toy
                                                                    capsys):
     ref_dir, ref = reference
     d = tmp_path / "run"
-    assert train.main(fast_args(d, toy_cache, STEPS, "--set", "checkpoint.stop_after=2")) == 0
-    assert "continue with --resume latest" in capsys.readouterr().out
-    assert [r["step"] for r in metric_rows(d)] == [0, 1] and not (d / "final").exists()
-    assert train.main(fast_args(d, toy_cache, STEPS, "--resume")) == 0
+    with lesson_sampler():
+        assert train.main(fast_args(d, toy_cache, STEPS, *LESSON_ARGS,
+                                    "--set", "checkpoint.stop_after=2")) == 0
+        assert "continue with --resume latest" in capsys.readouterr().out
+        assert [r["step"] for r in metric_rows(d)] == [0, 1] and not (d / "final").exists()
+        assert train.main(fast_args(d, toy_cache, STEPS, *LESSON_ARGS, "--resume")) == 0
     got = run_fingerprint(d)
     assert got == ref  # metrics (no time/*), bank bytes, weights bytes, buffers, samples, eval
     assert [r["step"] for r in got["metrics"]] == list(range(STEPS))
