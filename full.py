@@ -177,13 +177,43 @@ def init_distributed(env: DistEnv | None = None, timeout_min: float | None = Non
     return env
 
 
+_GROUP_TORN_DOWN = False  # set by _shutdown(): this process ran collectives; see exit_process
+
+
 def _shutdown() -> None:
     """End of a multi-rank run: wait for every rank, then destroy the process group, so that no rank
-    exits while a peer still uses its connections (gloo aborts the survivor otherwise)."""
+    exits while a peer still uses its connections (gloo aborts the survivor otherwise). The process
+    should then end through `exit_process`."""
+    global _GROUP_TORN_DOWN
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         if torch.distributed.get_world_size() > 1:
             torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+        _GROUP_TORN_DOWN = True
+
+
+def exit_process(code: int) -> None:
+    """End the process with exit code `code` (an int, 0-255); never returns.
+
+    After `_shutdown()` the gloo backend's worker threads are still alive (DeepSpeed keeps references
+    to its groups, so destroy_process_group does not end them). A worker may still be releasing
+    the last collective's work object, whose tensors belong to Python objects: it then takes the
+    GIL. If the interpreter is already finalizing, that thread is ended inside a C++ destructor and
+    libstdc++ aborts the process ("terminate called without an active exception", SIGABRT), after a
+    run that completed; the more loaded the machine, the wider that window. So once a process group
+    was torn down, the process flushes its output and logs and leaves with os._exit, before
+    finalization. Every file of a run is written and closed (or atomically renamed) before this.
+    Otherwise it is sys.exit(code) (raises SystemExit).
+    """
+    if not _GROUP_TORN_DOWN:
+        sys.exit(code)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can be written
+            pass
+    os._exit(code)
 
 
 def _world() -> tuple[int, int]:
@@ -1254,4 +1284,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -1518,4 +1518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _code = main()
+    if "full" in sys.modules:  # a ZeRO-3 rank: leave without racing gloo's threads (full.exit_process)
+        sys.modules["full"].exit_process(_code)
+    sys.exit(_code)

@@ -10,8 +10,10 @@ Each `FakeServer` binds 127.0.0.1 on a free port, speaks its API's wire format, 
 Actions (dicts): {"status": 429} an error status; {"drop": True} close the connection unanswered;
 {"sleep": s} wait s seconds, then the automatic reply; {"text": "..."} this model text; {"json": obj} this object as model text; {"mutate": fn}
 fn(automatic object) as model text; {"body": "..."} this raw HTTP body with status 200.
-Threads are daemons and closing does not wait for them, so a deliberately slow reply never blocks a
-test's teardown.
+Closing shuts every open client connection (a handler waiting for the next request on a kept-alive
+connection ends at once) and waits for the handler threads, a deliberately slow reply included (at most
+its sleep), so no thread of the server outlives its test (tests/conftest.py fails a test that leaves
+one).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import collections
 import hashlib
 import json
 import re
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -46,6 +49,7 @@ class FakeServer:
         self.requests: list[dict] = []
         self.errors: list[str] = []
         self._lock = threading.Lock()
+        self._conns: dict = {}  # open client socket -> its handler thread; both ended by close()
         self._httpd = _Server(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
                                         daemon=True)
@@ -66,7 +70,16 @@ class FakeServer:
     def close(self) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
+        with self._lock:
+            conns = list(self._conns.items())
+        for c, _ in conns:  # a handler blocked reading the next request on a kept-alive connection ends
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         self._thread.join(timeout=2)
+        for _, th in conns:
+            th.join(timeout=10)
 
     # request handling --------------------------------------------------------------------------
     def _handler(self):
@@ -77,6 +90,19 @@ class FakeServer:
 
             def log_message(self, *a):  # keep test output clean
                 pass
+
+            def setup(self):
+                super().setup()
+                with server._lock:
+                    server._conns[self.connection] = threading.current_thread()
+
+            def finish(self):
+                with server._lock:
+                    server._conns.pop(self.connection, None)
+                try:
+                    super().finish()
+                except OSError:  # the connection was shut down by close()
+                    pass
 
             def do_POST(self):
                 n = int(self.headers.get("Content-Length", 0))

@@ -16,6 +16,7 @@ Qwen3 given a short SFT warm start, so that it writes tool calls and stage tags.
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -42,12 +43,26 @@ def _env():
             "GEMINI_API_KEY": TEST_KEY, "SERPER_API_KEY": TEST_KEY}
 
 
-def _run(cmd, timeout=600):
+LAUNCH_TIMEOUT_S = float(os.environ.get("RUBRICEM_TEST_LAUNCH_TIMEOUT_S", 1200))
+
+
+def _run(cmd, timeout=LAUNCH_TIMEOUT_S):
+    """Run one launch to completion in its own process group; returns its wall time in seconds.
+    On a timeout the whole group (torchrun and its ranks) is killed, so no orphaned rank keeps
+    loading the CPU for the tests that follow. A failure or timeout fails the test with the output."""
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
-    if r.returncode != 0:  # the whole stderr minus progress bars: a rank's own traceback is there
-        err = [ln for ln in r.stderr.splitlines() if "it/s]" not in ln and "FutureWarning" not in ln]
-        pytest.fail(f"exit code {r.returncode}: {' '.join(cmd[:8])} ...\nstdout:\n{r.stdout[-2000:]}\n"
+    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+        what = f"exit code {p.returncode}"
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        what = f"timed out after {timeout:.0f} s"
+    if p.returncode != 0:  # the whole stderr minus progress bars: a rank's own traceback is there
+        err = [ln for ln in err.splitlines() if "it/s]" not in ln and "FutureWarning" not in ln]
+        pytest.fail(f"{what}: {' '.join(cmd[:8])} ...\nstdout:\n{out[-2000:]}\n"
                     "stderr:\n" + "\n".join(err[-120:]), pytrace=False)
     return time.perf_counter() - t0
 

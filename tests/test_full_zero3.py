@@ -88,6 +88,31 @@ def test_dist_env_reads_launcher_variables_and_names_bad_ones():
         full.dist_env({"WORLD_SIZE": "2", "RANK": "2"})
 
 
+def test_rank_leaves_before_finalization_after_the_process_group_is_torn_down(tmp_path):
+    """full.exit_process: once _shutdown() has taken a gloo group down (its worker threads live on,
+    as with DeepSpeed's references), the process ends with the given code and flushed output but
+    without interpreter finalization (no atexit handler runs), so no gloo thread can need the GIL of
+    a finalizing interpreter; without a torn-down group it is sys.exit."""
+    code = ("import atexit, sys, torch.distributed as dist, full\n"
+            "atexit.register(lambda: print('finalized', flush=True))\n"
+            "if sys.argv[1] == 'group':\n"
+            f"    dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=0,"
+            " world_size=1)\n"
+            "    keep = dist.group.WORLD\n"
+            "    out = [None]\n"
+            "    dist.scatter_object_list(out, [('stop', None)], src=0)\n"
+            "    full._shutdown()\n"
+            "print('last words', end='')\n"
+            "full.exit_process(7)\n")
+    env = {**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""}
+    runs = {kind: subprocess.run([sys.executable, "-c", code, kind], cwd=ROOT, env=env,
+                                 capture_output=True, text=True, timeout=120)
+            for kind in ("group", "none")}
+    assert runs["group"].returncode == 7, runs["group"].stderr[-2000:]
+    assert runs["group"].stdout == "last words"  # flushed; atexit (finalization) skipped
+    assert runs["none"].returncode == 7 and runs["none"].stdout == "last wordsfinalized\n"
+
+
 def test_toy_mode_and_dry_run_never_import_deepspeed_or_vllm():
     code = ("import sys, full, train\n"
             "text, problems = full.dry_run(train.full_preset(), {'GEMINI_API_KEY': 'sekrit-123'})\n"

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -248,10 +249,12 @@ def ckpt(tmp_path_factory):
 
 
 class Worker:
-    """Stand-in for vllm_sync_ext.WeightSyncExt: records chunks; optional delay per load."""
+    """Stand-in for vllm_sync_ext.WeightSyncExt: records chunks; optional delay per load, cut short
+    by `release.set()` (a test that times a load out releases it before it ends)."""
 
     def __init__(self, delay=0.0, tied=True):
         self.delay, self.tied, self.chunks, self.open, self.paths = delay, tied, [], False, []
+        self.release = threading.Event()
 
     def __call__(self, method, kw):
         if method == "rubricem_sync_begin":
@@ -260,7 +263,8 @@ class Worker:
             return {"tied_lm_head": self.tied, "t_s": 0.0}
         if method == "rubricem_sync_load":
             assert self.open
-            time.sleep(self.delay)
+            if self.delay:
+                self.release.wait(self.delay)
             self.chunks.append(list(kw["weights"]))
             return {"n": len(kw["weights"])}
         if method == "rubricem_sync_finish":
@@ -313,14 +317,17 @@ def test_sync_missing_or_repeated_tensor_raises_and_blocks_sampling_sec3_3(ckpt)
     assert not llm.rpc.open  # the worker's transaction was closed after the failure
 
 
-def test_sync_timeout_raises_and_rebuild_repairs_sec3_3(ckpt, monkeypatch):
+def test_sync_timeout_raises_and_rebuild_repairs_sec3_3(ckpt, monkeypatch, request):
     d, tok, model = ckpt
-    w = Worker(delay=1.0)
+    w = Worker(delay=30.0)
     s, llm = fake_sampler(tok, lambda p: [5], d, rpc=w)
+    before = set(threading.enumerate())
     t0 = time.perf_counter()
     with pytest.raises(WeightSyncError, match="rebuild=True"):
         s.sync_weights(model.state_dict().items(), timeout_s=0.2)
     assert time.perf_counter() - t0 < 0.9  # the wait ends at the deadline, not when the rpc does
+    (stuck,) = [t for t in threading.enumerate() if t not in before and t.name.startswith("vllm-")]
+    request.addfinalizer(lambda: (w.release.set(), stuck.join(10)))
     with pytest.raises(WeightSyncError):
         s.generate([[1, 2]], [3], 1.0)
     with pytest.raises(WeightSyncError, match="still running"):
@@ -330,6 +337,7 @@ def test_sync_timeout_raises_and_rebuild_repairs_sec3_3(ckpt, monkeypatch):
     rep = s.reload_from_checkpoint(d)  # an rpc is still in flight: forced rebuild
     assert rep["mode"] == "rebuild" and built == [d]
     assert s.generate([[1, 2]], [3], 1.0) == [[6]]
+    assert stuck.is_alive()  # the rebuild did not wait for the abandoned rpc; the finalizer ends it
 
 
 # ----------------------------------------------------------------------------------------------------
