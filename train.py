@@ -195,7 +195,8 @@ class Config:
     dry_run: bool = False  # full mode: check the environment and print the plan only
     engine: str = "torch"  # policy engine: "torch" (one process, torch AdamW) | "zero3" (DeepSpeed
     # ZeRO-3 over the launcher's ranks, full.ZeRO3Engine)
-    sampler: str = "hf"  # rollouts: "hf" (transformers generate) | "vllm" (vllm_sampler.VLLMSampler)
+    sampler: str = "hf"  # rollouts: "hf" (transformers generate) | "kv" (kv_sampler.KVSampler: its own
+    # KV-cache decode loop, same greedy rollouts, faster on CPU) | "vllm" (vllm_sampler.VLLMSampler)
     data: DataSettings = field(default_factory=DataSettings)
     search: SearchSettings = field(default_factory=SearchSettings)
     full: FullConfig = field(default_factory=FullConfig)  # DeepSpeed settings (engine = "zero3")
@@ -290,7 +291,7 @@ def validate_config(cfg: Config) -> None:
                 or v == float("inf"):
             want = f"in [0, {hi:g}]" if hi is not None else ">= 0 and finite (0 = no limit)"
             raise ValueError(f"{name} must be a number {want}, got {v!r}")
-    for name, allowed in (("engine", ("torch", "zero3")), ("sampler", ("hf", "vllm")),
+    for name, allowed in (("engine", ("torch", "zero3")), ("sampler", ("hf", "kv", "vllm")),
                           ("judge.backend", ("toy", "gemini", "openai")),
                           ("search.backend", ("toy", "serper")), ("bank.retriever", ("bm25", "dense"))):
         if _field(cfg, name) not in allowed:
@@ -916,10 +917,15 @@ def build_judge(cfg: Config, world):
 
 
 def build_sampler(cfg: Config, model, tok):
-    """The rollout sampler on rank 0: HF generate over `model`, or vLLM loaded from cfg.model (its
-    weights follow pi_theta through the engine's sync after every update)."""
+    """The rollout sampler on rank 0: HF generate over `model` ("hf"), the KV-cache decode loop over
+    `model` ("kv", kv_sampler.KVSampler), or vLLM loaded from cfg.model (its weights follow pi_theta
+    through the engine's sync after every update)."""
     from scaffold import HFSampler
 
+    if cfg.sampler == "kv":
+        from kv_sampler import KVSampler
+
+        return KVSampler(model, tok)
     if cfg.sampler != "vllm":
         return HFSampler(model, tok)
     from vllm_sampler import VLLMSampler  # SCALE: vLLM only when asked for
