@@ -1,14 +1,15 @@
 """kv_sampler.KVSampler against the reference sampler scaffold.HFSampler (HF generate), §3.1-3.2:
 greedy rollouts are the same ids (stop ids, a multi-token stop string, budgets, batching, the tool
-loop of the rollout engine); at T = 1 every next-token log-prob is a full forward's to 1e-5, and
-while no row has stopped the draws are generate's draws from the same seed.
+loop of the rollout engine); at T = 1 every next-token log-prob is a full forward's to 1e-5, the
+inverse-CDF draw has the distribution's frequencies, and with draw="multinomial" the draws are
+generate's draws from the same seed while no row has stopped.
 """
 import pytest
 import torch
 
 import policy
 import toyfix as tf
-from kv_sampler import KVSampler
+from kv_sampler import KVSampler, draw_inverse_cdf
 from scaffold import HFSampler
 
 
@@ -57,14 +58,15 @@ class Force:
         self.h.remove()
 
 
-def both(model, tok, prompts, budgets, temperature, seed=0, force=None, **kw):
-    """(HFSampler ids, KVSampler ids) for the same call and seed."""
+def both(model, tok, prompts, budgets, temperature, seed=0, force=None, draw=(), **kw):
+    """(HFSampler ids, KVSampler ids) for the same call and seed; draw: KVSampler's draw."""
     got = []
     for cls in (HFSampler, KVSampler):
         hook = Force(model, *force) if force else None
         try:
             torch.manual_seed(seed)
-            got.append(cls(model, tok, **kw).generate(prompts, budgets, temperature))
+            extra = {"draw": draw[0]} if draw and cls is KVSampler else {}
+            got.append(cls(model, tok, **kw, **extra).generate(prompts, budgets, temperature))
         finally:
             if hook:
                 hook.remove()
@@ -109,7 +111,8 @@ def test_t1_draws_equal_hf_while_no_row_stops_sec3_1(tok, model):
     same logits, same multinomial calls on the same seed, same tokens."""
     p = prompt(tok)
     block = HFSampler(model, tok).stop_token_ids
-    hf, kv = both(model, tok, [p, p[:9], p[4:]], [48] * 3, 1.0, seed=5, force=([], block))
+    hf, kv = both(model, tok, [p, p[:9], p[4:]], [48] * 3, 1.0, seed=5, force=([], block),
+                  draw=("multinomial",))
     assert kv == hf and all(len(x) == 48 for x in kv)
 
 
@@ -161,3 +164,22 @@ def test_config_sampler_kv_builds_the_kv_sampler(tok, model):
     cfg.sampler = "hf"
     s = train.build_sampler(cfg, model, tok)
     assert isinstance(s, HFSampler) and not isinstance(s, KVSampler)
+
+
+def test_inverse_cdf_draw_has_the_distribution_frequencies_sec3_1():
+    """Every row a draw from p: frequencies within 5 sigma over 200,000 rows, zero-probability ids
+    never drawn, the last id reachable, and the float32 cumulative sums of an 8k-vocabulary softmax
+    within 1e-6 of exact ones."""
+    p = torch.tensor([0.5, 0.25, 0.0, 0.125, 0.0625, 0.0, 0.0625])
+    N = 200_000
+    torch.manual_seed(0)
+    x = draw_inverse_cdf(p.expand(N, -1))
+    freq = torch.bincount(x, minlength=len(p)).double() / N
+    sigma = (p.double() * (1 - p.double()) / N).sqrt()
+    assert ((freq - p.double()).abs() <= 5 * sigma + 1e-12).all(), freq
+    assert freq[2] == 0 and freq[5] == 0 and freq[6] > 0
+    big = torch.softmax(torch.randn(64, 8192) * 3, dim=-1)
+    exact = big.double().cumsum(-1)
+    assert float((big.cumsum(-1).double() - exact).abs().max()) < 1e-6
+    with pytest.raises(ValueError):
+        KVSampler(policy.build_tiny_qwen3(tf.tiny_tokenizer(), "XS"), tf.tiny_tokenizer(), draw="x")
