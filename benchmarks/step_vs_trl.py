@@ -21,9 +21,11 @@ TRL side (only when `trl` is importable): the harness's own GRPOTrainer run; aft
 the project sides run one step on that step's prompts (TRL's step timer has stopped by then).
 Without trl the project sides run alone on the harness's prompts (trl fields print as nan).
 
-Every step reports wall seconds, the generate / update split, completion tokens and cpu_util =
-process CPU seconds / wall seconds; steps with cpu_util < 0.8 x threads were contended (another
-process had a core) and are left out of the medians. The first step of each side is warm-up.
+Every step reports wall seconds, the generate / update split, completion tokens, process CPU seconds
+and cpu_util = CPU seconds / wall seconds; steps with cpu_util < 0.8 x threads were contended
+(another process had a core) and are left out of the wall-time medians. CPU seconds per step (median
+over all timed steps) change much less under contention, so their ratio is printed too. The first
+step of each side is warm-up.
 
 Run (2 CPU cores, about 1 minute per step pair):
     python benchmarks/step_vs_trl.py                          # project side only (no trl)
@@ -156,7 +158,7 @@ class ProjectSide:
         flat = [p for p in pids for _ in range(G)]
         new = self.sampler.generate(flat, [self.a.max_completion_length] * len(flat),
                                     h.ARGS.temperature)
-        t_gen = time.perf_counter() - t0
+        t_gen, c_gen = time.perf_counter() - t0, time.process_time() - c0
         texts = self.tok.batch_decode(new, skip_special_tokens=True)
         r = h.target_word_reward([p for p in prompts for _ in range(G)], texts, new,
                                  [t for t in targets for _ in range(G)])
@@ -172,23 +174,28 @@ class ProjectSide:
             train.batch_logprobs(self.model, ub, self.tok.pad_token_id, self.cfg.micro_batch)
         st = train.policy_update(self.model, self.ref, self.opt, ub, self.cfg, self.tok.pad_token_id,
                                  self.rng)
-        dt = time.perf_counter() - t0
-        row = {"step_s": dt, "gen_s": t_gen, "update_s": dt - t_gen,
-               "tokens": sum(len(c) for c in new), "cpu_util": (time.process_time() - c0) / dt,
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+        row = {"step_s": dt, "gen_s": t_gen, "update_s": dt - t_gen, "cpu_s": cpu,
+               "gen_cpu_s": c_gen, "update_cpu_s": cpu - c_gen,
+               "tokens": sum(len(c) for c in new), "cpu_util": cpu / dt,
                "load1": os.getloadavg()[0], "loss": st.get("loss/total", float("nan"))}
         self.rows.append(row)
         print(f"[{self.name:>4} step {len(self.rows) - 1:>2}] step_s={dt:.3f} gen_s={t_gen:.3f} "
-              f"update_s={row['update_s']:.3f} tokens={row['tokens']} cpu_util={row['cpu_util']:.2f} "
-              f"load1={row['load1']:.2f}", flush=True)
+              f"update_s={row['update_s']:.3f} tokens={row['tokens']} cpu_s={cpu:.3f} "
+              f"(gen {c_gen:.3f}) cpu_util={row['cpu_util']:.2f} load1={row['load1']:.2f}", flush=True)
         return row
 
 
-def medians(rows: list[dict], threads: int, keys=("step_s", "gen_s", "update_s")) -> dict:
+def medians(rows: list[dict], threads: int,
+            keys=("step_s", "gen_s", "update_s", "cpu_s", "gen_cpu_s", "update_cpu_s")) -> dict:
     """Medians over the timed steps (after warm-up) that were not contended."""
     timed = rows[1:] if len(rows) > 1 else rows
     quiet = [r for r in timed if r["cpu_util"] >= 0.8 * threads]
     use = quiet or timed
-    out = {k: statistics.median(r[k] for r in use) for k in keys}
+    out = {k: statistics.median(r.get(k, float("nan")) for r in use) for k in keys}
+    # Process CPU seconds are far less sensitive to other processes than wall seconds: the figure
+    # to compare when every step was contended.
+    out["cpu_s_all"] = statistics.median(r.get("cpu_s", float("nan")) for r in timed)
     out.update(n_timed=len(timed), n_quiet=len(quiet), contended=not quiet,
                tokens=statistics.median(r["tokens"] for r in use))
     return out
@@ -258,6 +265,7 @@ def main(argv=None) -> int:
         h.main(h.ARGS)  # prints the harness's own lines, hashes included
         for r in trl_rows:
             r["update_s"] = r["rest_s"] + r["reward_s"]
+            r["cpu_s"] = r["cpu_util"] * r["step_s"]
     else:
         data = h.build_dataset(a.seed, lexicon, h.ARGS.num_prompts)
         order = list(range(len(data)))
@@ -273,15 +281,18 @@ def main(argv=None) -> int:
         res[s.name] = m = medians(s.rows, threads)
         print(f"  project[{s.name}{'+two-pass' if a.two_pass else ''}] step_s={m['step_s']:.3f} "
               f"gen_s={m['gen_s']:.3f} update_s={m['update_s']:.3f} tokens={m['tokens']:.0f} "
+              f"cpu_s={m['cpu_s_all']:.3f} (gen {m['gen_cpu_s']:.3f} update {m['update_cpu_s']:.3f}) "
               f"quiet_steps={m['n_quiet']}/{m['n_timed']}{' CONTENDED' if m['contended'] else ''}")
     trl = medians(trl_rows, threads) if trl_rows else None
     if trl:
         print(f"  trl step_s={trl['step_s']:.3f} gen_s={trl['gen_s']:.3f} update_s={trl['update_s']:.3f} "
-              f"tokens={trl['tokens']:.0f} quiet_steps={trl['n_quiet']}/{trl['n_timed']}"
+              f"tokens={trl['tokens']:.0f} cpu_s={trl['cpu_s_all']:.3f} "
+              f"quiet_steps={trl['n_quiet']}/{trl['n_timed']}"
               f"{' CONTENDED' if trl['contended'] else ''}")
         for n, m in res.items():
             print(f"  ratio project[{n}]/trl: step {m['step_s'] / trl['step_s']:.3f} "
-                  f"gen {m['gen_s'] / trl['gen_s']:.3f} update {m['update_s'] / trl['update_s']:.3f}")
+                  f"gen {m['gen_s'] / trl['gen_s']:.3f} update {m['update_s'] / trl['update_s']:.3f}; "
+                  f"cpu seconds per step {m['cpu_s_all'] / trl['cpu_s_all']:.3f}")
     if any(m["contended"] for m in res.values()) or (trl and trl["contended"]):
         print("WARNING: every timed step of some side was contended (cpu_util < 0.8 x threads); "
               "its figures are not a clean measurement", file=sys.stderr)
