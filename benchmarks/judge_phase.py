@@ -101,6 +101,9 @@ def main(argv=None) -> int:
     print(f"judge phase: P={P} groups x n={n} rollouts, concurrency C={C}; {P * (1 + n)} calls per step")
     rows = []
     with FakeServer("gemini") as server:
+        # The stdlib server listens with a backlog of 5: more simultaneous connects than that wait
+        # for a SYN retry (1 s). A real endpoint accepts them; so does this one after a re-listen.
+        server._httpd.socket.listen(256)
         phase(server, 0.0, 1, 2, C, False)  # warm-up: imports, connection pool
         for L in a.latency:
             seq, r1 = phase(server, L, P, n, C, False)
