@@ -192,7 +192,8 @@ def medians(rows: list[dict], threads: int,
     timed = rows[1:] if len(rows) > 1 else rows
     quiet = [r for r in timed if r["cpu_util"] >= 0.8 * threads]
     use = quiet or timed
-    out = {k: statistics.median(r.get(k, float("nan")) for r in use) for k in keys}
+    out = {k: statistics.median(r.get(k, float("nan")) for r in (timed if "cpu" in k else use))
+           for k in keys}
     # Process CPU seconds are far less sensitive to other processes than wall seconds: the figure
     # to compare when every step was contended.
     out["cpu_s_all"] = statistics.median(r.get("cpu_s", float("nan")) for r in timed)
