@@ -140,8 +140,7 @@ class KVSampler(HFSampler):
         rows = torch.arange(B, device=dev)  # batch row -> original row
         nxt_pos = pos[:, -1:] + 1
         steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
-        texts = [""] * B if self._string_stops else None
-        toks: list[list[int]] = [[] for _ in range(B)]
+        toks: list[list[int]] = [[] for _ in range(B)]  # per row, for the stop-string check
         for t in range(max(limits)):
             logits = logits.float()
             if temperature > 0:
@@ -154,7 +153,7 @@ class KVSampler(HFSampler):
                 if return_logprobs else None
             steps.append((rows, tok, lp))
             done = torch.isin(tok, stop_ids) | (limit[rows] <= t + 1)
-            if texts is not None:
+            if self._string_stops:
                 done = done | self._string_stop_hits(rows, tok, toks)
             if bool(done.any()):
                 keep = (~done).nonzero().squeeze(1)
