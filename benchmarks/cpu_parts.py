@@ -5,8 +5,9 @@ Sampling (§3.1): one token draw over (32, 8192) probabilities with torch.multin
 draw) and with kv_sampler.draw_inverse_cdf, next to one lm-head projection of 32 rows. Update (§3.3,
 train.policy_update's work on 32 sequences of 28 prompt + 128 response tokens): the reference
 forward (train.batch_logprobs), the policy forward (policy.token_logprobs with gradient, with and
-without its lm-head recompute) and the backward of the SS-GRPO loss, AdamW's step. CPU seconds,
-because on a shared machine they change far less than wall seconds.
+without its lm-head recompute) and the backward of the SS-GRPO loss, AdamW's step. Token advantages
+of a toy step (one ss_grpo.token_advantages call per rollout, as the loop, against one call). CPU
+seconds, because on a shared machine they change far less than wall seconds.
 
 Run:
     python benchmarks/cpu_parts.py --threads 1
@@ -87,7 +88,37 @@ def main(argv=None) -> int:
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     print(f"update AdamW step: {cpu(opt.step)[1]:.3f} s (CPU)")
+    token_advantage_parts()
     return 0
+
+
+def token_advantage_parts(n: int = 64, P: int = 40, T: int = 300) -> None:
+    """Token advantages of a toy step's n rollouts (P prompt + T response tokens): one
+    ss_grpo.token_advantages call per rollout, as the training loop makes them, against one call."""
+    import torch
+
+    import ss_grpo
+
+    g = torch.Generator().manual_seed(0)
+    A = torch.randn(n, 4, generator=g)  # (n, K)
+    stages = [sorted(torch.randint(0, 4, (T,), generator=g).tolist()) for _ in range(n)]
+
+    def per_rollout():
+        return [ss_grpo.token_advantages(A[i:i + 1], torch.tensor([-1] * P + stages[i])[None],
+                                         torch.tensor([0] * P + [1] * T)[None])[0].tolist()
+                for i in range(n)]
+
+    def batched():
+        st = torch.full((n, P + T), -1)
+        st[:, P:] = torch.tensor(stages)
+        mk = torch.zeros((n, P + T), dtype=torch.long)
+        mk[:, P:] = 1
+        return [row.tolist() for row in ss_grpo.token_advantages(A, st, mk)]
+
+    assert per_rollout() == batched()
+    for name, f in (("per rollout", per_rollout), ("batched", batched)):
+        print(f"token advantages {name}: {cpu(f, 20)[1] * 1e3:.2f} ms CPU per step "
+              f"({n} rollouts of {P} + {T} tokens)", flush=True)
 
 
 if __name__ == "__main__":
