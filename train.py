@@ -202,7 +202,8 @@ class Config:
     dry_run: bool = False  # full mode: check the environment and print the plan only
     engine: str = "torch"  # policy engine: "torch" (one process, torch AdamW) | "zero3" (DeepSpeed
     # ZeRO-3 over the launcher's ranks, full.ZeRO3Engine)
-    sampler: str = "hf"  # rollouts: "hf" (transformers generate) | "vllm" (vllm_sampler.VLLMSampler)
+    sampler: str = "hf"  # rollouts: "hf" (transformers generate) | "kv" (kv_sampler.KVSampler: its own
+    # KV-cache decode loop, same greedy rollouts, faster on CPU) | "vllm" (vllm_sampler.VLLMSampler)
     data: DataSettings = field(default_factory=DataSettings)
     search: SearchSettings = field(default_factory=SearchSettings)
     full: FullConfig = field(default_factory=FullConfig)  # DeepSpeed settings (engine = "zero3")
@@ -319,7 +320,7 @@ def validate_config(cfg: Config) -> None:
                 or v == float("inf"):
             want = f"in [0, {hi:g}]" if hi is not None else ">= 0 and finite (0 = no limit)"
             raise ValueError(f"{name} must be a number {want}, got {v!r}")
-    for name, allowed in (("engine", ("torch", "zero3")), ("sampler", ("hf", "vllm")),
+    for name, allowed in (("engine", ("torch", "zero3")), ("sampler", ("hf", "kv", "vllm")),
                           ("judge.backend", ("toy", "gemini", "openai")),
                           ("search.backend", ("toy", "serper")), ("bank.retriever", ("bm25", "dense"))):
         if _field(cfg, name) not in allowed:
@@ -567,6 +568,12 @@ def policy_update(model, ref_model, opt, batch: UpdateBatch, cfg: SSGRPOConfig, 
     """SS-GRPO update on one batch (§3.3): old log-probs once, then `minibatches` optimizer steps,
     each accumulating micro-batches with the minibatch's global normalisers.
 
+    With a single optimizer step per batch (min(minibatches, sequences) == 1, one epoch) the policy
+    has not moved when its loss is computed, so pi_theta_old = pi_theta: the old log-probs are the
+    detached log-probs of the loss's own forward (rho = 1 exactly) instead of a second, no-grad
+    forward over the batch. Loss and gradient are those of the two-pass form up to float rounding
+    (tests/test_update_faults.py checks gradients to 1e-6).
+
     Returns the means over minibatches of "loss/total", "loss/policy", "kl", "clip_frac" and
     "grad_norm" (pre-clip L2 norm), {} for an empty batch. Not in the paper: a minibatch without a
     single loss-masked token (every response empty or masked) has no loss to normalise; it is
@@ -580,11 +587,13 @@ def policy_update(model, ref_model, opt, batch: UpdateBatch, cfg: SSGRPOConfig, 
 
     if not batch.ids:
         return {}
-    old = batch_logprobs(model, batch, pad_id, cfg.micro_batch)
+    n_mb = max(1, min(cfg.minibatches, len(batch.ids)))
+    # One optimizer step: pi_theta_old is the current policy; its log-probs come with the loss's
+    # forward (None here). Several steps: they are fixed once, before the first step moves theta.
+    old = batch_logprobs(model, batch, pad_id, cfg.micro_batch) if n_mb > 1 else None
     ref = batch_logprobs(ref_model, batch, pad_id, cfg.micro_batch) if cfg.beta > 0 else None
     order = list(range(len(batch.ids)))
     rng.shuffle(order)
-    n_mb = max(1, min(cfg.minibatches, len(order)))
     mbs = [order[j::n_mb] for j in range(n_mb)]
     model.train()
     tot = {"loss/total": 0.0, "loss/policy": 0.0, "kl": 0.0, "clip_frac": 0.0, "grad_norm": 0.0}
@@ -604,10 +613,13 @@ def policy_update(model, ref_model, opt, batch: UpdateBatch, cfg: SSGRPOConfig, 
             old_lp = torch.zeros(len(idx), L)
             ref_lp = torch.zeros(len(idx), L)
             for r, i in enumerate(idx):
-                old_lp[r, : len(old[i])] = old[i]
+                if old is not None:
+                    old_lp[r, : len(old[i])] = old[i]
                 if ref is not None:
                     ref_lp[r, : len(ref[i])] = ref[i]
             logp = token_logprobs(model, ids, att)
+            if old is None:  # one optimizer step: log pi_theta_old = log pi_theta (detached), rho = 1
+                old_lp = logp.detach()
             # L = agg(-min(rho A, clip(rho, 1-eta, 1+eta) A)) + beta * agg(k3)   (§3.3)
             loss, st = ss_grpo.ss_grpo_loss(logp, old_lp, ref_lp if ref is not None else None, adv,
                                             mask, eta=cfg.eta, beta=cfg.beta, agg=cfg.agg,
@@ -1012,10 +1024,15 @@ def build_judge(cfg: Config, world):
 
 
 def build_sampler(cfg: Config, model, tok):
-    """The rollout sampler on rank 0: HF generate over `model`, or vLLM loaded from cfg.model (its
-    weights follow pi_theta through the engine's sync after every update)."""
+    """The rollout sampler on rank 0: HF generate over `model` ("hf"), the KV-cache decode loop over
+    `model` ("kv", kv_sampler.KVSampler), or vLLM loaded from cfg.model (its weights follow pi_theta
+    through the engine's sync after every update)."""
     from scaffold import HFSampler
 
+    if cfg.sampler == "kv":
+        from kv_sampler import KVSampler
+
+        return KVSampler(model, tok)
     if cfg.sampler != "vllm":
         return HFSampler(model, tok)
     from vllm_sampler import VLLMSampler  # SCALE: vLLM only when asked for

@@ -1,0 +1,118 @@
+"""train.policy_update with one optimizer step per batch (§3.3): pi_theta_old is the current policy,
+so the old log-probs come from the loss's own forward (detached, rho = 1) instead of a second
+forward pass. The gradient must be the two-pass form's (old log-probs from a separate no-grad
+forward, as with several minibatches) to 1e-6, and the policy must be run once, not twice.
+"""
+import random
+
+import pytest
+import torch
+
+import policy
+import ss_grpo
+import train
+from train import SSGRPOConfig, UpdateBatch
+
+V, PAD = 64, 0
+
+
+def tiny_qwen3(seed: int = 0):
+    """A randomly initialised XS Qwen3 (policy.SIZES) over a 64-token vocabulary."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=V, max_position_embeddings=128, tie_word_embeddings=True,
+                      pad_token_id=PAD, **policy.SIZES["XS"])
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+def make_batch(n: int, seed: int = 0) -> UpdateBatch:
+    """n sequences of 3-5 prompt tokens (mask 0) and 5-12 response tokens, one with a masked
+    (tool-output) stretch, advantages varying per token."""
+    g = torch.Generator().manual_seed(seed)
+    b = UpdateBatch()
+    for i in range(n):
+        P, T = 3 + i % 3, 5 + (7 * i) % 8
+        m = [0] * P + [1] * T
+        if i % 3 == 1:
+            m[P + 2: P + 4] = [0, 0]  # environment tokens inside the response
+        a = (torch.rand(P + T, generator=g) * 2 - 1).tolist()
+        b.ids.append(torch.randint(1, V, (P + T,), generator=g).tolist())
+        b.mask.append(m)
+        b.adv.append([x * y for x, y in zip(a, m)])
+        b.kind.append("task")
+    return b
+
+
+class RecordingOpt:
+    """Optimizer stand-in: keeps the gradients handed to step() and leaves the weights alone."""
+
+    def __init__(self, params):
+        self.params, self.grads = list(params), None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        self.grads = [p.grad.detach().clone() for p in self.params]
+
+
+def two_pass_grads(model, ref_model, batch: UpdateBatch, cfg: SSGRPOConfig):
+    """Gradient and loss of the SS-GRPO loss with pi_theta_old from a separate no-grad forward."""
+    old = train.batch_logprobs(model, batch, PAD, cfg.micro_batch)
+    ref = train.batch_logprobs(ref_model, batch, PAD, cfg.micro_batch)
+    idx = list(range(len(batch.ids)))
+    ids, att, mask, adv = train.pad_rows(batch, idx, PAD)
+    old_lp, ref_lp = torch.zeros(ids.shape), torch.zeros(ids.shape)
+    for i in idx:
+        old_lp[i, : len(old[i])], ref_lp[i, : len(ref[i])] = old[i], ref[i]
+    model.zero_grad(set_to_none=True)
+    model.train()
+    logp = policy.token_logprobs(model, ids, att)
+    loss, st = ss_grpo.ss_grpo_loss(logp, old_lp, ref_lp, adv, mask, eta=cfg.eta, beta=cfg.beta,
+                                    agg=cfg.agg, num_sequences=len(idx),
+                                    num_tokens=float(mask.sum()))
+    loss.backward()
+    model.eval()
+    grads = [p.grad.detach().clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return grads, float(st["loss/total"])
+
+
+@pytest.mark.parametrize("agg", ss_grpo.AGG_MODES)
+@pytest.mark.parametrize("micro", [3, 16])
+def test_s33_one_step_update_has_the_two_pass_gradient(agg, micro):
+    model = tiny_qwen3()
+    ref_model = tiny_qwen3(seed=1)  # a different reference, so the KL term has a gradient
+    batch = make_batch(7)
+    cfg = SSGRPOConfig(minibatches=1, micro_batch=micro, agg=agg, beta=0.04, grad_clip=1e9)
+    want, want_loss = two_pass_grads(model, ref_model, batch, cfg)
+    opt = RecordingOpt(model.parameters())
+    out = train.policy_update(model, ref_model, opt, batch, cfg, PAD, random.Random(0))
+    assert opt.grads is not None and out["clip_frac"] == 0.0
+    assert abs(out["loss/total"] - want_loss) < 1e-6
+    worst = max(float((g - w).abs().max()) for g, w in zip(opt.grads, want))
+    assert worst < 1e-6, worst
+    assert max(float(w.abs().max()) for w in want) > 1e-3  # a real gradient, not two zeros
+
+
+def count_forwards(model) -> list:
+    """Count the decoder forward passes of `model` (token_logprobs runs the decoder directly)."""
+    calls = []
+    model.get_decoder().register_forward_hook(lambda *a: calls.append(1))
+    return calls
+
+
+def test_s33_one_step_update_runs_the_policy_once():
+    model, ref_model = tiny_qwen3(), tiny_qwen3(seed=1)
+    calls = count_forwards(model)
+    cfg = SSGRPOConfig(minibatches=1, micro_batch=16, beta=0.001)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train.policy_update(model, ref_model, opt, make_batch(6), cfg, PAD, random.Random(0))
+    assert len(calls) == 1  # the loss's forward; no separate old-log-prob pass
+    # several optimizer steps still score pi_theta_old once before the first step
+    calls.clear()
+    cfg2 = SSGRPOConfig(minibatches=2, micro_batch=16, beta=0.001)
+    train.policy_update(model, ref_model, opt, make_batch(6), cfg2, PAD, random.Random(0))
+    assert len(calls) == 1 + 2
