@@ -238,7 +238,9 @@ def test_full_mode_two_zero3_ranks_with_the_vllm_sampler(runs, tmp_path):
                                      python=py)
         assert not servers["judge"][1] and not servers["search"][1]
         rows_m = _metrics(d)
-        assert [r["sampler/syncs"] for r in rows_m] == [1, 2]
+        # step 0: the task update's sync; step 1: the deferred reflection update's sync, then the
+        # task update's (Algorithm 1 applies step 0's reflection batch before step 1's rollouts)
+        assert [r["sampler/syncs"] for r in rows_m] == [1, 3]
         with open(d / "samples.jsonl") as fh:
             out[lr] = [json.loads(line) for line in fh]
         print(f"lr {lr}: {secs:.1f} s")
@@ -252,7 +254,7 @@ def test_full_mode_two_zero3_ranks_with_the_vllm_sampler(runs, tmp_path):
     d, _, _ = _full_run(tmp_path, "vllm-1rank", runs["model"], rows, 1, "--set", 'sampler="vllm"',
                         "--set", "ss_grpo.lr=1e-3", python=py, torchrun=True)
     one = _metrics(d)
-    assert [r["sampler/syncs"] for r in one] == [1, 2] and all(r["sampler/sync_bytes"] > 0 for r in one)
+    assert [r["sampler/syncs"] for r in one] == [1, 3] and all(r["sampler/sync_bytes"] > 0 for r in one)
     with open(d / "samples.jsonl") as fh:
         samples = [json.loads(line) for line in fh]
     assert first(samples, 0) == first(out["1e-3"], 0) and first(samples, 1) == first(out["1e-3"], 1)

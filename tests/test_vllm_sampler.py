@@ -386,6 +386,8 @@ def test_real_vllm_sampler_in_the_training_loop_syncs_after_every_update(tmp_pat
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     n_bytes = sum(p.numel() * 4 for p in ckpt[2].parameters())  # fp32 engine, tied head sent once
-    assert [r["sampler/syncs"] for r in rows] == [1, 2]
+    # step 0: the task update's sync; step 1: the deferred reflection update's sync, then the
+    # task update's (Algorithm 1 applies step 0's reflection batch before step 1's rollouts)
+    assert [r["sampler/syncs"] for r in rows] == [1, 3]
     assert all(r["sampler/sync_bytes"] == n_bytes and r["time/sync_s"] > 0 for r in rows)
     assert all(r["tokens/total"] > 0 and r["grad_norm"] > 0 for r in rows)
