@@ -182,7 +182,8 @@ def summary_lines(res: dict) -> list[str]:
     """Human-readable lines for a memory_reuse result."""
     lines = [f"memory reuse of {res['run_dir']} (arm {res['arm']}; bank {res['bank']}, "
              f"{res['bank_size']} entries; {res['n_questions']} held-out questions x {res['samples']})"]
-    for name, label in (("pass1", "pass 1, cross-episode similar"), ("pass2", "pass 2, within-episode exact")):
+    for name, label in (("pass1", "pass 1, cross-episode similar"),
+                        ("pass2", "pass 2, within-episode exact")):
         p = res[name]
         d = p["delta"]
         lines.append(f"  {label:<30} answer {p['with']['answer']:.3f} with vs {p['without']['answer']:.3f} "
@@ -201,7 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                              "pass 2 exact; with minus without memory)")
     ap.add_argument("run_dir", help="a finished train.py run (config.json, final/, bank.jsonl)")
     ap.add_argument("--bank", help="bank for pass 1 (default RUN_DIR/bank.jsonl)")
-    ap.add_argument("--n-questions", type=int, help="held-out questions (default: the run's eval.n_questions)")
+    ap.add_argument("--n-questions", type=int,
+                    help="held-out questions (default: the run's eval.n_questions)")
     ap.add_argument("--samples", type=int, help="samples per question (default: the run's eval.samples)")
     ap.add_argument("--threads", type=int, help="torch threads (default: the run's)")
     ap.add_argument("--out", help="output JSON (default RUN_DIR/memory.json)")

@@ -1114,7 +1114,7 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
 
     import bank as bank_mod
     from faults import FaultyJudge, FaultyTool
-    from scaffold import HFSampler, RolloutEngine
+    from scaffold import RolloutEngine
 
     if state is not None:
         if state["reference"]["sha256"] != reference["sha256"]:

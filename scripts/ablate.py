@@ -261,12 +261,12 @@ def collect(grid: str, arms: Sequence[str], seeds: Sequence[int]) -> tuple[list[
             if os.path.exists(mp):
                 mem[(a, s)] = json.load(open(mp))
         if keys:
-            same_key = len(set(keys.values())) == 1
+            distinct = sorted(set(map(str, keys.values())))
             same_base = len({json.dumps(v) for v in base.values()}) == 1
             checks.append(f"seed {s}: SFT warm start shared by {len(keys)} arms: "
-                          f"{'yes' if same_key else 'NO'} (cache key {sorted(set(map(str, keys.values())))[0][:12]}"
-                          f"{'' if same_key else ', ...'}); identical step-0 held-out evaluation: "
-                          f"{'yes' if same_base else 'NO'}")
+                          f"{'yes' if len(distinct) == 1 else 'NO'} (cache key "
+                          f"{', '.join(k[:12] for k in distinct)}); identical step-0 held-out "
+                          f"evaluation: {'yes' if same_base else 'NO'}")
     if os.path.isdir(grid):
         data = "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8")
         ckpt_mod.atomic_write_bytes(os.path.join(grid, "results.jsonl"), data)

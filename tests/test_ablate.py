@@ -140,7 +140,8 @@ def test_report_gives_each_paper_finding_its_verdict_from_the_numbers():
     assert "SS-GRPO < RubricEM (Fig. 5): **not reproduced**" in doc
     assert "Meta-Policy < RubricEM (Fig. 5): **reproduced**" in doc
     assert "helps RubricEM at cross-episode pass 1 (paper +0.4 points): **reproduced**" in doc
-    assert "helps RubricEM at within-episode pass 2 (paper +0.7 points): **inconclusive (CI contains 0)**" in doc
+    assert ("helps RubricEM at within-episode pass 2 (paper +0.7 points): "
+            "**inconclusive (CI contains 0)**") in doc
     assert "Baseline RL at cross-episode pass 1 (paper -0.5 points): **not measured" in doc
     assert "Baseline RL at within-episode pass 2 (paper -0.6 points): **not reproduced**" in doc
     empty = ablate.render([], {}, [], ablate.ARM_ORDER, meta)

@@ -58,6 +58,13 @@ def test_eval_every_writes_a_curve_and_leaves_training_unchanged(tmp_path, toy_c
     assert rows[-1]["per_question"] == ev_plain["eval_rl"]["per_question"]
     # without --eval-every the curve holds the two ends only
     assert [r["step"] for r in curve_rows(plain)] == [0, 3]
+    # stopped after 2 steps and resumed: the same curve, each step once
+    split = tmp_path / "split"
+    args = fast_args(split, toy_cache, 3, "--set", "eval.n_questions=2", "--eval-every", "1")
+    assert train.main(args + ["--set", "checkpoint.stop_after=2"]) == 0
+    assert [r["step"] for r in curve_rows(split)] == [0, 1, 2]
+    assert train.main(args + ["--resume"]) == 0
+    assert curve_rows(split) == rows and metric_rows(split) == metric_rows(plain)
 
 
 def test_eval_curve_resume_keeps_rows_up_to_the_checkpoint(tmp_path):
