@@ -1176,6 +1176,8 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
                     and qs)
     curve = EvalCurve(os.path.join(cfg.run_dir, "eval_curve.jsonl"), eval_settings(cfg),
                       start if state is not None else None) if can_eval else None
+    if curve is None and state is None and os.path.exists(os.path.join(cfg.run_dir, "eval_curve.jsonl")):
+        os.remove(os.path.join(cfg.run_dir, "eval_curve.jsonl"))  # an earlier run's, in this run dir
     eval_judge = judge.inner if isinstance(judge, FaultyJudge) else judge
     ref_engine = cur_engine = None
     if can_eval:

@@ -254,8 +254,13 @@ def collect(grid: str, arms: Sequence[str], seeds: Sequence[int]) -> tuple[list[
                 continue
             ev = json.load(open(os.path.join(rd, "eval.json")))
             keys[a] = ev.get("sft", {}).get("key") or ev.get("sft", {}).get("source")
-            curve = [json.loads(l) for l in open(os.path.join(rd, "eval_curve.jsonl")) if l.strip()]
-            rows += curve_rows(a, s, curve)
+            cp = os.path.join(rd, "eval_curve.jsonl")
+            curve = [json.loads(l) for l in open(cp) if l.strip()] if os.path.exists(cp) else []
+            try:
+                rows += curve_rows(a, s, curve)
+            except ValueError as e:  # e.g. eval.n_questions = 0: nothing to compare
+                checks.append(f"{e}; left out")
+                continue
             base[a] = (curve[0]["per_question"]["answer"], json.dumps(curve[0]["eval"]))
             mp = os.path.join(rd, "memory.json")
             if os.path.exists(mp):

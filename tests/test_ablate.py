@@ -146,3 +146,12 @@ def test_report_gives_each_paper_finding_its_verdict_from_the_numbers():
     assert "Baseline RL at within-episode pass 2 (paper -0.6 points): **not reproduced**" in doc
     empty = ablate.render([], {}, [], ablate.ARM_ORDER, meta)
     assert "To be filled by a real run" in empty and "No finished runs yet" in empty
+
+
+def test_a_run_without_a_held_out_curve_is_left_out_by_name(tmp_path):
+    rd = tmp_path / "ss_grpo-seed0"
+    os.makedirs(rd)
+    (rd / "eval.json").write_text(json.dumps({"sft": {"key": "k"}}))  # eval.n_questions = 0
+    rows, mem, checks = ablate.collect(str(tmp_path), ["ss_grpo"], [0])
+    assert rows == [] and mem == {} and any("ss_grpo-seed0" in c and "left out" in c for c in checks)
+    assert (tmp_path / "results.jsonl").read_text() == ""
