@@ -44,6 +44,11 @@ Deviations from the paper
        and we return fewer than k items rather than pad with unrelated ones.
     6. The key hashes the query with surrounding whitespace stripped, so that "q" and "q\\n" share an
        entry; the paper says only "sha256 of the query".
+    7. BM25 similar retrieval ignores function words and the words of a request's form ("write",
+       "short", "cited report", ...: `RETRIEVAL_STOP_WORDS`): with them, two questions that share only
+       their phrasing ("What is known about the ... of X? Give a short cited report.") outscored a
+       question about the same entity or the same aspects, so a fresh query received the lessons of
+       unrelated entities. Similarity now rests on what a query is about: names, aspects, topics.
 
 Command line (the bank file is JSONL, one entry per line, sorted by key)
     python bank.py list   runs/toy/bank.jsonl
@@ -132,6 +137,27 @@ def tokenize(text: str) -> list[str]:
     (a known weakness of word BM25 that a dense retriever removes).
     """
     return _WORD_RE.findall(text.lower())
+
+
+# Not in the paper (Deviation 7): words that carry a request's form, not its topic. English function
+# words, and the instruction words of research prompts (the toy world's question templates use only
+# these and the function words, so two toy questions match on their entities and aspects alone).
+RETRIEVAL_STOP_WORDS = frozenset("""
+    a about after all also an and any are as at be been before being both but by can could did do
+    does each for from had has have how i if in into is it its me more most my no not of on or other
+    our out over please so some such than that the their them then there these they this those to
+    under up was we were what when where which while who whom why will with would you your
+    answer brief cite cited cites citing covering describe detail details differ difference
+    differences explain find give known list need overview provide question report research short
+    source sources sourced summarise summarize tell write compare comparison
+""".split())
+
+
+def content_tokens(text: str) -> list[str]:
+    """`tokenize` tokens without RETRIEVAL_STOP_WORDS (Deviation 7): the words BM25 similar retrieval
+    matches on. "What is known about the habitat of Kuvebro? Give a short cited report." ->
+    ["habitat", "kuvebro"]."""
+    return [t for t in tokenize(text) if t not in RETRIEVAL_STOP_WORDS]
 
 
 def copy_fraction(text: str, trajectory_text: str, n: int = COPY_NGRAM) -> float:
@@ -357,10 +383,11 @@ class _LuceneIdfBM25(BM25Okapi):
 
 
 class BM25Retriever:
-    """BM25 over `tokenize`d query texts (k1 = 1.5, b = 0.75, rank_bm25 defaults; Lucene idf).
+    """BM25 over query texts as `content_tokens` (k1 = 1.5, b = 0.75, rank_bm25 defaults; Lucene idf):
+    function words and request-form words are left out (Deviation 7).
 
-    Scores are >= 0 and 0 exactly when a document shares no token with the query; only positive
-    scores are returned.
+    Scores are >= 0 and 0 exactly when a document shares no content token with the query; only
+    positive scores are returned.
     """
 
     def __init__(self, k1: float = 1.5, b: float = 0.75):
@@ -368,12 +395,12 @@ class BM25Retriever:
         self._bm25: BM25Okapi | None = None
 
     def fit(self, queries: list[str]) -> None:
-        docs = [tokenize(q) for q in queries]
+        docs = [content_tokens(q) for q in queries]
         # rank_bm25 divides by the mean document length, so a corpus without tokens has no index.
         self._bm25 = _LuceneIdfBM25(docs, k1=self.k1, b=self.b) if any(docs) else None
 
     def topk(self, query: str, k: int) -> list[tuple[int, float]]:
-        tokens = tokenize(query)
+        tokens = content_tokens(query)
         if k <= 0 or self._bm25 is None or not tokens:
             return []
         scores = self._bm25.get_scores(tokens)  # (N,)
@@ -524,7 +551,7 @@ class RubricBank:
                          ) -> list[BankEntry]:
         """"Cross-episode similar" retrieval (§3.5): up to k entries whose stored queries are most similar.
 
-        Ranks stored queries with `self.retriever` (default: BM25 over `tokenize` tokens), best first,
+        Ranks stored queries with `self.retriever` (default: BM25 over `content_tokens`), best first,
         ties by key; only entries with a positive score are returned, so the list may be shorter than k
         and is [] for an empty bank or a query sharing no token with any stored query. With
         exclude_self=True (default) the query's own entry is never returned, so the mode transfers

@@ -56,6 +56,7 @@ Deviations from the paper (besides the toy world, see world.py / sft.py)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -181,6 +182,8 @@ class EvalConfig:
     n_questions: int = 64  # held-out questions evaluated at the end (0 = no evaluation)
     samples: int = 2  # rollouts per held-out question
     temperature: float = 1.0  # sampling temperature of the held-out evaluation
+    every: int = 0  # ours: also evaluate the current policy every this many RL steps, same questions
+    # and settings, into eval_curve.jsonl (0 = only the SFT start and the end)
 
 
 @dataclass
@@ -309,6 +312,7 @@ def validate_config(cfg: Config) -> None:
     if cfg.rollout.prompts_per_step < 1 or cfg.steps < 0:
         raise ValueError("rollout.prompts_per_step must be >= 1 and steps >= 0")
     for name, lo in (("checkpoint.every", 0), ("checkpoint.keep", 1), ("checkpoint.stop_after", 0),
+                     ("eval.every", 0),
                      ("judge.max_retries", 0), ("judge.max_failure_steps", 1)):
         v = _field(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -770,13 +774,20 @@ def task_advantages(R: np.ndarray, n: int, cfg: SSGRPOConfig, kind: str = "ss_gr
 # Evaluation
 
 
-def evaluate(engine, judge, queries: Sequence, samples: int, temperature: float, seed: int) -> dict:
+def evaluate(engine, judge, queries: Sequence, samples: int, temperature: float, seed: int,
+             bank_items: Sequence[Sequence[str]] | None = None) -> dict:
     """Held-out score with the judge's static rubric set (judge.py, deviation 3): mean of the four
     stage scores and the answer score, plus format and tool-use rates, and "per_question": the score,
     answer score and fact recall of each query (lists of len(queries), each the mean over its
-    samples). Deterministic per seed."""
+    samples). bank_items: per query, the bank reflections placed in its prompt (§3.5; default none).
+    Deterministic per seed; reseeds torch's global RNG (wrap in `preserved_rng` inside a run)."""
     torch.manual_seed(seed)
-    ro = engine.run(list(queries), n=samples, temperature=temperature)
+    ro = engine.run(list(queries), n=samples, temperature=temperature, bank_items=bank_items)
+    return heldout_scores(judge, queries, ro, samples)
+
+
+def heldout_scores(judge, queries: Sequence, ro: Sequence, samples: int) -> dict:
+    """`evaluate`'s result for rollouts `ro` (query-major, `samples` per query) already sampled."""
     S = np.concatenate([judge.evaluate(q, ro[i * samples:(i + 1) * samples])
                         for i, q in enumerate(queries)])  # (N, 4)
     facts = []
@@ -796,6 +807,65 @@ def evaluate(engine, judge, queries: Sequence, samples: int, temperature: float,
             "per_question": {"score": S.reshape(len(queries), samples, -1).mean(axis=(1, 2)).tolist(),
                              "answer": S[:, 3].reshape(len(queries), samples).mean(axis=1).tolist(),
                              "fact_recall": np.reshape(facts, (len(queries), samples)).mean(axis=1).tolist()}}
+
+
+@contextlib.contextmanager
+def preserved_rng():
+    """Run a block without moving the run's global random streams: python `random`, numpy and torch
+    (CPU, and every CUDA device when there is one) are saved on entry and restored on exit, also
+    when the block raises. Lets an evaluation between RL steps reseed and sample freely while the
+    training metrics stay those of a run without it (not in the paper)."""
+    py, npst, th = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npst)
+        torch.set_rng_state(th)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+class EvalCurve:
+    """Held-out evaluations during a run, one JSON line per evaluation in run_dir/eval_curve.jsonl:
+    {"step": completed RL steps (0 = the SFT start), "eval": {n_questions, samples, temperature},
+    then `evaluate`'s keys (score, answer, fact_recall, stage/*, per_question, ...)}. Not in the paper.
+
+    A fresh run starts an empty file; a resumed run keeps the rows up to its checkpoint's step that
+    were taken with the current evaluation settings (the others are dropped with a warning, since
+    eval.* may change on resume), so no step appears twice. Writes are atomic rewrites.
+    """
+
+    def __init__(self, path: str, settings: dict, resume_step: int | None):
+        self.path, self.settings = path, dict(settings)
+        self.rows: list[dict] = []
+        if resume_step is not None and os.path.exists(path):
+            with open(path) as fh:
+                old = [json.loads(l) for l in fh if l.strip().endswith("}")]
+            keep = [r for r in old if r.get("step", 1 << 30) <= resume_step
+                    and r.get("eval") == self.settings]
+            if len(keep) < len([r for r in old if r.get("step", 1 << 30) <= resume_step]):
+                log.warning("eval_curve.jsonl: dropped rows taken with other eval settings")
+            self.rows = keep
+        self._write()
+
+    def _write(self) -> None:
+        data = "".join(json.dumps(r) + "\n" for r in self.rows).encode("utf-8")
+        ckpt_mod.atomic_write_bytes(self.path, data)
+
+    def add(self, step: int, result: dict) -> None:
+        self.rows = [r for r in self.rows if r["step"] != step]
+        self.rows.append({"step": int(step), "eval": dict(self.settings), **result})
+        self.rows.sort(key=lambda r: r["step"])
+        self._write()
+
+    def get(self, step: int) -> dict | None:
+        """The evaluation at `step` without the curve's own keys, or None."""
+        for r in self.rows:
+            if r["step"] == step:
+                return {k: v for k, v in r.items() if k not in ("step", "eval")}
+        return None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1061,7 +1131,7 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
 
     import bank as bank_mod
     from faults import FaultyJudge, FaultyTool
-    from scaffold import HFSampler, RolloutEngine
+    from scaffold import RolloutEngine
 
     if state is not None:
         if state["reference"]["sha256"] != reference["sha256"]:
@@ -1115,6 +1185,31 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
         return ckpt_mod.save_checkpoint(cfg.run_dir, done, policy, tok, st, keep=cfg.checkpoint.keep,
                                         meta={"config": asdict(cfg)}, extra=policy.save_state)
 
+    # Held-out evaluations during the run (eval.every; not in the paper): the final evaluation's
+    # questions, samples, temperature and seed, scored by the clean judge, with the run's random
+    # streams saved and restored around them, so the training metrics do not depend on eval.every.
+    qs = held_q[: cfg.eval.n_questions]
+    can_eval = bool(cfg.eval.n_questions > 0 and cfg.judge.backend == "toy" and cfg.engine == "torch"
+                    and qs)
+    curve = EvalCurve(os.path.join(cfg.run_dir, "eval_curve.jsonl"), eval_settings(cfg),
+                      start if state is not None else None) if can_eval else None
+    if curve is None and state is None and os.path.exists(os.path.join(cfg.run_dir, "eval_curve.jsonl")):
+        os.remove(os.path.join(cfg.run_dir, "eval_curve.jsonl"))  # an earlier run's, in this run dir
+    eval_judge = judge.inner if isinstance(judge, FaultyJudge) else judge
+    ref_engine = cur_engine = None
+    if can_eval:
+        ref_engine, cur_engine = heldout_engines(cfg, policy, model, tok, tool, system)
+    timings["curve_eval_s"] = 0.0
+
+    def curve_point(done: int, eng) -> None:
+        t0 = time.perf_counter()
+        with preserved_rng():
+            curve.add(done, evaluate(eng, eval_judge, qs, cfg.eval.samples, cfg.eval.temperature,
+                                     cfg.seed + 12345))
+        timings["curve_eval_s"] += time.perf_counter() - t0
+
+    if can_eval and cfg.eval.every and start == 0 and curve.get(0) is None:
+        curve_point(0, ref_engine)  # the SFT start
     if cfg.progress:
         log.info(report.PROGRESS_LEGEND)
     bar = tqdm(range(start, stop_at), desc="rl", initial=start, total=cfg.steps,
@@ -1231,6 +1326,8 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
                                     "trajectory": r.judge_text, "R": res.R[j].tolist(),
                                     "justifications": res.justifications[j]})
         done = step + 1
+        if can_eval and cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.steps:
+            curve_point(done, cur_engine)  # before the checkpoint: a resume never lacks this row
         abort = None
         try:
             monitor.update(m["judge/failure_rate"], step)
@@ -1252,7 +1349,8 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
     if stop_at < cfg.steps:
         log.info("stopped after step %d; continue with --resume latest", stop_at)
         return {"stopped_at": stop_at, "checkpoint": last_ckpt, "sft": sft_info}
-    timings["rl_s"] = time.perf_counter() - t_start - timings["world_s"] - timings["warm_start_s"]
+    timings["rl_s"] = (time.perf_counter() - t_start - timings["world_s"] - timings["warm_start_s"]
+                       - timings["curve_eval_s"])
 
     # ---- artefacts (each written atomically)
     bank.save(os.path.join(cfg.run_dir, "bank.jsonl"))
@@ -1265,7 +1363,6 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
         save_with_run_card(d, tok, asdict(cfg), system)  # the system prompt travels with the policy
 
     ckpt_mod.save_dir_atomic(save_final, os.path.join(cfg.run_dir, "final"))
-    plot_rewards(logger.rows, os.path.join(cfg.run_dir, "reward_curves.png"))
 
     # ---- held-out evaluation: SFT start vs trained policy, same questions and seed (clean judge
     # and tool: evaluation measures the policy, whatever faults training saw)
@@ -1276,22 +1373,42 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
         sampler.close()
     # The held-out evaluation scores with the toy world's static rubrics, against pi_ref in this
     # process: toy judge and the torch engine only.
-    if cfg.eval.n_questions > 0 and cfg.judge.backend == "toy" and cfg.engine == "torch" and held_q:
+    if can_eval:
         t0 = time.perf_counter()
-        qs = held_q[: cfg.eval.n_questions]
-        eval_judge = judge.inner if isinstance(judge, FaultyJudge) else judge
-        ref_engine = RolloutEngine(HFSampler(policy.ref_model, tok), tok, {tool.name: tool},
-                                   cfg.rollout.max_response_tokens, cfg.rollout.max_tool_calls, system)
-        eval_engine = RolloutEngine(HFSampler(model, tok), tok, {tool.name: tool}, cfg.rollout.max_response_tokens,
-                                    cfg.rollout.max_tool_calls, system, cfg.rollout.temperature)
-        summary["eval_sft"] = evaluate(ref_engine, eval_judge, qs, cfg.eval.samples,
-                                       cfg.eval.temperature, cfg.seed + 12345)
-        summary["eval_rl"] = evaluate(eval_engine, eval_judge, qs, cfg.eval.samples,
+        # The SFT start evaluated at step 0 of eval_curve.jsonl is this same evaluation (same
+        # weights, questions and seed): reused instead of sampled again.
+        summary["eval_sft"] = curve.get(0) or evaluate(ref_engine, eval_judge, qs, cfg.eval.samples,
+                                                       cfg.eval.temperature, cfg.seed + 12345)
+        summary["eval_rl"] = evaluate(cur_engine, eval_judge, qs, cfg.eval.samples,
                                       cfg.eval.temperature, cfg.seed + 12345)
+        curve.add(0, summary["eval_sft"])
+        curve.add(cfg.steps, summary["eval_rl"])
         timings["eval_s"] = time.perf_counter() - t0
+    plot_rewards(logger.rows, os.path.join(cfg.run_dir, "reward_curves.png"),
+                 curve.rows if curve is not None else None)
     timings["total_s"] = time.perf_counter() - t_start
     ckpt_mod.atomic_write_json(os.path.join(cfg.run_dir, "eval.json"), summary)
     return summary
+
+
+def eval_settings(cfg: Config) -> dict:
+    """What makes two held-out evaluations comparable (besides the seed and the world)."""
+    return {"n_questions": cfg.eval.n_questions, "samples": cfg.eval.samples,
+            "temperature": cfg.eval.temperature}
+
+
+def heldout_engines(cfg: Config, policy, model, tok, tool, system: str):
+    """(SFT-start engine, current-policy engine) for the held-out evaluation: rollout engines over
+    pi_ref (policy.ref_model) and pi_theta (`model`, the weights the torch engine trains) with the
+    clean search tool, so evaluation measures the policy whatever faults training saw."""
+    from scaffold import HFSampler, RolloutEngine
+
+    ref_engine = RolloutEngine(HFSampler(policy.ref_model, tok), tok, {tool.name: tool},
+                               cfg.rollout.max_response_tokens, cfg.rollout.max_tool_calls, system)
+    cur_engine = RolloutEngine(HFSampler(model, tok), tok, {tool.name: tool},
+                               cfg.rollout.max_response_tokens, cfg.rollout.max_tool_calls, system,
+                               cfg.rollout.temperature)
+    return ref_engine, cur_engine
 
 
 def checked_judge_result(res: Any, n: int, step: int = 0, query: str = "") -> tuple[Any, bool]:
@@ -1355,8 +1472,9 @@ def judge_step_metrics(before: dict, after: dict, http_before: dict | None = Non
     return out
 
 
-def plot_rewards(rows: list[dict], path: str) -> None:
-    """PNG of the per-stage mean reward R per step (matplotlib, no display needed)."""
+def plot_rewards(rows: list[dict], path: str, curve: list[dict] | None = None) -> None:
+    """PNG of the per-stage mean reward R per step (matplotlib, no display needed); with `curve`
+    (EvalCurve rows), the held-out answer score at each evaluated step as a dashed black line."""
     if not rows:
         return
     import matplotlib
@@ -1369,6 +1487,10 @@ def plot_rewards(rows: list[dict], path: str) -> None:
     for s in STAGES:
         ys = [r.get(f"reward/{s}") for r in rows]
         ax.plot(steps, [np.nan if y is None else y for y in ys], label=s)
+    if curve:
+        # a row at step s evaluates the policy after s updates, drawn where step s - 1 ended
+        ax.plot([r["step"] - 1 for r in curve], [r["answer"] for r in curve], "k--o", ms=3,
+                label="held-out answer")
     ax.set_xlabel("RL step")
     ax.set_ylabel("mean stage score R (judge)")
     ax.set_ylim(0, 1)
@@ -1408,6 +1530,10 @@ def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
                          "+ bank), baseline_rl (terminal Answer score only), baseline_rl_info (terminal "
                          "mean of the four stage scores only); the run dir gets -<arm>")
     ap.add_argument("--advantage", help=argparse.SUPPRESS)  # replaced by --arm: a clear error below
+    ap.add_argument("--eval-every", type=int, metavar="N",
+                    help="held-out evaluation of the current policy every N RL steps into "
+                         "eval_curve.jsonl (config eval.every; default 0: only the SFT start and the "
+                         "end)")
     ap.add_argument("--no-progress", action="store_true",
                     help="no progress bars (default: shown)")
     ap.add_argument("--list-config", action=_ListConfig, nargs=0,
@@ -1459,6 +1585,8 @@ def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
         cfg.arm = a.arm
     if a.no_progress:
         cfg.progress = False
+    if a.eval_every is not None:
+        cfg.eval.every = a.eval_every
     cfg.dry_run = bool(a.dry_run)
     if a.faults:
         try:

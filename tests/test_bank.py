@@ -11,8 +11,8 @@ import pytest
 from hypothesis import example, given, strategies as st
 
 import bank as bank_mod
-from bank import (BankConfig, BankEntry, BM25Retriever, RubricBank, Retriever, copy_fraction,
-                  format_for_prompt, query_key, validate_reflection)
+from bank import (BankConfig, BankEntry, BM25Retriever, RubricBank, Retriever, content_tokens,
+                  copy_fraction, format_for_prompt, query_key, validate_reflection)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BANK_PY = os.path.join(ROOT, "bank.py")
@@ -543,3 +543,31 @@ def test_cli_ambiguous_prefix_is_an_error(tmp_path):
     assert bank_mod.main(["show", str(path), digit]) == 1
     assert bank_mod.main(["remove", str(path), digit]) == 1
     assert len(RubricBank.load(path)) == 40
+
+
+# ---------------------------------------------------------------------------------------------------
+# Similar retrieval matches what a query is about, not its phrasing (Deviation 7)
+
+def test_similar_retrieval_ignores_the_question_template_sec3_5():
+    from world import QUESTION_TEMPLATES_COMPARE, QUESTION_TEMPLATES_SINGLE
+
+    tpl = QUESTION_TEMPLATES_SINGLE[1]  # "What is known about the {aspects} of {name}? Give a ..."
+    q = tpl.format(aspects="habitat and use", name="Kuvebro")
+    same_template = tpl.format(aspects="discoverer and year", name="Tasemi")  # another entity
+    same_aspect = QUESTION_TEMPLATES_COMPARE[0].format(name="Lorani", name2="Mibel", aspects="habitat")
+    same_entity = QUESTION_TEMPLATES_SINGLE[0].format(name="Kuvebro", aspects="year")
+    b = RubricBank()
+    for s in (same_template, same_aspect):
+        b.upsert(s, "Search each aspect by name.", step=0, score=0.5)
+    # the look-alike question on the same aspect comes first; the template alone matches nothing
+    assert [e.query for e in b.retrieve(q, "similar", k=1)] == [same_aspect]
+    assert [e.query for e in b.retrieve(q, "similar", k=2)] == [same_aspect]
+    b.upsert(same_entity, "Kuvebro's year has no source.", step=0, score=0.5)
+    assert [e.query for e in b.retrieve(q, "similar", k=2)] == [same_entity, same_aspect]
+    # every single-entity template reduces to its entity and aspects
+    for t in QUESTION_TEMPLATES_SINGLE:
+        assert sorted(content_tokens(t.format(name="Kuvebro", aspects="habitat and use"))) == \
+            ["habitat", "kuvebro", "use"]
+    for t in QUESTION_TEMPLATES_COMPARE:
+        assert sorted(content_tokens(t.format(name="Kuvebro", name2="Tasemi", aspects="year"))) == \
+            ["kuvebro", "tasemi", "year"]

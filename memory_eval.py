@@ -1,0 +1,223 @@
+"""Memory reuse on held-out questions: does placing rubric-bank reflections in the prompt help a trained
+policy, across episodes (other questions' lessons) and within an episode (its own lesson)?
+
+RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
+Implements the memory-reuse analysis of the ablations (Fig. 6d: RubricEM +0.4 / +0.7 at cross-episode
+pass 1 / within-episode pass 2, Baseline RL -0.5 / -0.6) with the two retrieval modes of §3.5 and the
+reflection branch of §3.4:
+
+    pass 1  the policy answers the held-out questions with "cross-episode similar" retrieval: the
+            top-k bank items of similar *other* questions (the bank the run wrote for its training
+            questions), and again without memory, with the same sampling seed;
+    reflect the policy reflects on its own pass-1 trajectory of each question (reflection.py: one
+            trajectory per question, m candidates at temperature 0.7, the judge scores them with
+            privileged information, the best valid one is upserted), into a *copy* of the bank;
+    pass 2  the policy answers the same questions again with "within-episode exact" retrieval (the
+            reflection just written for that very question), and again without memory, with a
+            second sampling seed shared by both.
+Each pass reports with-memory minus without-memory on the held-out answer score and the mean stage
+score (train.evaluate's static rubrics), means over questions with 95 % paired bootstrap intervals
+over questions (report.bootstrap_ci), and the share of questions that received an item.
+
+Glossary: delta_p = mean_q (s_q^mem - s_q^none) for pass p, s_q the mean over the question's samples.
+
+Deviations from the paper
+    1. The paper does not describe its memory-reuse protocol beyond the two passes; the paired seeds,
+       the fresh judge for the reflection step (held-out questions have no rubric buffers) and the
+       bank copy are ours.
+    2. An arm without a bank of its own (ss_grpo, baseline_rl, baseline_rl_info) has nothing to
+       retrieve in pass 1; `bank_path` can point at another run's bank (scripts/ablate.py uses the same
+       seed's rubricem run), which then measures whether this policy can use memory written by the
+       trained meta-policy. Pass 2 always uses the policy's own reflections.
+
+Launch
+    python memory_eval.py runs/toy                          # writes runs/toy/memory.json
+    python scripts/ablate.py memory --run-dir runs/toy      # the same
+    python memory_eval.py runs/toy-baseline_rl --bank runs/toy/bank.jsonl --n-questions 16
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import random
+import sys
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+
+import checkpoint as ckpt_mod
+import report
+import train
+from bank import MODE_EXACT, MODE_SIMILAR, RubricBank, format_for_prompt
+from reflection import run_reflection_branch
+from scaffold import SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT
+
+log = logging.getLogger("rubricem")
+
+PASSES = (("pass1", MODE_SIMILAR), ("pass2", MODE_EXACT))
+
+
+def build_sampler(model, tok):
+    """The sampler every pass and the reflection step use (HF generate over the policy)."""
+    from scaffold import HFSampler
+
+    return HFSampler(model, tok)
+
+
+def retrieve_items(bank: RubricBank, queries: Sequence, mode: str, k: int) -> list[list[str]]:
+    """Per query, the bank reflections its prompt gets in `mode` ("similar": top-k items of other
+    questions; "exact": the question's own item), as format_for_prompt strings."""
+    return [format_for_prompt(bank.retrieve(q.query, mode, k=k)) for q in queries]
+
+
+def paired_delta(with_mem: dict, without: dict) -> dict:
+    """with-memory minus without-memory for two train.evaluate results on the same questions:
+    for "answer" and "score", the mean difference and its 95 % paired bootstrap interval over
+    questions ([lo, hi]), and the per-question differences."""
+    out = {}
+    for key in ("answer", "score"):
+        d = np.asarray(with_mem["per_question"][key]) - np.asarray(without["per_question"][key])
+        lo, hi = report.bootstrap_ci(d)
+        out[key] = float(d.mean()) if d.size else float("nan")
+        out[f"{key}_ci"] = [lo, hi]
+        out[f"{key}_per_question"] = d.tolist()
+    return out
+
+
+def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | None = None,
+                 samples: int | None = None, threads: int | None = None) -> dict:
+    """The two-pass memory-reuse evaluation of a finished run (module docstring).
+
+    run_dir: a train.py run directory with config.json and final/ (the trained policy); bank_path:
+    the bank to retrieve from in pass 1 (default run_dir/bank.jsonl; a missing file is an empty bank,
+    reported as hits 0). n_questions / samples: held-out questions and samples per question (default:
+    the run's eval.n_questions / eval.samples). Returns a JSON-serialisable dict: per pass its
+    retrieval mode, hits (share of questions with >= 1 item, in [0, 1]), the two evaluations
+    ("with", "without") and "delta" (paired_delta); "reflection" (the reflection step's metrics,
+    reflect/*) and the settings. Raises FileNotFoundError for a run dir without config.json or final/,
+    ValueError for a run whose judge is not the toy judge (the held-out score needs the toy world's
+    static rubrics) or with no held-out questions.
+    """
+    from policy import load_policy
+    from scaffold import RolloutEngine
+
+    t_start = time.perf_counter()
+    cfg_path, final = os.path.join(run_dir, "config.json"), os.path.join(run_dir, "final")
+    for p in (cfg_path, final):
+        if not os.path.exists(p):
+            raise FileNotFoundError(f"{p} not found: memory_reuse needs a finished train.py run")
+    cfg = train.config_from_dict(json.load(open(cfg_path)))
+    if cfg.judge.backend != "toy":
+        raise ValueError("memory_reuse scores with the toy judge's static rubrics: it needs a toy run")
+    n_q = cfg.eval.n_questions if n_questions is None else n_questions
+    n_s = cfg.eval.samples if samples is None else samples
+    if threads is not None:
+        cfg.threads = threads
+    torch.set_num_threads(cfg.threads)
+    world, tool, _, held_q = train.build_environment(cfg)
+    qs = held_q[:n_q]
+    if not qs or n_s < 1:
+        raise ValueError(f"no held-out questions to evaluate (n_questions = {n_q}, samples = {n_s})")
+    model, tok = load_policy(final)
+    model.eval()
+    system = SYSTEM_PROMPT_COMPACT if cfg.rollout.system_prompt == "compact" else SYSTEM_PROMPT
+    sampler = build_sampler(model, tok)
+    engine = RolloutEngine(sampler, tok, {tool.name: tool}, cfg.rollout.max_response_tokens,
+                           cfg.rollout.max_tool_calls, system, cfg.rollout.temperature)
+    judge = train.build_judge(cfg, world)  # fresh: held-out questions have no rubric buffers
+    retriever = None
+    if cfg.bank.retriever == "dense":
+        from retrieval import DenseRetriever
+
+        retriever = DenseRetriever(cfg.bank.embed_model)
+    bank_path = bank_path or os.path.join(run_dir, "bank.jsonl")
+    bank = RubricBank.load(bank_path, missing_ok=True, strict=False, retriever=retriever,
+                           max_chars=cfg.bank.max_chars)
+    seeds = {"pass1": cfg.seed + 12345, "pass2": cfg.seed + 12346}  # pass 1 = the final evaluation's
+
+    def run_pass(name: str, items: list[list[str]] | None) -> tuple[dict, list]:
+        torch.manual_seed(seeds[name])
+        ro = engine.run(list(qs), n=n_s, temperature=cfg.eval.temperature, bank_items=items)
+        return train.heldout_scores(judge, qs, ro, n_s), ro
+
+    out: dict = {"run_dir": run_dir, "bank": bank_path, "bank_size": len(bank), "n_questions": len(qs),
+                 "samples": n_s, "top_k": cfg.bank.top_k, "seeds": seeds, "arm": cfg.arm}
+    # pass 1: cross-episode similar retrieval from the run's bank
+    items1 = retrieve_items(bank, qs, MODE_SIMILAR, cfg.bank.top_k)
+    with1, ro1 = run_pass("pass1", items1)
+    without1, _ = run_pass("pass1", None)
+    # reflection on the pass-1 trajectories into a copy of the bank (§3.4: best valid one upserted)
+    copy = RubricBank(max_chars=cfg.bank.max_chars, retriever=retriever)
+    copy.load_state_dict(bank.state_dict())
+    judged = {}
+    for gi, q in enumerate(qs):
+        res = judge.judge_group(q, ro1[gi * n_s:(gi + 1) * n_s], cfg.steps)
+        for j in range(n_s):
+            judged[gi * n_s + j] = (res, j)
+    torch.manual_seed(cfg.seed + 12347)
+    rcfg = dataclasses.replace(cfg.reflection, train=False)  # bank only, no GRPO batch
+    _, rmet = run_reflection_branch(cfg.steps, ro1, judged, judge, copy, sampler, tok, system, rcfg,
+                                    random.Random(cfg.seed + 12347), cfg.ss_grpo.std, cfg.ss_grpo.eps,
+                                    group_size=n_s)
+    # pass 2: within-episode exact retrieval of the reflection just written for each question
+    items2 = retrieve_items(copy, qs, MODE_EXACT, cfg.bank.top_k)
+    with2, _ = run_pass("pass2", items2)
+    without2, _ = run_pass("pass2", None)
+    for name, mode, items, w, wo in (("pass1", MODE_SIMILAR, items1, with1, without1),
+                                     ("pass2", MODE_EXACT, items2, with2, without2)):
+        out[name] = {"mode": mode, "hits": float(np.mean([len(x) > 0 for x in items])),
+                     "items": float(np.mean([len(x) for x in items])), "with": w, "without": wo,
+                     "delta": paired_delta(w, wo)}
+    out["reflection"] = {k: train._py(v) for k, v in rmet.items()}
+    out["seconds"] = time.perf_counter() - t_start
+    return out
+
+
+def summary_lines(res: dict) -> list[str]:
+    """Human-readable lines for a memory_reuse result."""
+    lines = [f"memory reuse of {res['run_dir']} (arm {res['arm']}; bank {res['bank']}, "
+             f"{res['bank_size']} entries; {res['n_questions']} held-out questions x {res['samples']})"]
+    for name, label in (("pass1", "pass 1, cross-episode similar"),
+                        ("pass2", "pass 2, within-episode exact")):
+        p = res[name]
+        d = p["delta"]
+        lines.append(f"  {label:<30} answer {p['with']['answer']:.3f} with vs {p['without']['answer']:.3f} "
+                     f"without: {d['answer']:+.3f} [{d['answer_ci'][0]:+.3f}, {d['answer_ci'][1]:+.3f}]; "
+                     f"score {d['score']:+.3f}; hits {p['hits']:.2f}")
+    r = res["reflection"]
+    lines.append(f"  reflection: {r.get('reflect/admitted', 0)} of {r.get('reflect/trajectories', 0)} "
+                 f"questions got a lesson ({r.get('reflect/invalid', 0)} invalid candidates)")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: evaluate memory reuse of one run, write JSON (default run_dir/memory.json).
+    Exit codes: 0 done, 2 unusable run directory or settings."""
+    ap = argparse.ArgumentParser(description="memory reuse on held-out questions (pass 1 similar, "
+                                             "pass 2 exact; with minus without memory)")
+    ap.add_argument("run_dir", help="a finished train.py run (config.json, final/, bank.jsonl)")
+    ap.add_argument("--bank", help="bank for pass 1 (default RUN_DIR/bank.jsonl)")
+    ap.add_argument("--n-questions", type=int,
+                    help="held-out questions (default: the run's eval.n_questions)")
+    ap.add_argument("--samples", type=int, help="samples per question (default: the run's eval.samples)")
+    ap.add_argument("--threads", type=int, help="torch threads (default: the run's)")
+    ap.add_argument("--out", help="output JSON (default RUN_DIR/memory.json)")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    try:
+        res = memory_reuse(a.run_dir, a.bank, a.n_questions, a.samples, a.threads)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    ckpt_mod.atomic_write_json(a.out or os.path.join(a.run_dir, "memory.json"), res)
+    print("\n".join(summary_lines(res)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,511 @@
+"""The recipe ablation: every arm x seed from the same SFT start per seed, the held-out answer score over
+RL steps, a table with 95 % confidence intervals, a figure like the paper's Fig. 5 and a verdict per
+paper finding, written to docs/ablations.md and docs/ablations.png.
+
+RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
+Reproduces in the toy world the comparisons of §4 "Ablation: RL training recipes" (Fig. 5: Baseline RL
+< SS-GRPO alone and Meta-Policy alone < full RubricEM; 600 steps from the same SFT checkpoint) and the
+memory-reuse analysis (Fig. 6d: RubricEM +0.4 / +0.7 at cross-episode pass 1 / within-episode pass 2,
+Baseline RL -0.5 / -0.6; memory_eval.py).
+
+What one grid does
+    1. For each seed, then each arm (train.ARMS), one subprocess
+           train.py --toy --arm A --seed S --run-dir GRID/A-seedS --steps N --eval-every E --no-progress
+       with the same --set overrides for all. Every arm of a seed loads the same cached SFT warm start
+       (its cache key holds the world, teacher, SFT and model settings and the seed, not the arm),
+       draws the same data order (DataOrder is seeded by the seed alone) and is evaluated on the same
+       held-out questions with the same sampling seed (train.evaluate); the script checks that the SFT
+       start (warm-start key and step-0 evaluation) is the same for every arm of a seed.
+    2. Memory reuse (memory_eval.py) of the rubricem and baseline_rl runs, as subprocesses; an arm
+       without a bank of its own reads the same seed's rubricem bank in pass 1.
+    3. GRID/results.jsonl: one row per (arm, seed, evaluated step) with the answer score and its
+       difference from the SFT start (step 0 of the same run), per question.
+    4. The table (held-out answer-score difference from the SFT start at the final step: mean and 95 %
+       percentile-bootstrap interval over seeds x questions), the figure (that difference against the
+       RL step, one line per arm with its interval as a band) and the findings, into --doc.
+
+Resumable: a run whose eval.json exists is done and never redone; a run dir with checkpoints
+continues with --resume latest; memory.json marks a finished memory evaluation. Kill the grid at any
+time and start the same command again.
+
+Launch
+    python scripts/ablate.py                                 # 5 arms x seeds 0,1,2, toy steps (hours)
+    python scripts/ablate.py --quick                         # fewer steps, questions, smaller SFT
+    python scripts/ablate.py --arms rubricem,baseline_rl --seeds 0 --steps 12 --set threads=1
+    python scripts/ablate.py --render-only                   # redraw the doc from GRID/results.jsonl
+    python scripts/ablate.py memory --run-dir runs/toy       # memory reuse of one run (memory_eval.py)
+
+Deviations from the paper
+    1. Toy world, toy steps and toy sizes (train.py); seeds and their confidence intervals are ours
+       (the paper reports single runs).
+    2. A finding is called reproduced only when the two arms' 95 % intervals do not overlap and the
+       order is the paper's; not reproduced when they do not overlap and the order is reversed;
+       inconclusive when they overlap. For memory reuse the sign of the difference is judged the
+       same way against 0.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import checkpoint as ckpt_mod  # noqa: E402
+import report  # noqa: E402
+import train  # noqa: E402
+
+ARM_ORDER = list(train.ARMS)  # rubricem, ss_grpo, meta_policy, baseline_rl, baseline_rl_info
+PAPER_NAMES = {"rubricem": "RubricEM", "ss_grpo": "SS-GRPO", "meta_policy": "Meta-Policy",
+               "baseline_rl": "Baseline RL", "baseline_rl_info": "Baseline RL (info-matched, ours)"}
+MEMORY_ARMS = ("rubricem", "baseline_rl")  # the arms of the paper's memory-reuse figure
+# Paper findings on the recipe (Fig. 5): (lower arm, higher arm).
+ORDER_FINDINGS = (("baseline_rl", "ss_grpo"), ("baseline_rl", "meta_policy"),
+                  ("ss_grpo", "rubricem"), ("meta_policy", "rubricem"))
+# Paper findings on memory reuse (Fig. 6d): (arm, pass, paper's sign, paper's value).
+MEMORY_FINDINGS = (("rubricem", "pass1", +1, "+0.4"), ("rubricem", "pass2", +1, "+0.7"),
+                   ("baseline_rl", "pass1", -1, "-0.5"), ("baseline_rl", "pass2", -1, "-0.6"))
+# --quick: one curriculum window, a small SFT start and 16 held-out questions (aimed at <= 15 min for
+# the default grid on 2 cores; the numbers are too noisy for findings, it checks the machinery).
+# Not measured: estimated from the README's timings (SFT 0.27 s per step, an RL step of 8 x 8 rollouts
+# 17 s) as about 1 min of SFT per seed and 1 min per run with its three evaluations.
+QUICK_SET = ["sft.steps=200", "sft.n_trajectories=1500", "sft.n_reflections=200",
+             "rollout.prompts_per_step=4", "rollout.n=4", "reflection.m=4", "eval.n_questions=16",
+             "eval.samples=1"]
+QUICK_STEPS, QUICK_SEEDS = 6, [0, 1]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Statistics (pure)
+
+
+def mean_ci(values: Sequence[float], seed: int = 0) -> tuple[float, float, float]:
+    """(mean, lo, hi): the mean of `values` (NaN ignored) and its 95 % percentile-bootstrap interval
+    (report.bootstrap_ci, 2000 resamples, seeded); all NaN for no finite value."""
+    x = np.asarray(values, dtype=np.float64)
+    x = x[np.isfinite(x)]
+    if x.size == 0:
+        return float("nan"), float("nan"), float("nan")
+    lo, hi = report.bootstrap_ci(x, seed=seed)
+    return float(x.mean()), lo, hi
+
+
+def order_verdict(low: tuple, high: tuple) -> str:
+    """Verdict on the paper's "low arm < high arm" from two (mean, lo, hi) triples: "reproduced"
+    (intervals disjoint, high above), "not reproduced" (disjoint, high below), "inconclusive (CIs
+    overlap)", or "not run" when either is missing (NaN)."""
+    if not all(np.isfinite(v) for v in (*low, *high)):
+        return "not run"
+    if high[1] > low[2]:
+        return "reproduced"
+    if high[2] < low[1]:
+        return "not reproduced"
+    return "inconclusive (CIs overlap)"
+
+
+def sign_verdict(stat: tuple, sign: int) -> str:
+    """Verdict on "the difference has the paper's sign (+1 or -1)" from (mean, lo, hi): "reproduced"
+    (the interval excludes 0 on the paper's side), "not reproduced" (excludes 0 on the other side),
+    "inconclusive (CI contains 0)", or "not run" (NaN)."""
+    if not all(np.isfinite(v) for v in stat):
+        return "not run"
+    if (sign > 0 and stat[1] > 0) or (sign < 0 and stat[2] < 0):
+        return "reproduced"
+    if (sign > 0 and stat[2] < 0) or (sign < 0 and stat[1] > 0):
+        return "not reproduced"
+    return "inconclusive (CI contains 0)"
+
+
+def curve_rows(arm: str, seed: int, curve: list[dict]) -> list[dict]:
+    """results.jsonl rows of one run from its eval_curve.jsonl rows: one per evaluated step with the
+    answer score, score and fact recall, the answer score of the SFT start (the run's step-0 row)
+    and the per-question answer scores and their differences from the SFT start. Raises ValueError
+    when the curve has no step-0 row."""
+    base = next((r for r in curve if r["step"] == 0), None)
+    if base is None:
+        raise ValueError(f"{arm}-seed{seed}: eval_curve.jsonl has no step-0 (SFT start) row")
+    a0 = np.asarray(base["per_question"]["answer"])
+    out = []
+    for r in curve:
+        a = np.asarray(r["per_question"]["answer"])
+        out.append({"arm": arm, "seed": seed, "step": r["step"], "answer": r["answer"],
+                    "score": r["score"], "fact_recall": r["fact_recall"], "answer_sft": base["answer"],
+                    "delta_answer": float((a - a0).mean()), "per_question_answer": a.tolist(),
+                    "per_question_delta": (a - a0).tolist()})
+    return out
+
+
+def arm_stats(rows: list[dict], arm: str, step: int) -> tuple[float, float, float]:
+    """(mean, lo, hi) of the answer-score difference from the SFT start at `step`, pooled over the
+    arm's seeds x questions."""
+    vals = [d for r in rows if r["arm"] == arm and r["step"] == step for d in r["per_question_delta"]]
+    return mean_ci(vals)
+
+
+def final_step(rows: list[dict]) -> int | None:
+    """The last step every run in `rows` evaluated (the grid's common final step)."""
+    runs = {(r["arm"], r["seed"]) for r in rows}
+    if not runs:
+        return None
+    return min(max(r["step"] for r in rows if (r["arm"], r["seed"]) == k) for k in runs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Running the grid
+
+
+def run_dir(grid: str, arm: str, seed: int) -> str:
+    return os.path.join(grid, f"{arm}-seed{seed}")
+
+
+def train_command(grid: str, arm: str, seed: int, steps: int, eval_every: int,
+                  sets: Sequence[str]) -> list[str]:
+    """The train.py command line of one (arm, seed); `--resume latest` when its run dir holds
+    checkpoints (a half-finished run)."""
+    rd = run_dir(grid, arm, seed)
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--toy", "--arm", arm, "--seed", str(seed),
+           "--run-dir", rd, "--steps", str(steps), "--eval-every", str(eval_every), "--no-progress"]
+    for s in sets:
+        cmd += ["--set", s]
+    if ckpt_mod.list_checkpoints(rd):
+        cmd += ["--resume", "latest"]
+    return cmd
+
+
+def memory_command(grid: str, arm: str, seed: int, arms: Sequence[str]) -> list[str]:
+    """memory_eval.py for one run; an arm without reflection reads the same seed's rubricem bank."""
+    rd = run_dir(grid, arm, seed)
+    cmd = [sys.executable, os.path.join(ROOT, "memory_eval.py"), rd]
+    other = os.path.join(run_dir(grid, "rubricem", seed), "bank.jsonl")
+    if not train.ARMS[arm].reflection and "rubricem" in arms and os.path.exists(other):
+        cmd += ["--bank", other]
+    return cmd
+
+
+def run_logged(cmd: list[str], log_path: str) -> int:
+    """Run one subprocess with its output appended to log_path; returns its exit code."""
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    with open(log_path, "a") as log:
+        log.write(f"\n$ {shlex.join(cmd)}\n")
+        log.flush()
+        return subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+
+
+def run_grid(grid: str, arms: Sequence[str], seeds: Sequence[int], steps: int, eval_every: int,
+             sets: Sequence[str], memory: bool = True, progress: bool = True) -> dict:
+    """Train every (arm, seed) not yet done, then the memory evaluations; returns
+    {"done": [...], "skipped": [...], "failed": [...]} of "arm-seedS" (memory: "memory:arm-seedS")."""
+    from tqdm import tqdm
+
+    jobs = [("train", a, s) for s in seeds for a in arms]
+    if memory:
+        jobs += [("memory", a, s) for s in seeds for a in arms if a in MEMORY_ARMS]
+
+    def finished(kind: str, a: str, s: int) -> bool:
+        name = "eval.json" if kind == "train" else "memory.json"
+        return os.path.exists(os.path.join(run_dir(grid, a, s), name))
+
+    status = {"done": [], "skipped": [], "failed": []}
+    n_done = sum(finished(*j) for j in jobs)
+    bar = tqdm(total=len(jobs), initial=n_done, desc="ablation grid", disable=not progress,
+               unit="run")
+    for kind, a, s in jobs:
+        tag = f"{a}-seed{s}" if kind == "train" else f"memory:{a}-seed{s}"
+        if finished(kind, a, s):
+            status["skipped"].append(tag)
+            continue
+        if kind == "memory" and not finished("train", a, s):
+            status["failed"].append(tag)  # its training failed
+            bar.update(1)
+            continue
+        bar.set_postfix_str(tag)
+        cmd = (train_command(grid, a, s, steps, eval_every, sets) if kind == "train"
+               else memory_command(grid, a, s, arms))
+        rc = run_logged(cmd, os.path.join(grid, "logs", tag.replace(":", "-") + ".log"))
+        ok = rc == 0 and finished(kind, a, s)
+        status["done" if ok else "failed"].append(tag)
+        if not ok:
+            print(f"{tag}: exit code {rc}; see {grid}/logs/", file=sys.stderr)
+        bar.update(1)
+    bar.close()
+    return status
+
+
+def collect(grid: str, arms: Sequence[str], seeds: Sequence[int]) -> tuple[list[dict], dict, list[str]]:
+    """(results rows, memory results by (arm, seed), checks) from the finished runs; writes
+    GRID/results.jsonl. Checks: the SFT start is the same for every arm of a seed (warm-start cache
+    key and the step-0 evaluation) and the evaluations used the same settings."""
+    rows, mem, checks = [], {}, []
+    for s in seeds:
+        keys, base = {}, {}
+        for a in arms:
+            rd = run_dir(grid, a, s)
+            if not os.path.exists(os.path.join(rd, "eval.json")):
+                continue
+            ev = json.load(open(os.path.join(rd, "eval.json")))
+            keys[a] = ev.get("sft", {}).get("key") or ev.get("sft", {}).get("source")
+            cp = os.path.join(rd, "eval_curve.jsonl")
+            curve = [json.loads(l) for l in open(cp) if l.strip()] if os.path.exists(cp) else []
+            try:
+                rows += curve_rows(a, s, curve)
+            except ValueError as e:  # e.g. eval.n_questions = 0: nothing to compare
+                checks.append(f"{e}; left out")
+                continue
+            base[a] = (curve[0]["per_question"]["answer"], json.dumps(curve[0]["eval"]))
+            mp = os.path.join(rd, "memory.json")
+            if os.path.exists(mp):
+                mem[(a, s)] = json.load(open(mp))
+        if keys:
+            distinct = sorted(set(map(str, keys.values())))
+            same_base = len({json.dumps(v) for v in base.values()}) == 1
+            checks.append(f"seed {s}: SFT warm start shared by {len(keys)} arms: "
+                          f"{'yes' if len(distinct) == 1 else 'NO'} (cache key "
+                          f"{', '.join(k[:12] for k in distinct)}); identical step-0 held-out "
+                          f"evaluation: {'yes' if same_base else 'NO'}")
+    if os.path.isdir(grid):
+        data = "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8")
+        ckpt_mod.atomic_write_bytes(os.path.join(grid, "results.jsonl"), data)
+    return rows, mem, checks
+
+
+# ----------------------------------------------------------------------------------------------------
+# The report
+
+
+def plot(rows: list[dict], arms: Sequence[str], path: str) -> None:
+    """Fig. 5-style figure: answer-score difference from the SFT start vs RL step, one line per arm,
+    its 95 % interval over seeds x questions as a band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=120)
+    for a in arms:
+        steps = sorted({r["step"] for r in rows if r["arm"] == a})
+        if not steps:
+            continue
+        st = [arm_stats(rows, a, t) for t in steps]
+        m, lo, hi = (np.array([x[i] for x in st]) for i in range(3))
+        (line,) = ax.plot(steps, m, marker="o", ms=3, label=PAPER_NAMES[a])
+        ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15)
+    ax.axhline(0, color="k", lw=0.6)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("held-out answer score - SFT start")
+    ax.legend(fontsize=7, loc="best")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def machine() -> str:
+    """nproc, the CPU model (lscpu) and the platform."""
+    model = platform.processor() or "unknown CPU"
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        model = next((l.split(":", 1)[1].strip() for l in out.splitlines()
+                      if l.startswith("Model name")), model)
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return f"nproc {os.cpu_count()}, {model}, {platform.system()} {platform.release()}"
+
+
+def commit() -> str:
+    """The checkout's commit, with "+ local changes" when the work tree differs from it."""
+    try:
+        h = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (h or "unknown") + (" + local changes" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def render(rows: list[dict], mem: dict, checks: list[str], arms: Sequence[str], meta: dict) -> str:
+    """docs/ablations.md as text (the figure is referenced when meta["figure"] is set)."""
+    L = ["<!-- Generated by scripts/ablate.py; every run of the script overwrites this file. -->",
+         "# Recipe ablation and memory reuse (toy)", "",
+         "Arms of the paper's recipe ablation (§4, Fig. 5) trained from the same SFT start per seed, "
+         "with the same steps, data order and held-out questions, and the memory-reuse evaluation "
+         "(Fig. 6d, `memory_eval.py`). Numbers are held-out answer scores (toy judge, static "
+         "rubrics, 0-1) minus the same run's SFT start; 95 % intervals are percentile bootstraps "
+         "over seeds x held-out questions.", "",
+         f"- command: `{meta['command']}`", f"- commit: {meta['commit']}",
+         f"- date (UTC): {meta['date']}", f"- machine: {meta['machine']}",
+         f"- torch threads per run: {meta['threads']}", f"- grid: {meta['grid']}", ""]
+    fs = final_step(rows)
+    L += ["## Final held-out answer score minus the SFT start", ""]
+    if fs is None:
+        L += ["No finished runs yet: `python scripts/ablate.py` fills this section.", ""]
+    else:
+        L += [f"At RL step {fs} (the last step every run evaluated).", "",
+              "| arm | paper's name | seeds | SFT answer | final answer | final - SFT [95% CI] |",
+              "|---|---|---|---|---|---|"]
+        for a in arms:
+            rs = [r for r in rows if r["arm"] == a and r["step"] == fs]
+            if not rs:
+                L.append(f"| `{a}` | {PAPER_NAMES[a]} | 0 | | | not run |")
+                continue
+            m, lo, hi = arm_stats(rows, a, fs)
+            L.append(f"| `{a}` | {PAPER_NAMES[a]} | {len(rs)} | {np.mean([r['answer_sft'] for r in rs]):.3f} "
+                     f"| {np.mean([r['answer'] for r in rs]):.3f} | {m:+.3f} [{lo:+.3f}, {hi:+.3f}] |")
+        L.append("")
+    if meta.get("figure"):
+        L += [f"![held-out answer score minus SFT start per RL step]({meta['figure']})", ""]
+    L += ["## Memory reuse (with minus without memory, answer score)", ""]
+    if not mem:
+        L += ["No memory evaluations yet.", ""]
+    else:
+        L += ["| arm | seeds | pass 1 similar [95% CI] | pass 1 hits | pass 2 exact [95% CI] | pass 2 hits |",
+              "|---|---|---|---|---|---|"]
+        for a in arms:
+            ms = [v for (x, _), v in mem.items() if x == a]
+            if not ms:
+                continue
+            cells = []
+            for p in ("pass1", "pass2"):
+                m, lo, hi = memory_stats(mem, a, p)
+                cells += [f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]", f"{np.mean([x[p]['hits'] for x in ms]):.2f}"]
+            L.append(f"| `{a}` | {len(ms)} | " + " | ".join(cells) + " |")
+        L.append("")
+    L += ["## Paper findings", ""]
+    if fs is None:
+        L += ["To be filled by a real run: for each finding the script writes reproduced / not "
+              "reproduced / inconclusive (CIs overlap) from the numbers above.", ""]
+    else:
+        for lo_arm, hi_arm in ORDER_FINDINGS:
+            v = order_verdict(arm_stats(rows, lo_arm, fs), arm_stats(rows, hi_arm, fs))
+            L.append(f"- {PAPER_NAMES[lo_arm]} < {PAPER_NAMES[hi_arm]} (Fig. 5): **{v}**")
+        for a, p, sign, paper in MEMORY_FINDINGS:
+            v = sign_verdict(memory_stats(mem, a, p), sign)
+            hits = [x[p]["hits"] for (b, _), x in mem.items() if b == a]
+            if hits and max(hits) == 0:  # nothing was in the prompts: no memory to reuse
+                v = "not measured (no bank item retrieved)"
+            word = "helps" if sign > 0 else "does not help"
+            L.append(f"- memory reuse {word} {PAPER_NAMES[a]} at "
+                     f"{'cross-episode pass 1' if p == 'pass1' else 'within-episode pass 2'} "
+                     f"(paper {paper} points): **{v}**")
+        L.append("")
+    L += ["## Checks", ""] + [f"- {c}" for c in checks or ["no finished runs"]] + [""]
+    return "\n".join(L)
+
+
+def memory_stats(mem: dict, arm: str, p: str) -> tuple[float, float, float]:
+    """(mean, lo, hi) of a pass's with-minus-without answer difference, pooled over the arm's seeds
+    x questions."""
+    vals = [d for (a, _), v in mem.items() if a == arm for d in v[p]["delta"]["answer_per_question"]]
+    return mean_ci(vals)
+
+
+def write_report(grid: str, arms: Sequence[str], seeds: Sequence[int], doc: str, meta: dict) -> str:
+    """Collect the finished runs, write GRID/results.jsonl, the figure next to `doc` and `doc`."""
+    rows, mem, checks = collect(grid, arms, seeds)
+    png = os.path.splitext(doc)[0] + ".png"
+    os.makedirs(os.path.dirname(os.path.abspath(doc)), exist_ok=True)
+    if rows:
+        plot(rows, arms, png)
+        meta = {**meta, "figure": os.path.basename(png)}
+    text = render(rows, mem, checks, arms, meta)
+    ckpt_mod.atomic_write_bytes(doc, text.encode("utf-8"))
+    return text
+
+
+def threads_of(grid: str, arms: Sequence[str], seeds: Sequence[int], sets: Sequence[str]) -> str:
+    """The torch thread count the runs used (their config.json), else what --set asks for."""
+    seen = set()
+    for a in arms:
+        for s in seeds:
+            p = os.path.join(run_dir(grid, a, s), "config.json")
+            if os.path.exists(p):
+                seen.add(json.load(open(p)).get("threads"))
+    if seen:
+        return ", ".join(str(t) for t in sorted(seen, key=str))
+    asked = [s.split("=", 1)[1] for s in sets if s.startswith("threads=")]
+    return asked[-1] if asked else str(train.toy_preset().threads)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="arms x seeds ablation grid (paper Fig. 5 and 6d)")
+    ap.add_argument("--arms", default=",".join(ARM_ORDER),
+                    help=f"comma-separated arms (default: all, {','.join(ARM_ORDER)})")
+    ap.add_argument("--seeds", help="comma-separated seeds (default 0,1,2; --quick: 0,1)")
+    ap.add_argument("--steps", type=int, help="RL steps of every run (default: the toy preset's; "
+                    f"--quick: {QUICK_STEPS})")
+    ap.add_argument("--eval-every", type=int, help="held-out evaluation every N steps (default: "
+                    "steps // 6, at least 1)")
+    ap.add_argument("--quick", action="store_true", help="fewer steps and held-out questions, a small "
+                    "SFT start: " + " ".join(QUICK_SET))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override passed to every run (after --quick's), repeatable")
+    ap.add_argument("--out", default="runs/ablate", help="grid directory (default runs/ablate)")
+    ap.add_argument("--doc", default=os.path.join(ROOT, "docs", "ablations.md"),
+                    help="report to write (the figure goes next to it as .png; default docs/ablations.md)")
+    ap.add_argument("--no-memory", action="store_true", help="skip the memory-reuse evaluations")
+    ap.add_argument("--render-only", action="store_true", help="only rewrite the report from the "
+                    "finished runs in --out")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a = ap.parse_args(argv)
+    a.arms = [x for x in a.arms.split(",") if x]
+    bad = [x for x in a.arms if x not in train.ARMS]
+    if bad:
+        ap.error(f"unknown arms {bad}; choose from {ARM_ORDER}")
+    a.seeds = [int(x) for x in a.seeds.split(",")] if a.seeds else (QUICK_SEEDS if a.quick else [0, 1, 2])
+    a.steps = a.steps or (QUICK_STEPS if a.quick else train.toy_preset().steps)
+    a.eval_every = a.eval_every or max(1, a.steps // 6)
+    a.sets = (QUICK_SET if a.quick else []) + a.set
+    try:  # a bad override stops here, before any run starts
+        train.apply_overrides(train.toy_preset(), a.sets)
+    except ValueError as e:
+        ap.error(str(e))
+    return a
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Exit codes: 0 every run finished, 1 some run failed (the report covers the others)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["memory"]:
+        import memory_eval
+
+        ap = argparse.ArgumentParser(prog="ablate.py memory", description="memory reuse of one run")
+        ap.add_argument("--run-dir", required=True)
+        a, rest = ap.parse_known_args(argv[1:])
+        return memory_eval.main([a.run_dir, *rest])
+    a = parse_args(argv)
+    t0 = time.perf_counter()
+    status = {"failed": []}
+    if not a.render_only:
+        status = run_grid(a.out, a.arms, a.seeds, a.steps, a.eval_every, a.sets,
+                          memory=not a.no_memory, progress=not a.no_progress)
+    meta = {"command": "python scripts/ablate.py " + shlex.join(argv), "commit": commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+            "machine": machine(), "threads": threads_of(a.out, a.arms, a.seeds, a.sets),
+            "grid": f"arms {','.join(a.arms)}; seeds {','.join(map(str, a.seeds))}; {a.steps} RL "
+                    f"steps; evaluation every {a.eval_every} steps; overrides "
+                    f"{' '.join(a.sets) or 'none'}; run dirs under {a.out}"}
+    write_report(a.out, a.arms, a.seeds, a.doc, meta)
+    print(f"report: {a.doc}; results: {os.path.join(a.out, 'results.jsonl')} "
+          f"({time.perf_counter() - t0:.0f} s)")
+    if status["failed"]:
+        print(f"failed: {', '.join(status['failed'])}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

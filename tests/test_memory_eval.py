@@ -1,0 +1,65 @@
+"""Memory reuse on held-out questions (ablations, Fig. 6d): pass 1 retrieves other questions' lessons
+("cross-episode similar", §3.5), the policy reflects on its pass-1 trajectories into a copy of the
+bank (§3.4), pass 2 retrieves each question's own lesson ("within-episode exact"); each pass is
+reported with memory minus without."""
+import json
+
+import numpy as np
+import pytest
+
+import bank as bank_mod
+import memory_eval
+import train
+from runfix import fast_args, sha256
+from test_reflection import LESSON, ReflectionTextSampler, patch_sampler
+
+
+def test_paired_delta_is_the_mean_per_question_difference():
+    w = {"per_question": {"answer": [0.5, 1.0, 0.25], "score": [0.4, 0.4, 0.4]}}
+    wo = {"per_question": {"answer": [0.25, 0.5, 0.25], "score": [0.5, 0.5, 0.5]}}
+    d = memory_eval.paired_delta(w, wo)
+    assert d["answer"] == pytest.approx(0.25) and d["score"] == pytest.approx(-0.1)
+    assert d["answer_per_question"] == [0.25, 0.5, 0.0]
+    assert d["answer_ci"][0] <= 0.25 <= d["answer_ci"][1] and d["score_ci"] == pytest.approx([-0.1, -0.1])
+
+
+@pytest.mark.slow
+def test_pass1_similar_then_reflect_then_pass2_exact_fig6d(tmp_path, toy_cache, monkeypatch):
+    calls = []
+    patch_sampler(monkeypatch, calls)  # training reflections: a valid lesson, so the bank fills
+    run = tmp_path / "run"
+    assert train.main(fast_args(run, toy_cache, 2, "--set", "curriculum.K=1", "--set",
+                                "rollout.prompts_per_step=4", "--set", "reflection.max_new_tokens=96",
+                                "--set", "eval.n_questions=2")) == 0
+    bank_before = sha256(run / "bank.jsonl")
+    assert len(bank_mod.RubricBank.load(run / "bank.jsonl")) == 4
+    build = memory_eval.build_sampler  # reflections on held-out trajectories: the valid lesson
+    monkeypatch.setattr(memory_eval, "build_sampler",
+                        lambda model, tok: ReflectionTextSampler(build(model, tok), tok, []))
+    seen = []
+    retrieve = bank_mod.RubricBank.retrieve
+    monkeypatch.setattr(bank_mod.RubricBank, "retrieve",
+                        lambda self, q, mode, k=2: seen.append((q, mode, len(self))) or
+                        retrieve(self, q, mode, k))
+    res = memory_eval.memory_reuse(str(run))
+    held = [q.query for q in train.build_environment(train.config_from_dict(
+        json.load(open(run / "config.json"))))[3][:2]]
+    # pass 1 asks the run's bank (4 training lessons) in similar mode, pass 2 the copy in exact mode
+    assert seen[:2] == [(q, "similar", 4) for q in held]
+    assert seen[2:] == [(q, "exact", 6) for q in held]
+    assert res["pass1"]["mode"] == "similar" and res["pass2"]["mode"] == "exact"
+    # each held-out question got its own lesson in pass 2
+    assert res["reflection"]["reflect/admitted"] == 2 and res["pass2"]["hits"] == 1.0
+    # pass 1 without memory is the run's final held-out evaluation (same questions and seed)
+    ev = json.load(open(run / "eval.json"))
+    assert res["pass1"]["without"]["per_question"] == ev["eval_rl"]["per_question"]
+    for p in ("pass1", "pass2"):
+        d = res[p]["delta"]
+        w, wo = (np.asarray(res[p][x]["per_question"]["answer"]) for x in ("with", "without"))
+        assert d["answer"] == pytest.approx(float((w - wo).mean()))
+    assert sha256(run / "bank.jsonl") == bank_before  # the run's bank is not written
+    # the command line writes memory.json
+    assert memory_eval.main([str(run), "--out", str(tmp_path / "m.json")]) == 0
+    assert json.load(open(tmp_path / "m.json"))["pass2"]["hits"] == 1.0
+    assert memory_eval.main([str(tmp_path / "nothing")]) == 2
+
