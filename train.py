@@ -740,7 +740,9 @@ def task_advantages(R: np.ndarray, n: int, cfg: SSGRPOConfig, kind: str = "ss_gr
 
 def evaluate(engine, judge, queries: Sequence, samples: int, temperature: float, seed: int) -> dict:
     """Held-out score with the judge's static rubric set (judge.py, deviation 3): mean of the four
-    stage scores and the answer score, plus format and tool-use rates. Deterministic per seed."""
+    stage scores and the answer score, plus format and tool-use rates, and "per_question": the score,
+    answer score and fact recall of each query (lists of len(queries), each the mean over its
+    samples). Deterministic per seed."""
     torch.manual_seed(seed)
     ro = engine.run(list(queries), n=samples, temperature=temperature)
     S = np.concatenate([judge.evaluate(q, ro[i * samples:(i + 1) * samples])
@@ -757,7 +759,11 @@ def evaluate(engine, judge, queries: Sequence, samples: int, temperature: float,
             "well_formed": float(np.mean([r.parsed.well_formed for r in ro])),
             "tool_call_rate": float(np.mean([r.n_tool_calls >= 1 for r in ro])),
             "mean_tool_calls": float(np.mean([r.n_tool_calls for r in ro])),
-            "fact_recall": float(np.mean(facts)), "rollouts": len(ro)}
+            "fact_recall": float(np.mean(facts)), "rollouts": len(ro),
+            # per held-out question (mean over its samples), for confidence intervals
+            "per_question": {"score": S.reshape(len(queries), samples, -1).mean(axis=(1, 2)).tolist(),
+                             "answer": S[:, 3].reshape(len(queries), samples).mean(axis=1).tolist(),
+                             "fact_recall": np.reshape(facts, (len(queries), samples)).mean(axis=1).tolist()}}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -776,9 +782,10 @@ def setup_policy(cfg: Config, world, tool):
         bf16 = cfg.engine == "zero3" and torch.cuda.is_available() and cfg.full.bf16 != "off"
         model, tok = load_policy(cfg.model, dtype=torch.bfloat16 if bf16 else torch.float32)
         return model, tok, {"source": cfg.model}
+    # The warm start depends on sft.seed (part of the cache key), not on the RL seed: it reseeds
+    # every generator it uses, so runs with different --seed share one cached SFT policy.
     model, tok, info, path = warm_start(world, tool, system, cfg.sft, cfg.teacher, cfg.model_size,
-                                        cfg.vocab_size, cfg.cache_dir, progress=cfg.progress,
-                                        extra_key={"seed": cfg.seed})
+                                        cfg.vocab_size, cfg.cache_dir, progress=cfg.progress)
     info["source"] = path
     return model, tok, info
 
