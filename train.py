@@ -709,6 +709,20 @@ def terminal_mean(R: torch.Tensor) -> torch.Tensor:
 TERMINAL_SCORES = {"terminal_answer": terminal_answer, "terminal_mean": terminal_mean}
 
 
+def static_stage_scores(judge, queries: Sequence, rollouts: Sequence, n: int) -> list | None:
+    """Mean stage scores (4 floats in [0, 1]) of a step's rollouts under the judge's *static* rubric
+    set (the held-out evaluation's, `judge.evaluate`), or None for a judge without one (HTTP).
+
+    Not in the paper. R is scored on the evolving buffers, which keep the rubrics the group still
+    fails (§3.4), so its mean is not comparable from step to step; this score is, and shows whether
+    the training rollouts get better. rollouts: len(queries) * n, query gi's group contiguous."""
+    static = getattr(judge, "evaluate", None)
+    if static is None or not rollouts:
+        return None
+    S = np.concatenate([static(q, rollouts[gi * n:(gi + 1) * n]) for gi, q in enumerate(queries)])
+    return [float(x) for x in S.mean(0)]  # (4,)
+
+
 def task_advantages(R: np.ndarray, n: int, cfg: SSGRPOConfig, kind: str = "ss_grpo"
                     ) -> tuple[torch.Tensor, dict]:
     """(N, 4) float32 advantages for N = groups x n rollouts from stage scores R (N, 4), NaN =
@@ -1158,7 +1172,9 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
         m.update(rmet)
         m["time/reflection_s"] = time.perf_counter() - t0
         # 7. metrics
+        static = static_stage_scores(judge, queries, rollouts, n)
         for k, s in enumerate(STAGES):
+            m[f"score/{s}"] = static[k] if static is not None else None
             m[f"reward/{s}"] = float(np.nanmean(R[:, k])) if np.isfinite(R[:, k]).any() else None
             m[f"reward_std/{s}"] = float(np.nanstd(R[:, k])) if np.isfinite(R[:, k]).any() else None
             vals = [ub.adv[i][len(r.prompt_ids) + t] for i, r in enumerate(rollouts)
@@ -1317,7 +1333,8 @@ def judge_step_metrics(before: dict, after: dict, http_before: dict | None = Non
 
 
 def plot_rewards(rows: list[dict], path: str) -> None:
-    """PNG of the per-stage mean reward R per step (matplotlib, no display needed)."""
+    """PNG of the per-stage mean reward R per step (solid) and the static-rubric score of the same
+    rollouts (dashed, `score/{stage}`), matplotlib, no display needed."""
     if not rows:
         return
     import matplotlib
@@ -1327,13 +1344,17 @@ def plot_rewards(rows: list[dict], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
     steps = [r["step"] for r in rows]
-    for s in STAGES:
+    for k, s in enumerate(STAGES):
         ys = [r.get(f"reward/{s}") for r in rows]
-        ax.plot(steps, [np.nan if y is None else y for y in ys], label=s)
+        ax.plot(steps, [np.nan if y is None else y for y in ys], color=f"C{k}", label=f"{s} R")
+        ys = [r.get(f"score/{s}") for r in rows]
+        if any(y is not None for y in ys):
+            ax.plot(steps, [np.nan if y is None else y for y in ys], color=f"C{k}", ls="--", lw=1,
+                    label=f"{s} static")
     ax.set_xlabel("RL step")
-    ax.set_ylabel("mean stage score R (judge)")
+    ax.set_ylabel("mean stage score (judge)")
     ax.set_ylim(0, 1)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="lower right", fontsize=6, ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
