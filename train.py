@@ -323,6 +323,9 @@ def validate_config(cfg: Config) -> None:
                 or v == float("inf"):
             want = f"in [0, {hi:g}]" if hi is not None else ">= 0 and finite (0 = no limit)"
             raise ValueError(f"{name} must be a number {want}, got {v!r}")
+    c = cfg.reflection.loss_coef
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c < float("inf"):
+        raise ValueError(f"reflection.loss_coef must be a finite number >= 0, got {c!r}")
     for name, allowed in (("engine", ("torch", "zero3")), ("sampler", ("hf", "vllm")),
                           ("judge.backend", ("toy", "gemini", "openai")),
                           ("search.backend", ("toy", "serper")), ("bank.retriever", ("bm25", "dense"))):
@@ -671,10 +674,16 @@ class TorchEngine:
 
 
 def apply_reflection_batch(policy, pending: ReflectionBatch, sampler, pad_id: int,
-                           rng: random.Random) -> dict:
+                           rng: random.Random, coef: float = 1.0) -> dict:
     """The deferred reflection update (§3.4, Algorithm 1): one policy update on the previous step's
-    reflection GRPO groups (only reflection tokens carry gradient, each with its candidate's A_j),
-    then the sampler takes the new weights, so the next task rollouts use them.
+    reflection GRPO groups (only reflection tokens carry gradient, each with its candidate's
+    advantage c * A_j; c = `coef` >= 0, reflection.loss_coef), then the sampler takes the new
+    weights, so the next task rollouts use them.
+
+    Not in the paper: c < 1 weights the meta-policy objective below the task objective. The policy
+    and the reflection writer share the weights and the optimizer; with c = 1 a reflection update
+    moves the weights as far as a task update (Adam normalises the step), and its direction is not
+    the task's.
 
     Returns metrics: update/reflection_seqs (int) and, when there was a batch, the update's losses
     under reflect/ (reflect/loss/total, reflect/kl, ...). An empty batch (first step, reflection
@@ -687,7 +696,7 @@ def apply_reflection_batch(policy, pending: ReflectionBatch, sampler, pad_id: in
     for seq, mk, a in zip(pending.sequences, pending.masks, pending.advantages):
         rb.ids.append(seq)
         rb.mask.append(mk)
-        rb.adv.append([a * x for x in mk])  # every reflection token of candidate j gets A_j
+        rb.adv.append([coef * a * x for x in mk])  # every reflection token of candidate j: c * A_j
         rb.kind.append("reflection")
     out.update({f"reflect/{k}": v for k, v in policy.update(rb, pad_id, rng).items()})
     policy.sync(sampler)
@@ -1104,7 +1113,8 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
         # 0. the previous step's reflection GRPO batch (one-step lag), applied before this step's
         # task rollouts (PAPER: Algorithm 1, §3.4 asynchrony)
         t0 = time.perf_counter()
-        m.update(apply_reflection_batch(policy, pending, sampler, tok.pad_token_id, rng))
+        m.update(apply_reflection_batch(policy, pending, sampler, tok.pad_token_id, rng,
+                                        cfg.reflection.loss_coef))
         m["time/reflection_update_s"] = time.perf_counter() - t0
         b, mode = curriculum(step, cfg.curriculum.K, cfg.curriculum.enabled)
         queries = [train_q[i] for i in order.batch(b)]
