@@ -13,7 +13,7 @@ What it does
 3. Writes the results section of docs/results.md (between the two `reproduce` markers; anything
    else in the file, e.g. the diagnosis, is kept): a per-seed table, the mean over seeds with a 95 %
    bootstrap interval, the exact commands, the git commit, the thread count, the machine and the date.
-4. Draws docs/reward_curves.png: each stage's training score per RL step, smoothed, one thin line per
+4. Draws docs/reward_curves.png: each stage's static-rubric training score per RL step, smoothed, one thin line per
    seed and a thick mean; on the Answer panel, dashed and dotted horizontal lines at the held-out
    answer score of the SFT start and of the final policy (means over seeds).
 
@@ -22,8 +22,10 @@ Statistics
 - 95 % interval of the mean gain: two-level bootstrap (B = 10,000): resample the seeds with
   replacement, then, within each drawn seed, its held-out questions with replacement; the statistic
   is the mean over the drawn (seed, question) pairs of the paired per-question gain.
-- learning curve: the Answer stage's training score (reward/answer), mean over seeds, smoothed by a
-  trailing moving average of `--smooth` steps; its last-quarter mean minus its first-quarter mean.
+- learning curve: the Answer stage's training score under the static rubric set (score/answer,
+  comparable across steps, unlike reward/answer whose rubrics evolve), mean over seeds, smoothed by
+  a trailing moving average of `--smooth` steps (default 6, one curriculum window, so fresh and
+  replayed batches weigh alike); its last-quarter mean minus its first-quarter mean.
 
 Launch
     python scripts/reproduce.py                        # seeds 0 1 2 of the default toy run
@@ -59,7 +61,9 @@ def run_seed(seed: int, out: str, extra: list[str], python: str) -> dict:
     "wall_s"}; wall_s is this invocation's wall time (None when skipped). Raises RuntimeError
     naming the seed and the log file when train.py exits non-zero."""
     run_dir = os.path.join(out, f"seed{seed}")
-    cmd = [python, "train.py", "--toy", "--seed", str(seed), "--run-dir", run_dir, "--no-progress",
+    rel = os.path.relpath(run_dir, ROOT)
+    shown = rel if not rel.startswith("..") else run_dir  # paths under the repository stay relative
+    cmd = [python, "train.py", "--toy", "--seed", str(seed), "--run-dir", shown, "--no-progress",
            *extra]
     info = {"seed": seed, "run_dir": run_dir, "command": " ".join(cmd[1:]), "skipped": False,
             "wall_s": None}
@@ -129,6 +133,14 @@ def bootstrap_gain(gains: list, B: int = 10_000, seed: int = 0) -> tuple[float, 
         stats[b] = tot / cnt
     lo, hi = np.percentile(stats, [2.5, 97.5])
     return mean, float(lo), float(hi)
+
+
+def curve(rows: list, stage: str) -> list:
+    """A stage's training curve from metrics rows: the static-rubric score `score/{stage}` of the
+    step's rollouts (comparable across steps), or the evolving-rubric mean R `reward/{stage}` for
+    runs that did not log it."""
+    key = f"score/{stage}" if any(r.get(f"score/{stage}") is not None for r in rows) else f"reward/{stage}"
+    return [r.get(key) for r in rows]
 
 
 def smooth(y: list, w: int) -> np.ndarray:
@@ -208,10 +220,10 @@ def summarise(seeds: list[int], data: dict, smooth_w: int) -> dict:
     rec = [np.asarray(data[s]["eval"]["eval_rl"]["per_question"]["fact_recall"])
            - np.asarray(data[s]["eval"]["eval_sft"]["per_question"]["fact_recall"]) for s in seeds]
     T = min(len(data[s]["rows"]) for s in seeds)
-    curve = np.nanmean([smooth([r.get("reward/answer") for r in data[s]["rows"][:T]], smooth_w)
-                        for s in seeds], axis=0) if T else np.array([])
+    ans_curve = np.nanmean([smooth(curve(data[s]["rows"][:T], "answer"), smooth_w) for s in seeds],
+                           axis=0) if T else np.array([])
     return {"rows": rows, "answer_gain": bootstrap_gain(ans), "score_gain": bootstrap_gain(sco),
-            "recall_gain": bootstrap_gain(rec), "curve_gain": quarter_gain(curve), "T": T,
+            "recall_gain": bootstrap_gain(rec), "curve_gain": quarter_gain(ans_curve), "T": T,
             "n_questions": [len(a) for a in ans]}
 
 
@@ -244,7 +256,8 @@ def results_markdown(seeds, summ, commands, extra, smooth_w, threads) -> str:
           f"{gr[0]:+.3f} [{gr[1]:+.3f}, {gr[2]:+.3f}] (two-level bootstrap over seeds x "
           f"questions, {len(seeds)} seed(s) x {summ['n_questions'][0]} held-out questions, 10,000 "
           "replicates).",
-          f"- Training answer-stage score, mean over seeds, {smooth_w}-step trailing average: last "
+          f"- Training answer-stage score (static rubric set, `score/answer`), mean over seeds, "
+          f"{smooth_w}-step trailing average: last "
           f"quarter minus first quarter of {summ['T']} steps = {summ['curve_gain']:+.3f}.",
           f"- Lowest rollout/well_formed at any step of any seed: {wf_min:.2f}.",
           "- Wall time cold: SFT warm start trained in the run; cached: the same run minus the SFT "
@@ -295,7 +308,7 @@ def plot(seeds, data, summ, path: str, smooth_w: int) -> None:
     for k, (ax, s) in enumerate(zip(axes, STAGES)):
         curves = []
         for seed in seeds:
-            c = smooth([r.get(f"reward/{s}") for r in data[seed]["rows"][:T]], smooth_w)
+            c = smooth(curve(data[seed]["rows"][:T], s), smooth_w)
             curves.append(c)
             ax.plot(range(T), c, color=f"C{k}", alpha=0.35, lw=1)
         ax.plot(range(T), np.nanmean(curves, axis=0), color=f"C{k}", lw=2.5,
@@ -327,7 +340,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "reproduce"))
     ap.add_argument("--results", default=os.path.join(ROOT, "docs", "results.md"))
     ap.add_argument("--figure", default=os.path.join(ROOT, "docs", "reward_curves.png"))
-    ap.add_argument("--smooth", type=int, default=5, help="trailing moving-average window (steps)")
+    ap.add_argument("--smooth", type=int, default=6,
+                    help="trailing moving-average window (steps); 6 = one curriculum window (2K)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="passed through to train.py")
     ap.add_argument("--python", default=sys.executable)

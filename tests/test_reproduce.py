@@ -63,3 +63,9 @@ def test_reproduce_runs_seed_writes_results_and_is_resumable(tmp_path):
     assert reproduce.main(args) == 0
     assert os.path.getmtime(out / "seed0" / "eval.json") == mtime
     assert res.read_text().count(reproduce.BEGIN) == 1
+
+
+def test_curve_prefers_the_static_score_and_falls_back_to_reward():
+    rows = [{"score/answer": 0.1, "reward/answer": 0.9}, {"score/answer": 0.3, "reward/answer": 0.2}]
+    assert reproduce.curve(rows, "answer") == [0.1, 0.3]
+    assert reproduce.curve([{"reward/answer": 0.9}], "answer") == [0.9]
