@@ -11,7 +11,7 @@ Implements Algorithm 1 and §3.5; the pieces live in their own modules:
     sft.py       appendix  scripted teacher + SFT warm start (toy mode)
 
 Launch
-    python train.py --toy                      # ~10 min on 2 CPU cores: SFT warm start + RL + eval
+    python train.py --toy                      # ~16 min on a busy 2-core CPU (~8 min with the SFT cached)
     python train.py --toy --arm baseline_rl    # an ablation arm (ARMS; run dir runs/toy-baseline_rl)
     deepspeed train.py --full ...              # full mode (DeepSpeed ZeRO-3, vLLM, HTTP judge)
 
@@ -220,7 +220,7 @@ class Config:
 
 
 def toy_preset() -> Config:
-    """Toy mode: ~10 minutes on 2 CPU cores, SFT warm start included (values are ours)."""
+    """Toy mode: ~16 minutes on a busy 2-core CPU, SFT warm start included (values are ours)."""
     return Config()
 
 
