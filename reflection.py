@@ -48,6 +48,8 @@ class ReflectionConfig:
     # launches a reflection job for every query of the step)
     max_new_tokens: int = 64  # ours: toy reflections are one or two sentences
     train: bool = True  # add the GRPO group to the next update (False: bank only)
+    loss_coef: float = 1.0  # c in L = c * L_reflect for the deferred reflection update (its A_j are
+    # scaled by c); the paper gives the two objectives no relative weight (c = 1, the full preset)
 
 
 @dataclass

@@ -11,7 +11,7 @@ Implements Algorithm 1 and §3.5; the pieces live in their own modules:
     sft.py       appendix  scripted teacher + SFT warm start (toy mode)
 
 Launch
-    python train.py --toy                      # ~10 min on 2 CPU cores: SFT warm start + RL + eval
+    python train.py --toy                      # ~16 min on a busy 2-core CPU (~8 min with the SFT cached)
     python train.py --toy --arm baseline_rl    # an ablation arm (ARMS; run dir runs/toy-baseline_rl)
     deepspeed train.py --full ...              # full mode (DeepSpeed ZeRO-3, vLLM, HTTP judge)
 
@@ -200,7 +200,9 @@ class Config:
     model_size: str = "S"  # toy policy size: "XS" | "S" | "M" (policy.SIZES); "S" = 0.5 M parameters
     vocab_size: int = 1024  # toy byte-level BPE vocabulary size (tokenizer trained on the toy world)
     cache_dir: str = ".cache/rubricem"  # SFT warm-start cache; HTTP judge and search caches
-    threads: int = 2  # torch CPU threads (torch.set_num_threads)
+    threads: int = 1  # ours: torch intra-op threads. The toy model (hidden 128) gains little from a
+    # second thread, and on a busy CPU two spinning threads slowed SFT ~10x (6.8 s vs 0.4-0.7 s per
+    # step measured on a shared 2-core machine); numbers are deterministic per seed and thread count
     progress: bool = True  # progress bars (--no-progress turns them off)
     dry_run: bool = False  # full mode: check the environment and print the plan only
     engine: str = "torch"  # policy engine: "torch" (one process, torch AdamW) | "zero3" (DeepSpeed
@@ -225,7 +227,7 @@ class Config:
 
 
 def toy_preset() -> Config:
-    """Toy mode: ~10 minutes on 2 CPU cores, SFT warm start included (values are ours)."""
+    """Toy mode: ~16 minutes on a busy 2-core CPU, SFT warm start included (values are ours)."""
     return Config()
 
 
@@ -324,6 +326,9 @@ def validate_config(cfg: Config) -> None:
                 or v == float("inf"):
             want = f"in [0, {hi:g}]" if hi is not None else ">= 0 and finite (0 = no limit)"
             raise ValueError(f"{name} must be a number {want}, got {v!r}")
+    c = cfg.reflection.loss_coef
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c < float("inf"):
+        raise ValueError(f"reflection.loss_coef must be a finite number >= 0, got {c!r}")
     for name, allowed in (("engine", ("torch", "zero3")), ("sampler", ("hf", "kv", "vllm")),
                           ("judge.backend", ("toy", "gemini", "openai")),
                           ("search.backend", ("toy", "serper")), ("bank.retriever", ("bm25", "dense"))):
@@ -707,10 +712,16 @@ class TorchEngine:
 
 
 def apply_reflection_batch(policy, pending: ReflectionBatch, sampler, pad_id: int,
-                           rng: random.Random) -> dict:
+                           rng: random.Random, coef: float = 1.0) -> dict:
     """The deferred reflection update (§3.4, Algorithm 1): one policy update on the previous step's
-    reflection GRPO groups (only reflection tokens carry gradient, each with its candidate's A_j),
-    then the sampler takes the new weights, so the next task rollouts use them.
+    reflection GRPO groups (only reflection tokens carry gradient, each with its candidate's
+    advantage c * A_j; c = `coef` >= 0, reflection.loss_coef), then the sampler takes the new
+    weights, so the next task rollouts use them.
+
+    Not in the paper: c < 1 weights the meta-policy objective below the task objective. The policy
+    and the reflection writer share the weights and the optimizer; with c = 1 a reflection update
+    moves the weights as far as a task update (Adam normalises the step), and its direction is not
+    the task's.
 
     Returns metrics: update/reflection_seqs (int) and, when there was a batch, the update's losses
     under reflect/ (reflect/loss/total, reflect/kl, ...). An empty batch (first step, reflection
@@ -723,7 +734,7 @@ def apply_reflection_batch(policy, pending: ReflectionBatch, sampler, pad_id: in
     for seq, mk, a in zip(pending.sequences, pending.masks, pending.advantages):
         rb.ids.append(seq)
         rb.mask.append(mk)
-        rb.adv.append([a * x for x in mk])  # every reflection token of candidate j gets A_j
+        rb.adv.append([coef * a * x for x in mk])  # every reflection token of candidate j: c * A_j
         rb.kind.append("reflection")
     out.update({f"reflect/{k}": v for k, v in policy.update(rb, pad_id, rng).items()})
     policy.sync(sampler)
@@ -743,6 +754,20 @@ def terminal_mean(R: torch.Tensor) -> torch.Tensor:
 
 
 TERMINAL_SCORES = {"terminal_answer": terminal_answer, "terminal_mean": terminal_mean}
+
+
+def static_stage_scores(judge, queries: Sequence, rollouts: Sequence, n: int) -> list | None:
+    """Mean stage scores (4 floats in [0, 1]) of a step's rollouts under the judge's *static* rubric
+    set (the held-out evaluation's, `judge.evaluate`), or None for a judge without one (HTTP).
+
+    Not in the paper. R is scored on the evolving buffers, which keep the rubrics the group still
+    fails (§3.4), so its mean is not comparable from step to step; this score is, and shows whether
+    the training rollouts get better. rollouts: len(queries) * n, query gi's group contiguous."""
+    static = getattr(judge, "evaluate", None)
+    if static is None or not rollouts:
+        return None
+    S = np.concatenate([static(q, rollouts[gi * n:(gi + 1) * n]) for gi, q in enumerate(queries)])
+    return [float(x) for x in S.mean(0)]  # (4,)
 
 
 def task_advantages(R: np.ndarray, n: int, cfg: SSGRPOConfig, kind: str = "ss_grpo"
@@ -884,9 +909,10 @@ def setup_policy(cfg: Config, world, tool):
         bf16 = cfg.engine == "zero3" and torch.cuda.is_available() and cfg.full.bf16 != "off"
         model, tok = load_policy(cfg.model, dtype=torch.bfloat16 if bf16 else torch.float32)
         return model, tok, {"source": cfg.model}
+    # The warm start depends on sft.seed (part of the cache key), not on the RL seed: it reseeds
+    # every generator it uses, so runs with different --seed share one cached SFT policy.
     model, tok, info, path = warm_start(world, tool, system, cfg.sft, cfg.teacher, cfg.model_size,
-                                        cfg.vocab_size, cfg.cache_dir, progress=cfg.progress,
-                                        extra_key={"seed": cfg.seed})
+                                        cfg.vocab_size, cfg.cache_dir, progress=cfg.progress)
     info["source"] = path
     return model, tok, info
 
@@ -1224,7 +1250,8 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
         # 0. the previous step's reflection GRPO batch (one-step lag), applied before this step's
         # task rollouts (PAPER: Algorithm 1, §3.4 asynchrony)
         t0 = time.perf_counter()
-        m.update(apply_reflection_batch(policy, pending, sampler, tok.pad_token_id, rng))
+        m.update(apply_reflection_batch(policy, pending, sampler, tok.pad_token_id, rng,
+                                        cfg.reflection.loss_coef))
         m["time/reflection_update_s"] = time.perf_counter() - t0
         b, mode = curriculum(step, cfg.curriculum.K, cfg.curriculum.enabled)
         queries = [train_q[i] for i in order.batch(b)]
@@ -1292,7 +1319,9 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
         m.update(rmet)
         m["time/reflection_s"] = time.perf_counter() - t0
         # 7. metrics
+        static = static_stage_scores(judge, queries, rollouts, n)
         for k, s in enumerate(STAGES):
+            m[f"score/{s}"] = static[k] if static is not None else None
             m[f"reward/{s}"] = float(np.nanmean(R[:, k])) if np.isfinite(R[:, k]).any() else None
             m[f"reward_std/{s}"] = float(np.nanstd(R[:, k])) if np.isfinite(R[:, k]).any() else None
             vals = [ub.adv[i][len(r.prompt_ids) + t] for i, r in enumerate(rollouts)
@@ -1473,8 +1502,9 @@ def judge_step_metrics(before: dict, after: dict, http_before: dict | None = Non
 
 
 def plot_rewards(rows: list[dict], path: str, curve: list[dict] | None = None) -> None:
-    """PNG of the per-stage mean reward R per step (matplotlib, no display needed); with `curve`
-    (EvalCurve rows), the held-out answer score at each evaluated step as a dashed black line."""
+    """PNG of the per-stage mean reward R per step (solid), the static-rubric score of the same
+    rollouts (dashed, `score/{stage}`) and, with `curve` (EvalCurve rows), the held-out answer score
+    at each evaluated step (black, dashed with dots); matplotlib, no display needed."""
     if not rows:
         return
     import matplotlib
@@ -1484,17 +1514,21 @@ def plot_rewards(rows: list[dict], path: str, curve: list[dict] | None = None) -
 
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
     steps = [r["step"] for r in rows]
-    for s in STAGES:
+    for k, s in enumerate(STAGES):
         ys = [r.get(f"reward/{s}") for r in rows]
-        ax.plot(steps, [np.nan if y is None else y for y in ys], label=s)
+        ax.plot(steps, [np.nan if y is None else y for y in ys], color=f"C{k}", label=f"{s} R")
+        ys = [r.get(f"score/{s}") for r in rows]
+        if any(y is not None for y in ys):
+            ax.plot(steps, [np.nan if y is None else y for y in ys], color=f"C{k}", ls="--", lw=1,
+                    label=f"{s} static")
     if curve:
         # a row at step s evaluates the policy after s updates, drawn where step s - 1 ended
         ax.plot([r["step"] - 1 for r in curve], [r["answer"] for r in curve], "k--o", ms=3,
                 label="held-out answer")
     ax.set_xlabel("RL step")
-    ax.set_ylabel("mean stage score R (judge)")
+    ax.set_ylabel("mean stage score (judge)")
     ax.set_ylim(0, 1)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="lower right", fontsize=6, ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)

@@ -673,3 +673,23 @@ def test_degenerate_cut_off_or_off_topic_reflections_are_invalid_sec3_4(world, q
         r2 = _replay_trace(q2, tr)
         res = judge.judge_group(q2, [r2, r2], 0)
         assert judge.score_reflections(q2, r2, res, 0, [sft.teacher_reflection(q2, tr)])[0].valid
+
+
+def test_static_stage_scores_of_training_rollouts_are_buffer_independent_sec3_4(world, queries, pool):
+    # The logged score/{stage} of a step: the static rubric set's mean stage scores of the step's
+    # rollouts, the same whatever the evolving buffers hold (R is not), None for a judge without
+    # a static rubric set.
+    import train
+
+    ros = [r for q in queries for r in pool[q.query]]
+    n = len(pool[queries[0].query])
+    judge = ToyJudge(world)
+    want = np.concatenate([judge.evaluate(q, pool[q.query]) for q in queries]).mean(0)
+    got = train.static_stage_scores(judge, queries, ros, n)
+    np.testing.assert_allclose(got, want)
+    for step in range(3):  # buffers evolve; the static score does not move
+        for q in queries:
+            judge.judge_group(q, pool[q.query], step)
+        np.testing.assert_allclose(train.static_stage_scores(judge, queries, ros, n), want)
+    assert 0.0 < want[ANSWER] < 1.0
+    assert train.static_stage_scores(EvolvingJudge(), queries, ros, n) is None

@@ -205,3 +205,30 @@ def test_deferred_reflection_update_runs_before_the_next_rollouts_alg1(tmp_path,
     assert r0["update/reflection_seqs"] == 0 and r1["update/reflection_seqs"] == P * m
     # every metrics line carries every key; a step without a reflection update logs null there
     assert r1["reflect/loss/total"] is not None and r0.get("reflect/loss/total") is None
+
+
+def test_reflection_update_advantages_scaled_by_loss_coef_sec3_4():
+    """The deferred reflection update gives every reflection token c * A_j (c =
+    reflection.loss_coef), the trajectory context 0; c must be a finite number >= 0."""
+    from reflection import ReflectionBatch
+
+    seen = []
+
+    class Policy:
+        def update(self, batch, pad_id, rng):
+            seen.append([list(a) for a in batch.adv])
+            return {"loss/total": 0.0}
+
+        def sync(self, sampler):
+            pass
+
+    pend = ReflectionBatch(0, sequences=[[1, 2, 3, 4], [1, 2, 5]], masks=[[0, 0, 1, 1], [0, 0, 1]],
+                           advantages=[1.5, -1.5], scores=[0.9, 0.1])
+    for c in (1.0, 0.25, 0.0):
+        train.apply_reflection_batch(Policy(), pend, None, 0, random.Random(0), c)
+        assert seen[-1] == [[0.0, 0.0, 1.5 * c, 1.5 * c], [0.0, 0.0, -1.5 * c]]
+    cfg = train.toy_preset()
+    for bad in (-0.1, float("inf"), float("nan"), True, "1"):
+        cfg.reflection.loss_coef = bad
+        with pytest.raises(ValueError, match="reflection.loss_coef"):
+            train.validate_config(cfg)

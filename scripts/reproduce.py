@@ -1,0 +1,368 @@
+"""Reproduce the toy quick start over several seeds and write docs/results.md and docs/reward_curves.png.
+
+RubricEM (arXiv 2605.10899): the toy pipeline of train.py (SFT warm start, Algorithm 1 with SS-GRPO,
+the evolving judge, the reflection meta-policy and the rubric bank, held-out evaluation), run once per
+seed. Not a part of the paper: this script measures what the quick start promises.
+
+What it does
+1. For each seed, `python train.py --toy --seed N --run-dir OUT/seedN --no-progress` in its own
+   process (extra `--set KEY=VALUE` arguments pass through). Resumable: a seed whose run directory
+   already holds eval.json is not rerun; one with checkpoints but no eval.json continues with
+   `--resume`.
+2. Reads each run's eval.json (held-out scores, per-question scores, timings) and metrics.jsonl.
+3. Writes the results section of docs/results.md (between the two `reproduce` markers; anything
+   else in the file, e.g. the diagnosis, is kept): a per-seed table, the mean over seeds with a 95 %
+   bootstrap interval, the exact commands, the git commit, the thread count, the machine and the date.
+4. Draws docs/reward_curves.png: each stage's static-rubric training score per RL step, smoothed, one thin line per
+   seed and a thick mean; on the Answer panel, dashed and dotted horizontal lines at the held-out
+   answer score of the SFT start and of the final policy (means over seeds).
+
+Statistics
+- gain of a seed = RL answer score - SFT answer score on the same held-out questions (paired).
+- 95 % interval of the mean gain: two-level bootstrap (B = 10,000): resample the seeds with
+  replacement, then, within each drawn seed, its held-out questions with replacement; the statistic
+  is the mean over the drawn (seed, question) pairs of the paired per-question gain.
+- learning curve: the Answer stage's training score under the static rubric set (score/answer,
+  comparable across steps, unlike reward/answer whose rubrics evolve), mean over seeds, smoothed by
+  a trailing moving average of `--smooth` steps (default 6, one curriculum window, so fresh and
+  replayed batches weigh alike); its last-quarter mean minus its first-quarter mean.
+
+Launch
+    python scripts/reproduce.py                        # seeds 0 1 2 of the default toy run
+    python scripts/reproduce.py --seeds 0 --quick      # one seed, 6 RL steps, 32 held-out questions
+    python scripts/reproduce.py --out /tmp/r --results /tmp/r/results.md --figure /tmp/r/fig.png \\
+        --set sft.steps=10 ...                         # tiny settings (the test does this)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAGES = ("plan", "research", "review", "answer")
+BEGIN, END = "<!-- reproduce:begin -->", "<!-- reproduce:end -->"
+QUICK = ["--steps", "6", "--set", "eval.n_questions=32"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Running the seeds
+
+
+def run_seed(seed: int, out: str, extra: list[str], python: str) -> dict:
+    """Run (or skip, or resume) one seed. Returns {"seed", "run_dir", "command", "skipped",
+    "wall_s"}; wall_s is this invocation's wall time (None when skipped). Raises RuntimeError
+    naming the seed and the log file when train.py exits non-zero."""
+    run_dir = os.path.join(out, f"seed{seed}")
+    rel = os.path.relpath(run_dir, ROOT)
+    shown = rel if not rel.startswith("..") else run_dir  # paths under the repository stay relative
+    cmd = [python, "train.py", "--toy", "--seed", str(seed), "--run-dir", shown, "--no-progress",
+           *extra]
+    info = {"seed": seed, "run_dir": run_dir, "command": " ".join(cmd[1:]), "skipped": False,
+            "wall_s": None}
+    if os.path.exists(os.path.join(run_dir, "eval.json")):
+        info["skipped"] = True
+        print(f"seed {seed}: finished earlier ({run_dir}/eval.json), not rerun", flush=True)
+        return info
+    if os.path.isdir(os.path.join(run_dir, "checkpoints")):
+        cmd.append("--resume")
+    os.makedirs(run_dir, exist_ok=True)
+    log_path = os.path.join(run_dir, "reproduce.log")
+    print(f"seed {seed}: {' '.join(cmd[1:])}  (log {log_path})", flush=True)
+    t0 = time.perf_counter()
+    with open(log_path, "a") as fh:
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT).returncode
+    info["wall_s"] = time.perf_counter() - t0
+    if rc != 0:
+        raise RuntimeError(f"seed {seed}: train.py exited with {rc}; see {log_path}")
+    with open(os.path.join(run_dir, "reproduce_wall.json"), "w") as fh:
+        json.dump({"wall_s": info["wall_s"], "command": info["command"]}, fh)
+    return info
+
+
+def load_seed(run_dir: str) -> dict:
+    """eval.json, metrics rows and the recorded wall time of one finished run directory.
+    Raises ValueError when eval.json lacks per-question scores (a run of older code)."""
+    with open(os.path.join(run_dir, "eval.json")) as fh:
+        ev = json.load(fh)
+    for k in ("eval_sft", "eval_rl"):
+        if "per_question" not in ev.get(k, {}):
+            raise ValueError(f"{run_dir}/eval.json has no {k}.per_question: rerun this seed")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        rows = [json.loads(l) for l in fh if l.strip()]
+    wall = None
+    wp = os.path.join(run_dir, "reproduce_wall.json")
+    if os.path.exists(wp):
+        with open(wp) as fh:
+            wall = json.load(fh)["wall_s"]
+    return {"eval": ev, "rows": rows, "wall_s": wall}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Statistics (pure functions)
+
+
+def bootstrap_gain(gains: list, B: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
+    """Mean paired gain and its 95 % two-level bootstrap interval.
+
+    gains: one 1-D array per seed of per-question gains (RL - SFT, same questions). Each replicate
+    draws len(gains) seeds with replacement and, within each drawn seed, as many questions as it has
+    with replacement; the replicate's statistic is the mean over all drawn (seed, question) pairs.
+    Returns (mean, lo, hi); lo = hi = mean for a single seed with a single question. Raises
+    ValueError for no seeds or an empty seed."""
+    if not gains or any(len(g) == 0 for g in gains):
+        raise ValueError("bootstrap_gain needs at least one seed and one question per seed")
+    arrs = [np.asarray(g, dtype=np.float64) for g in gains]
+    rng = np.random.default_rng(seed)
+    mean = float(np.mean(np.concatenate(arrs)))
+    stats = np.empty(B)
+    for b in range(B):
+        picks = rng.integers(0, len(arrs), size=len(arrs))
+        tot, cnt = 0.0, 0
+        for s in picks:
+            a = arrs[s]
+            tot += a[rng.integers(0, len(a), size=len(a))].sum()
+            cnt += len(a)
+        stats[b] = tot / cnt
+    lo, hi = np.percentile(stats, [2.5, 97.5])
+    return mean, float(lo), float(hi)
+
+
+def curve(rows: list, stage: str) -> list:
+    """A stage's training curve from metrics rows: the static-rubric score `score/{stage}` of the
+    step's rollouts (comparable across steps), or the evolving-rubric mean R `reward/{stage}` for
+    runs that did not log it."""
+    key = f"score/{stage}" if any(r.get(f"score/{stage}") is not None for r in rows) else f"reward/{stage}"
+    return [r.get(key) for r in rows]
+
+
+def smooth(y: list, w: int) -> np.ndarray:
+    """Trailing moving average over up to w steps (NaN / None left out). (T,) -> (T,)."""
+    a = np.array([np.nan if v is None else v for v in y], dtype=np.float64)
+    out = np.full(len(a), np.nan)
+    for t in range(len(a)):
+        win = a[max(0, t - w + 1): t + 1]
+        win = win[np.isfinite(win)]
+        if win.size:
+            out[t] = win.mean()
+    return out
+
+
+def quarter_gain(curve: np.ndarray) -> float:
+    """Mean of the last quarter of a curve minus the mean of its first quarter (at least one step
+    each). (T,) -> float; NaN for an empty curve."""
+    T = len(curve)
+    if T == 0:
+        return float("nan")
+    q = max(1, T // 4)
+    return float(np.nanmean(curve[-q:]) - np.nanmean(curve[:q]))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Report and figure
+
+
+def seed_row(seed: int, d: dict) -> dict:
+    ev, rows = d["eval"], d["rows"]
+    e0, e1, t = ev["eval_sft"], ev["eval_rl"], ev.get("timings", {})
+    cached = bool(ev.get("sft", {}).get("cached"))
+    total = d["wall_s"] if d["wall_s"] is not None else t.get("total_s")
+    # a cached-start run skips SFT training and data building: its time is the total minus those
+    sft_s = ev.get("sft", {}).get("train_seconds", 0.0) + ev.get("sft", {}).get("data_seconds", 0.0)
+    wf = [r["rollout/well_formed"] for r in rows if r.get("rollout/well_formed") is not None]
+    return {"seed": seed, "sft_answer": e0["answer"], "rl_answer": e1["answer"],
+            "gain": e1["answer"] - e0["answer"], "sft_score": e0["score"], "rl_score": e1["score"],
+            "sft_recall": e0["fact_recall"], "rl_recall": e1["fact_recall"],
+            "wf_min": min(wf) if wf else float("nan"), "steps": len(rows),
+            "cold_s": None if cached else total,
+            "cached_s": total if cached else (total - sft_s if total is not None else None)}
+
+
+def _fmt_s(x) -> str:
+    return "-" if x is None else f"{x / 60:.1f} min"
+
+
+def machine() -> str:
+    model = ""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        model = next((l.split(":", 1)[1].strip() for l in out.splitlines()
+                      if l.startswith("Model name")), "")
+    except OSError:
+        pass
+    return f"{os.cpu_count()} CPUs (nproc), {model or platform.processor() or 'unknown CPU'}"
+
+
+def git_commit() -> str:
+    try:
+        r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return r.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+def summarise(seeds: list[int], data: dict, smooth_w: int) -> dict:
+    """Everything the report prints, computed once: per-seed rows, bootstrap gains, curve gain."""
+    rows = [seed_row(s, data[s]) for s in seeds]
+    ans = [np.asarray(data[s]["eval"]["eval_rl"]["per_question"]["answer"])
+           - np.asarray(data[s]["eval"]["eval_sft"]["per_question"]["answer"]) for s in seeds]
+    sco = [np.asarray(data[s]["eval"]["eval_rl"]["per_question"]["score"])
+           - np.asarray(data[s]["eval"]["eval_sft"]["per_question"]["score"]) for s in seeds]
+    rec = [np.asarray(data[s]["eval"]["eval_rl"]["per_question"]["fact_recall"])
+           - np.asarray(data[s]["eval"]["eval_sft"]["per_question"]["fact_recall"]) for s in seeds]
+    T = min(len(data[s]["rows"]) for s in seeds)
+    ans_curve = np.nanmean([smooth(curve(data[s]["rows"][:T], "answer"), smooth_w) for s in seeds],
+                           axis=0) if T else np.array([])
+    return {"rows": rows, "answer_gain": bootstrap_gain(ans), "score_gain": bootstrap_gain(sco),
+            "recall_gain": bootstrap_gain(rec), "curve_gain": quarter_gain(ans_curve), "T": T,
+            "n_questions": [len(a) for a in ans]}
+
+
+def results_markdown(seeds, summ, commands, extra, smooth_w, threads) -> str:
+    R = summ["rows"]
+    m = lambda k: float(np.mean([r[k] for r in R]))  # noqa: E731
+    g, gs, gr = summ["answer_gain"], summ["score_gain"], summ["recall_gain"]
+    wf_min = min(r["wf_min"] for r in R)
+    colds = [r["cold_s"] for r in R if r["cold_s"] is not None]
+    cacheds = [r["cached_s"] for r in R if r["cached_s"] is not None]
+    L = [BEGIN, "## Results", "",
+         f"Written by `scripts/reproduce.py` on {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.",
+         f"Machine: {machine()}; torch threads: {threads}; git commit: {git_commit()}.", "",
+         "| seed | SFT answer | RL answer | gain | SFT mean-stage | RL mean-stage | fact recall SFT -> RL "
+         "| well_formed min | wall cold | wall cached |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in R:
+        L.append(f"| {r['seed']} | {r['sft_answer']:.3f} | {r['rl_answer']:.3f} | {r['gain']:+.3f} | "
+                 f"{r['sft_score']:.3f} | {r['rl_score']:.3f} | {r['sft_recall']:.3f} -> "
+                 f"{r['rl_recall']:.3f} | {r['wf_min']:.2f} | {_fmt_s(r['cold_s'])} | "
+                 f"{_fmt_s(r['cached_s'])} |")
+    L.append(f"| mean | {m('sft_answer'):.3f} | {m('rl_answer'):.3f} | {g[0]:+.3f} "
+             f"[{g[1]:+.3f}, {g[2]:+.3f}] | {m('sft_score'):.3f} | {m('rl_score'):.3f} | "
+             f"{m('sft_recall'):.3f} -> {m('rl_recall'):.3f} | {wf_min:.2f} | "
+             f"{_fmt_s(float(np.mean(colds)) if colds else None)} | "
+             f"{_fmt_s(float(np.mean(cacheds)) if cacheds else None)} |")
+    L += ["",
+          f"- Held-out answer-score gain (RL - SFT): {g[0]:+.3f}, 95 % CI [{g[1]:+.3f}, {g[2]:+.3f}]; "
+          f"mean-stage-score gain {gs[0]:+.3f} [{gs[1]:+.3f}, {gs[2]:+.3f}]; fact-recall gain "
+          f"{gr[0]:+.3f} [{gr[1]:+.3f}, {gr[2]:+.3f}] (two-level bootstrap over seeds x "
+          f"questions, {len(seeds)} seed(s) x {summ['n_questions'][0]} held-out questions, 10,000 "
+          "replicates).",
+          f"- Training answer-stage score (static rubric set, `score/answer`), mean over seeds, "
+          f"{smooth_w}-step trailing average: last "
+          f"quarter minus first quarter of {summ['T']} steps = {summ['curve_gain']:+.3f}.",
+          f"- Lowest rollout/well_formed at any step of any seed: {wf_min:.2f}.",
+          "- Wall time cold: SFT warm start trained in the run; cached: the same run minus the SFT "
+          "data and training time it reported (measured when the warm start was loaded from cache).",
+          "",
+          "Targets: gain >= +0.15 with the CI above 0; well_formed >= 0.8 at every step; curve "
+          "last-quarter minus first-quarter >= +0.1; wall time <= 8 min cold and <= 5 min cached. "
+          "Met: " + ", ".join([
+              f"gain {'yes' if g[0] >= 0.15 and g[1] > 0 else 'no'}",
+              f"well_formed {'yes' if wf_min >= 0.8 else 'no'}",
+              f"curve {'yes' if summ['curve_gain'] >= 0.1 else 'no'}",
+              "wall cold " + ("yes" if colds and max(colds) <= 480 else "no" if colds else "not measured"),
+              "wall cached " + ("yes" if cacheds and max(cacheds) <= 300 else "no" if cacheds else "not measured"),
+          ]) + ".",
+          "",
+          "Commands (from the repository root):", "", "```",
+          f"python scripts/reproduce.py --seeds {' '.join(map(str, seeds))}"
+          + (" " + " ".join(extra) if extra else "")]
+    L += [f"# seed {s}: python {c}" for s, c in commands]
+    L += ["```", "", "![training score per stage and held-out answer score](reward_curves.png)", END]
+    return "\n".join(L) + "\n"
+
+
+def write_results(path: str, section: str) -> None:
+    """Replace the text between the reproduce markers of `path` (or append the section)."""
+    old = open(path).read() if os.path.exists(path) else "# Results\n\n"
+    if BEGIN in old and END in old:
+        new = old[: old.index(BEGIN)] + section.rstrip("\n") + old[old.index(END) + len(END):]
+    else:
+        new = old.rstrip("\n") + "\n\n" + section
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        fh.write(new)
+    os.replace(tmp, path)
+
+
+def plot(seeds, data, summ, path: str, smooth_w: int) -> None:
+    """Four panels (one per stage): smoothed training score per RL step per seed and their mean;
+    the Answer panel adds the held-out answer score of the SFT start and of the final policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(13, 3.4), dpi=110, sharey=True)
+    T = summ["T"]
+    for k, (ax, s) in enumerate(zip(axes, STAGES)):
+        curves = []
+        for seed in seeds:
+            c = smooth(curve(data[seed]["rows"][:T], s), smooth_w)
+            curves.append(c)
+            ax.plot(range(T), c, color=f"C{k}", alpha=0.35, lw=1)
+        ax.plot(range(T), np.nanmean(curves, axis=0), color=f"C{k}", lw=2.5,
+                label=f"train {s} (mean of {len(seeds)} seeds)")
+        if s == "answer":
+            e0 = np.mean([summ_r["sft_answer"] for summ_r in summ["rows"]])
+            e1 = np.mean([summ_r["rl_answer"] for summ_r in summ["rows"]])
+            ax.axhline(e0, color="k", ls="--", lw=1.2, label=f"held-out, SFT start {e0:.3f}")
+            ax.axhline(e1, color="k", ls=":", lw=1.8, label=f"held-out, final policy {e1:.3f}")
+        ax.set_title(s)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=7)
+    axes[0].set_ylabel(f"stage score ({smooth_w}-step average)")
+    axes[0].set_ylim(0, 1)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--quick", action="store_true", help="6 RL steps and 32 held-out questions")
+    ap.add_argument("--out", default=os.path.join(ROOT, "runs", "reproduce"))
+    ap.add_argument("--results", default=os.path.join(ROOT, "docs", "results.md"))
+    ap.add_argument("--figure", default=os.path.join(ROOT, "docs", "reward_curves.png"))
+    ap.add_argument("--smooth", type=int, default=6,
+                    help="trailing moving-average window (steps); 6 = one curriculum window (2K)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="passed through to train.py")
+    ap.add_argument("--python", default=sys.executable)
+    a = ap.parse_args(argv)
+    extra = (QUICK if a.quick else []) + [x for kv in a.set for x in ("--set", kv)]
+    commands, data = [], {}
+    for s in a.seeds:
+        info = run_seed(s, a.out, extra, a.python)
+        commands.append((s, info["command"]))
+        data[s] = load_seed(info["run_dir"])
+    with open(os.path.join(a.out, f"seed{a.seeds[0]}", "config.json")) as fh:
+        threads = json.load(fh).get("threads")
+    summ = summarise(a.seeds, data, a.smooth)
+    shown = (["--quick"] if a.quick else []) + [x for kv in a.set for x in ("--set", kv)]
+    write_results(a.results, results_markdown(a.seeds, summ, commands, shown, a.smooth, threads))
+    plot(a.seeds, data, summ, a.figure, a.smooth)
+    g = summ["answer_gain"]
+    print(f"held-out answer gain {g[0]:+.3f} [{g[1]:+.3f}, {g[2]:+.3f}]; curve last-first quarter "
+          f"{summ['curve_gain']:+.3f}; results in {a.results}, figure {a.figure}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
