@@ -726,17 +726,25 @@ def _replies(res: dict, e: int, keys) -> list | None:
     return None if any(g is None for g in got) else got
 
 
-def examples_healthbench(rows, answers, res) -> list[dict]:
-    """Per example: score s_e (or skipped), per-item verdicts, per rubric tag the tag's score."""
-    out = []
+def _graded(rows, answers, res, keys, out: list, failed: str = "judge call failed"):
+    """The examples that have an answer and every judge reply, in order: yields (row, replies) and
+    appends a skip row to `out` for each other example ("no response", or `failed`). keys(row) -> the
+    call keys of that example's judge calls."""
     for e, (r, a) in enumerate(zip(rows, answers)):
         if a is None:
             out.append(_skip(r, "no response"))
             continue
-        rep = _replies(res, e, range(len(r["items"])))
+        rep = _replies(res, e, keys(r))
         if rep is None:
-            out.append(_skip(r, "judge call failed"))
+            out.append(_skip(r, failed))
             continue
+        yield r, rep
+
+
+def examples_healthbench(rows, answers, res) -> list[dict]:
+    """Per example: score s_e (or skipped), per-item verdicts, per rubric tag the tag's score."""
+    out = []
+    for r, rep in _graded(rows, answers, res, lambda r: range(len(r["items"])), out):
         pts, met = [it["points"] for it in r["items"]], [g["criteria_met"] for g in rep]
         s = healthbench_example_score(pts, met)
         if s is None:
@@ -758,14 +766,8 @@ def examples_healthbench(rows, answers, res) -> list[dict]:
 def examples_researchqa(rows, answers, res, batch: int = RQA_BATCH) -> list[dict]:
     """Per example: coverage c_e (or skipped) and each item's label and value."""
     out = []
-    for e, (r, a) in enumerate(zip(rows, answers)):
-        if a is None:
-            out.append(_skip(r, "no response"))
-            continue
-        rep = _replies(res, e, range(0, len(r["items"]), batch))
-        if rep is None:
-            out.append(_skip(r, "label count wrong or call failed after retries"))
-            continue
+    for r, rep in _graded(rows, answers, res, lambda r: range(0, len(r["items"]), batch), out,
+                          failed="label count wrong or call failed after retries"):
         labels = [lb for g in rep for lb in g["labels"]]
         out.append({"id": r["id"], "score": researchqa_coverage(labels),
                     "general_domain": r["general_domain"],
@@ -799,28 +801,14 @@ def race_from_reply(reply: dict, task: dict) -> dict:
 
 def examples_drb(rows, answers, res) -> list[dict]:
     out = []
-    for e, (r, a) in enumerate(zip(rows, answers)):
-        if a is None:
-            out.append(_skip(r, "no response"))
-            continue
-        rep = res.get((e, 0))
-        if rep is None:
-            out.append(_skip(r, "judge call failed"))
-            continue
+    for r, (rep,) in _graded(rows, answers, res, lambda r: [0], out):
         out.append({"id": r["id"], "language": r["language"], **race_from_reply(rep, r)})
     return out
 
 
 def examples_researchrubrics(rows, answers, res) -> list[dict]:
     out = []
-    for e, (r, a) in enumerate(zip(rows, answers)):
-        if a is None:
-            out.append(_skip(r, "no response"))
-            continue
-        rep = _replies(res, e, range(len(r["items"])))
-        if rep is None:
-            out.append(_skip(r, "judge call failed"))
-            continue
+    for r, rep in _graded(rows, answers, res, lambda r: range(len(r["items"])), out):
         w, s = [it["weight"] for it in r["items"]], [g["s"] for g in rep]
         c = rubric_compliance(w, s)
         if c is None:
