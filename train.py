@@ -763,11 +763,16 @@ def static_stage_scores(judge, queries: Sequence, rollouts: Sequence, n: int) ->
     Not in the paper. R is scored on the evolving buffers, which keep the rubrics the group still
     fails (§3.4), so its mean is not comparable from step to step; this score is, and shows whether
     the training rollouts get better. rollouts: len(queries) * n, query gi's group contiguous."""
-    static = getattr(judge, "evaluate", None)
-    if static is None or not rollouts:
+    if getattr(judge, "evaluate", None) is None or not rollouts:
         return None
-    S = np.concatenate([static(q, rollouts[gi * n:(gi + 1) * n]) for gi, q in enumerate(queries)])
-    return [float(x) for x in S.mean(0)]  # (4,)
+    return [float(x) for x in static_scores(judge, queries, rollouts, n).mean(0)]  # (4,)
+
+
+def static_scores(judge, queries: Sequence, rollouts: Sequence, n: int) -> np.ndarray:
+    """(len(rollouts), 4) float stage scores in [0, 1] under the judge's static rubric set
+    (`judge.evaluate`), one group of `n` contiguous rollouts per query."""
+    return np.concatenate([judge.evaluate(q, rollouts[gi * n:(gi + 1) * n])
+                           for gi, q in enumerate(queries)])
 
 
 def task_advantages(R: np.ndarray, n: int, cfg: SSGRPOConfig, kind: str = "ss_grpo"
@@ -813,8 +818,7 @@ def evaluate(engine, judge, queries: Sequence, samples: int, temperature: float,
 
 def heldout_scores(judge, queries: Sequence, ro: Sequence, samples: int) -> dict:
     """`evaluate`'s result for rollouts `ro` (query-major, `samples` per query) already sampled."""
-    S = np.concatenate([judge.evaluate(q, ro[i * samples:(i + 1) * samples])
-                        for i, q in enumerate(queries)])  # (N, 4)
+    S = static_scores(judge, queries, ro, samples)  # (N, 4)
     facts = []
     for r in ro:
         by_key = {f"{f['entity']} {f['aspect']}": f for f in r.query.facts}
