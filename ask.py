@@ -69,7 +69,7 @@ def ask(model_dir: str, question: str | None = None, samples: int = 1, temperatu
     import bank as bank_mod
     import train
     from scaffold import RolloutEngine
-    from world import Query
+    from data import Query
 
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")

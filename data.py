@@ -9,7 +9,7 @@ queries, SearchArena + OpenScholar), one row per query with `messages` (the user
 Functions
     read_records(source, split)    rows as dicts from a Hugging Face dataset id, a JSONL / JSON file,
                                    or a Parquet file (pyarrow, else pandas)
-    load_rl_rows(source, split)    read_records + world.parse_row on every row -> list[world.Query]
+    load_rl_rows(source, split)    read_records + parse_row on every row -> list[data.Query]
     load_sft_examples(source)      read_records + validate_messages -> list of `messages` lists
     sft_segments(text)             an assistant message -> [(is_env, text)] split at <tool_output>
     sft_example(messages)          (prompt messages, segments), ready for sft.encode_example
@@ -30,7 +30,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
 
 ROLES = ("system", "user", "assistant", "tool")
 TOOL_OPEN, TOOL_CLOSE = "<tool_output>", "</tool_output>"
@@ -147,13 +148,12 @@ def read_records(source: str, split: str = "train", limit: int | None = None) ->
 
 
 def load_rl_rows(source: str, split: str = "train", limit: int | None = None) -> list:
-    """RL queries from `source` (read_records), each validated by world.parse_row.
+    """RL queries from `source` (read_records), each validated by parse_row.
 
-    Returns list[world.Query] (row_index = position in the file). Raises ValueError naming the row
+    Returns list[data.Query] (row_index = position in the file). Raises ValueError naming the row
     index and the field for a row that does not fit the DR Tulu schema, or for an empty data set;
     and whatever read_records raises.
     """
-    from world import load_rows
 
     rows = read_records(source, split, limit)
     for i, r in enumerate(rows):
@@ -232,3 +232,62 @@ def sft_example(messages: Sequence[dict], index: int = -1) -> tuple[list[dict], 
     <tool_output>). Raises ValueError as validate_messages."""
     msgs = validate_messages(list(messages), index)
     return list(msgs[:-1]), sft_segments(msgs[-1]["content"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# The RL row schema (DR Tulu): parsing rows of the toy world and of real data alike
+
+
+@dataclass
+class Query:
+    """A parsed RL row: the question, its initial rubrics and (toy only) machine-checkable truth."""
+
+    query: str
+    rubrics: list[dict]
+    toy: dict | None = None
+    row_index: int = -1
+
+    @property
+    def facts(self) -> list[dict]:
+        return (self.toy or {}).get("facts", [])
+
+
+def parse_row(row: dict, index: int = -1) -> Query:
+    """Parse one DR Tulu-schema row. Raises ValueError naming the field and row index when the row
+    does not fit: `messages` must be a list of {role, content} dicts ending with the user turn
+    (earlier system turns are allowed, as in some RL datasets), `ground_truth` must be a JSON string (or
+    dict) with a non-empty `query` and a non-empty `rubrics` list of {title, description, weight}."""
+    where = f"row {index}"
+    msgs = row.get("messages") if isinstance(row, dict) else None
+    if (not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs)
+            or msgs[-1].get("role") != "user"):
+        raise ValueError(f"{where}: `messages` must be a list ending with one user turn")
+    gt = row.get("ground_truth")
+    if isinstance(gt, str):
+        try:
+            gt = json.loads(gt)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: `ground_truth` is not valid JSON ({e})") from None
+    if not isinstance(gt, dict):
+        raise ValueError(f"{where}: `ground_truth` must be a JSON object")
+    query = gt.get("query") or msgs[-1].get("content", "")
+    if not isinstance(query, str) or not query.strip():
+        raise ValueError(f"{where}: empty query")
+    rubrics = gt.get("rubrics")
+    if not isinstance(rubrics, list) or not rubrics:
+        raise ValueError(f"{where}: `ground_truth.rubrics` must be a non-empty list")
+    for j, r in enumerate(rubrics):
+        if not isinstance(r, dict) or not str(r.get("description", "")).strip():
+            raise ValueError(f"{where}: rubric {j} has no `description`")
+        w = r.get("weight", 1.0)
+        if not isinstance(w, (int, float)):
+            raise ValueError(f"{where}: rubric {j} `weight` must be a number")
+    return Query(query.strip(), rubrics, gt.get("toy"), index)
+
+
+def load_rows(rows: Iterable[dict]) -> list[Query]:
+    """Parse a dataset of rows; raises ValueError on an empty dataset or the first bad row."""
+    out = [parse_row(r, i) for i, r in enumerate(rows)]
+    if not out:
+        raise ValueError("dataset is empty: no RL rows to train on")
+    return out

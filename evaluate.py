@@ -440,7 +440,7 @@ def generate_answers(engine, queries: Sequence[str], batch: int = 8, temperature
     import torch
     from tqdm import tqdm
 
-    from world import Query
+    from data import Query
 
     torch.manual_seed(seed)
     answers, missing = [], 0
@@ -1007,7 +1007,7 @@ Paper averages: RubricEM-8B 55.5, its SFT start 49.2, DR Tulu-8B RL 53.6."""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    from judge_http import HTTPJudgeConfig
+    from backends.judge_http import HTTPJudgeConfig
 
     d = HTTPJudgeConfig()
     p = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.split("\n")[0], epilog=HELP,
@@ -1053,7 +1053,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: load rows, get answers, grade, write report.json / report.md; prints the score line.
     Returns 0; 2 when no example could be scored."""
-    from judge_http import HTTPJudge, HTTPJudgeConfig
+    from backends.judge_http import HTTPJudge, HTTPJudgeConfig
 
     a = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

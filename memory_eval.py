@@ -132,7 +132,7 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
     judge = train.build_judge(cfg, world)  # fresh: held-out questions have no rubric buffers
     retriever = None
     if cfg.bank.retriever == "dense":
-        from retrieval import DenseRetriever
+        from backends.retrieval import DenseRetriever
 
         retriever = DenseRetriever(cfg.bank.embed_model)
     bank_path = bank_path or os.path.join(run_dir, "bank.jsonl")

@@ -74,7 +74,7 @@ class ReflectionBatch:
 
 def reflection_prompt_ids(tok, query: str, rollout: Rollout, system: str) -> list[int]:
     """Token ids of the reflection prompt: query + the trajectory (forged tool outputs neutralised)."""
-    from sft import reflection_messages
+    from toy.sft import reflection_messages
 
     traj = rollout.judge_text.replace("<|im_end|>", "")
     ids = tok.apply_chat_template(reflection_messages(query, traj, system),

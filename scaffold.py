@@ -148,7 +148,7 @@ def build_messages(query: str, bank_items: Sequence[str] = (), system: str = SYS
 def format_tool_output(results, first_handle: int) -> str:
     """Environment text for one tool result: "\\n<tool_output>[h] title | text\\n...</tool_output>\\n".
 
-    `results` is a list of world.SearchResult; handles count up from `first_handle` (int >= 1).
+    `results` is a list of SearchResult; handles count up from `first_handle` (int >= 1).
     """
     if not results:
         body = "no results"
@@ -416,7 +416,7 @@ class ToolCall:
 
     name: str
     query: str
-    results: list  # list[world.SearchResult]
+    results: list  # list[SearchResult]
     handles: list[int]
     error: str = ""
     refused: bool = False
@@ -432,7 +432,7 @@ class Rollout:
     loss_mask 1 = sampled by the policy, 0 = inserted by the environment; stage_ids in {0,1,2,3}.
     """
 
-    query: object  # world.Query
+    query: object  # data.Query
     bank_items: list[str]
     prompt_ids: list[int]
     response_ids: list[int] = field(default_factory=list)
@@ -441,7 +441,7 @@ class Rollout:
     text: str = ""
     env_spans: list[tuple[int, int]] = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)
-    evidence: dict = field(default_factory=dict)  # handle -> world.SearchResult
+    evidence: dict = field(default_factory=dict)  # handle -> SearchResult
     truncated: bool = False
     finished: bool = False
     turn_start: int = 0  # index in response_ids where the current policy turn began
@@ -565,7 +565,7 @@ class RolloutEngine:
             temperature: float | None = None) -> list[Rollout]:
         """Sample n rollouts for each query (rollouts of query q are contiguous: a group).
 
-        queries: list of world.Query; bank_items: per query, a list of strings for the prompt.
+        queries: list of data.Query; bank_items: per query, a list of strings for the prompt.
         Returns len(queries) * n Rollouts, finalised (parsed, stage ids assigned).
         """
         temp = self.temperature if temperature is None else temperature
@@ -676,3 +676,28 @@ class RolloutEngine:
         r.loss_mask.extend([0] * len(env_ids))
         r.turn_start = len(r.response_ids)
         r.env_spans.append((start, start + len(env_text)))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The search tool interface (the toy world's BM25 tool and backends/search_http.py implement it)
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """What a search tool returns for one hit (the same shape for BM25 and for an HTTP search API)."""
+
+    doc_id: str
+    title: str
+    text: str
+
+
+class SearchTool(Protocol):
+    """A tool the policy calls as `<call_tool name="{name}">query</call_tool>`.
+
+    `__call__(query) -> list[SearchResult]` (possibly empty). It may raise any exception (timeouts,
+    HTTP errors); the rollout engine turns an exception into an error message inside <tool_output>.
+    """
+
+    name: str
+
+    def __call__(self, query: str) -> list[SearchResult]: ...

@@ -75,15 +75,15 @@ import checkpoint as ckpt_mod
 import report
 import ss_grpo
 from faults import JUDGE_KINDS, TOOL_KINDS, FaultConfig, validate_fault_config
-from full import PAPER_RL_DATA, FullConfig  # settings only: full.py imports DeepSpeed lazily
+from backends.full import PAPER_RL_DATA, FullConfig  # settings only: full.py imports DeepSpeed lazily
 from judge import BUFFER_CAPS, JudgeResult
-from retrieval import PAPER_EMBED_MODEL
+from backends.retrieval import PAPER_EMBED_MODEL
 from reflection import ReflectionBatch, ReflectionConfig, run_reflection_branch
 from runcard import save_with_run_card
 from scaffold import STAGES, SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT
 from settings import check_local_inputs, format_config_reference, set_override, variation_run_dir
-from sft import SFTConfig, TeacherConfig
-from world import WorldConfig
+from toy.sft import SFTConfig, TeacherConfig
+from toy.world import WorldConfig
 
 log = logging.getLogger("rubricem")
 
@@ -904,7 +904,7 @@ class EvalCurve:
 def setup_policy(cfg: Config, world, tool):
     """(model, tokenizer, info): a local --model directory, or the cached toy SFT warm start."""
     from policy import load_policy
-    from sft import warm_start
+    from toy.sft import warm_start
 
     system = SYSTEM_PROMPT_COMPACT if cfg.rollout.system_prompt == "compact" else SYSTEM_PROMPT
     if cfg.model:
@@ -1035,7 +1035,7 @@ def train(cfg: Config, resume: str | None = None) -> dict:
     torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed)
     if cfg.engine == "zero3":
-        import full  # SCALE: DeepSpeed is imported there, only for engine zero3
+        from backends import full  # SCALE: DeepSpeed is imported there, only for engine zero3
 
         env = full.init_distributed(timeout_min=cfg.full.dist_timeout_min)
         if not env.is_rank0:  # ranks > 0 follow rank 0's commands (full.ZeRO3Engine.serve)
@@ -1063,7 +1063,7 @@ def train(cfg: Config, resume: str | None = None) -> dict:
     reference = {"source": str(sft_info.get("source", "")),
                  "sha256": ckpt_mod.weights_fingerprint(model)}
     if cfg.engine == "zero3":
-        import full
+        from backends import full
 
         if torch.cuda.is_available() and cfg.sampler == "hf":
             model.to(f"cuda:{full.dist_env().local_rank}")  # HF generate on rank 0's GPU
@@ -1082,13 +1082,14 @@ def build_environment(cfg: Config):
     backends: the toy world and its BM25 tool, or DR Tulu rows (data.load_rl_rows) and the Serper
     tool (search_http). The toy world is built when anything needs it (toy data, tool or judge, or
     the SFT warm start)."""
-    from world import BM25SearchTool, load_rows, make_world
+    from toy.world import BM25SearchTool, make_world
+    from data import load_rows
 
     need_world = (not cfg.data.source or cfg.search.backend == "toy" or cfg.judge.backend == "toy"
                   or not cfg.model)
     world = make_world(cfg.world) if need_world else None
     if cfg.search.backend == "serper":
-        from search_http import SerperConfig, SerperSearchTool
+        from backends.search_http import SerperConfig, SerperSearchTool
 
         tool = SerperSearchTool(SerperConfig(base_url=cfg.search.base_url, k=cfg.search.k,
                                              cache_dir=os.path.join(cfg.cache_dir, "search")))
@@ -1111,10 +1112,10 @@ def build_judge(cfg: Config, world):
     """The stage judge of §3.4: ToyJudge (the toy world's ground truth) or judge_http.HTTPJudge
     (Gemini or an OpenAI-compatible server; the key is read from the environment per request)."""
     if cfg.judge.backend == "toy":
-        from judge import ToyJudge
+        from toy.judge import ToyJudge
 
         return ToyJudge(world, cfg.judge.caps)
-    from judge_http import HTTPJudge, HTTPJudgeConfig
+    from backends.judge_http import HTTPJudge, HTTPJudgeConfig
 
     hc = HTTPJudgeConfig(backend=cfg.judge.backend, model=cfg.judge.model, base_url=cfg.judge.base_url,
                          timeout_s=cfg.judge.timeout_s, max_retries=cfg.judge.max_retries,
@@ -1130,12 +1131,12 @@ def build_sampler(cfg: Config, model, tok):
     from scaffold import HFSampler
 
     if cfg.sampler == "kv":
-        from kv_sampler import KVSampler
+        from toy.kv_sampler import KVSampler
 
         return KVSampler(model, tok)
     if cfg.sampler != "vllm":
         return HFSampler(model, tok)
-    from vllm_sampler import VLLMSampler  # SCALE: vLLM only when asked for
+    from backends.vllm_sampler import VLLMSampler  # SCALE: vLLM only when asked for
 
     # SCALE: on GPU the fraction of GPU memory for weights + KV cache; on CPU vLLM reads the same
     # setting as a fraction of RAM it checks is free, and the KV cache has its own size.
@@ -1185,7 +1186,7 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
         judge = FaultyJudge(judge, cfg.faults, cfg.judge.max_retries)
     retriever = None
     if cfg.bank.retriever == "dense":
-        from retrieval import DenseRetriever
+        from backends.retrieval import DenseRetriever
 
         retriever = DenseRetriever(cfg.bank.embed_model)
     bank = bank_mod.RubricBank(max_chars=cfg.bank.max_chars, retriever=retriever)
@@ -1673,7 +1674,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "for a new run.")
         return 0
     if cfg.mode == "full":
-        import full  # SCALE: DeepSpeed / vLLM / HTTP judge live there, imported only in full mode
+        from backends import full  # SCALE: DeepSpeed / vLLM / HTTP judge live there, imported only in full mode
 
         if cfg.dry_run:
             return full.main_dry_run(cfg)
@@ -1702,6 +1703,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     _code = main()
-    if "full" in sys.modules:  # a ZeRO-3 rank: leave without racing gloo's threads (full.exit_process)
-        sys.modules["full"].exit_process(_code)
+    if "backends.full" in sys.modules:  # a ZeRO-3 rank: leave without racing gloo's threads
+        sys.modules["backends.full"].exit_process(_code)  # (full.exit_process)
     sys.exit(_code)

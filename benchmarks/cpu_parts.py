@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     import policy
     import ss_grpo
     import train
-    from kv_sampler import draw_inverse_cdf
+    from toy.kv_sampler import draw_inverse_cdf
 
     torch.set_num_threads(a.threads)
     tok, _ = h.build_tokenizer(0, h.ARGS.vocab_size)

@@ -47,7 +47,7 @@ TEXT = ("<structured_plan><analysis>Asked: habitat.</analysis><rubrics>need: hab
 def groups(P: int, n: int):
     """P queries (two initial rubrics each) with n finished rollouts per query."""
     from scaffold import Rollout, parse_response
-    from world import Query
+    from data import Query
 
     out = []
     for g in range(P):
@@ -65,7 +65,7 @@ def groups(P: int, n: int):
 
 def phase(server, latency: float, P: int, n: int, C: int, concurrent: bool) -> tuple[float, int]:
     """(seconds, requests) of one judge phase over P fresh groups."""
-    from judge_http import HTTPJudge, HTTPJudgeConfig
+    from backends.judge_http import HTTPJudge, HTTPJudgeConfig
 
     server.rule = lambda req: {"sleep": latency}
     before = len(server.requests)

@@ -130,7 +130,7 @@ class ProjectSide:
     """This project's GRPO step on the harness's model and tokenizer, with one sampler."""
 
     def __init__(self, name: str, model, ref_model, opt, tok, h, a):
-        import kv_sampler
+        from toy import kv_sampler
         import scaffold
         import train
 

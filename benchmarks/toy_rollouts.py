@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     import torch
 
     import train
-    from kv_sampler import KVSampler
+    from toy.kv_sampler import KVSampler
     from scaffold import SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT, HFSampler, RolloutEngine
 
     cfg = train.parse_args([x for x in a.train_args if x != "--"])

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU smoke run of the full-mode pieces that exist today (RubricEM, arXiv 2605.10899, appendix setup):
 #   1. a tiny Qwen3 + tokenizer written to a scratch folder;
-#   2. the ZeRO-3 policy engine (full.py selftest: ZeRO-3, optimizer offloaded to CPU, gradient
+#   2. the ZeRO-3 policy engine (-m backends.full selftest: ZeRO-3, optimizer offloaded to CPU, gradient
 #      checkpointing, bf16) on one GPU via torchrun, a few SS-GRPO update steps, update tokens/s;
 #   3. benchmarks/logprob_memory.py on the GPU at the paper's pack length (26,624 tokens, vocab 151,936);
 #   4. generation tokens/s with HF generate, and with vLLM when `import vllm` works;
@@ -73,8 +73,8 @@ then ok "tiny model"; else bad "tiny model"; fi
 
 section "2. ZeRO-3 policy engine on 1 $DEV rank: $UPDATES updates x 2 optimizer steps, $NSEQ sequences of $MINLEN-$MAXLEN tokens"
 OPT=torch; [ "${SMOKE_DS_OPT:-0}" = "1" ] && OPT=deepspeed
-if $PY -m torch.distributed.run --nproc_per_node 1 --master_port "$($PY -c 'import full; print(full.free_port())')" \
-     full.py selftest --model "$OUT/tiny" --out "$OUT/zero3" --updates "$UPDATES" --n-seq "$NSEQ" \
+if $PY -m torch.distributed.run --nproc_per_node 1 --master_port "$($PY -c 'from backends import full; print(full.free_port())')" \
+     -m backends.full selftest --model "$OUT/tiny" --out "$OUT/zero3" --updates "$UPDATES" --n-seq "$NSEQ" \
      --group 8 --minibatches 2 --micro "$MICRO" --min-len "$MINLEN" --max-len "$MAXLEN" --optimizer "$OPT" \
      2>"$OUT/zero3.log"; then
   ok "ZeRO-3 engine ($OPT AdamW, optimizer offloaded to CPU, gradient checkpointing)"
@@ -154,7 +154,7 @@ GURL=$($PY -c "import json; print(json.load(open('$OUT/loopback.json'))['gemini'
 SURL=$($PY -c "import json; print(json.load(open('$OUT/loopback.json'))['serper'])")
 rm -rf "$OUT/rl"
 if GEMINI_API_KEY=sk-TESTKEY-1234567890 SERPER_API_KEY=sk-TESTKEY-1234567890 PYTHONPATH="$PWD/tests:$PYTHONPATH" \
-   $PY -m torch.distributed.run --nproc_per_node 1 --master_port "$($PY -c 'import full; print(full.free_port())')" \
+   $PY -m torch.distributed.run --nproc_per_node 1 --master_port "$($PY -c 'from backends import full; print(full.free_port())')" \
      train.py --full --model "$OUT/tiny" --steps "$SMOKE_STEPS" --run-dir "$OUT/rl" --no-progress \
      --set data.source="\"$OUT/rows.jsonl\"" --set judge.base_url="\"$GURL\"" --set judge.model='"gemini-test"' \
      --set search.base_url="\"$SURL\"" --set sampler="\"$SAMPLER\"" --set bank.retriever='"bm25"' \

@@ -549,7 +549,7 @@ def test_cli_ambiguous_prefix_is_an_error(tmp_path):
 # Similar retrieval matches what a query is about, not its phrasing (Deviation 7)
 
 def test_similar_retrieval_ignores_the_question_template_sec3_5():
-    from world import QUESTION_TEMPLATES_COMPARE, QUESTION_TEMPLATES_SINGLE
+    from toy.world import QUESTION_TEMPLATES_COMPARE, QUESTION_TEMPLATES_SINGLE
 
     tpl = QUESTION_TEMPLATES_SINGLE[1]  # "What is known about the {aspects} of {name}? Give a ..."
     q = tpl.format(aspects="habitat and use", name="Kuvebro")

@@ -10,8 +10,8 @@ import types
 import pytest
 
 import data
-import sft
-import world
+from toy import sft
+from toy import world
 from toyfix import SYSTEM, teacher, tiny_tokenizer, tiny_world, train_queries
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +47,7 @@ def test_load_rl_rows_jsonl_dr_tulu_schema(tmp_path):
 def test_load_rl_rows_toy_world_round_trip_equals_world_loader(tmp_path):
     rows = tiny_world().train_rows[:20]
     qs = data.load_rl_rows(write_jsonl(tmp_path / "toy.jsonl", rows))
-    want = world.load_rows(rows)
+    want = data.load_rows(rows)
     assert [(q.query, q.rubrics, q.toy) for q in qs] == [(q.query, q.rubrics, q.toy) for q in want]
 
 
@@ -92,7 +92,7 @@ def test_parquet_rows_load_like_jsonl(tmp_path):
     rows = [tulu_row("What is X?"), tulu_row("Compare A and B.", 3)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rl.parquet")
     qs = data.load_rl_rows(str(tmp_path / "rl.parquet"))
-    assert [(q.query, q.rubrics) for q in qs] == [(q.query, q.rubrics) for q in world.load_rows(rows)]
+    assert [(q.query, q.rubrics) for q in qs] == [(q.query, q.rubrics) for q in data.load_rows(rows)]
 
 
 def test_parquet_without_pyarrow_or_pandas_names_the_package(tmp_path, monkeypatch):

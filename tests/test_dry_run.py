@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-import full
+from backends import full
 import train
 
 KEYS = {"GEMINI_API_KEY": "gemini-key-value-123", "SERPER_API_KEY": "serper-key-value-456"}

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 pytest.importorskip("requests", reason="the HTTP judge needs the `full` extra (requests, urllib3)")
 
 import evaluate as ev
-from judge_http import HTTPJudge, HTTPJudgeConfig
+from backends.judge_http import HTTPJudge, HTTPJudgeConfig
 from loopback import TEST_KEY, FakeServer
 
 

@@ -19,12 +19,13 @@ import numpy as np
 import pytest
 
 import scaffold
-import sft
+from toy import sft
 import train
 from bank import RubricBank
 from faults import (JUDGE_KINDS, FaultConfig, FaultyJudge, FaultyTool, fault_draw,
                     validate_fault_config)
-from judge import JudgeResult, ToyJudge
+from judge import JudgeResult
+from toy.judge import ToyJudge
 from reflection import ReflectionConfig, run_reflection_branch
 from runfix import fast_args, metric_rows
 from scaffold import CALL_OPEN, RESEARCH, STAGES
@@ -201,7 +202,7 @@ def test_run_with_a_wrong_shaped_judge_result_trains_on_missing_cells_sec3_4(tmp
 def test_truncated_answer_gets_no_credit_beyond_its_parsed_content_sec3_4(group):
     # A perfect trajectory replayed with a token budget that ends just before the value of the
     # answer's first claim: the answer is open, the claim unfinished.
-    from judge import answer_claims
+    from toy.judge import answer_claims
 
     q = group[0]
     texts = tf.policy_segments(tf.teacher(q, 1, tf.PERFECT_TEACHER).segments)

@@ -2,7 +2,7 @@
 batch arithmetic, the DeepSpeed config, and the equivalence of the SS-GRPO update (§3.3) on two
 ZeRO-3 ranks with the same update in one plain PyTorch process.
 
-The equivalence test launches `torchrun --nproc_per_node 2 full.py selftest` on 2 CPU ranks (gloo,
+The equivalence test launches `torchrun --nproc_per_node 2 -m backends.full selftest` on 2 CPU ranks (gloo,
 one thread each), then repeats the two optimizer steps single-process and compares per-step losses
 (rtol 1e-4) and final weights (max abs diff 1e-5, 1% of one AdamW step of lr 1e-3; measured
 1.6e-6). Runtime: ~20 s on 2 CPU cores.
@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-import full
+from backends import full
 import ss_grpo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,7 +93,7 @@ def test_rank_leaves_before_finalization_after_the_process_group_is_torn_down(tm
     as with DeepSpeed's references), the process ends with the given code and flushed output but
     without interpreter finalization (no atexit handler runs), so no gloo thread can need the GIL of
     a finalizing interpreter; without a torn-down group it is sys.exit."""
-    code = ("import atexit, sys, torch.distributed as dist, full\n"
+    code = ("import atexit, sys, torch.distributed as dist\nfrom backends import full\n"
             "atexit.register(lambda: print('finalized', flush=True))\n"
             "if sys.argv[1] == 'group':\n"
             f"    dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=0,"
@@ -114,7 +114,7 @@ def test_rank_leaves_before_finalization_after_the_process_group_is_torn_down(tm
 
 
 def test_toy_mode_and_dry_run_never_import_deepspeed_or_vllm():
-    code = ("import sys, full, train\n"
+    code = ("import sys, train\nfrom backends import full\n"
             "text, problems = full.dry_run(train.full_preset(), {'GEMINI_API_KEY': 'sekrit-123'})\n"
             "assert 'deepspeed' not in sys.modules and 'vllm' not in sys.modules, 'heavy import'\n"
             "print(text)\n")
@@ -166,7 +166,7 @@ def zero3_run(tmp_path_factory):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
            "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
-           "--master_port", str(full.free_port()), os.path.join(ROOT, "full.py"), "selftest",
+           "--master_port", str(full.free_port()), "-m", "backends.full", "selftest",
            "--model", str(tmp / "init"), "--out", str(tmp / "out"), "--n-seq", str(N_SEQ),
            "--group", str(GROUP), "--minibatches", str(MINIBATCHES), "--micro", str(MICRO),
            "--lr", str(LR), "--eta", str(ETA)]

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import sft
-from judge import (BUFFER_CAPS, EvolvingJudge, Rubric, ToyJudge, answer_claims,
-                   discriminativeness)
+from toy import sft
+from judge import BUFFER_CAPS, EvolvingJudge, Rubric, discriminativeness
+from toy.judge import ToyJudge, answer_claims
 from scaffold import ANSWER, PLAN, RESEARCH, REVIEW, STAGES
-from world import Query, SearchResult
+from data import Query
+from scaffold import SearchResult
 
 import toyfix as tf
 
@@ -480,7 +481,7 @@ def _teacher_plan(q):
 
 
 def test_hedged_answer_scores_no_more_than_committing_in_expectation_sec3_4(world, queries):
-    from world import ANSWER_TEMPLATES
+    from toy.world import ANSWER_TEMPLATES
 
     q = queries[0]
     facts = [f for f in q.facts if f["doc_id"] is not None]
@@ -618,7 +619,7 @@ def test_research_is_judged_on_what_was_found_not_calls_or_query_words_sec3_4(wo
 
 def _uncited_one(q, world):
     """A perfect trajectory whose answer leaves the second fact uncited (an Answer-stage failure)."""
-    from world import ANSWER_TEMPLATES
+    from toy.world import ANSWER_TEMPLATES
 
     segs = tf.policy_segments(tf.teacher(q, 0, tf.PERFECT_TEACHER).segments)
     f = q.facts[1]

@@ -21,12 +21,14 @@ import pytest
 pytest.importorskip("requests", reason="the HTTP backends need the `full` extra (requests, urllib3)")
 
 import scaffold
-import sft
-from judge import BUFFER_CAPS, JudgeResult, ToyJudge
-from judge_http import TRUNCATED_NOTE, HTTPJudge, HTTPJudgeConfig, JudgeCallError
+from toy import sft
+from judge import BUFFER_CAPS, JudgeResult
+from toy.judge import ToyJudge
+from backends.judge_http import TRUNCATED_NOTE, HTTPJudge, HTTPJudgeConfig, JudgeCallError
 from loopback import TEST_KEY, FakeServer
 from scaffold import ANSWER, STAGES, Rollout, ToolCall, parse_response
-from world import BM25SearchTool, Query, WorldConfig, load_rows, make_world
+from toy.world import BM25SearchTool, WorldConfig, make_world
+from data import Query, load_rows
 
 GOOD = ("<structured_plan><analysis>Asked: habitat of Kuvebro.</analysis><rubrics>need: Kuvebro "
         "habitat; avoid: look-alike names</rubrics><research_plan>search Kuvebro habitat"
@@ -480,7 +482,7 @@ def test_s34_truncated_rollout_is_announced_to_the_judge_outside_the_fences(gemi
 
 
 def test_full_backend_import_is_lazy():
-    code = "import judge_http, search_http, sys; print('requests' in sys.modules, 'urllib3' in sys.modules)"
+    code = "from backends import judge_http, search_http; import sys; print('requests' in sys.modules, 'urllib3' in sys.modules)"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]

@@ -9,7 +9,7 @@ import torch
 
 import policy
 import toyfix as tf
-from kv_sampler import KVSampler, draw_inverse_cdf
+from toy.kv_sampler import KVSampler, draw_inverse_cdf
 from scaffold import HFSampler
 
 

@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 
-import sft
+from toy import sft
 import toyfix as tf
 from bank import RubricBank
 from judge import ReflectionScore

@@ -20,7 +20,7 @@ SFT_DIGEST = r"""
 import hashlib, json, sys
 import torch
 import policy, scaffold, sft
-from world import BM25SearchTool, SYLLABLES, WorldConfig, make_world
+from toy.world import BM25SearchTool, SYLLABLES, WorldConfig, make_world
 torch.set_num_threads(1)
 w = make_world(WorldConfig(seed=0, n_train_entities=40, n_heldout_entities=8))
 cfg = sft.SFTConfig(n_trajectories=20, n_reflections=20, steps=1, batch_size=40)

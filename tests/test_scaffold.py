@@ -12,11 +12,11 @@ from hypothesis import given, settings, strategies as st
 
 import policy
 import scaffold
-import sft
-from judge import ToyJudge
+from toy import sft
+from toy.judge import ToyJudge
 from scaffold import (ANSWER, CALL_OPEN, PLAN, RESEARCH, REVIEW, SCAFFOLD_TAGS, HFSampler,
                       assign_stage_ids, neutralise_forged, parse_response, stage_of_chars)
-from world import ANSWER_TEMPLATES
+from toy.world import ANSWER_TEMPLATES
 
 import toyfix as tf
 

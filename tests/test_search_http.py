@@ -10,8 +10,8 @@ pytest.importorskip("requests", reason="the HTTP backends need the `full` extra 
 
 import scaffold
 from loopback import TEST_KEY, FakeServer
-from search_http import SearchError, SerperConfig, SerperSearchTool
-from world import SearchResult
+from backends.search_http import SearchError, SerperConfig, SerperSearchTool
+from scaffold import SearchResult
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import scaffold
-import sft
+from toy import sft
 from scaffold import CALL_OPEN, format_tool_error
-from sft import TeacherConfig, encode_example, encode_examples, sft_filter
+from toy.sft import TeacherConfig, encode_example, encode_examples, sft_filter
 
 import toyfix as tf
 

@@ -50,7 +50,7 @@ def test_algorithm1_toy_pipeline_runs_two_steps_and_writes_artefacts(tmp_path, c
 
 def test_toy_mode_imports_neither_vllm_nor_deepspeed():
     import subprocess
-    code = ("import sys, train, scaffold, judge, sft, reflection, bank, world, policy, ss_grpo;"
+    code = ("import sys, train, scaffold, judge, reflection, bank, policy, ss_grpo; from toy import sft, world, judge as toy_judge;"
             "bad=[m for m in ('vllm','deepspeed') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     r = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)),
                        capture_output=True, text=True)

@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-import full
+from backends import full
 import policy
 import train
 from policy import token_logprobs

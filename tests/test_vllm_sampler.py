@@ -24,7 +24,7 @@ import policy
 import scaffold
 import toyfix as tf
 from scaffold import HFSampler
-from vllm_sampler import VLLMSampler, WeightSyncError, cut_at_stop, stop_rule
+from backends.vllm_sampler import VLLMSampler, WeightSyncError, cut_at_stop, stop_rule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -131,7 +131,7 @@ def _streams(tok):
 
 
 def test_modules_import_without_vllm():
-    code = ("import sys, vllm_sampler, vllm_sync_ext; "
+    code = ("import sys; from backends import vllm_sampler, vllm_sync_ext; "
             "assert 'vllm' not in sys.modules, 'vllm imported at module import'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 

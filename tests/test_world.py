@@ -7,8 +7,9 @@ import re
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from world import (ASPECTS, BM25SearchTool, Query, WorldConfig, bm25_tokens, load_rows, make_world,
-                   parse_row)
+from toy.world import ASPECTS, BM25SearchTool, WorldConfig, bm25_tokens, make_world
+
+from data import Query, load_rows, parse_row
 
 TINY = dict(n_train_entities=40, n_heldout_entities=10)
 

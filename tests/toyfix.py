@@ -13,9 +13,10 @@ from typing import Sequence
 
 import policy
 import scaffold
-import sft
-import world
-from world import BM25SearchTool, WorldConfig, load_rows, make_world
+from toy import sft
+from toy import world
+from toy.world import BM25SearchTool, WorldConfig, make_world
+from data import load_rows
 
 TINY = WorldConfig(seed=0, n_train_entities=40, n_heldout_entities=10)
 CLEAN_TEACHER = sft.TeacherConfig(p_defect=0.0, p_tool_fail=0.0)

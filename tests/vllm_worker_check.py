@@ -62,7 +62,7 @@ def build_toy(workdir: str):
 
     import policy
     import scaffold
-    import world
+    from toy import world
 
     w = world.make_world(world.WorldConfig(seed=0, n_train_entities=40, n_heldout_entities=10))
     texts = [d.title + " " + d.text for d in w.docs]
@@ -127,13 +127,14 @@ class Recorder:
 def check_rollouts(sampler, tok, w, hf_a) -> dict:
     """(a): real multi-turn rollouts through scaffold.RolloutEngine with the BM25 tool."""
     import scaffold
-    import world
+    from toy import world
+    from data import load_rows
 
     rec = Recorder(sampler)
     engine = scaffold.RolloutEngine(rec, tok, {"google_search": world.BM25SearchTool(w.docs)},
                                     max_response_tokens=160,
                                     system_prompt=scaffold.SYSTEM_PROMPT_COMPACT)
-    queries = world.load_rows(w.train_rows)[:4]
+    queries = load_rows(w.train_rows)[:4]
     t0 = time.perf_counter()
     ros = engine.run(queries, n=2, temperature=1.0)
     t_roll = time.perf_counter() - t0
@@ -215,7 +216,7 @@ def check_throughput(sampler, hf, prompt) -> dict:
 
 def check_sync(sampler, a, b, seqs, prompts) -> dict:
     """(c): A -> B -> A, engine vs HF after each sync; failures and repairs."""
-    from vllm_sampler import WeightSyncError
+    from backends.vllm_sampler import WeightSyncError
 
     lp_ha, lp_hb = hf_logprobs(a, seqs), hf_logprobs(b, seqs)
     lp_a0 = sampler.score(seqs)
@@ -334,7 +335,7 @@ def main(argv=None) -> int:
     import transformers
     import vllm
 
-    from vllm_sampler import VLLMSampler
+    from backends.vllm_sampler import VLLMSampler
 
     summary: dict = {"versions": {"vllm": vllm.__version__, "torch": torch.__version__,
                                   "transformers": transformers.__version__}}

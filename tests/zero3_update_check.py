@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import full  # noqa: E402
+from backends import full  # noqa: E402
 import ss_grpo  # noqa: E402
 
 

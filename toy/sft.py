@@ -44,7 +44,8 @@ import torch
 
 import scaffold
 from scaffold import CALL_OPEN, format_tool_error, format_tool_output
-from world import ANSWER_TEMPLATES, Query, World
+from toy.world import ANSWER_TEMPLATES, World
+from data import Query
 
 log = logging.getLogger("rubricem.sft")
 
@@ -325,7 +326,7 @@ def build_sft_data(world: World, tool, tok_system: str, cfg: SFTConfig, tcfg: Te
 
     Returns (examples, stats): examples are (messages, segments) pairs; stats counts filter drops.
     """
-    from world import load_rows
+    from data import load_rows
 
     rng = random.Random(cfg.seed)
     rows = load_rows(world.train_rows)
@@ -441,7 +442,7 @@ def warm_start(world: World, tool, system: str, cfg: SFTConfig, tcfg: TeacherCon
     configuration loads `cache_dir/sft-<key>` (save_pretrained format) and skips training.
     """
     import policy
-    from world import SYLLABLES
+    from toy.world import SYLLABLES
 
     key = cache_key({"world": asdict(world.config), "teacher": asdict(tcfg), "sft": asdict(cfg),
                      "size": size, "vocab": vocab_size, "system": system, "v": 1,

@@ -2,7 +2,7 @@
 
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
 Implements the search tool of §3.1-3.2 (`<call_tool name="google_search">query</call_tool>`) for full
-mode, behind the same `world.SearchTool` interface as the toy `BM25SearchTool`: called as
+mode, behind the same `scaffold.SearchTool` interface as the toy `BM25SearchTool`: called as
 `tool(query) -> list[SearchResult]`, named "google_search", so trajectories read the same in both modes.
 
 Wire format (Serper): POST {base_url}/search, header `X-API-KEY: <key>`, JSON {"q": query, "num": k};
@@ -34,8 +34,8 @@ import os
 import threading
 from dataclasses import dataclass
 
-from judge_http import DiskCache, cache_key, make_session, transport_retries
-from world import SearchResult
+from backends.http import DiskCache, cache_key, make_session, transport_retries
+from scaffold import SearchResult
 
 log = logging.getLogger("rubricem.search_http")
 

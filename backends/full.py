@@ -45,8 +45,8 @@ Deviations from the paper
        mean, so the update equals the single-process one exactly (up to float rounding).
 
 Launch
-    python full.py dry-run                                   # print the plan, check the machine
-    torchrun --nproc_per_node 2 full.py selftest --model DIR --out DIR   # ZeRO-3 check, any device
+    python -m backends.full dry-run                                 # print the plan, check the machine
+    torchrun --nproc_per_node 2 -m backends.full selftest --model DIR --out DIR # ZeRO-3 check, any device
     deepspeed --num_gpus 8 train.py --full --model DIR       # the full loop (see docs/full_mode.md)
     torchrun --nproc_per_node 2 train.py --full --model DIR ...     # the same on 2 CPU ranks (tests)
 """
@@ -1068,7 +1068,7 @@ def _key_envs(cfg) -> list[tuple[str, str]]:
     out = []
     if cfg.judge.backend in ("gemini", "openai"):
         try:
-            from judge_http import DEFAULT_KEY_ENVS
+            from backends.judge_http import DEFAULT_KEY_ENVS
         except ImportError:  # requests missing: the names are fixed anyway
             DEFAULT_KEY_ENVS = {"gemini": "GEMINI_API_KEY", "openai": "OPENAI_API_KEY"}
         out.append((f"judge ({cfg.judge.backend})", DEFAULT_KEY_ENVS[cfg.judge.backend]))

@@ -163,7 +163,7 @@ class VLLMSampler:
         self._llm_args = dict(dtype=dtype, max_model_len=self.max_model_len,
                               enforce_eager=enforce_eager, seed=0 if seed is None else int(seed),
                               enable_prefix_caching=enable_prefix_caching,
-                              worker_extension_cls="vllm_sync_ext.WeightSyncExt", **llm_kwargs)
+                              worker_extension_cls="backends.vllm_sync_ext.WeightSyncExt", **llm_kwargs)
         if gpu_memory_utilization is not None:
             self._llm_args["gpu_memory_utilization"] = float(gpu_memory_utilization)
         if llm is not None:

@@ -37,10 +37,12 @@ import hashlib
 import json
 import random
 import re
-from dataclasses import dataclass, field
-from typing import Iterable, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 from rank_bm25 import BM25Okapi
+
+from scaffold import SearchResult
 
 # ----------------------------------------------------------------------------------------------------
 # Vocabulary of the world
@@ -105,15 +107,6 @@ class Document:
     aspect: str
     value: str
     kind: str
-
-
-@dataclass(frozen=True)
-class SearchResult:
-    """What a search tool returns for one hit (the same shape for BM25 and for an HTTP search API)."""
-
-    doc_id: str
-    title: str
-    text: str
 
 
 @dataclass
@@ -320,78 +313,7 @@ def make_row(query: str, facts: list[dict], entities: list[str], aspects: list[s
 
 
 # ----------------------------------------------------------------------------------------------------
-# Loading rows (toy and real data alike)
-
-
-@dataclass
-class Query:
-    """A parsed RL row: the question, its initial rubrics and (toy only) machine-checkable truth."""
-
-    query: str
-    rubrics: list[dict]
-    toy: dict | None = None
-    row_index: int = -1
-
-    @property
-    def facts(self) -> list[dict]:
-        return (self.toy or {}).get("facts", [])
-
-
-def parse_row(row: dict, index: int = -1) -> Query:
-    """Parse one DR Tulu-schema row. Raises ValueError naming the field and row index when the row
-    does not fit: `messages` must be a list of {role, content} dicts ending with the user turn
-    (earlier system turns are allowed, as in some RL datasets), `ground_truth` must be a JSON string (or
-    dict) with a non-empty `query` and a non-empty `rubrics` list of {title, description, weight}."""
-    where = f"row {index}"
-    msgs = row.get("messages") if isinstance(row, dict) else None
-    if (not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs)
-            or msgs[-1].get("role") != "user"):
-        raise ValueError(f"{where}: `messages` must be a list ending with one user turn")
-    gt = row.get("ground_truth")
-    if isinstance(gt, str):
-        try:
-            gt = json.loads(gt)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: `ground_truth` is not valid JSON ({e})") from None
-    if not isinstance(gt, dict):
-        raise ValueError(f"{where}: `ground_truth` must be a JSON object")
-    query = gt.get("query") or msgs[-1].get("content", "")
-    if not isinstance(query, str) or not query.strip():
-        raise ValueError(f"{where}: empty query")
-    rubrics = gt.get("rubrics")
-    if not isinstance(rubrics, list) or not rubrics:
-        raise ValueError(f"{where}: `ground_truth.rubrics` must be a non-empty list")
-    for j, r in enumerate(rubrics):
-        if not isinstance(r, dict) or not str(r.get("description", "")).strip():
-            raise ValueError(f"{where}: rubric {j} has no `description`")
-        w = r.get("weight", 1.0)
-        if not isinstance(w, (int, float)):
-            raise ValueError(f"{where}: rubric {j} `weight` must be a number")
-    return Query(query.strip(), rubrics, gt.get("toy"), index)
-
-
-def load_rows(rows: Iterable[dict]) -> list[Query]:
-    """Parse a dataset of rows; raises ValueError on an empty dataset or the first bad row."""
-    out = [parse_row(r, i) for i, r in enumerate(rows)]
-    if not out:
-        raise ValueError("dataset is empty: no RL rows to train on")
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------
 # The search tool
-
-
-class SearchTool(Protocol):
-    """A tool the policy calls as `<call_tool name="{name}">query</call_tool>`.
-
-    `__call__(query) -> list[SearchResult]` (possibly empty). It may raise any exception (timeouts,
-    HTTP errors); the rollout engine turns an exception into an error message inside <tool_output>.
-    """
-
-    name: str
-
-    def __call__(self, query: str) -> list[SearchResult]: ...
 
 
 _WORD = re.compile(r"[a-z0-9]+")

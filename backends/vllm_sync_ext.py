@@ -4,7 +4,7 @@ newest policy pi_theta after every SS-GRPO update of §3.3).
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
 The paper samples rollouts with the current policy after each update; it does not say how the rollout
 engine receives the weights. This module is our plumbing for that, loaded into the vLLM worker with
-`LLM(..., worker_extension_cls="vllm_sync_ext.WeightSyncExt")`; `vllm_sampler.VLLMSampler` calls its
+`LLM(..., worker_extension_cls="backends.vllm_sync_ext.WeightSyncExt")`; `vllm_sampler.VLLMSampler` calls its
 methods by name through `LLM.collective_rpc`. It must be importable by the worker (the repository root
 on `PYTHONPATH`, or the same process for an in-process engine). vLLM is imported inside the methods
 only, so the module itself imports without vLLM.

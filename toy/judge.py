@@ -1,0 +1,588 @@
+"""The toy world's stage judge: `ToyJudge`, an `EvolvingJudge` (judge.py, §3.4) whose rubrics are
+deterministic checks against the toy world's ground truth.
+
+RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
+
+The toy judge (`ToyJudge`) is a real, deterministic scorer built on the toy world's ground truth.
+Its rubrics are checks with a machine-readable `check` spec, proposed from a per-query pool:
+Plan (names each asked fact, a concrete negative constraint, a search per fact, a plan with content),
+Research (retrieved each needed document, searches whose outputs reach the asked entity, no call that
+finds nothing, honest state evaluations), Review (each fact mapped once to supporting evidence, or to
+"missing" only after a search for it), Answer (the data row's initial rubrics: correct, cited facts,
+one value per fact; no unsupported claims; plus proposed checks). It reads only parsed structure, exact
+values, environment-issued citation handles and the documents the tool returned, so instructions
+written inside a rollout or a tool output cannot move it, and keyword stuffing or hedging earns nothing.
+Reflection candidates are scored from the judged trajectory's rubrics (privileged, §3.4); degenerate,
+cut-off or off-topic candidates are marked invalid.
+
+Deviations from the paper
+1. Toy rubric proposal picks from a finite pool of checks derived from ground truth, ranked by d_r;
+   the paper's Gemini judge writes free-text rubrics (full mode, backends/judge_http.py).
+2. When a stage's buffer is empty (nothing separates the group), the stage is scored with its whole
+   candidate pool, which gives every rollout the same score and so zero advantage.
+3. Held-out evaluation uses a *static* rubric set (the whole pool + initial rubrics) so scores are
+   comparable across checkpoints; training uses the evolving buffers.
+"""
+from __future__ import annotations
+
+
+import re
+from typing import Sequence
+
+import numpy as np
+
+from judge import BUFFER_CAPS, EvolvingJudge, JudgeResult, ReflectionScore, Rubric
+from scaffold import ANSWER, PLAN, RESEARCH, REVIEW, STAGES, Rollout
+
+# ----------------------------------------------------------------------------------------------------
+# Toy judge: deterministic checks against the toy world's ground truth
+
+_SENT_SPLIT = re.compile(r"(?<=[.!?])\s+")
+_CITE = re.compile(r"\[(\d{1,3})\]")
+_TOOL = "google_search"  # the one tool of the toy world (and of the paper's agent)
+
+
+def _claim_patterns():
+    from toy.world import ANSWER_TEMPLATES
+
+    pats = {}
+    for aspect, tpl in ANSWER_TEMPLATES.items():
+        rx = re.escape(tpl).replace(re.escape("{name}"), r"(?P<n>[A-Z][a-z]+)")
+        rx = rx.replace(re.escape("{value}"), r"(?P<v>[^\[\].]+?)")
+        pats[aspect] = re.compile(rx + r"\s*(?:\[|\.|$)")
+    return pats
+
+
+_PATTERNS = None
+_MISSING_RE = re.compile(r"[Nn]o source gives the (\w+) of ([A-Z][a-z]+)")
+_EVAL_RE = re.compile(r"([A-Z][a-z]+) (habitat|discoverer|year|use): (.+?)(?: \[(\d{1,3})\])?$")
+_REVIEW_RE = re.compile(r"([A-Z][a-z]+) (habitat|discoverer|year|use): (?:\[(\d{1,3})\]|(missing))")
+_AVOID_RE = re.compile(r"avoid:[^;<]*?(look-?alike|similar[- ]nam|old record|outdated)", re.I)
+_QWORD = re.compile(r"[a-z0-9]+")
+
+
+def answer_claims(answer: str) -> list[dict]:
+    """Claims stated in an answer: {entity, aspect, value, handles, sentence}; plus "unknown" claims
+    ("No source gives the year of X") with value None."""
+    global _PATTERNS
+    if _PATTERNS is None:
+        _PATTERNS = _claim_patterns()
+    out = []
+    for sent in _SENT_SPLIT.split(answer.strip()):
+        handles = [int(h) for h in _CITE.findall(sent)]
+        for aspect, rx in _PATTERNS.items():
+            for m in rx.finditer(sent):
+                out.append({"entity": m.group("n"), "aspect": aspect, "value": m.group("v").strip(),
+                            "handles": handles, "sentence": sent})
+        for m in _MISSING_RE.finditer(sent):
+            out.append({"entity": m.group(2), "aspect": m.group(1), "value": None,
+                        "handles": handles, "sentence": sent})
+    return out
+
+
+def _key(f: dict) -> str:
+    return f"{f['entity']} {f['aspect']}"
+
+
+def _env_failure(cl) -> bool:
+    """A well-formed search that failed for the environment's reasons (tool error or time-out). It is
+    neither the policy's finding nor its waste, so the research checks leave it out. A call to an
+    unknown tool or with an empty query is the policy's own fault and stays in."""
+    return bool(cl.error) and cl.name == _TOOL and bool(cl.query.strip())
+
+
+# ---- reflection validity: degenerate, cut-off or off-topic candidates are never bank material ----
+
+_REPEAT_RE = re.compile(r"(.{1,6}?)\1{3,}")  # a unit of 1-6 characters written 4+ times in a row
+_WORD_REPEAT_RE = re.compile(r"\b(\w+)\b(?:\W+\1\b){2,}")  # the same word 3+ times in a row
+_END_RE = re.compile(r"[.!?][\"')\]]*$")
+_LABEL_RE = re.compile(r"(?:^|[.;!?]\s+)([A-Za-z]+):")
+_LABELS = ("missed", "lesson", "lessons", "avoid", "need", "note", "fix")
+_NAME_RE = re.compile(r"\b[A-Z][a-z]{3,10}\b")
+_NAME_ASPECT_RE = re.compile(r"\b([A-Z][a-z]{3,10})(?:'s)? (?:habitat|discoverer|year|use)\b")
+REFLECTION_MAX_CHARS = 600  # ours: toy reflections are one or two sentences
+
+
+def _degenerate(text: str) -> bool:
+    """True for degenerate repetition ("Loelfefefefe", "cite cite cite"): a 1-6 character unit 4+
+    times in a row, or one word 3+ times in a row. Sampled text stuck in a loop; no lesson in it."""
+    t = " ".join(text.lower().split())
+    return bool(_REPEAT_RE.search(t) or _WORD_REPEAT_RE.search(t))
+
+
+def _cut_off(text: str) -> bool:
+    """True for a truncated candidate: no sentence end ([.!?], optionally closed by a quote or a
+    bracket), a trailing ellipsis, or a clipped label ("mis:" for "missed:"). Generation cut by the
+    token budget leaves a fragment whose last instruction is unreadable."""
+    t = text.strip()
+    if not _END_RE.search(t) or t.rstrip("\"')]").endswith(("..", "\u2026")):
+        return True
+    for m in _LABEL_RE.finditer(t):
+        w = m.group(1).lower()
+        if len(w) >= 2 and w not in _LABELS and any(lab.startswith(w) for lab in _LABELS):
+            return True
+    return False
+
+
+def _syllabic(word: str) -> bool:
+    """True if `word` splits into the toy world's name syllables (so it reads like an entity name)."""
+    from toy.world import SYLLABLES
+
+    w = word.lower()
+    ok = [True] + [False] * len(w)
+    for i in range(1, len(w) + 1):
+        ok[i] = any(ok[i - len(s)] and w[i - len(s):i] == s for s in SYLLABLES if len(s) <= i)
+    return ok[-1]
+
+
+# ---- lessons: what a reflection teaches, and which failure each rubric kind reveals ----
+
+_STAGE_WORDS = {PLAN: re.compile(r"\bplan\b", re.I),
+                RESEARCH: re.compile(r"\b(?:re)?search|\bquer(?:y|ies)\b", re.I),
+                REVIEW: re.compile(r"\breview\b", re.I),
+                ANSWER: re.compile(r"\banswer\b|\bclaims?\b", re.I)}
+_LESSONS = {
+    "search": ("search every", "search each", "every asked", "each asked", "one search per",
+               "full name"),
+    "cite": ("cite",),
+    "distractor": ("old record", "look-alike", "lookalike", "outdated"),
+    "avoid": ("what to avoid", "negative constraint"),
+    "commit": ("one value", "single value", "hedg"),
+    "honest": ("not found", "missing only"),
+    "plan": ("concrete check", "name the entity", "complete plan"),
+    "efficient": ("repeat", "wasted", "duplicate"),
+    "writing": ("writing plan",),
+    "finish": ("close the answer", "finish the answer", "complete the answer"),
+}
+_KIND_OF_CHECK = {"plan_need": "search", "plan_search": "search", "res_got": "search",
+                  "res_named": "search", "plan_avoid": "avoid", "plan_form": "plan",
+                  "res_efficient": "efficient", "res_honest": "honest", "rev_plan": "writing",
+                  "ans_closed": "finish", "ans_cited": "cite", "ans_nodistractor": "distractor"}
+
+
+class ToyJudge(EvolvingJudge):
+    """Deterministic stage judge for the toy world (reads ground truth from `world`).
+
+    Every check is one small method `_c_<kind>` (dispatched by `_check`); each says what it rewards
+    and why a trajectory cannot earn it without doing the work: the checks read parsed structure,
+    exact values, environment-issued citation handles and the documents the tool actually returned,
+    never free text that a policy could stuff with keywords.
+    """
+
+    def __init__(self, world, caps: Sequence[int] = BUFFER_CAPS):
+        super().__init__(caps)
+        self.world = world
+
+    # pool of candidate rubrics ------------------------------------------------------------------
+    def pool(self, query) -> list[Rubric]:
+        facts = query.facts
+        P = []
+        for f in facts:
+            key = _key(f)
+            P.append(Rubric(f"plan:need:{key}", PLAN, f"plan names {key}",
+                            f"The plan's rubrics list {key} as knowledge to gather.",
+                            check=("plan_need", key)))
+            P.append(Rubric(f"plan:search:{key}", PLAN, f"plan searches {key}",
+                            f"The research plan includes a search for {key}.",
+                            check=("plan_search", key)))
+            P.append(Rubric(f"res:got:{key}", RESEARCH, f"retrieved {key}",
+                            f"The tool calls retrieve the document that gives {key}"
+                            " (or search for it by name if no document exists).",
+                            check=("res_got", key)))
+            P.append(Rubric(f"rev:map:{key}", REVIEW, f"review maps {key}",
+                            f"The rubrics review maps {key} once, to supporting evidence, or to "
+                            "'missing' only if it was searched for and not found.",
+                            check=("rev_map", key)))
+        P += [
+            Rubric("plan:avoid", PLAN, "negative constraint",
+                   "The plan's rubrics say what to avoid (look-alike names, old records).",
+                   check=("plan_avoid",)),
+            Rubric("plan:form", PLAN, "complete plan",
+                   "A closed plan whose analysis names the entity and aspects, whose rubrics list a "
+                   "concrete fact to gather and whose research plan names the entity.",
+                   check=("plan_form",)),
+            Rubric("res:named", RESEARCH, "searches reach the asked entity",
+                   "Every search returns snippets about an entity of the question, not a look-alike.",
+                   check=("res_named",)),
+            Rubric("res:efficient", RESEARCH, "no wasted calls",
+                   "Every call finds a needed fact; no repeats; at most one call more than the facts.",
+                   check=("res_efficient",)),
+            Rubric("res:honest", RESEARCH, "honest state evaluations",
+                   "Each state evaluation reports what the cited snippet says, or 'not found' for a "
+                   "fact that was searched for.", check=("res_honest",)),
+            Rubric("rev:plan", REVIEW, "writing plan covers findings",
+                   "The writing plan lists every fact the review found.", check=("rev_plan",)),
+            Rubric("ans:cited", ANSWER, "every claim cited", "Every factual sentence cites a snippet.",
+                   check=("ans_cited",)),
+            Rubric("ans:closed", ANSWER, "closed answer", "The answer is complete and closed.",
+                   check=("ans_closed",)),
+            Rubric("ans:nodistractor", ANSWER, "no distractor values",
+                   "No value copied from an old record or a look-alike entity.",
+                   check=("ans_nodistractor",)),
+        ]
+        return P
+
+    def propose(self, query, rollouts, step) -> list[Rubric]:
+        return self.pool(query)
+
+    def initial_rubrics(self, query) -> list[Rubric]:
+        out = super().initial_rubrics(query)
+        facts = {_key(f): f for f in query.facts}
+        for r in out:  # attach checks to the toy row's rubrics by their titles
+            t = r.title
+            if t == "no unsupported claims":
+                r.check = ("ans_supported",)
+            elif t.endswith(" unknown") and t[: -len(" unknown")] in facts:
+                r.check = ("ans_fact", t[: -len(" unknown")])
+            elif t in facts:
+                r.check = ("ans_fact", t)
+        return out
+
+    def score_rubrics(self, query, rollouts, rubrics) -> np.ndarray:
+        facts = {_key(f): f for f in query.facts}
+        S = np.full((len(rollouts), len(rubrics)), np.nan)
+        for i, ro in enumerate(rollouts):
+            ctx = self._context(query, ro)
+            for j, r in enumerate(rubrics):
+                if r.check is not None:
+                    S[i, j] = self._check(r.check, ctx, facts)
+        return S
+
+    # evidence -------------------------------------------------------------------------------------
+    def _context(self, query, ro: Rollout) -> dict:
+        """What the checks read, parsed once per rollout: the parsed response `p`, the retrieved
+        documents by handle `docs`, the answer's `claims`, the policy's own tool `calls` (refused
+        calls and environment failures left out), the asked `facts` by key, and `found`: the
+        (entity, aspect) pairs whose true document some call returned."""
+        p = ro.parsed
+        docs = {h: self.world.doc(res.doc_id) for h, res in ro.evidence.items()}
+        return {"p": p, "docs": docs, "ro": ro, "entities": set((query.toy or {}).get("entities", [])),
+                "claims": answer_claims(p.fields["answer"]) if p else [],
+                "facts": {_key(f): f for f in query.facts},
+                "calls": [cl for cl in ro.tool_calls if not cl.refused and not _env_failure(cl)],
+                "found": {(d.entity, d.aspect) for d in docs.values() if d.kind == "true"}}
+
+    def _supports(self, docs: dict, h: int, entity: str, aspect: str, value: str | None) -> bool:
+        d = docs.get(h)
+        return (d is not None and d.kind == "true" and d.entity == entity and d.aspect == aspect
+                and (value is None or d.value == value))
+
+    @staticmethod
+    def _searched(c: dict, entity: str, aspect: str) -> bool:
+        """Some search that ran names both the entity and the aspect (whole words, any case)."""
+        for cl in c["calls"]:
+            words = set(_QWORD.findall(cl.query.lower()))
+            if not cl.error and entity.lower() in words and aspect in words:
+                return True
+        return False
+
+    def _finds_needed(self, c: dict, cl) -> bool:
+        """The call returned the true document of an asked fact, or (for an asked fact with no
+        document, where nothing can be found) ran a search naming it."""
+        need = {f["doc_id"] for f in c["facts"].values() if f["doc_id"] is not None}
+        if any(r.doc_id in need for r in cl.results):
+            return True
+        words = set(_QWORD.findall(cl.query.lower()))
+        return not cl.error and any(f["doc_id"] is None and f["entity"].lower() in words
+                                    and f["aspect"] in words for f in c["facts"].values())
+
+    # checks: one method per kind; `_check` dispatches -------------------------------------------
+    _KINDS = {"plan_need", "plan_search", "plan_avoid", "plan_form", "res_got", "res_named",
+              "res_efficient", "res_honest", "rev_map", "rev_plan", "ans_fact", "ans_supported",
+              "ans_cited", "ans_closed", "ans_nodistractor"}
+
+    def _check(self, check: tuple, c: dict, facts: dict) -> float:
+        """Score in [0,1] of one check spec on one rollout's context; NaN for an unknown kind. A
+        per-fact spec ("kind", "Entity aspect") whose fact is not asked scores 0."""
+        kind = check[0]
+        if kind not in self._KINDS:
+            return float("nan")
+        fn = getattr(self, "_c_" + kind)
+        if len(check) > 1:
+            f = facts.get(check[1])
+            return 0.0 if f is None else float(fn(c, f))
+        return float(fn(c))
+
+    def _c_plan_need(self, c, f) -> float:
+        """The plan's rubrics list "Entity aspect". Exact entity and aspect together: a list of
+        aspect names, or the entity alone, earns nothing."""
+        return float(_key(f) in c["p"].fields["rubrics"])
+
+    def _c_plan_search(self, c, f) -> float:
+        """The research plan holds "search Entity aspect": a concrete query, not a topic."""
+        return float(f"search {_key(f)}" in c["p"].fields["research_plan"])
+
+    def _c_plan_avoid(self, c) -> float:
+        """The rubrics hold a negative constraint that names a distractor of this world after
+        "avoid:" (look-alike names, old/outdated records); a bare "avoid:" earns nothing."""
+        return float(bool(_AVOID_RE.search(c["p"].fields["rubrics"])))
+
+    def _c_plan_form(self, c) -> float:
+        """A closed plan with content, 1/3 per part: the analysis names an asked entity and an asked
+        aspect; the rubrics list an asked fact ("Entity aspect"); the research plan names an asked
+        entity. Tags filled with aspect names alone score 0, so form without content never
+        saturates the Plan stage (even when form is the only rubric that separates a group)."""
+        p, facts = c["p"], c["facts"].values()
+        if not p.closed["structured_plan"]:
+            return 0.0
+        words = {k: set(re.findall(r"[A-Za-z-]+", p.fields[k]))
+                 for k in ("analysis", "rubrics", "research_plan")}
+        parts = (any(f["entity"] in words["analysis"] and f["aspect"] in words["analysis"]
+                     for f in facts),
+                 any(_key(f) in p.fields["rubrics"] for f in facts),
+                 any(f["entity"] in words["research_plan"] for f in facts))
+        return sum(parts) / 3.0
+
+    def _c_res_got(self, c, f) -> float:
+        """A call returned f's true document (by corpus id: a look-alike's or an old record's
+        document does not count); if the world has no document for f, a search that ran named it."""
+        if f["doc_id"] is None:
+            return float(self._searched(c, f["entity"], f["aspect"]))
+        return float(any(r.doc_id == f["doc_id"] for cl in c["calls"] for r in cl.results))
+
+    def _c_res_named(self, c) -> float:
+        """Share of the policy's calls whose *output* reached an asked entity: a returned snippet is
+        about an entity of the question (a look-alike's snippets are not), or the call searched by
+        name for an asked fact that has no document. Query words alone earn nothing."""
+        calls = c["calls"]
+        if not calls:
+            return 0.0
+        hit = sum(any(self.world.doc(r.doc_id).entity in c["entities"] for r in cl.results)
+                  or self._finds_needed(c, cl) for cl in calls)
+        return hit / len(calls)
+
+    def _c_res_efficient(self, c) -> float:
+        """No wasted calls: waste = calls that found nothing needed (`_finds_needed`) or repeat an
+        earlier query, plus calls beyond (facts + 1); score 1 - 0.25 waste, and 0 if no call found
+        anything. Counting calls or writing good queries is not enough: they must find the facts."""
+        calls, seen, useful = c["calls"], set(), 0
+        for cl in calls:
+            q = " ".join(cl.query.lower().split())
+            useful += q not in seen and self._finds_needed(c, cl)
+            seen.add(q)
+        if not useful:
+            return 0.0
+        waste = (len(calls) - useful) + max(0, len(calls) - (len(c["facts"]) + 1))
+        return max(0.0, 1.0 - 0.25 * waste)
+
+    def _c_res_honest(self, c) -> float:
+        """Share of state evaluations that are true: "E a: value [h]" where snippet h is the true
+        document giving that value, or "E a: not found" when a search named (E, a) and no true
+        document for it came back. Padding with unsearched "not found" notes lowers the share."""
+        evals = [e for e in c["p"].state_evaluations if e]
+        if not evals:
+            return 0.0
+        good = 0
+        for e in evals:
+            m = _EVAL_RE.match(e.strip())
+            if not m:
+                continue
+            ent, asp, val, h = m.group(1), m.group(2), m.group(3).strip(), m.group(4)
+            if h is not None:
+                good += self._supports(c["docs"], int(h), ent, asp, val)
+            elif val == "not found":
+                good += (ent, asp) not in c["found"] and self._searched(c, ent, asp)
+        return good / len(evals)
+
+    def _c_rev_map(self, c, f) -> float:
+        """The review maps f exactly once: to a handle whose snippet is f's true document, or to
+        "missing" when no true document came back *and* a search named f. Claiming "missing"
+        without searching, or mapping one fact several ways (hedging), earns nothing."""
+        maps = {(m.group(3), bool(m.group(4))) for m in _REVIEW_RE.finditer(c["p"].fields["rubrics_review"])
+                if f"{m.group(1)} {m.group(2)}" == _key(f)}
+        if len(maps) != 1:
+            return 0.0
+        h, missing = maps.pop()
+        if missing:
+            return float((f["entity"], f["aspect"]) not in c["found"]
+                         and self._searched(c, f["entity"], f["aspect"]))
+        return float(self._supports(c["docs"], int(h), f["entity"], f["aspect"], None))
+
+    def _c_rev_plan(self, c) -> float:
+        """The writing plan lists every fact the review mapped to evidence."""
+        p = c["p"]
+        found = [f"{m.group(1)} {m.group(2)}" for m in _REVIEW_RE.finditer(p.fields["rubrics_review"])
+                 if m.group(3)]
+        if not p.fields["writing_plan"]:
+            return 0.0
+        return float(all(k in p.fields["writing_plan"] for k in found))
+
+    @staticmethod
+    def _claims_of(c, f) -> list[dict]:
+        return [cl for cl in c["claims"] if cl["entity"] == f["entity"] and cl["aspect"] == f["aspect"]]
+
+    def _c_ans_fact(self, c, f) -> float:
+        """The answer commits to f's true value: 1 cited with a snippet that gives it, 0.5 uncited;
+        for a fact with no document, 1 for saying no source gives it. A fact stated with several
+        different values (or a value and "no source gives") is wrong: 0. So hedging over m values
+        scores 0 where committing to one scores at least 0 (and 1/m in expectation if one is true)."""
+        mine = self._claims_of(c, f)
+        if len({cl["value"] for cl in mine}) > 1:
+            return 0.0
+        if f["doc_id"] is None:
+            return float(bool(mine) and mine[0]["value"] is None)
+        best = 0.0
+        for cl in mine:
+            if cl["value"] == f["value"]:
+                cited = any(self._supports(c["docs"], h, f["entity"], f["aspect"], f["value"])
+                            for h in cl["handles"])
+                best = max(best, 1.0 if cited else 0.5)
+        return best
+
+    @staticmethod
+    def _valued(c) -> list[dict]:
+        return [cl for cl in c["claims"] if cl["value"] is not None]
+
+    def _c_ans_supported(self, c) -> float:
+        """Share of stated values backed by a cited snippet that is the true document giving that
+        value (0 for an answer with no claim at all; 1 for one that only says what is unknown)."""
+        claims = self._valued(c)
+        if not claims:
+            return 0.0 if not c["claims"] else 1.0
+        ok = sum(any(self._supports(c["docs"], h, cl["entity"], cl["aspect"], cl["value"])
+                     for h in cl["handles"]) for cl in claims)
+        return ok / len(claims)
+
+    def _c_ans_cited(self, c) -> float:
+        """Share of stated values whose sentence cites a snippet handle."""
+        claims = self._valued(c)
+        return sum(bool(cl["handles"]) for cl in claims) / len(claims) if claims else 0.0
+
+    def _c_ans_closed(self, c) -> float:
+        """The answer tag is closed (the answer was not cut off)."""
+        return float(c["p"].closed["answer"])
+
+    def _c_ans_nodistractor(self, c) -> float:
+        """Share of stated values not copied from a retrieved old record or look-alike document."""
+        claims = self._valued(c)
+        if not claims:
+            return 0.0
+        bad = sum(any(d.kind != "true" and d.value == cl["value"] and d.aspect == cl["aspect"]
+                      for d in c["docs"].values()) for cl in claims)
+        return 1.0 - bad / len(claims)
+
+    # static evaluation ----------------------------------------------------------------------------
+    def evaluate(self, query, rollouts: Sequence[Rollout]) -> np.ndarray:
+        """Static held-out score (deviation 3): (n, 4) stage scores over the whole pool + initial
+        rubrics, independent of the evolving buffers. Never NaN for the toy judge."""
+        pool, init = self.pool(query), self.initial_rubrics(query)
+        allr = pool + init
+        S = self.score_rubrics(query, rollouts, allr)
+        out = np.zeros((len(rollouts), len(STAGES)))
+        for k in range(len(STAGES)):
+            cols = [j for j, r in enumerate(allr) if r.stage == k]
+            w = np.array([allr[j].weight for j in cols])
+            out[:, k] = (np.nan_to_num(S[:, cols]) * w).sum(1) / w.sum()
+        return out
+
+    # reflections ----------------------------------------------------------------------------------
+    def _failure_kind(self, check: tuple, c: dict, facts: dict) -> str:
+        """The lesson kind (a key of _LESSONS) that fixes a failed rubric with this check."""
+        kind = check[0]
+        if kind in _KIND_OF_CHECK:
+            return _KIND_OF_CHECK[kind]
+        f = facts.get(check[1]) if len(check) > 1 else None
+        if kind == "rev_map" and f is not None:
+            return "honest" if self._searched(c, f["entity"], f["aspect"]) else "search"
+        if kind == "ans_supported":
+            return "cite" if self._c_ans_cited(c) < 1.0 else "distractor"
+        if kind == "ans_fact" and f is not None:
+            values = {cl["value"] for cl in self._claims_of(c, f)}
+            if len(values) > 1:
+                return "commit"
+            if not values:
+                return "search"
+            v = values.pop()
+            if f["doc_id"] is None or v is None:
+                return "honest"
+            return "cite" if v == f["value"] else "distractor"
+        return "search"
+
+    def _diagnosis(self, query, rollout: Rollout, judged: JudgeResult, row: int):
+        """The privileged view of §3.4: the rubrics that scored this trajectory's stages
+        (`judged.rubrics`, the buffers behind `judged.justifications`), re-scored on it, give the
+        failed stages, the failed facts and the failure kinds. A stage the judge left missing (NaN)
+        is diagnosed with the static rubric set instead. Returns (context, stages, fact keys, kinds)."""
+        facts = {_key(f): f for f in query.facts}
+        ctx = self._context(query, rollout)
+        static = self.pool(query) + self.initial_rubrics(query)
+        stages, keys, kinds = set(), set(), set()
+        for k in range(len(STAGES)):
+            scored = k < len(judged.rubrics) and np.isfinite(judged.R[row, k])
+            rubs = judged.rubrics[k] if scored else [r for r in static if r.stage == k]
+            for r in rubs:
+                if r.check is None or not self._check(r.check, ctx, facts) < 1.0:
+                    continue  # met, or an LLM rubric the toy judge cannot re-score
+                stages.add(k)
+                if len(r.check) > 1 and r.check[1] in facts:
+                    keys.add(r.check[1])
+                kinds.add(self._failure_kind(r.check, ctx, facts))
+        return ctx, stages, keys, kinds
+
+    def _reflection_defect(self, text: str, entities: set) -> str:
+        """Why a candidate is not a usable lesson ("" if it is): empty, too long, degenerate
+        repetition, cut off, or naming an entity the question does not ask about (a world entity
+        or a name-like word before an aspect). Such candidates score 0 and are marked invalid."""
+        t = " ".join(text.split())
+        if not t:
+            return "empty"
+        if len(t) > REFLECTION_MAX_CHARS:
+            return "too long"
+        if _degenerate(t):
+            return "degenerate repetition"
+        if _cut_off(t):
+            return "cut off"
+        names = {w for w in _NAME_RE.findall(t) if w in self.world.entities}
+        names |= {m.group(1) for m in _NAME_ASPECT_RE.finditer(t) if _syllabic(m.group(1))}
+        foreign = sorted(names - set(entities))
+        return f"names {', '.join(foreign)}, not in the question" if foreign else ""
+
+    def score_reflections(self, query, rollout: Rollout, judged: JudgeResult, row: int,
+                          candidates: Sequence[str]) -> list[ReflectionScore]:
+        """Privileged scoring (§3.4) of m reflection candidates on one judged trajectory.
+
+        judged: the JudgeResult of the trajectory's group, row its index there; the judge reads the
+        rubrics that scored each stage (what `judged.justifications` summarise) via `_diagnosis`.
+        Returns m ReflectionScores with within, cross, score = (within + cross) / 2 in [0,1]:
+        within (same query again) = mean of
+            facts: share of the failed facts named ("Entity aspect") minus the share of asked facts
+                   named that did not fail (a list of every fact gains nothing);
+            stage: 1 if it names a stage that failed, minus 0.25 per named stage that did not fail
+                   (1 when no stage failed);
+        cross (similar queries) = share of the failure kinds for which it states the general
+            lesson, minus 0.25 per lesson for a failure that did not occur (a keyword list loses).
+        Invalid candidates (`_reflection_defect`) get 0, 0, 0 and valid=False: they must never be
+        admitted to the bank. Never raises for the candidates' content.
+        """
+        facts = {_key(f): f for f in query.facts}
+        ctx, stages, failed, need = self._diagnosis(query, rollout, judged, row)
+        nf = max(1, len(facts))
+        out = []
+        for text in candidates:
+            t = text if isinstance(text, str) else ""
+            defect = self._reflection_defect(t, ctx["entities"])
+            if defect:
+                out.append(ReflectionScore(0.0, 0.0, 0.0, f"invalid: {defect}", valid=False))
+                continue
+            named = {k for k in facts if k in t}
+            said = {k for k, rx in _STAGE_WORDS.items() if rx.search(t)}
+            if failed:
+                fact_term = len(named & failed) / len(failed) - len(named - failed) / nf
+            else:
+                fact_term = 1.0 - len(named) / nf
+            # Nothing failed: any stage may carry the general lesson, so none is penalised.
+            stage_term = float(bool(said & stages)) - 0.25 * len(said - stages) if stages else 1.0
+            within = 0.5 * (float(np.clip(fact_term, 0, 1)) + float(np.clip(stage_term, 0, 1)))
+            present = {k for k, ws in _LESSONS.items() if any(w in t.lower() for w in ws)}
+            if need:
+                cross = len(present & need) / len(need) - 0.25 * len(present - need)
+            else:
+                cross = 1.0 if ("one search" in t.lower() or not present) else 0.5
+            cross = float(np.clip(cross, 0, 1))
+            # Eq.: score = (within + cross) / 2  (§3.4, two criteria)
+            out.append(ReflectionScore(within, cross, 0.5 * (within + cross),
+                                       f"failed stages={[STAGES[k] for k in sorted(stages)]} "
+                                       f"facts={sorted(failed)} named={sorted(named)} "
+                                       f"stages named={[STAGES[k] for k in sorted(said)]} "
+                                       f"lessons={sorted(present)} needed={sorted(need)}"))
+        return out
