@@ -65,7 +65,6 @@ import math
 import os
 import re
 import sys
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Protocol, runtime_checkable
@@ -412,6 +411,10 @@ class BM25Retriever:
 # ----------------------------------------------------------------------------------------------------
 # The bank
 
+# PAPER: "rubric bank embeddings Qwen3-Embedding-0.6B" (dense retrieval, backends/retrieval.py)
+PAPER_EMBED_MODEL = "Qwen/Qwen3-Embedding-0.6B"
+
+
 @dataclass
 class BankConfig:
     """Rubric-bank settings (§3.4, §3.5, appendix); RubricBank.from_config builds the bank."""
@@ -426,7 +429,11 @@ class BankConfig:
     save_every: int = 10  # PAPER: "bank saved every 10 steps"
     """Training steps between two bank saves."""
     retriever: str = "bm25"
-    """Similarity backend; only "bm25" exists. The paper uses Qwen3-Embedding-0.6B (Deviation 1)."""
+    """Similarity backend: "bm25" (toy) or "dense" (backends/retrieval.DenseRetriever over
+    `embed_model`; the full preset). RubricBank.from_config builds "bm25" only; train.py builds the
+    dense retriever itself."""
+    embed_model: str = PAPER_EMBED_MODEL  # PAPER: Qwen3-Embedding-0.6B
+    """Embedding model of the dense retriever (a hub id or a local directory)."""
 
 
 class RubricBank:
@@ -666,12 +673,14 @@ class RubricBank:
         """Write the bank to `path` as UTF-8 JSONL, one entry per line, sorted by key, atomically.
 
         The bytes depend only on the entries (not on insertion order). A crash at any point leaves
-        either the previous file or the new one, never a mix (see _atomic_write_bytes); it may leave a
+        either the previous file or the new one, never a mix (see checkpoint.atomic_write_bytes); it may leave a
         stray ".<name>.*.tmp" file beside it, which is safe to delete. Creates missing parent
         directories. Counters (rejections) are not saved here; state_dict carries them.
         """
         lines = [json.dumps(e.to_dict(), ensure_ascii=False, allow_nan=False) + "\n" for e in self.entries()]
-        _atomic_write_bytes(os.fspath(path), "".join(lines).encode("utf-8"))
+        from checkpoint import atomic_write_bytes  # torch-free callers pay its import only here
+
+        atomic_write_bytes(os.fspath(path), "".join(lines).encode("utf-8"))
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, missing_ok: bool = False, strict: bool = True,
@@ -704,43 +713,6 @@ class RubricBank:
                     bank.skipped_lines += 1
         bank._entries = bank._entries_from(items, f"{path}:", strict)
         return bank
-
-
-def _atomic_write_bytes(path: str, data: bytes) -> None:
-    """Replace `path` by `data` so that a crash leaves the old or the new file, never a partial one.
-
-    Write a temp file in the same directory (same filesystem, so rename is atomic), flush and fsync
-    it, os.replace it over `path`, then fsync the directory so the rename itself survives power loss.
-    The new file keeps the old file's permission bits (0o644 for a new file).
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    try:
-        mode = os.stat(path).st_mode & 0o777
-    except FileNotFoundError:
-        mode = 0o644
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    if os.name == "posix":  # other systems cannot open a directory for fsync
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        except OSError:  # some filesystems refuse fsync on directories; the rename is done anyway
-            pass
-        finally:
-            os.close(dfd)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -805,3 +777,32 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+# ----------------------------------------------------------------------------------------------------
+# The windowed curriculum (§3.5): which batch each step trains on, and how it retrieves
+
+
+def curriculum(step: int, K: int = 3, enabled: bool = True) -> tuple[int, str]:
+    """(batch index, retrieval mode) for a 0-based step. Windows of 2K steps: the first K steps
+    draw fresh batches with "similar" retrieval, the next K replay them with "exact" retrieval.
+
+    Example K = 3: steps 0,1,2 -> batches 0,1,2 similar; steps 3,4,5 -> batches 0,1,2 exact;
+    steps 6,7,8 -> batches 3,4,5 similar; ... Without the curriculum: batch = step, "similar".
+    """
+    if not enabled:
+        return step, "similar"
+    w, j = divmod(step, 2 * K)
+    # PAPER §3.5: steps 1..K fresh B_1..B_K (similar), steps K+1..2K replay B_1..B_K (exact)
+    return (w * K + j, "similar") if j < K else (w * K + j - K, "exact")
+
+
+
+
+# ----------------------------------------------------------------------------------------------------
+# Configuration (the run config's `curriculum` section; settings.py nests it; `bank` is BankConfig)
+
+
+@dataclass
+class CurriculumConfig:
+    K: int = 3  # PAPER: window K = 3 (2K = 6 steps)
+    enabled: bool = True  # false: every step a fresh batch with similar retrieval (no replay)

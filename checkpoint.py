@@ -37,12 +37,13 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from bank import _atomic_write_bytes
 
 log = logging.getLogger("rubricem.checkpoint")
 
@@ -59,9 +60,41 @@ class CheckpointError(RuntimeError):
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Replace `path` by `data` atomically (temp file in the same directory, fsync, os.replace,
-    fsync of the directory); the same writer as the rubric bank's (bank._atomic_write_bytes)."""
-    _atomic_write_bytes(os.fspath(path), data)
+    """Replace `path` by `data` so that a crash leaves the old or the new file, never a partial one.
+
+    Write a temp file in the same directory (same filesystem, so rename is atomic), flush and fsync
+    it, os.replace it over `path`, then fsync the directory so the rename itself survives power loss.
+    The new file keeps the old file's permission bits (0o644 for a new file).
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    try:
+        mode = os.stat(path).st_mode & 0o777
+    except FileNotFoundError:
+        mode = 0o644
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if os.name == "posix":  # other systems cannot open a directory for fsync
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        except OSError:  # some filesystems refuse fsync on directories; the rename is done anyway
+            pass
+        finally:
+            os.close(dfd)
 
 
 def atomic_write_json(path: str, obj: Any, indent: int | None = 1) -> None:
@@ -340,3 +373,17 @@ def load_model_weights(model: torch.nn.Module, path: str) -> None:
     if untied or unexpected:
         raise CheckpointError(f"{mdir}: weights do not fit the model (missing {untied[:5]}, "
                               f"unexpected {list(unexpected)[:5]})")
+
+# ----------------------------------------------------------------------------------------------------
+# Configuration (the run config's `checkpoint` section; settings.py nests it)
+
+
+@dataclass
+class CheckpointConfig:
+    """Full training-state checkpoints (checkpoint.py); not in the paper, which saves only the bank."""
+
+    every: int = 10  # ours: steps between checkpoints (0 = only at the end); also written at the end
+    keep: int = 3  # ours: newest checkpoints kept on disk
+    stop_after: int = 0  # stop this invocation after this many steps, with a checkpoint (0 = run to
+    # `steps`); for time-sliced jobs: continue with --resume latest
+    verify: bool = True  # check every file's sha256 before resuming from a checkpoint

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -291,3 +292,40 @@ def load_rows(rows: Iterable[dict]) -> list[Query]:
     if not out:
         raise ValueError("dataset is empty: no RL rows to train on")
     return out
+
+# ----------------------------------------------------------------------------------------------------
+# Data order of the RL batches (fresh batches of the windowed curriculum, bank.curriculum)
+
+
+class DataOrder:
+    """Fresh batch b = queries [b*P, (b+1)*P) of a seeded permutation, reshuffled per epoch."""
+
+    def __init__(self, n_queries: int, per_batch: int, seed: int):
+        self.n, self.P, self.seed = n_queries, per_batch, seed
+
+    def batch(self, b: int) -> list[int]:
+        out = []
+        for pos in range(b * self.P, (b + 1) * self.P):
+            epoch, i = divmod(pos, self.n)
+            perm = list(range(self.n))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(perm)
+            out.append(perm[i])
+        return out
+
+
+
+
+# ----------------------------------------------------------------------------------------------------
+# Configuration (the run config's `data` section; settings.py nests it)
+
+
+# PAPER (appendix): RL data "rl-research/dr-tulu-rl-data".
+PAPER_RL_DATA = "rl-research/dr-tulu-rl-data"
+
+
+@dataclass
+class DataConfig:
+    source: str = ""  # "" = the toy world's questions; else RL rows in the DR Tulu schema: a Hugging
+    # Face dataset id or a local .jsonl / .json / .parquet file (data.load_rl_rows); full: PAPER
+    split: str = "train"  # dataset split of a Hugging Face dataset id in data.source
+    limit: int = 0  # 0 = every row

@@ -465,11 +465,13 @@ def build_engine(model_dir: str, preset: str = "toy", search: str = "", sampler:
     import torch
 
     import train
+
+    import settings
     from scaffold import SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT, RolloutEngine
 
     if not model_dir or not os.path.isdir(model_dir):
         raise FileNotFoundError(f"--model must be a local checkpoint directory, got {model_dir!r}")
-    cfg = train.toy_preset() if preset == "toy" else train.full_preset()
+    cfg = settings.toy_preset() if preset == "toy" else settings.full_preset()
     cfg.model, cfg.seed, cfg.sampler, cfg.engine = model_dir, seed, sampler, "torch"
     cfg.data.source = ""  # the benchmark supplies the queries; train.py's data is not read
     cfg.search.backend = search or cfg.search.backend
@@ -1106,3 +1108,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ----------------------------------------------------------------------------------------------------
+# Static-rubric scores of training rollouts (not in the paper; train.py logs them as score/{stage})
+
+
+def static_stage_scores(judge, queries: Sequence, rollouts: Sequence, n: int) -> list | None:
+    """Mean stage scores (4 floats in [0, 1]) of a step's rollouts under the judge's *static* rubric
+    set (the held-out evaluation's, `judge.evaluate`), or None for a judge without one (HTTP).
+
+    Not in the paper. R is scored on the evolving buffers, which keep the rubrics the group still
+    fails (§3.4), so its mean is not comparable from step to step; this score is, and shows whether
+    the training rollouts get better. rollouts: len(queries) * n, query gi's group contiguous."""
+    if getattr(judge, "evaluate", None) is None or not rollouts:
+        return None
+    return [float(x) for x in static_scores(judge, queries, rollouts, n).mean(0)]  # (4,)
+
+
+def static_scores(judge, queries: Sequence, rollouts: Sequence, n: int) -> np.ndarray:
+    """(len(rollouts), 4) float stage scores in [0, 1] under the judge's static rubric set
+    (`judge.evaluate`), one group of `n` contiguous rollouts per query."""
+    return np.concatenate([judge.evaluate(q, rollouts[gi * n:(gi + 1) * n])
+                           for gi, q in enumerate(queries)])

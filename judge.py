@@ -278,3 +278,21 @@ def _justify(rubrics: Sequence[Rubric], s: np.ndarray) -> str:
     if fail:
         out.append("failed: " + "; ".join(fail))
     return " | ".join(out) or "all rubric scores missing"
+
+# ----------------------------------------------------------------------------------------------------
+# Configuration (the run config's `judge` section; settings.py nests it)
+
+
+@dataclass
+class JudgeConfig:
+    backend: str = "toy"  # "toy" (ToyJudge, the toy world's ground truth) | "gemini" | "openai"
+    # (judge_http.HTTPJudge; the key comes from $GEMINI_API_KEY / $OPENAI_API_KEY, never from here)
+    model: str = "gemini-2.5-flash"  # PAPER: "Gemini Flash" (the exact version is ours)
+    base_url: str = ""  # "" = the backend's public endpoint; tests point it at a loopback server
+    concurrency: int = 8  # parallel judge requests
+    timeout_s: float = 120.0  # one HTTP request
+    caps: list = field(default_factory=lambda: list(BUFFER_CAPS))  # PAPER: 3, 2, 2, 3
+    max_retries: int = 3  # ours: re-asks of one failed judge call before its cells become missing
+    max_failure_rate: float = 0.5  # ours: a step whose share of failed judge calls exceeds this...
+    max_failure_steps: int = 3  # ...this many steps in a row stops the run (JudgeFailureAbort):
+    # training on mostly missing rewards would waste compute without learning anything

@@ -53,6 +53,7 @@ import torch
 import checkpoint as ckpt_mod
 import report
 import train
+import settings
 from bank import MODE_EXACT, MODE_SIMILAR, RubricBank, format_for_prompt
 from reflection import run_reflection_branch
 from scaffold import SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT
@@ -111,7 +112,7 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
     for p in (cfg_path, final):
         if not os.path.exists(p):
             raise FileNotFoundError(f"{p} not found: memory_reuse needs a finished train.py run")
-    cfg = train.config_from_dict(json.load(open(cfg_path)))
+    cfg = settings.config_from_dict(json.load(open(cfg_path)))
     if cfg.judge.backend != "toy":
         raise ValueError("memory_reuse scores with the toy judge's static rubrics: it needs a toy run")
     n_q = cfg.eval.n_questions if n_questions is None else n_questions

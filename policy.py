@@ -23,13 +23,19 @@ Deviations from the paper
 """
 from __future__ import annotations
 
+import copy
+import logging
+import math
 import random
 import re
-from typing import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol, Sequence
 
 import torch
 
 from scaffold import SCAFFOLD_TAGS
+
+log = logging.getLogger("rubricem")
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -199,3 +205,345 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         else:
             pieces.append(_chunk_logprobs(head, h, nxt))  # (B, c); its logits are freed here
     return torch.cat(pieces, dim=1)  # (B, L)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The SS-GRPO update (§3.3), written once for every policy engine
+#
+# The update needs only five things from an engine (the `PolicyEngine` protocol below): log-probs
+# with and without gradient, a backward with an accumulation boundary, and an optimizer step.
+# `TorchEngine` (one process, toy mode) and backends/full.py's `ZeRO3Engine` (DeepSpeed ZeRO-3 over
+# the launcher's ranks) both implement them, and both call `policy_update` below.
+
+
+@dataclass
+class UpdateBatch:
+    """Sequences for one update: ids (prompt + response), loss mask, per-token advantages (lists of
+    equal length per sequence), and each sequence's kind ("task" | "reflection")."""
+
+    ids: list[list[int]] = field(default_factory=list)
+    mask: list[list[int]] = field(default_factory=list)
+    adv: list[list[float]] = field(default_factory=list)
+    kind: list[str] = field(default_factory=list)
+
+
+def pad_rows(batch: UpdateBatch, idx: Sequence[int], pad_id: int):
+    """Right-pad sequences idx of an UpdateBatch: (ids, attention, loss mask, advantages), each (B, L)
+    with dtypes int64, int64, bool, float32 (B = len(idx), L = the longest of them)."""
+    L = max(len(batch.ids[i]) for i in idx)
+    B = len(idx)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    att = torch.zeros((B, L), dtype=torch.long)
+    mask = torch.zeros((B, L), dtype=torch.bool)
+    adv = torch.zeros((B, L), dtype=torch.float32)
+    for r, i in enumerate(idx):
+        n = len(batch.ids[i])
+        ids[r, :n] = torch.tensor(batch.ids[i])
+        att[r, :n] = 1
+        mask[r, :n] = torch.tensor(batch.mask[i], dtype=torch.bool)
+        adv[r, :n] = torch.tensor(batch.adv[i], dtype=torch.float32)
+    return ids, att, mask, adv
+
+
+@dataclass
+class UpdatePlan:
+    """One rank's part of an SS-GRPO update (built by `plan_update`). The pass counts are the same on
+    every rank, because every ZeRO-3 forward is collective: a rank with fewer sequences runs padding
+    passes that contribute nothing. With one process the plan is just the minibatch split."""
+
+    minibatches: list  # per optimizer step, the positions of this rank's sequences in its shard
+    n_micro: list  # per optimizer step, forward/backward passes (same on every rank)
+    n_seq: list  # per optimizer step, the global number of sequences (loss normaliser)
+    n_tok: list  # per optimizer step, the global number of loss-masked tokens (loss normaliser)
+    score_passes: int  # no-grad forward passes for the old (and reference) log-probs
+    index: list = field(default_factory=list)  # shard position -> index in the whole batch
+
+
+def plan_update(batch: UpdateBatch, world_size: int, minibatches: int, micro: int,
+                rng: random.Random | None = None) -> tuple[list[UpdateBatch], list[UpdatePlan]]:
+    """Split a whole UpdateBatch into per-rank shards and plans: ([UpdateBatch] * W, [UpdatePlan] * W).
+
+    `rng` (None: no shuffle) shuffles the sequence order once; optimizer step j takes order[j::M],
+    M = min(minibatches, N) (deviation 2 of train.py: several optimizer steps per batch, PPO-style);
+    step j's sequences are then dealt to ranks round-robin. So W ranks and one process take the same
+    optimizer steps on the same sequences, and the same `rng` state follows. Raises ValueError for
+    world_size, minibatches or micro < 1.
+    """
+    if min(world_size, minibatches, micro) < 1:
+        raise ValueError("world_size, minibatches and micro must be >= 1")
+    N = len(batch.ids)
+    order = list(range(N))
+    if rng is not None:
+        rng.shuffle(order)
+    M = max(1, min(minibatches, N))
+    mbs = [order[j::M] for j in range(M)]
+    shards, plans = [], []
+    ceil = lambda n: -(-n // micro)  # noqa: E731
+    sel = [[mb[r::world_size] for mb in mbs] for r in range(world_size)]
+    n_micro = [max(1, max(ceil(len(sel[r][j])) for r in range(world_size))) for j in range(M)]
+    score = max(1, max(ceil(sum(len(p) for p in sel[r])) for r in range(world_size)))
+    n_seq = [float(len(mb)) for mb in mbs]
+    n_tok = [float(sum(sum(batch.mask[i]) for i in mb)) for mb in mbs]
+    for r in range(world_size):
+        flat = [i for part in sel[r] for i in part]
+        shards.append(UpdateBatch([batch.ids[i] for i in flat], [batch.mask[i] for i in flat],
+                                  [batch.adv[i] for i in flat], [batch.kind[i] for i in flat]))
+        pos, local = 0, []
+        for part in sel[r]:
+            local.append(list(range(pos, pos + len(part))))
+            pos += len(part)
+        plans.append(UpdatePlan(local, list(n_micro), list(n_seq), list(n_tok), score, flat))
+    return shards, plans
+
+
+def _padding_pass(pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 2-token all-padding micro-batch (1, 2) for ranks with fewer sequences than the plan."""
+    return torch.full((1, 2), pad_id, dtype=torch.long), torch.ones((1, 2), dtype=torch.long)
+
+
+@torch.no_grad()
+def sequence_logprobs(fn, batch: UpdateBatch, pad_id: int, micro: int, passes: int | None = None,
+                      index: Sequence[int] | None = None) -> list[torch.Tensor]:
+    """Per-sequence token log-probs without gradient: a list of len(batch.ids) float32 CPU tensors
+    (L_i,), from fn(ids, att) -> (B, L) (an engine's `logprobs` or `ref_logprobs`).
+
+    Sequences go through fn `micro` at a time, shortest first (ties by `index`, the sequences'
+    positions in the whole batch; default their own order), so each pass pads little; with
+    `passes`, fn is called exactly that many times (padding passes after this rank's sequences:
+    every ZeRO-3 forward is collective). Raises ValueError when `passes` passes of `micro` cannot
+    hold every sequence."""
+    N = len(batch.ids)
+    index = list(index) if index is not None else list(range(N))
+    order = sorted(range(N), key=lambda i: (len(batch.ids[i]), index[i]))
+    chunks = [order[s : s + micro] for s in range(0, N, micro)]
+    if passes is not None and len(chunks) > passes:
+        raise ValueError(f"{passes} passes of {micro} cannot score {N} sequences")
+    out: list[torch.Tensor] = [None] * N  # type: ignore[list-item]
+    for idx in chunks:
+        ids, att, _, _ = pad_rows(batch, idx, pad_id)
+        lp = fn(ids, att).cpu()
+        for r, i in enumerate(idx):
+            out[i] = lp[r, : len(batch.ids[i])].clone()
+    for _ in range((passes or len(chunks)) - len(chunks)):
+        fn(*_padding_pass(pad_id))
+    return out
+
+
+def batch_logprobs(model, batch: UpdateBatch, pad_id: int, micro: int) -> list[torch.Tensor]:
+    """Per-sequence token log-probs (len L_i float32 tensors) of a plain HF model, without gradient
+    (`sequence_logprobs` over `token_logprobs`)."""
+    return sequence_logprobs(lambda ids, att: token_logprobs(model, ids, att), batch, pad_id, micro)
+
+
+class PolicyEngine(Protocol):
+    """What `policy_update` and the training loop call on pi_theta's engine (TorchEngine here,
+    backends/full.py's ZeRO3Engine at scale)."""
+
+    world_size: int
+
+    def logprobs(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor: ...  # (B, L), grad
+    def ref_logprobs(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor: ...  # pi_ref
+    def backward(self, loss: torch.Tensor, boundary: bool) -> None: ...
+    def step(self) -> float: ...  # optimizer step; the pre-clip global gradient norm
+    def train(self, mode: bool = True) -> None: ...
+    def all_reduce(self, values: Sequence[float]) -> list[float]: ...  # sum over ranks
+    def update(self, batch: UpdateBatch, pad_id: int, rng: random.Random) -> dict: ...
+    def sync(self, sampler) -> None: ...  # the sampler's weights follow pi_theta
+    def save_pretrained(self, out_dir: str) -> None: ...
+    def save_state(self, ckpt_dir: str) -> None: ...
+    def state_dict(self) -> dict | None: ...
+    def load(self, ckpt_dir: str, state: dict) -> None: ...
+    def close(self) -> None: ...
+
+
+_STAT_KEYS = ("loss/total", "loss/policy", "kl", "clip_frac")
+
+
+def _minibatch(engine: PolicyEngine, local: UpdateBatch, mb: list, n_micro: int, n_seq: float,
+               n_tok: float, old, ref, cfg, pad_id: int) -> list[float]:
+    """Forward/backward passes of one optimizer step's sequences (this rank's `mb`, in n_micro
+    passes, padding passes when it has fewer); returns the summed loss statistics (_STAT_KEYS)."""
+    import ss_grpo
+
+    micro = int(cfg.micro_batch)
+    acc = [0.0] * len(_STAT_KEYS)
+    for p in range(n_micro):
+        idx = mb[p * micro : (p + 1) * micro]
+        last = p == n_micro - 1
+        if not idx:  # padding pass: same collectives as the other ranks, zero loss
+            engine.backward(engine.logprobs(*_padding_pass(pad_id)).sum() * 0.0, last)
+            continue
+        ids, att, mask, adv = pad_rows(local, idx, pad_id)
+        logp = engine.logprobs(ids, att)  # (B, L) with gradient
+        dev = logp.device
+        # One optimizer step per batch: pi_theta_old = pi_theta, so log pi_old is this forward's
+        # own log-probs, detached (rho = 1 exactly) instead of a second, no-grad forward.
+        old_lp = logp.detach() if old is None else _stack(old, idx, ids.shape).to(dev)
+        ref_lp = _stack(ref, idx, ids.shape).to(dev) if ref is not None else None
+        # L = agg(-min(rho A, clip(rho, 1-eta, 1+eta) A)) + beta * agg(k3)   (§3.3), normalised with
+        # the optimizer step's global counts so micro-batches and ranks add up (ss_grpo.aggregate)
+        loss, st = ss_grpo.ss_grpo_loss(logp, old_lp, ref_lp, adv.to(dev), mask.to(dev), eta=cfg.eta,
+                                        beta=cfg.beta, agg=cfg.agg, num_sequences=n_seq,
+                                        num_tokens=n_tok)
+        engine.backward(loss, last)
+        acc = [a + float(st[k]) for a, k in zip(acc, _STAT_KEYS)]
+    return acc
+
+
+def _stack(rows: list, idx: Sequence[int], shape) -> torch.Tensor:
+    """(B, L) float32: rows[i] (L_i,) for i in idx, right-padded with 0."""
+    out = torch.zeros(shape)
+    for r, i in enumerate(idx):
+        out[r, : len(rows[i])] = rows[i]
+    return out
+
+
+def policy_update(engine: PolicyEngine, local: UpdateBatch, cfg, pad_id: int, plan: UpdatePlan,
+                  per_step: list | None = None) -> dict:
+    """The SS-GRPO update (§3.3) of one batch on any engine: this rank's shard `local` and `plan`
+    (from `plan_update`; one process: the whole batch, world_size 1). cfg: ss_grpo.SSGRPOConfig.
+
+    Old log-probs (and pi_ref's when beta > 0) are computed once, before the first optimizer step
+    moves theta; with a single optimizer step per batch the policy has not moved when its loss is
+    computed, so pi_theta_old = pi_theta and the old log-probs come with the loss's own forward.
+    Then one optimizer step per plan.minibatches entry, each normalised with the plan's global counts.
+
+    Returns the means over optimizer steps of "loss/total", "loss/policy", "kl", "clip_frac" and
+    "grad_norm" (pre-clip global L2 norm), {} for an empty batch. Not in the paper: a minibatch without a single
+    loss-masked token on any rank has no loss to normalise; it is skipped and counted in
+    "update/empty_minibatches" (present only when > 0). A step whose gradient norm is not finite
+    (an overflowing ratio rho) is not applied (the engine drops its gradients), counted in
+    "update/nonfinite_grad_steps" (only when > 0), and "grad_norm" averages the finite norms only
+    (absent when there is none). per_step: a list that receives each optimizer step's global
+    statistics (raw grad_norm included), for the ZeRO-3 self-test. Collective on a multi-rank
+    engine: every rank calls it.
+    """
+    many = len(plan.minibatches) > 1
+    old = sequence_logprobs(engine.logprobs, local, pad_id, cfg.micro_batch, plan.score_passes,
+                            plan.index or None) if many else None
+    ref = sequence_logprobs(engine.ref_logprobs, local, pad_id, cfg.micro_batch, plan.score_passes,
+                            plan.index or None) if cfg.beta > 0 else None
+    engine.train(True)
+    done, empty = [], 0  # (stats, grad norm or None) of the optimizer steps taken; steps skipped
+    for mb, n_micro, n_seq, n_tok in zip(plan.minibatches, plan.n_micro, plan.n_seq, plan.n_tok):
+        if n_tok == 0:  # nothing sampled to learn from, on any rank: no pass, no optimizer step
+            empty += 1
+            continue
+        acc = _minibatch(engine, local, mb, n_micro, n_seq, n_tok, old, ref, cfg, pad_id)
+        gn = engine.step()  # the same global norm on every rank
+        if not math.isfinite(gn):
+            log.warning("SS-GRPO update: gradient norm %s; optimizer step skipped", gn)
+        done.append((engine.all_reduce(acc), gn if math.isfinite(gn) else None))
+        if per_step is not None:
+            per_step.append({**dict(zip(_STAT_KEYS, done[-1][0])), "grad_norm": gn})
+    engine.train(False)
+    if empty:
+        log.warning("SS-GRPO update: %d of %d minibatches have no loss-masked token; skipped",
+                    empty, len(plan.minibatches))
+    return _update_stats(done, empty)
+
+
+def _update_stats(done: list, empty: int) -> dict:
+    """policy_update's result from each optimizer step's (summed stats, grad norm or None)."""
+    if not done:
+        return {"update/empty_minibatches": empty} if empty else {}
+    tot = {k: 0.0 for k in _STAT_KEYS}
+    tot["grad_norm"] = 0.0
+    norms = [gn for _, gn in done if gn is not None]
+    for acc, gn in done:
+        for k, v in zip(_STAT_KEYS, acc):
+            tot[k] += v / len(done)
+        if gn is not None:
+            tot["grad_norm"] += gn / len(norms)
+    if not norms:
+        del tot["grad_norm"]
+    if len(norms) < len(done):
+        tot["update/nonfinite_grad_steps"] = len(done) - len(norms)
+    if empty:
+        tot["update/empty_minibatches"] = empty
+    return tot
+
+
+class TorchEngine:
+    """The policy engine in one process (engine = "torch"): a Hugging Face model, torch AdamW (betas
+    0.9, 0.95, no weight decay) and `policy_update`. Toy mode uses it; in full mode it is the
+    single-process reference that backends/full.py's ZeRO3Engine must reproduce.
+
+    model: pi_theta, also the weights the HF / KV sampler generates with; ref_model: the frozen pi_ref
+    (default: a copy of the starting policy); opt: the optimizer (default: AdamW at cfg.lr).
+    cfg: ss_grpo.SSGRPOConfig. Dropout is disabled in the model (disable_dropout)."""
+
+    world_size = 1
+
+    def __init__(self, model, cfg, ref_model=None, opt=None):
+        self.model, self.cfg = model, cfg
+        if disable_dropout(model):  # old (eval) and new (train) log-probs must be the same function
+            log.info("dropout disabled for RL (policy.disable_dropout)")
+        if ref_model is None:
+            ref_model = copy.deepcopy(model).eval()  # frozen reference pi_ref (= the starting policy)
+            for p in ref_model.parameters():
+                p.requires_grad_(False)
+        self.ref_model = ref_model
+        self.opt = opt if opt is not None else torch.optim.AdamW(
+            model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self._fresh = True  # the next backward starts a new optimizer step: gradients are cleared
+
+    # the five calls of policy_update --------------------------------------------------------------
+    def logprobs(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        return token_logprobs(self.model, ids, att)
+
+    def ref_logprobs(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        return token_logprobs(self.ref_model, ids, att)
+
+    def backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        if self._fresh:
+            self.opt.zero_grad(set_to_none=True)
+            self._fresh = False
+        loss.backward()
+
+    def step(self) -> float:
+        """Clip the global gradient norm to cfg.grad_clip and take the optimizer step; a non-finite
+        norm (clipping would scale every gradient by 0 or NaN) drops the gradients instead."""
+        gn = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
+        if math.isfinite(gn):
+            self.opt.step()
+        else:
+            self.opt.zero_grad(set_to_none=True)
+        self._fresh = True
+        return gn
+
+    def train(self, mode: bool = True) -> None:
+        self.model.train(mode)
+
+    def all_reduce(self, values: Sequence[float]) -> list[float]:
+        return list(values)
+
+    # what the training loop calls -----------------------------------------------------------------
+    def update(self, batch: UpdateBatch, pad_id: int, rng: random.Random) -> dict:
+        """`policy_update` on the whole batch; {} for an empty one (rng untouched)."""
+        if not batch.ids:
+            return {}
+        shards, plans = plan_update(batch, 1, self.cfg.minibatches, self.cfg.micro_batch, rng)
+        return policy_update(self, shards[0], self.cfg, pad_id, plans[0])
+
+    def sync(self, sampler) -> None:
+        """HF and KV samplers share `model`; a sampler with its own copy (vLLM) gets the weights."""
+        sampler.sync_weights(self.model.named_parameters())
+
+    def save_pretrained(self, out_dir: str, **kw) -> None:
+        self.model.save_pretrained(out_dir, **kw)
+
+    def save_state(self, ckpt_dir: str) -> None:
+        pass  # the optimizer state travels in the training state (state_dict)
+
+    def state_dict(self) -> dict:
+        return self.opt.state_dict()
+
+    def load(self, ckpt_dir: str, state: dict) -> None:
+        from checkpoint import load_model_weights
+
+        load_model_weights(self.model, ckpt_dir)
+        self.opt.load_state_dict(state["optimizer"])
+
+    def close(self) -> None:
+        pass

@@ -322,6 +322,14 @@ class Sampler(Protocol):
     def generate(self, prompts: list[list[int]], max_new_tokens: list[int],
                  temperature: float) -> list[list[int]]: ...
 
+    # What the training loop calls besides generate (HFSampler: no-ops; backends/vllm_sampler.py's
+    # VLLMSampler: a separate engine with its own weights and seeds).
+    stats: dict  # counters for the metrics, e.g. {"syncs": ...}; empty when there is nothing to count
+
+    def sync_weights(self, named_params, copy: bool = True) -> None: ...  # pi_theta's new weights
+    def reseed(self, seed: int) -> None: ...  # per-step sampling seed (torch's global RNG otherwise)
+    def close(self) -> None: ...
+
 
 class HFSampler:
     """`Sampler` over a Hugging Face causal LM's `generate` (batched, left padding, top_k=0, top_p=1).
@@ -348,6 +356,16 @@ class HFSampler:
                 self._string_stops.append(s)
         self.stop_token_ids = sorted(i for i in ids if i is not None)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_token_ids[0]
+        self.stats: dict = {}
+
+    def sync_weights(self, named_params, copy: bool = True) -> None:
+        """No-op: this sampler generates with the trained model object itself."""
+
+    def reseed(self, seed: int) -> None:
+        """No-op: sampling draws from torch's global RNG, which the loop seeds per step."""
+
+    def close(self) -> None:
+        """No-op: nothing to release."""
 
     def generate(self, prompts, max_new_tokens, temperature):
         import torch
@@ -701,3 +719,28 @@ class SearchTool(Protocol):
     name: str
 
     def __call__(self, query: str) -> list[SearchResult]: ...
+
+# ----------------------------------------------------------------------------------------------------
+# Configuration (the run config's `rollout` and `search` sections; settings.py nests them)
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 8  # full: PAPER 32 prompts per step
+    n: int = 8  # PAPER: 8 rollouts per prompt
+    temperature: float = 1.0  # PAPER: temperature 1.0
+    max_response_tokens: int = 512  # full: PAPER max response 18,432 tokens
+    max_tool_calls: int = 10  # PAPER: at most 10 tool calls
+    system_prompt: str = "compact"  # "compact" (toy: learnt from demonstrations) | "full"
+    tool_timeout_s: float = 30.0  # ours: a tool call still running after this many seconds is
+    # abandoned and answered "error: search timed out" (0 = no limit); wall-clock, so far above a
+    # healthy call (toy BM25: milliseconds) to keep runs reproducible
+    deadline_s: float = 1800.0  # ours: after this many seconds of one step's rollouts, tool calls
+    # are refused with an error and rollouts finish within their token budget (0 = no deadline)
+
+
+@dataclass
+class SearchConfig:
+    backend: str = "toy"  # "toy" (BM25 over the toy world) | "serper" (search_http, $SERPER_API_KEY)
+    base_url: str = "https://google.serper.dev"  # Serper-compatible endpoint (serper backend only)
+    k: int = 5  # results per query (Serper "num")

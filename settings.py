@@ -29,7 +29,20 @@ import re
 import textwrap
 import tokenize
 import typing
-from typing import Any, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator, Sequence
+
+import ss_grpo
+from bank import BankConfig, CurriculumConfig
+from checkpoint import CheckpointConfig
+from data import PAPER_RL_DATA, DataConfig
+from faults import FaultConfig, validate_fault_config
+from judge import JudgeConfig
+from reflection import ReflectionConfig
+from scaffold import STAGES, RolloutConfig, SearchConfig
+from ss_grpo import SSGRPOConfig
+from toy.sft import SFTConfig, TeacherConfig
+from toy.world import WorldConfig
 
 # ----------------------------------------------------------------------------------------------------
 # Default run directories
@@ -212,7 +225,7 @@ def field_docs(cls) -> dict[str, str]:
 
 def describe_config(cfg) -> list[tuple[str, str, str]]:
     """(dotted key, default as JSON, documentation) for every leaf field of `cfg` (a config dataclass
-    instance, e.g. train.toy_preset()), in declaration order."""
+    instance, e.g. settings.toy_preset()), in declaration order."""
     rows = []
 
     def walk(obj, prefix):
@@ -244,8 +257,288 @@ def format_config_reference(cfg, other=None, other_name: str = "full", width: in
 
 def check_local_inputs(cfg) -> None:
     """Refuse, before a run writes anything, a --model that is not a local directory (the policy is
-    loaded from local files only). cfg: a train.Config; a dry run is exempt (it reports problems
+    loaded from local files only). cfg: a settings.Config; a dry run is exempt (it reports problems
     itself). Raises ValueError naming the field."""
     if cfg.model and not cfg.dry_run and not os.path.isdir(cfg.model):
         raise ValueError(f"model: {cfg.model!r} is not a directory; --model takes a local Hugging Face "
                          "causal-LM directory (e.g. a toy run's final/)")
+
+# ----------------------------------------------------------------------------------------------------
+# The run configuration: one typed tree (each section owned by its module), `toy` and `full`
+# presets, the ablation arms, overrides and checks
+
+
+@dataclass
+class FullConfig:
+    """DeepSpeed and vLLM settings of full mode, carried by settings.Config as `full` (here, not in backends/full.py,
+    so that a toy run never imports that module). Values the paper
+    fixes are marked PAPER; the rest are ours (module docstring, deviation 1)."""
+
+    zero_stage: int = 3  # PAPER: "ZeRO-3"
+    offload_optimizer: bool = True  # PAPER: "with CPU offload"
+    offload_param: bool = False  # ours: parameters stay on GPU (2 GB per GPU for 8B over 8 GPUs)
+    gradient_checkpointing: bool = True  # PAPER: "gradient checkpointing"
+    bf16: str = "auto"  # "auto" = on for GPU, off for CPU; "on" | "off"
+    optimizer: str = "auto"  # "auto" = DeepSpeed AdamW on GPU, torch AdamW on CPU; "torch" | "deepspeed"
+    adam_betas: tuple = (0.9, 0.95)  # ours, as the toy path (train.py)
+    weight_decay: float = 0.0  # ours, as the toy path
+    reference: str = "zero3"  # pi_ref placement: ZeRO-3 partitioned for inference (see docstring)
+    logprob_chunk: int = 1024  # positions per vocabulary projection in policy.token_logprobs
+    world_size_hint: int = 8  # dry run without a launcher: assume one node of 8 GPUs (the paper's SFT node)
+    dist_timeout_min: float = 180.0  # ours: collective timeout; ranks > 0 wait in a collective while
+    # rank 0 samples, judges and reflects, which for 256 long rollouts can take far longer than
+    # torch's 10-30 minute default
+    vllm_max_model_len: int = 0  # 0 = longest prompt budget + rollout.max_response_tokens (see
+    # train.build_sampler); the engine's context length
+    vllm_gpu_memory_utilization: float = 0.5  # ours: leaves room for the ZeRO-3 shards on rank 0's GPU
+    # (on CPU: the fraction of RAM vLLM requires to be free at start)
+    vllm_cpu_kv_cache_gib: int = 2  # CPU only: vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)
+
+
+@dataclass
+class EvalConfig:
+    n_questions: int = 64  # held-out questions evaluated at the end (0 = no evaluation)
+    samples: int = 2  # rollouts per held-out question
+    temperature: float = 1.0  # sampling temperature of the held-out evaluation
+    every: int = 0  # ours: also evaluate the current policy every this many RL steps, same questions
+    # and settings, into eval_curve.jsonl (0 = only the SFT start and the end)
+
+
+@dataclass
+class Config:
+    """Everything a run needs. `toy_preset()` / `full_preset()` fill it; `--set a.b=v` overrides."""
+
+    mode: str = "toy"  # preset the run started from: "toy" | "full" (set by --toy / --full)
+    arm: str = "rubricem"  # ablation arm (ARMS): "rubricem" | "ss_grpo" | "meta_policy" | "baseline_rl"
+    # | "baseline_rl_info"; selects the advantage, the reflection branch and bank retrieval together
+    seed: int = 0  # seeds data order, sampling, warm start and evaluation (--seed)
+    steps: int = 24  # toy: four curriculum windows of 2K = 6 steps
+    run_dir: str = "runs/toy"  # where metrics, checkpoints, final/ and eval.json go (--run-dir)
+    model: str = ""  # "" = toy SFT warm start; else a local HF causal-LM directory
+    model_size: str = "S"  # toy policy size: "XS" | "S" | "M" (policy.SIZES); "S" = 0.5 M parameters
+    vocab_size: int = 1024  # toy byte-level BPE vocabulary size (tokenizer trained on the toy world)
+    cache_dir: str = ".cache/rubricem"  # SFT warm-start cache; HTTP judge and search caches
+    threads: int = 1  # ours: torch intra-op threads. The toy model (hidden 128) gains little from a
+    # second thread, and on a busy CPU two spinning threads slowed SFT ~10x (6.8 s vs 0.4-0.7 s per
+    # step measured on a shared 2-core machine); numbers are deterministic per seed and thread count
+    progress: bool = True  # progress bars (--no-progress turns them off)
+    dry_run: bool = False  # full mode: check the environment and print the plan only
+    engine: str = "torch"  # policy engine: "torch" (one process, torch AdamW) | "zero3" (DeepSpeed
+    # ZeRO-3 over the launcher's ranks, full.ZeRO3Engine)
+    sampler: str = "hf"  # rollouts: "hf" (transformers generate) | "kv" (kv_sampler.KVSampler: its own
+    # KV-cache decode loop, same greedy rollouts, faster on CPU) | "vllm" (vllm_sampler.VLLMSampler)
+    data: DataConfig = field(default_factory=DataConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
+    full: FullConfig = field(default_factory=FullConfig)  # DeepSpeed settings (engine = "zero3")
+    world: WorldConfig = field(default_factory=WorldConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ss_grpo: SSGRPOConfig = field(default_factory=SSGRPOConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    bank: BankConfig = field(default_factory=BankConfig)
+    reflection: ReflectionConfig = field(default_factory=ReflectionConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)  # injected faults (off by default)
+
+
+def toy_preset() -> Config:
+    """Toy mode: ~16 minutes on a busy 2-core CPU, SFT warm start included (values are ours)."""
+    return Config()
+
+
+def full_preset() -> Config:
+    """Full mode: the paper's RL configuration (appendix)."""
+    c = Config(mode="full", steps=1400, run_dir="runs/full")  # PAPER: final run 1400 steps
+    c.engine, c.sampler = "zero3", "vllm"  # PAPER: ZeRO-3 training, vLLM sampling
+    c.data.source = PAPER_RL_DATA  # PAPER: rl-research/dr-tulu-rl-data
+    c.search.backend = "serper"  # PAPER: web search tool (google_search)
+    c.judge.backend = "gemini"  # PAPER: Gemini Flash judge and rubric generator
+    c.bank.retriever = "dense"  # PAPER: Qwen3-Embedding-0.6B bank retrieval
+    c.rollout = RolloutConfig(prompts_per_step=32, n=8, temperature=1.0,  # PAPER: 32 x 8
+                              max_response_tokens=18432, max_tool_calls=10,  # PAPER
+                              system_prompt="full")
+    c.ss_grpo.lr = 5e-7  # PAPER: lr 5e-7 constant
+    c.ss_grpo.minibatches = 1
+    c.ss_grpo.micro_batch = 1
+    c.eval = EvalConfig(n_questions=0)
+    return c
+
+
+# ----------------------------------------------------------------------------------------------------
+# Ablation arms (paper, "Ablation: RL training recipes": 600 steps from the same SFT checkpoint)
+
+
+@dataclass(frozen=True)
+class Arm:
+    """What one ablation arm turns on. advantage: "ss_grpo" (stagewise, G = R Lambda^T, §3.3),
+    "terminal_answer" (one terminal score, R_{i,Answer}, broadcast to every token) or
+    "terminal_mean" (the mean of the four stage scores, broadcast); reflection: the reflection
+    meta-policy branch, its bank upserts and its deferred GRPO update (§3.4); bank: rubric-bank
+    retrieval into the rollout prompts (§3.5)."""
+
+    advantage: str
+    reflection: bool
+    bank: bool
+
+
+ARMS = {
+    "rubricem": Arm("ss_grpo", reflection=True, bank=True),  # PAPER: full RubricEM
+    "ss_grpo": Arm("ss_grpo", reflection=False, bank=False),  # PAPER: "SS-GRPO" alone
+    "meta_policy": Arm("terminal_answer", reflection=True, bank=True),  # PAPER: "Meta-Policy" alone
+    "baseline_rl": Arm("terminal_answer", reflection=False, bank=False),  # PAPER: "Baseline RL", one
+    # terminal rubric score broadcast to all tokens
+    "baseline_rl_info": Arm("terminal_mean", reflection=False, bank=False),  # not in the paper: Baseline
+    # RL matched in judge information (its terminal score averages all four stage scores, so it sees
+    # what SS-GRPO sees, minus the stage-wise credit assignment)
+}
+
+
+def apply_overrides(cfg: Config, items: Sequence[str]) -> Config:
+    """`a.b=value` overrides, each converted to its field's type (int, float, bool, str, list;
+    settings.convert) when the command line is parsed, so that a bad value stops the run before
+    anything is written. Raises ValueError naming the field: an unknown field (with the closest
+    known ones), a value of the wrong type ("ss_grpo.lr: expected a float, got 'abc'"), or a value
+    that contains an API key (named by its variable, never quoted)."""
+    for it in items:
+        key = it.split("=", 1)[0]
+        for name, secret in _secrets().items():  # the type errors below quote the value
+            if secret in it:
+                raise ValueError(f"{key} contains the value of ${name}: API keys are read from the "
+                                 "environment only and never stored in the configuration")
+        set_override(cfg, it)
+    return cfg
+
+
+def validate_config(cfg: Config) -> None:
+    """Clear errors naming the field for configurations that cannot run."""
+    check_no_secrets(cfg)  # first: the messages below quote values, and a key must never be printed
+    K = len(STAGES)
+    try:
+        ss_grpo.validate_lambda(cfg.ss_grpo.lam, expected_k=K)
+    except ValueError as e:
+        raise ValueError(f"ss_grpo.lam: {e}") from None
+    if len(cfg.judge.caps) != K:
+        raise ValueError(f"judge.caps must have {K} entries (one per stage {STAGES}), "
+                         f"got {cfg.judge.caps}")
+    if cfg.arm not in ARMS:
+        raise ValueError(f"arm must be one of {tuple(ARMS)}, got {cfg.arm!r}")
+    if cfg.ss_grpo.agg not in ss_grpo.AGG_MODES:
+        raise ValueError(f"ss_grpo.agg must be one of {ss_grpo.AGG_MODES}")
+    if cfg.rollout.n < 2:
+        raise ValueError("rollout.n must be >= 2: group normalisation needs a group")
+    if cfg.rollout.prompts_per_step < 1 or cfg.steps < 0:
+        raise ValueError("rollout.prompts_per_step must be >= 1 and steps >= 0")
+    for name, lo in (("checkpoint.every", 0), ("checkpoint.keep", 1), ("checkpoint.stop_after", 0),
+                     ("eval.every", 0),
+                     ("judge.max_retries", 0), ("judge.max_failure_steps", 1)):
+        v = _field(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    for name, hi in (("judge.max_failure_rate", 1.0), ("rollout.tool_timeout_s", None),
+                     ("rollout.deadline_s", None)):
+        v = _field(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= (hi or float("inf")) \
+                or v == float("inf"):
+            want = f"in [0, {hi:g}]" if hi is not None else ">= 0 and finite (0 = no limit)"
+            raise ValueError(f"{name} must be a number {want}, got {v!r}")
+    c = cfg.reflection.loss_coef
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c < float("inf"):
+        raise ValueError(f"reflection.loss_coef must be a finite number >= 0, got {c!r}")
+    for name, allowed in (("engine", ("torch", "zero3")), ("sampler", ("hf", "kv", "vllm")),
+                          ("judge.backend", ("toy", "gemini", "openai")),
+                          ("search.backend", ("toy", "serper")), ("bank.retriever", ("bm25", "dense"))):
+        if _field(cfg, name) not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {_field(cfg, name)!r}")
+    if cfg.judge.backend == "toy" and cfg.data.source:
+        raise ValueError("judge.backend 'toy' scores against the toy world's ground truth: it needs "
+                         "data.source = \"\" (the toy world's questions); use an HTTP judge "
+                         "(gemini / openai) for other data")
+    if cfg.engine == "zero3" and not cfg.model:
+        raise ValueError("engine 'zero3' loads the policy on every rank from --model (a local Hugging "
+                         "Face directory, e.g. an SFT checkpoint or a toy run's final/)")
+    if cfg.sampler == "vllm" and not cfg.model:
+        raise ValueError("sampler 'vllm' loads its engine from --model (a local Hugging Face directory)")
+    if cfg.faults.judge_rate > 0 and cfg.judge.backend != "toy":
+        raise ValueError("--faults injects judge faults into the toy judge only; an HTTP judge is "
+                         "tested against a loopback server instead (tests/loopback.py)")
+    validate_fault_config(cfg.faults, "faults")
+
+
+def _field(cfg: Config, dotted: str):
+    obj = cfg
+    for p in dotted.split("."):
+        obj = getattr(obj, p)
+    return obj
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v and all(isinstance(x, str) for x in v):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# Environment variables whose values must never be written anywhere (the HTTP judge and search read
+# them at request time); any other variable named *_API_KEY / *_TOKEN / *_SECRET counts too.
+SECRET_ENV_VARS = ("GEMINI_API_KEY", "OPENAI_API_KEY", "SERPER_API_KEY", "HF_TOKEN")
+
+
+def _secrets() -> dict[str, str]:
+    names = set(SECRET_ENV_VARS) | {n for n in os.environ
+                                    if n.endswith(("_API_KEY", "_TOKEN", "_SECRET"))}
+    return {n: os.environ[n] for n in sorted(names) if len(os.environ.get(n, "")) >= 8}
+
+
+def check_no_secrets(cfg: Config) -> None:
+    """Raise ValueError naming the field if any string in the configuration contains the value of
+    an API-key environment variable: keys come from the environment only, and the configuration is
+    written to config.json and every checkpoint. The error names the variable, never its value."""
+    secrets = _secrets()
+    if not secrets:
+        return
+    for key, v in _flatten(json.loads(json.dumps(asdict(cfg)))).items():
+        vals = v if isinstance(v, list) else [v]
+        for x in vals:
+            for name, secret in secrets.items():
+                if isinstance(x, str) and secret in x:
+                    raise ValueError(f"{key} contains the value of ${name}: API keys are read from "
+                                     "the environment only and never stored in the configuration")
+
+
+def config_from_dict(d: dict, cls=None, prefix: str = ""):
+    """Inverse of dataclasses.asdict for the config tree (e.g. config.json or a checkpoint's config).
+    Raises ValueError naming an unknown field; fields absent from `d` keep their defaults."""
+    cls = cls or Config
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kw = {}
+    for k, v in d.items():
+        if k not in fields:
+            raise ValueError(f"unknown config field {prefix + k!r}")
+        sub = fields[k].default_factory
+        if isinstance(sub, type) and dataclasses.is_dataclass(sub) and isinstance(v, dict):
+            v = config_from_dict(v, sub, f"{prefix}{k}.")
+        kw[k] = v
+    return cls(**kw)
+
+
+# Fields a resumed run may change: where and how long it runs, not what it computes. The tool
+# limits are wall-clock safety nets and the failure thresholds only decide when to stop.
+RESUME_MAY_CHANGE = ("steps", "run_dir", "progress", "threads", "cache_dir", "checkpoint.", "eval.",
+                     "rollout.tool_timeout_s", "rollout.deadline_s", "judge.max_failure_rate",
+                     "judge.max_failure_steps", "judge.base_url", "judge.concurrency", "judge.timeout_s",
+                     "search.base_url", "full.dist_timeout_min")
+
+
+def resume_config_diff(saved: dict, cfg: Config) -> list[str]:
+    """Dotted names of the fields in which `cfg` differs from a checkpoint's config (`saved`, an
+    asdict dict), leaving out RESUME_MAY_CHANGE."""
+    a = _flatten(json.loads(json.dumps(saved)))
+    b = _flatten(json.loads(json.dumps(asdict(cfg))))
+    keys = sorted(set(a) | set(b))
+    return [k for k in keys if not k.startswith(RESUME_MAY_CHANGE) and a.get(k) != b.get(k)]

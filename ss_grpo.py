@@ -56,10 +56,14 @@ Deviations from the paper
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
+
+from scaffold import STAGES
 
 # PAPER: Lambda of §3.3; rows k = Plan, Research, Review, Answer, columns j likewise.
 PAPER_LAMBDA = [
@@ -584,3 +588,64 @@ def theorem1_condition(p: Sequence, phi: Sequence, z: Sequence, U: Sequence[Sequ
         if any(not (best[i] & best[j]) for i in range(len(best)) for j in range(i + 1, len(best))):
             return True
     return False
+
+# ----------------------------------------------------------------------------------------------------
+# Advantages of the ablation arms (§3.3 and the paper's "Baseline RL" ablation)
+
+
+def terminal_answer(R: torch.Tensor) -> torch.Tensor:
+    """Baseline RL's terminal score (§3.3, ablations): r_i = R_{i,Answer}. R (N, 4) -> (N,), NaN kept."""
+    return R[:, STAGES.index("answer")]
+
+
+def terminal_mean(R: torch.Tensor) -> torch.Tensor:
+    """The information-matched terminal score (not in the paper): r_i = (1/4) sum_k R_{i,k}.
+    R (N, 4) -> (N,); NaN (missing) if any stage is missing, so that rollout gets advantage 0."""
+    # Eq.: r_i = mean_k R_{i,k}
+    return R.mean(1)
+
+
+TERMINAL_SCORES = {"terminal_answer": terminal_answer, "terminal_mean": terminal_mean}
+
+
+def task_advantages(R: np.ndarray, n: int, cfg: "SSGRPOConfig", kind: str = "ss_grpo"
+                    ) -> tuple[torch.Tensor, dict]:
+    """(N, 4) float32 advantages for N = groups x n rollouts from stage scores R (N, 4), NaN =
+    missing, and the logged frac_zero_std_groups. kind (Arm.advantage): "ss_grpo" (§3.3 stagewise) or
+    a key of TERMINAL_SCORES (one terminal score, GRPO-normalised per group, broadcast to all stages).
+    Raises ValueError for an unknown kind."""
+    Rt = torch.from_numpy(R).to(torch.float64)
+    if kind == "ss_grpo":
+        # Eq.: G = R Lambda^T, then A[i,k] = (G[i,k] - mean G[:,k]) / (Std G[:,k] + eps) per group
+        G, missing = stage_returns(Rt, cfg.lam, group_size=n)
+        A = group_advantages_batched(G, group_size=n, std=cfg.std, eps=cfg.eps,
+                                             missing=missing)
+    elif kind in TERMINAL_SCORES:
+        r = TERMINAL_SCORES[kind](Rt)  # (N,)
+        # Eq.: A_i = (r_i - mean r) / (Std r + eps), the same for every stage of rollout i
+        A = flat_advantages(r, len(STAGES), std=cfg.std, eps=cfg.eps, group_size=n)
+        G = r[:, None].repeat(1, len(STAGES))
+    else:
+        raise ValueError(f"unknown advantage kind {kind!r}; expected 'ss_grpo' or one of "
+                         f"{tuple(TERMINAL_SCORES)}")
+    Gg = G.reshape(-1, n, G.shape[1])  # (groups, n, K)
+    zero_std = ((Gg.max(1).values - Gg.min(1).values) == 0).double().mean().item()
+    return A.float(), {"frac_zero_std_groups": zero_std}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Configuration (the run config's `ss_grpo` section; settings.py nests it)
+
+
+@dataclass
+class SSGRPOConfig:
+    lam: list = field(default_factory=lambda: [list(r) for r in PAPER_LAMBDA])  # PAPER
+    std: str = DEFAULT_STD  # Std in A = (G - mean) / (Std + eps): "sample" | "population"
+    eps: float = DEFAULT_EPS  # eps in A = (G - mean) / (Std + eps); not fixed by the paper
+    eta: float = DEFAULT_ETA  # PPO clip
+    beta: float = PAPER_BETA  # PAPER: KL beta 0.001, k3 estimator
+    agg: str = DEFAULT_AGG  # loss aggregation: "token_mean" | "paper" | "seq_mean_token_mean"
+    lr: float = 2e-4  # toy: ours; full: PAPER 5e-7 constant
+    minibatches: int = 2  # optimizer steps per batch (deviation 2)
+    micro_batch: int = 32  # sequences per forward pass (gradient accumulation within a minibatch)
+    grad_clip: float = 1.0  # max global gradient norm per optimizer step

@@ -57,8 +57,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
-import dataclasses
 import json
 import logging
 import os
@@ -74,16 +72,18 @@ import torch
 import checkpoint as ckpt_mod
 import report
 import ss_grpo
-from faults import JUDGE_KINDS, TOOL_KINDS, FaultConfig, validate_fault_config
-from backends.full import PAPER_RL_DATA, FullConfig  # settings only: full.py imports DeepSpeed lazily
-from judge import BUFFER_CAPS, JudgeResult
-from backends.retrieval import PAPER_EMBED_MODEL
-from reflection import ReflectionBatch, ReflectionConfig, run_reflection_branch
+from bank import curriculum
+from data import DataOrder
+from evaluate import static_scores, static_stage_scores
+from faults import JUDGE_KINDS, TOOL_KINDS
+from judge import JudgeResult
+from policy import TorchEngine, UpdateBatch
+from reflection import ReflectionBatch, run_reflection_branch
 from runcard import save_with_run_card
 from scaffold import STAGES, SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT
-from settings import check_local_inputs, format_config_reference, set_override, variation_run_dir
-from toy.sft import SFTConfig, TeacherConfig
-from toy.world import WorldConfig
+from settings import (ARMS, RESUME_MAY_CHANGE, Config, _flatten, apply_overrides, check_local_inputs,
+                      config_from_dict, format_config_reference, full_preset, resume_config_diff,
+                      toy_preset, validate_config, variation_run_dir)
 
 log = logging.getLogger("rubricem")
 
@@ -92,372 +92,8 @@ log = logging.getLogger("rubricem")
 # Configuration: one typed tree, `toy` and `full` presets
 
 
-@dataclass
-class RolloutConfig:
-    prompts_per_step: int = 8  # full: PAPER 32 prompts per step
-    n: int = 8  # PAPER: 8 rollouts per prompt
-    temperature: float = 1.0  # PAPER: temperature 1.0
-    max_response_tokens: int = 512  # full: PAPER max response 18,432 tokens
-    max_tool_calls: int = 10  # PAPER: at most 10 tool calls
-    system_prompt: str = "compact"  # "compact" (toy: learnt from demonstrations) | "full"
-    tool_timeout_s: float = 30.0  # ours: a tool call still running after this many seconds is
-    # abandoned and answered "error: search timed out" (0 = no limit); wall-clock, so far above a
-    # healthy call (toy BM25: milliseconds) to keep runs reproducible
-    deadline_s: float = 1800.0  # ours: after this many seconds of one step's rollouts, tool calls
-    # are refused with an error and rollouts finish within their token budget (0 = no deadline)
-
-
-@dataclass
-class SSGRPOConfig:
-    lam: list = field(default_factory=lambda: [list(r) for r in ss_grpo.PAPER_LAMBDA])  # PAPER
-    std: str = ss_grpo.DEFAULT_STD  # Std in A = (G - mean) / (Std + eps): "sample" | "population"
-    eps: float = ss_grpo.DEFAULT_EPS  # eps in A = (G - mean) / (Std + eps); not fixed by the paper
-    eta: float = ss_grpo.DEFAULT_ETA  # PPO clip
-    beta: float = ss_grpo.PAPER_BETA  # PAPER: KL beta 0.001, k3 estimator
-    agg: str = ss_grpo.DEFAULT_AGG  # loss aggregation: "token_mean" | "paper" | "seq_mean_token_mean"
-    lr: float = 2e-4  # toy: ours; full: PAPER 5e-7 constant
-    minibatches: int = 2  # optimizer steps per batch (deviation 2)
-    micro_batch: int = 32  # sequences per forward pass (gradient accumulation within a minibatch)
-    grad_clip: float = 1.0  # max global gradient norm per optimizer step
-
-
-@dataclass
-class JudgeConfig:
-    backend: str = "toy"  # "toy" (ToyJudge, the toy world's ground truth) | "gemini" | "openai"
-    # (judge_http.HTTPJudge; the key comes from $GEMINI_API_KEY / $OPENAI_API_KEY, never from here)
-    model: str = "gemini-2.5-flash"  # PAPER: "Gemini Flash" (the exact version is ours)
-    base_url: str = ""  # "" = the backend's public endpoint; tests point it at a loopback server
-    concurrency: int = 8  # parallel judge requests
-    timeout_s: float = 120.0  # one HTTP request
-    caps: list = field(default_factory=lambda: list(BUFFER_CAPS))  # PAPER: 3, 2, 2, 3
-    max_retries: int = 3  # ours: re-asks of one failed judge call before its cells become missing
-    max_failure_rate: float = 0.5  # ours: a step whose share of failed judge calls exceeds this...
-    max_failure_steps: int = 3  # ...this many steps in a row stops the run (JudgeFailureAbort):
-    # training on mostly missing rewards would waste compute without learning anything
-
-
-@dataclass
-class BankSettings:
-    top_k: int = 2  # PAPER: top-k 2
-    save_every: int = 10  # PAPER: bank saved every 10 steps
-    max_chars: int = 600  # longest reflection (characters) the bank admits
-    retriever: str = "bm25"  # "bm25" (toy) | "dense" (retrieval.DenseRetriever; full preset)
-    embed_model: str = PAPER_EMBED_MODEL  # dense only; PAPER: Qwen3-Embedding-0.6B
-
-
-@dataclass
-class DataSettings:
-    source: str = ""  # "" = the toy world's questions; else RL rows in the DR Tulu schema: a Hugging
-    # Face dataset id or a local .jsonl / .json / .parquet file (data.load_rl_rows); full: PAPER
-    split: str = "train"  # dataset split of a Hugging Face dataset id in data.source
-    limit: int = 0  # 0 = every row
-
-
-@dataclass
-class SearchSettings:
-    backend: str = "toy"  # "toy" (BM25 over the toy world) | "serper" (search_http, $SERPER_API_KEY)
-    base_url: str = "https://google.serper.dev"  # Serper-compatible endpoint (serper backend only)
-    k: int = 5  # results per query (Serper "num")
-
-
-@dataclass
-class CurriculumConfig:
-    K: int = 3  # PAPER: window K = 3 (2K = 6 steps)
-    enabled: bool = True  # false: every step a fresh batch with similar retrieval (no replay)
-
-
-@dataclass
-class CheckpointConfig:
-    """Full training-state checkpoints (checkpoint.py); not in the paper, which saves only the bank."""
-
-    every: int = 10  # ours: steps between checkpoints (0 = only at the end); also written at the end
-    keep: int = 3  # ours: newest checkpoints kept on disk
-    stop_after: int = 0  # stop this invocation after this many steps, with a checkpoint (0 = run to
-    # `steps`); for time-sliced jobs: continue with --resume latest
-    verify: bool = True  # check every file's sha256 before resuming from a checkpoint
-
-
-@dataclass
-class EvalConfig:
-    n_questions: int = 64  # held-out questions evaluated at the end (0 = no evaluation)
-    samples: int = 2  # rollouts per held-out question
-    temperature: float = 1.0  # sampling temperature of the held-out evaluation
-    every: int = 0  # ours: also evaluate the current policy every this many RL steps, same questions
-    # and settings, into eval_curve.jsonl (0 = only the SFT start and the end)
-
-
-@dataclass
-class Config:
-    """Everything a run needs. `toy_preset()` / `full_preset()` fill it; `--set a.b=v` overrides."""
-
-    mode: str = "toy"  # preset the run started from: "toy" | "full" (set by --toy / --full)
-    arm: str = "rubricem"  # ablation arm (ARMS): "rubricem" | "ss_grpo" | "meta_policy" | "baseline_rl"
-    # | "baseline_rl_info"; selects the advantage, the reflection branch and bank retrieval together
-    seed: int = 0  # seeds data order, sampling, warm start and evaluation (--seed)
-    steps: int = 24  # toy: four curriculum windows of 2K = 6 steps
-    run_dir: str = "runs/toy"  # where metrics, checkpoints, final/ and eval.json go (--run-dir)
-    model: str = ""  # "" = toy SFT warm start; else a local HF causal-LM directory
-    model_size: str = "S"  # toy policy size: "XS" | "S" | "M" (policy.SIZES); "S" = 0.5 M parameters
-    vocab_size: int = 1024  # toy byte-level BPE vocabulary size (tokenizer trained on the toy world)
-    cache_dir: str = ".cache/rubricem"  # SFT warm-start cache; HTTP judge and search caches
-    threads: int = 1  # ours: torch intra-op threads. The toy model (hidden 128) gains little from a
-    # second thread, and on a busy CPU two spinning threads slowed SFT ~10x (6.8 s vs 0.4-0.7 s per
-    # step measured on a shared 2-core machine); numbers are deterministic per seed and thread count
-    progress: bool = True  # progress bars (--no-progress turns them off)
-    dry_run: bool = False  # full mode: check the environment and print the plan only
-    engine: str = "torch"  # policy engine: "torch" (one process, torch AdamW) | "zero3" (DeepSpeed
-    # ZeRO-3 over the launcher's ranks, full.ZeRO3Engine)
-    sampler: str = "hf"  # rollouts: "hf" (transformers generate) | "kv" (kv_sampler.KVSampler: its own
-    # KV-cache decode loop, same greedy rollouts, faster on CPU) | "vllm" (vllm_sampler.VLLMSampler)
-    data: DataSettings = field(default_factory=DataSettings)
-    search: SearchSettings = field(default_factory=SearchSettings)
-    full: FullConfig = field(default_factory=FullConfig)  # DeepSpeed settings (engine = "zero3")
-    world: WorldConfig = field(default_factory=WorldConfig)
-    teacher: TeacherConfig = field(default_factory=TeacherConfig)
-    sft: SFTConfig = field(default_factory=SFTConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    ss_grpo: SSGRPOConfig = field(default_factory=SSGRPOConfig)
-    judge: JudgeConfig = field(default_factory=JudgeConfig)
-    bank: BankSettings = field(default_factory=BankSettings)
-    reflection: ReflectionConfig = field(default_factory=ReflectionConfig)
-    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    faults: FaultConfig = field(default_factory=FaultConfig)  # injected faults (off by default)
-
-
-def toy_preset() -> Config:
-    """Toy mode: ~16 minutes on a busy 2-core CPU, SFT warm start included (values are ours)."""
-    return Config()
-
-
-def full_preset() -> Config:
-    """Full mode: the paper's RL configuration (appendix)."""
-    c = Config(mode="full", steps=1400, run_dir="runs/full")  # PAPER: final run 1400 steps
-    c.engine, c.sampler = "zero3", "vllm"  # PAPER: ZeRO-3 training, vLLM sampling
-    c.data.source = PAPER_RL_DATA  # PAPER: rl-research/dr-tulu-rl-data
-    c.search.backend = "serper"  # PAPER: web search tool (google_search)
-    c.judge.backend = "gemini"  # PAPER: Gemini Flash judge and rubric generator
-    c.bank.retriever = "dense"  # PAPER: Qwen3-Embedding-0.6B bank retrieval
-    c.rollout = RolloutConfig(prompts_per_step=32, n=8, temperature=1.0,  # PAPER: 32 x 8
-                              max_response_tokens=18432, max_tool_calls=10,  # PAPER
-                              system_prompt="full")
-    c.ss_grpo.lr = 5e-7  # PAPER: lr 5e-7 constant
-    c.ss_grpo.minibatches = 1
-    c.ss_grpo.micro_batch = 1
-    c.eval = EvalConfig(n_questions=0)
-    return c
-
-
-# ----------------------------------------------------------------------------------------------------
-# Ablation arms (paper, "Ablation: RL training recipes": 600 steps from the same SFT checkpoint)
-
-
-@dataclass(frozen=True)
-class Arm:
-    """What one ablation arm turns on. advantage: "ss_grpo" (stagewise, G = R Lambda^T, §3.3),
-    "terminal_answer" (one terminal score, R_{i,Answer}, broadcast to every token) or
-    "terminal_mean" (the mean of the four stage scores, broadcast); reflection: the reflection
-    meta-policy branch, its bank upserts and its deferred GRPO update (§3.4); bank: rubric-bank
-    retrieval into the rollout prompts (§3.5)."""
-
-    advantage: str
-    reflection: bool
-    bank: bool
-
-
-ARMS = {
-    "rubricem": Arm("ss_grpo", reflection=True, bank=True),  # PAPER: full RubricEM
-    "ss_grpo": Arm("ss_grpo", reflection=False, bank=False),  # PAPER: "SS-GRPO" alone
-    "meta_policy": Arm("terminal_answer", reflection=True, bank=True),  # PAPER: "Meta-Policy" alone
-    "baseline_rl": Arm("terminal_answer", reflection=False, bank=False),  # PAPER: "Baseline RL", one
-    # terminal rubric score broadcast to all tokens
-    "baseline_rl_info": Arm("terminal_mean", reflection=False, bank=False),  # not in the paper: Baseline
-    # RL matched in judge information (its terminal score averages all four stage scores, so it sees
-    # what SS-GRPO sees, minus the stage-wise credit assignment)
-}
-
-
-def apply_overrides(cfg: Config, items: Sequence[str]) -> Config:
-    """`a.b=value` overrides, each converted to its field's type (int, float, bool, str, list;
-    settings.convert) when the command line is parsed, so that a bad value stops the run before
-    anything is written. Raises ValueError naming the field: an unknown field (with the closest
-    known ones), a value of the wrong type ("ss_grpo.lr: expected a float, got 'abc'"), or a value
-    that contains an API key (named by its variable, never quoted)."""
-    for it in items:
-        key = it.split("=", 1)[0]
-        for name, secret in _secrets().items():  # the type errors below quote the value
-            if secret in it:
-                raise ValueError(f"{key} contains the value of ${name}: API keys are read from the "
-                                 "environment only and never stored in the configuration")
-        set_override(cfg, it)
-    return cfg
-
-
-def validate_config(cfg: Config) -> None:
-    """Clear errors naming the field for configurations that cannot run."""
-    check_no_secrets(cfg)  # first: the messages below quote values, and a key must never be printed
-    K = len(STAGES)
-    try:
-        ss_grpo.validate_lambda(cfg.ss_grpo.lam, expected_k=K)
-    except ValueError as e:
-        raise ValueError(f"ss_grpo.lam: {e}") from None
-    if len(cfg.judge.caps) != K:
-        raise ValueError(f"judge.caps must have {K} entries (one per stage {STAGES}), "
-                         f"got {cfg.judge.caps}")
-    if cfg.arm not in ARMS:
-        raise ValueError(f"arm must be one of {tuple(ARMS)}, got {cfg.arm!r}")
-    if cfg.ss_grpo.agg not in ss_grpo.AGG_MODES:
-        raise ValueError(f"ss_grpo.agg must be one of {ss_grpo.AGG_MODES}")
-    if cfg.rollout.n < 2:
-        raise ValueError("rollout.n must be >= 2: group normalisation needs a group")
-    if cfg.rollout.prompts_per_step < 1 or cfg.steps < 0:
-        raise ValueError("rollout.prompts_per_step must be >= 1 and steps >= 0")
-    for name, lo in (("checkpoint.every", 0), ("checkpoint.keep", 1), ("checkpoint.stop_after", 0),
-                     ("eval.every", 0),
-                     ("judge.max_retries", 0), ("judge.max_failure_steps", 1)):
-        v = _field(cfg, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
-    for name, hi in (("judge.max_failure_rate", 1.0), ("rollout.tool_timeout_s", None),
-                     ("rollout.deadline_s", None)):
-        v = _field(cfg, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= (hi or float("inf")) \
-                or v == float("inf"):
-            want = f"in [0, {hi:g}]" if hi is not None else ">= 0 and finite (0 = no limit)"
-            raise ValueError(f"{name} must be a number {want}, got {v!r}")
-    c = cfg.reflection.loss_coef
-    if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c < float("inf"):
-        raise ValueError(f"reflection.loss_coef must be a finite number >= 0, got {c!r}")
-    for name, allowed in (("engine", ("torch", "zero3")), ("sampler", ("hf", "kv", "vllm")),
-                          ("judge.backend", ("toy", "gemini", "openai")),
-                          ("search.backend", ("toy", "serper")), ("bank.retriever", ("bm25", "dense"))):
-        if _field(cfg, name) not in allowed:
-            raise ValueError(f"{name} must be one of {allowed}, got {_field(cfg, name)!r}")
-    if cfg.judge.backend == "toy" and cfg.data.source:
-        raise ValueError("judge.backend 'toy' scores against the toy world's ground truth: it needs "
-                         "data.source = \"\" (the toy world's questions); use an HTTP judge "
-                         "(gemini / openai) for other data")
-    if cfg.engine == "zero3" and not cfg.model:
-        raise ValueError("engine 'zero3' loads the policy on every rank from --model (a local Hugging "
-                         "Face directory, e.g. an SFT checkpoint or a toy run's final/)")
-    if cfg.sampler == "vllm" and not cfg.model:
-        raise ValueError("sampler 'vllm' loads its engine from --model (a local Hugging Face directory)")
-    if cfg.faults.judge_rate > 0 and cfg.judge.backend != "toy":
-        raise ValueError("--faults injects judge faults into the toy judge only; an HTTP judge is "
-                         "tested against a loopback server instead (tests/loopback.py)")
-    validate_fault_config(cfg.faults, "faults")
-
-
-def _field(cfg: Config, dotted: str):
-    obj = cfg
-    for p in dotted.split("."):
-        obj = getattr(obj, p)
-    return obj
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v and all(isinstance(x, str) for x in v):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-# Environment variables whose values must never be written anywhere (the HTTP judge and search read
-# them at request time); any other variable named *_API_KEY / *_TOKEN / *_SECRET counts too.
-SECRET_ENV_VARS = ("GEMINI_API_KEY", "OPENAI_API_KEY", "SERPER_API_KEY", "HF_TOKEN")
-
-
-def _secrets() -> dict[str, str]:
-    names = set(SECRET_ENV_VARS) | {n for n in os.environ
-                                    if n.endswith(("_API_KEY", "_TOKEN", "_SECRET"))}
-    return {n: os.environ[n] for n in sorted(names) if len(os.environ.get(n, "")) >= 8}
-
-
-def check_no_secrets(cfg: Config) -> None:
-    """Raise ValueError naming the field if any string in the configuration contains the value of
-    an API-key environment variable: keys come from the environment only, and the configuration is
-    written to config.json and every checkpoint. The error names the variable, never its value."""
-    secrets = _secrets()
-    if not secrets:
-        return
-    for key, v in _flatten(json.loads(json.dumps(asdict(cfg)))).items():
-        vals = v if isinstance(v, list) else [v]
-        for x in vals:
-            for name, secret in secrets.items():
-                if isinstance(x, str) and secret in x:
-                    raise ValueError(f"{key} contains the value of ${name}: API keys are read from "
-                                     "the environment only and never stored in the configuration")
-
-
-def config_from_dict(d: dict, cls=None, prefix: str = ""):
-    """Inverse of dataclasses.asdict for the config tree (e.g. config.json or a checkpoint's config).
-    Raises ValueError naming an unknown field; fields absent from `d` keep their defaults."""
-    cls = cls or Config
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kw = {}
-    for k, v in d.items():
-        if k not in fields:
-            raise ValueError(f"unknown config field {prefix + k!r}")
-        sub = fields[k].default_factory
-        if isinstance(sub, type) and dataclasses.is_dataclass(sub) and isinstance(v, dict):
-            v = config_from_dict(v, sub, f"{prefix}{k}.")
-        kw[k] = v
-    return cls(**kw)
-
-
-# Fields a resumed run may change: where and how long it runs, not what it computes. The tool
-# limits are wall-clock safety nets and the failure thresholds only decide when to stop.
-RESUME_MAY_CHANGE = ("steps", "run_dir", "progress", "threads", "cache_dir", "checkpoint.", "eval.",
-                     "rollout.tool_timeout_s", "rollout.deadline_s", "judge.max_failure_rate",
-                     "judge.max_failure_steps", "judge.base_url", "judge.concurrency", "judge.timeout_s",
-                     "search.base_url", "full.dist_timeout_min")
-
-
-def resume_config_diff(saved: dict, cfg: Config) -> list[str]:
-    """Dotted names of the fields in which `cfg` differs from a checkpoint's config (`saved`, an
-    asdict dict), leaving out RESUME_MAY_CHANGE."""
-    a = _flatten(json.loads(json.dumps(saved)))
-    b = _flatten(json.loads(json.dumps(asdict(cfg))))
-    keys = sorted(set(a) | set(b))
-    return [k for k in keys if not k.startswith(RESUME_MAY_CHANGE) and a.get(k) != b.get(k)]
-
-
 # ----------------------------------------------------------------------------------------------------
 # Windowed curriculum (§3.5)
-
-
-def curriculum(step: int, K: int = 3, enabled: bool = True) -> tuple[int, str]:
-    """(batch index, retrieval mode) for a 0-based step. Windows of 2K steps: the first K steps
-    draw fresh batches with "similar" retrieval, the next K replay them with "exact" retrieval.
-
-    Example K = 3: steps 0,1,2 -> batches 0,1,2 similar; steps 3,4,5 -> batches 0,1,2 exact;
-    steps 6,7,8 -> batches 3,4,5 similar; ... Without the curriculum: batch = step, "similar".
-    """
-    if not enabled:
-        return step, "similar"
-    w, j = divmod(step, 2 * K)
-    # PAPER §3.5: steps 1..K fresh B_1..B_K (similar), steps K+1..2K replay B_1..B_K (exact)
-    return (w * K + j, "similar") if j < K else (w * K + j - K, "exact")
-
-
-class DataOrder:
-    """Fresh batch b = queries [b*P, (b+1)*P) of a seeded permutation, reshuffled per epoch."""
-
-    def __init__(self, n_queries: int, per_batch: int, seed: int):
-        self.n, self.P, self.seed = n_queries, per_batch, seed
-
-    def batch(self, b: int) -> list[int]:
-        out = []
-        for pos in range(b * self.P, (b + 1) * self.P):
-            epoch, i = divmod(pos, self.n)
-            perm = list(range(self.n))
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(perm)
-            out.append(perm[i])
-        return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -528,189 +164,6 @@ def _py(v):
 # The policy update (§3.3)
 
 
-@dataclass
-class UpdateBatch:
-    """Sequences for one update: ids (prompt + response), loss mask, per-token advantages."""
-
-    ids: list[list[int]] = field(default_factory=list)
-    mask: list[list[int]] = field(default_factory=list)
-    adv: list[list[float]] = field(default_factory=list)
-    kind: list[str] = field(default_factory=list)  # "task" | "reflection"
-
-
-def pad_rows(batch: UpdateBatch, idx: Sequence[int], pad_id: int):
-    """Right-pad sequences idx of an UpdateBatch: (ids, attention, loss mask, advantages), each (B, L)
-    with dtypes int64, int64, bool, float32."""
-    L = max(len(batch.ids[i]) for i in idx)
-    B = len(idx)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    att = torch.zeros((B, L), dtype=torch.long)
-    mask = torch.zeros((B, L), dtype=torch.bool)
-    adv = torch.zeros((B, L), dtype=torch.float32)
-    for r, i in enumerate(idx):
-        n = len(batch.ids[i])
-        ids[r, :n] = torch.tensor(batch.ids[i])
-        att[r, :n] = 1
-        mask[r, :n] = torch.tensor(batch.mask[i], dtype=torch.bool)
-        adv[r, :n] = torch.tensor(batch.adv[i], dtype=torch.float32)
-    return ids, att, mask, adv
-
-
-@torch.no_grad()
-def batch_logprobs(model, batch: UpdateBatch, pad_id: int, micro: int) -> list[torch.Tensor]:
-    """Per-sequence token log-probs (len L_i) under `model`, without gradient."""
-    from policy import token_logprobs
-
-    out: list[torch.Tensor] = [None] * len(batch.ids)  # type: ignore[list-item]
-    order = sorted(range(len(batch.ids)), key=lambda i: len(batch.ids[i]))
-    for s in range(0, len(order), micro):
-        idx = order[s : s + micro]
-        ids, att, _, _ = pad_rows(batch, idx, pad_id)
-        lp = token_logprobs(model, ids, att)
-        for r, i in enumerate(idx):
-            out[i] = lp[r, : len(batch.ids[i])].clone()
-    return out
-
-
-def policy_update(model, ref_model, opt, batch: UpdateBatch, cfg: SSGRPOConfig, pad_id: int,
-                  rng: random.Random) -> dict:
-    """SS-GRPO update on one batch (§3.3): old log-probs once, then `minibatches` optimizer steps,
-    each accumulating micro-batches with the minibatch's global normalisers.
-
-    With a single optimizer step per batch (min(minibatches, sequences) == 1, one epoch) the policy
-    has not moved when its loss is computed, so pi_theta_old = pi_theta: the old log-probs are the
-    detached log-probs of the loss's own forward (rho = 1 exactly) instead of a second, no-grad
-    forward over the batch. Loss and gradient are those of the two-pass form up to float rounding
-    (tests/test_update_faults.py checks gradients to 1e-6).
-
-    Returns the means over minibatches of "loss/total", "loss/policy", "kl", "clip_frac" and
-    "grad_norm" (pre-clip L2 norm), {} for an empty batch. Not in the paper: a minibatch without a
-    single loss-masked token (every response empty or masked) has no loss to normalise; it is
-    skipped, left out of the means and counted in "update/empty_minibatches" (present only when
-    > 0), instead of raising. A minibatch whose gradient norm is not finite (an overflowing ratio
-    rho) takes no optimizer step: its gradients are dropped, it is counted in
-    "update/nonfinite_grad_steps" (only when > 0) and "grad_norm" averages the finite norms only
-    (absent when there is none).
-    """
-    from policy import token_logprobs
-
-    if not batch.ids:
-        return {}
-    n_mb = max(1, min(cfg.minibatches, len(batch.ids)))
-    # One optimizer step: pi_theta_old is the current policy; its log-probs come with the loss's
-    # forward (None here). Several steps: they are fixed once, before the first step moves theta.
-    old = batch_logprobs(model, batch, pad_id, cfg.micro_batch) if n_mb > 1 else None
-    ref = batch_logprobs(ref_model, batch, pad_id, cfg.micro_batch) if cfg.beta > 0 else None
-    order = list(range(len(batch.ids)))
-    rng.shuffle(order)
-    mbs = [order[j::n_mb] for j in range(n_mb)]
-    model.train()
-    tot = {"loss/total": 0.0, "loss/policy": 0.0, "kl": 0.0, "clip_frac": 0.0, "grad_norm": 0.0}
-    done, empty = [], 0  # (stats, grad norm or None) of the minibatches taken; minibatches skipped
-    for mb in mbs:
-        n_seq = len(mb)
-        n_tok = float(sum(sum(batch.mask[i]) for i in mb))
-        if n_tok == 0:  # nothing sampled to learn from: no loss, no optimizer step (counted)
-            empty += 1
-            continue
-        opt.zero_grad(set_to_none=True)
-        stats_acc = {"loss/total": 0.0, "loss/policy": 0.0, "kl": 0.0, "clip_frac": 0.0}
-        for s in range(0, len(mb), cfg.micro_batch):
-            idx = mb[s : s + cfg.micro_batch]
-            ids, att, mask, adv = pad_rows(batch, idx, pad_id)
-            L = ids.shape[1]
-            old_lp = torch.zeros(len(idx), L)
-            ref_lp = torch.zeros(len(idx), L)
-            for r, i in enumerate(idx):
-                if old is not None:
-                    old_lp[r, : len(old[i])] = old[i]
-                if ref is not None:
-                    ref_lp[r, : len(ref[i])] = ref[i]
-            logp = token_logprobs(model, ids, att)
-            if old is None:  # one optimizer step: log pi_theta_old = log pi_theta (detached), rho = 1
-                old_lp = logp.detach()
-            # L = agg(-min(rho A, clip(rho, 1-eta, 1+eta) A)) + beta * agg(k3)   (§3.3)
-            loss, st = ss_grpo.ss_grpo_loss(logp, old_lp, ref_lp if ref is not None else None, adv,
-                                            mask, eta=cfg.eta, beta=cfg.beta, agg=cfg.agg,
-                                            num_sequences=n_seq, num_tokens=n_tok)
-            loss.backward()
-            # Micro-batches use the minibatch's normalisers, so their values add up (ss_grpo.aggregate).
-            for k in ("loss/total", "loss/policy", "kl", "clip_frac"):
-                stats_acc[k] += float(st[k])
-        gn = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-        if not np.isfinite(gn):  # clipping would scale every gradient by 0 (or NaN): no step
-            opt.zero_grad(set_to_none=True)
-            log.warning("SS-GRPO update: gradient norm %s; optimizer step skipped", gn)
-            done.append((stats_acc, None))
-            continue
-        opt.step()
-        done.append((stats_acc, gn))
-    model.eval()
-    if empty:
-        log.warning("SS-GRPO update: %d of %d minibatches have no loss-masked token; skipped",
-                    empty, len(mbs))
-    if not done:
-        return {"update/empty_minibatches": empty}
-    norms = [gn for _, gn in done if gn is not None]
-    for stats_acc, gn in done:
-        for k in ("loss/total", "loss/policy", "kl", "clip_frac"):
-            tot[k] += stats_acc[k] / len(done)
-        if gn is not None:
-            tot["grad_norm"] += gn / len(norms)
-    if not norms:
-        del tot["grad_norm"]
-    if len(norms) < len(done):
-        tot["update/nonfinite_grad_steps"] = len(done) - len(norms)
-    if empty:
-        tot["update/empty_minibatches"] = empty
-    return tot
-
-
-class TorchEngine:
-    """The policy engine in one process (cfg.engine = "torch"): a Hugging Face model, torch AdamW and
-    `policy_update`. Toy mode uses it; in full mode it is the single-process reference that
-    full.ZeRO3Engine (same interface) must reproduce.
-
-    model: pi_theta, also the weights the HF sampler generates with; ref_model: the frozen pi_ref
-    (a copy of the starting policy). Dropout is disabled in both (policy.disable_dropout)."""
-
-    def __init__(self, model, cfg: Config):
-        from policy import disable_dropout
-
-        self.model, self.cfg = model, cfg
-        if disable_dropout(model):  # old (eval) and new (train) log-probs must be the same function
-            log.info("dropout disabled for RL (policy.disable_dropout)")
-        self.ref_model = copy.deepcopy(model).eval()  # frozen reference pi_ref (= the starting policy)
-        for p in self.ref_model.parameters():
-            p.requires_grad_(False)
-        self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.ss_grpo.lr, betas=(0.9, 0.95),
-                                     weight_decay=0.0)
-
-    def update(self, batch: UpdateBatch, pad_id: int, rng: random.Random) -> dict:
-        return policy_update(self.model, self.ref_model, self.opt, batch, self.cfg.ss_grpo, pad_id, rng)
-
-    def sync(self, sampler) -> None:
-        """The HF sampler shares `model`; a vLLM sampler receives the new weights."""
-        if hasattr(sampler, "sync_weights"):
-            sampler.sync_weights(self.model.named_parameters())
-
-    def save_pretrained(self, out_dir: str, **kw) -> None:
-        self.model.save_pretrained(out_dir, **kw)
-
-    def save_state(self, ckpt_dir: str) -> None:
-        pass  # the optimizer state travels in state.pt (state_dict)
-
-    def state_dict(self) -> dict:
-        return self.opt.state_dict()
-
-    def load(self, ckpt_dir: str, state: dict) -> None:
-        ckpt_mod.load_model_weights(self.model, ckpt_dir)
-        self.opt.load_state_dict(state["optimizer"])
-
-    def close(self) -> None:
-        pass
-
-
 def apply_reflection_batch(policy, pending: ReflectionBatch, sampler, pad_id: int,
                            rng: random.Random, coef: float = 1.0) -> dict:
     """The deferred reflection update (§3.4, Algorithm 1): one policy update on the previous step's
@@ -739,65 +192,6 @@ def apply_reflection_batch(policy, pending: ReflectionBatch, sampler, pad_id: in
     out.update({f"reflect/{k}": v for k, v in policy.update(rb, pad_id, rng).items()})
     policy.sync(sampler)
     return out
-
-
-def terminal_answer(R: torch.Tensor) -> torch.Tensor:
-    """Baseline RL's terminal score (§3.3, ablations): r_i = R_{i,Answer}. R (N, 4) -> (N,), NaN kept."""
-    return R[:, STAGES.index("answer")]
-
-
-def terminal_mean(R: torch.Tensor) -> torch.Tensor:
-    """The information-matched terminal score (not in the paper): r_i = (1/4) sum_k R_{i,k}.
-    R (N, 4) -> (N,); NaN (missing) if any stage is missing, so that rollout gets advantage 0."""
-    # Eq.: r_i = mean_k R_{i,k}
-    return R.mean(1)
-
-
-TERMINAL_SCORES = {"terminal_answer": terminal_answer, "terminal_mean": terminal_mean}
-
-
-def static_stage_scores(judge, queries: Sequence, rollouts: Sequence, n: int) -> list | None:
-    """Mean stage scores (4 floats in [0, 1]) of a step's rollouts under the judge's *static* rubric
-    set (the held-out evaluation's, `judge.evaluate`), or None for a judge without one (HTTP).
-
-    Not in the paper. R is scored on the evolving buffers, which keep the rubrics the group still
-    fails (§3.4), so its mean is not comparable from step to step; this score is, and shows whether
-    the training rollouts get better. rollouts: len(queries) * n, query gi's group contiguous."""
-    if getattr(judge, "evaluate", None) is None or not rollouts:
-        return None
-    return [float(x) for x in static_scores(judge, queries, rollouts, n).mean(0)]  # (4,)
-
-
-def static_scores(judge, queries: Sequence, rollouts: Sequence, n: int) -> np.ndarray:
-    """(len(rollouts), 4) float stage scores in [0, 1] under the judge's static rubric set
-    (`judge.evaluate`), one group of `n` contiguous rollouts per query."""
-    return np.concatenate([judge.evaluate(q, rollouts[gi * n:(gi + 1) * n])
-                           for gi, q in enumerate(queries)])
-
-
-def task_advantages(R: np.ndarray, n: int, cfg: SSGRPOConfig, kind: str = "ss_grpo"
-                    ) -> tuple[torch.Tensor, dict]:
-    """(N, 4) float32 advantages for N = groups x n rollouts from stage scores R (N, 4), NaN =
-    missing, and the logged frac_zero_std_groups. kind (Arm.advantage): "ss_grpo" (§3.3 stagewise) or
-    a key of TERMINAL_SCORES (one terminal score, GRPO-normalised per group, broadcast to all stages).
-    Raises ValueError for an unknown kind."""
-    Rt = torch.from_numpy(R).to(torch.float64)
-    if kind == "ss_grpo":
-        # Eq.: G = R Lambda^T, then A[i,k] = (G[i,k] - mean G[:,k]) / (Std G[:,k] + eps) per group
-        G, missing = ss_grpo.stage_returns(Rt, cfg.lam, group_size=n)
-        A = ss_grpo.group_advantages_batched(G, group_size=n, std=cfg.std, eps=cfg.eps,
-                                             missing=missing)
-    elif kind in TERMINAL_SCORES:
-        r = TERMINAL_SCORES[kind](Rt)  # (N,)
-        # Eq.: A_i = (r_i - mean r) / (Std r + eps), the same for every stage of rollout i
-        A = ss_grpo.flat_advantages(r, len(STAGES), std=cfg.std, eps=cfg.eps, group_size=n)
-        G = r[:, None].repeat(1, len(STAGES))
-    else:
-        raise ValueError(f"unknown advantage kind {kind!r}; expected 'ss_grpo' or one of "
-                         f"{tuple(TERMINAL_SCORES)}")
-    Gg = G.reshape(-1, n, G.shape[1])  # (groups, n, K)
-    zero_std = ((Gg.max(1).values - Gg.min(1).values) == 0).double().mean().item()
-    return A.float(), {"frac_zero_std_groups": zero_std}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1069,7 +463,7 @@ def train(cfg: Config, resume: str | None = None) -> dict:
             model.to(f"cuda:{full.dist_env().local_rank}")  # HF generate on rank 0's GPU
         policy = full.ZeRO3Engine(cfg, model)  # collective with the other ranks' ZeRO3Engine(cfg)
     else:
-        policy = TorchEngine(model, cfg)
+        policy = TorchEngine(model, cfg.ss_grpo)
     try:
         return _train_loop(cfg, state, ckpt_path, policy, model, tok, sft_info, reference, world, tool,
                            train_q, held_q, mpath, timings, t_start)
@@ -1173,8 +567,8 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
         policy.load(ckpt_path, state)
     system = SYSTEM_PROMPT_COMPACT if cfg.rollout.system_prompt == "compact" else SYSTEM_PROMPT
     sampler = build_sampler(cfg, model, tok)
-    if state is not None and hasattr(sampler, "sync_weights"):
-        policy.sync(sampler)  # vLLM loaded the starting weights
+    if state is not None:
+        policy.sync(sampler)  # vLLM loaded the starting weights (a no-op for the HF / KV samplers)
     # Injected tool faults reach the RL rollouts only: the warm start and evaluation use the clean
     # tool, so their results do not depend on the fault settings.
     rl_tool = FaultyTool(tool, cfg.faults) if cfg.faults.tool_rate > 0 else tool
@@ -1272,8 +666,7 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
         # 3. rollouts
         t0 = time.perf_counter()
         torch.manual_seed(cfg.seed * 7919 + step)
-        if hasattr(sampler, "reseed"):  # vLLM: per-request seeds, reproducible per step
-            sampler.reseed(cfg.seed * 7919 + step)
+        sampler.reseed(cfg.seed * 7919 + step)  # vLLM: per-request seeds, reproducible per step
         rollouts = engine.run(queries, n=n, bank_items=items)
         m["time/rollout_s"] = time.perf_counter() - t0
         # 4. judge, one group per query
@@ -1294,7 +687,7 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
             m["judge/bad_shape"] = bad_shape
         # 5. SS-GRPO advantages and the update on this step's task batch
         t0 = time.perf_counter()
-        A, amet = task_advantages(R, n, cfg.ss_grpo, arm.advantage)
+        A, amet = ss_grpo.task_advantages(R, n, cfg.ss_grpo, arm.advantage)
         m.update(amet)
         ub = UpdateBatch()
         for i, r in enumerate(rollouts):
@@ -1310,7 +703,7 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
         t0 = time.perf_counter()
         policy.sync(sampler)
         m["time/sync_s"] = time.perf_counter() - t0
-        if hasattr(sampler, "sync_weights"):  # vLLM: weight syncs so far (in place or through a
+        if "syncs" in sampler.stats:  # vLLM: weight syncs so far (in place or through a
             # checkpoint reload) and the size of the last in-place one
             m["sampler/syncs"] = sampler.stats["syncs"] + sampler.stats["reloads"]
             m["sampler/sync_bytes"] = sampler.stats["last_sync"].get("bytes", 0)
@@ -1403,8 +796,7 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
     summary = {"sft": sft_info, "timings": timings}
     if hasattr(judge, "close"):
         judge.close()
-    if hasattr(sampler, "close"):
-        sampler.close()
+    sampler.close()
     # The held-out evaluation scores with the toy world's static rubrics, against pi_ref in this
     # process: toy judge and the torch engine only.
     if can_eval:

@@ -9,15 +9,16 @@ give the same losses and weights as one plain PyTorch process.
 
 What is here
     dist_env / init_distributed       rank, world size, master address from the launcher's environment
-    FullConfig                        DeepSpeed / vLLM settings, train.Config.full (`--set full.x=...`)
+    FullConfig                        DeepSpeed / vLLM settings, settings.Config.full (`--set full.x=...`)
     batch_plan                        256 sequences per step -> micro-batch x accumulation x ranks
     deepspeed_config                  the ZeRO-3 JSON, built from the `full` preset
     ZeRO3Policy                       pi_theta under ZeRO-3: logprobs, backward, step, save_pretrained,
                                       iter_full_params (one gathered parameter at a time)
     FrozenReference                   pi_ref, ZeRO-3 partitioned for inference (no optimizer)
-    plan_update / zero3_policy_update train.policy_update's SS-GRPO update, dealt to ranks, data-parallel
-    ZeRO3Engine                       train.py's policy engine (cfg.engine = "zero3"): rank 0 runs
-                                      Algorithm 1 and sends commands, the other ranks serve() them
+    ZeRO3Engine                       train.py's policy engine (cfg.engine = "zero3"): the five calls
+                                      of policy.policy_update (the one SS-GRPO update, written once for
+                                      both engines) over ZeRO3Policy; rank 0 runs Algorithm 1 and
+                                      sends commands, the other ranks serve() them
     dry_run / main_dry_run            resolve the configuration, check the machine, print the plan
 
 Memory (Qwen3-8B, 8 GPUs, bf16, ZeRO-3, optimizer offloaded; P = 8.2e9 parameters)
@@ -70,10 +71,11 @@ from typing import Iterator, Sequence
 
 import torch
 
+from policy import UpdateBatch, plan_update, policy_update
+from settings import FullConfig
+
 log = logging.getLogger("rubricem.full")
 
-# PAPER (appendix): RL data "rl-research/dr-tulu-rl-data".
-PAPER_RL_DATA = "rl-research/dr-tulu-rl-data"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -268,34 +270,8 @@ def all_reduce_sum(values: Sequence[float]) -> list[float]:
 # Configuration and batch arithmetic
 
 
-@dataclass
-class FullConfig:
-    """DeepSpeed and vLLM settings of full mode, carried by train.Config as `full`. Values the paper
-    fixes are marked PAPER; the rest are ours (module docstring, deviation 1)."""
-
-    zero_stage: int = 3  # PAPER: "ZeRO-3"
-    offload_optimizer: bool = True  # PAPER: "with CPU offload"
-    offload_param: bool = False  # ours: parameters stay on GPU (2 GB per GPU for 8B over 8 GPUs)
-    gradient_checkpointing: bool = True  # PAPER: "gradient checkpointing"
-    bf16: str = "auto"  # "auto" = on for GPU, off for CPU; "on" | "off"
-    optimizer: str = "auto"  # "auto" = DeepSpeed AdamW on GPU, torch AdamW on CPU; "torch" | "deepspeed"
-    adam_betas: tuple = (0.9, 0.95)  # ours, as the toy path (train.py)
-    weight_decay: float = 0.0  # ours, as the toy path
-    reference: str = "zero3"  # pi_ref placement: ZeRO-3 partitioned for inference (see docstring)
-    logprob_chunk: int = 1024  # positions per vocabulary projection in policy.token_logprobs
-    world_size_hint: int = 8  # dry run without a launcher: assume one node of 8 GPUs (the paper's SFT node)
-    dist_timeout_min: float = 180.0  # ours: collective timeout; ranks > 0 wait in a collective while
-    # rank 0 samples, judges and reflects, which for 256 long rollouts can take far longer than
-    # torch's 10-30 minute default
-    vllm_max_model_len: int = 0  # 0 = longest prompt budget + rollout.max_response_tokens (see
-    # train.build_sampler); the engine's context length
-    vllm_gpu_memory_utilization: float = 0.5  # ours: leaves room for the ZeRO-3 shards on rank 0's GPU
-    # (on CPU: the fraction of RAM vLLM requires to be free at start)
-    vllm_cpu_kv_cache_gib: int = 2  # CPU only: vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)
-
-
 def full_config(cfg) -> FullConfig:
-    """The FullConfig of a train.Config (`cfg.full`), or the defaults for an object without one."""
+    """The FullConfig of a settings.Config (`cfg.full`), or the defaults for an object without one."""
     fc = getattr(cfg, "full", None)
     return fc if isinstance(fc, FullConfig) else FullConfig()
 
@@ -342,7 +318,7 @@ def batch_plan(cfg, world_size: int) -> BatchPlan:
 
 
 def deepspeed_config(cfg, world_size: int, device: str, full: FullConfig | None = None) -> dict:
-    """The DeepSpeed JSON for the policy engine, from a train.Config (the `full` preset).
+    """The DeepSpeed JSON for the policy engine, from a settings.Config (the `full` preset).
 
     device: "cuda" or "cpu". bf16 follows FullConfig.bf16 ("auto": on for cuda only). The optimizer is
     a torch AdamW client optimizer on CPU (`zero_allow_untested_optimizer`) and DeepSpeed's AdamW on
@@ -436,7 +412,7 @@ class ZeRO3Policy:
 
     Per optimizer step: (logprobs -> loss -> backward(loss, boundary)) per micro-batch, the last one
     with boundary=True, then `step()`. Dropout is disabled in `lm` (policy.disable_dropout), as in
-    train.TorchEngine.
+    policy.TorchEngine.
     """
 
     def __init__(self, lm, ds_config: dict, lr: float, *, full: FullConfig | None = None,
@@ -634,167 +610,6 @@ class FrozenReference:
 
 
 # ----------------------------------------------------------------------------------------------------
-# The SS-GRPO update, data-parallel (§3.3; train.policy_update on ZeRO-3)
-
-
-def pad_rows(batch, idx: Sequence[int], pad_id: int):
-    """train.pad_rows (one padding rule for both engines)."""
-    from train import pad_rows as _pad_rows
-
-    return _pad_rows(batch, idx, pad_id)
-
-
-@dataclass
-class UpdatePlan:
-    """One rank's part of an SS-GRPO update (built on rank 0 by `plan_update`). The pass counts are
-    the same on every rank, because every ZeRO-3 forward is collective: a rank with fewer sequences
-    runs padding passes that contribute nothing."""
-
-    minibatches: list  # per optimizer step, the indices of this rank's sequences in it
-    n_micro: list  # per optimizer step, forward/backward passes (same on every rank)
-    n_seq: list  # per optimizer step, the global number of sequences (loss normaliser)
-    n_tok: list  # per optimizer step, the global number of loss-masked tokens (loss normaliser)
-    score_passes: int  # no-grad forward passes for the old (and reference) log-probs
-
-
-def plan_update(batch, world_size: int, minibatches: int, micro: int, rng=None):
-    """Split a whole train.UpdateBatch (rank 0) into per-rank shards and plans: ([UpdateBatch] * W,
-    [UpdatePlan] * W).
-
-    The optimizer steps are exactly train.policy_update's: `rng` (a random.Random, or None for no
-    shuffle) shuffles the sequence order once and step j takes order[j::M], M = min(minibatches, N);
-    step j's sequences are then dealt to ranks round-robin. So W ranks and one process take the same
-    optimizer steps on the same sequences, and the same `rng` state follows. Raises ValueError for
-    world_size, minibatches or micro < 1.
-    """
-    from train import UpdateBatch
-
-    if min(world_size, minibatches, micro) < 1:
-        raise ValueError("world_size, minibatches and micro must be >= 1")
-    N = len(batch.ids)
-    order = list(range(N))
-    if rng is not None:
-        rng.shuffle(order)
-    M = max(1, min(minibatches, N))
-    mbs = [order[j::M] for j in range(M)]
-    shards, local_mbs = [], []
-    for r in range(world_size):
-        sel = [mb[r::world_size] for mb in mbs]
-        flat = [i for part in sel for i in part]
-        shards.append(UpdateBatch([batch.ids[i] for i in flat], [batch.mask[i] for i in flat],
-                                  [batch.adv[i] for i in flat], [batch.kind[i] for i in flat]))
-        pos, lm = 0, []
-        for part in sel:
-            lm.append(list(range(pos, pos + len(part))))
-            pos += len(part)
-        local_mbs.append(lm)
-    ceil = lambda n: -(-n // micro)  # noqa: E731
-    n_micro = [max(1, max(ceil(len(local_mbs[r][j])) for r in range(world_size))) for j in range(M)]
-    score = max(1, max(ceil(len(sh.ids)) for sh in shards))
-    n_seq = [float(len(mb)) for mb in mbs]
-    n_tok = [float(sum(sum(batch.mask[i]) for i in mb)) for mb in mbs]
-    plans = [UpdatePlan(local_mbs[r], list(n_micro), list(n_seq), list(n_tok), score)
-             for r in range(world_size)]
-    return shards, plans
-
-
-def _padding_pass(pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A 2-token all-padding micro-batch (1, 2) for ranks with fewer sequences than the plan."""
-    return torch.full((1, 2), pad_id, dtype=torch.long), torch.ones((1, 2), dtype=torch.long)
-
-
-def _sequence_logprobs(fn, batch, pad_id: int, micro: int, passes: int) -> list[torch.Tensor]:
-    """Per-sequence (L_i,) float32 CPU log-probs from fn(ids, att), micro-batch by micro-batch, in
-    exactly `passes` calls of fn (padding passes after this rank's sequences)."""
-    out = []
-    with torch.no_grad():
-        for p in range(passes):
-            idx = list(range(p * micro, min((p + 1) * micro, len(batch.ids))))
-            if not idx:
-                fn(*_padding_pass(pad_id))
-                continue
-            ids, att, _, _ = pad_rows(batch, idx, pad_id)
-            lp = fn(ids, att).cpu()
-            out += [lp[r, : len(batch.ids[i])].clone() for r, i in enumerate(idx)]
-    if len(out) != len(batch.ids):
-        raise ValueError(f"{passes} passes of {micro} cannot score {len(batch.ids)} sequences")
-    return out
-
-
-def zero3_policy_update(policy: ZeRO3Policy, ref: FrozenReference | None, local, cfg, pad_id: int,
-                        plan: UpdatePlan) -> dict:
-    """SS-GRPO update (§3.3) of this rank's shard `local` (a train.UpdateBatch), as train.policy_update.
-
-    Old log-probs (and reference ones when cfg.beta > 0) are computed once; then one optimizer step
-    per plan.minibatches entry, each normalised with the global counts in the plan, so the loss is
-    the full batch's. cfg: train.SSGRPOConfig; plan: this rank's `plan_update` output. Collective:
-    every rank calls it with its own shard and plan. Returns the mean stats over optimizer steps
-    ("loss/total", "loss/policy", "kl", "clip_frac", "grad_norm") plus "per_step": a list of those
-    per step, all global values. A minibatch without a single loss-masked token on any rank is
-    skipped by every rank alike (its count is global) and counted in "update/empty_minibatches"
-    (present only when > 0), as in train.policy_update. A step whose global gradient norm is not
-    finite is discarded (ZeRO3Policy.step) and counted in "update/nonfinite_grad_steps" (only when
-    > 0); "grad_norm" averages the finite norms only (absent when there is none; "per_step" keeps
-    the raw ones).
-    """
-    import ss_grpo
-
-    micro = int(cfg.micro_batch)
-    policy.train(False)
-    old = _sequence_logprobs(policy.logprobs, local, pad_id, micro, plan.score_passes)
-    refl = (_sequence_logprobs(ref.logprobs, local, pad_id, micro, plan.score_passes)
-            if cfg.beta > 0 else None)
-    policy.train(True)
-    keys = ("loss/total", "loss/policy", "kl", "clip_frac")
-    per_step, empty = [], 0
-    for mb, n_micro, n_seq, n_tok in zip(plan.minibatches, plan.n_micro, plan.n_seq, plan.n_tok):
-        if n_tok == 0:  # nothing sampled to learn from, on any rank: no pass, no optimizer step
-            empty += 1
-            continue
-        acc = [0.0] * len(keys)
-        for p in range(n_micro):
-            idx = mb[p * micro : (p + 1) * micro]
-            last = p == n_micro - 1
-            if not idx:  # padding pass: same collectives as the other ranks, zero loss
-                logp = policy.logprobs(*_padding_pass(pad_id))
-                policy.backward(logp.sum() * 0.0, last)
-                continue
-            ids, att, mask, adv = pad_rows(local, idx, pad_id)
-            old_lp, ref_lp = torch.zeros(ids.shape), torch.zeros(ids.shape)
-            for r, i in enumerate(idx):
-                old_lp[r, : len(old[i])] = old[i]
-                if refl is not None:
-                    ref_lp[r, : len(refl[i])] = refl[i]
-            logp = policy.logprobs(ids, att)  # (B, L) with gradient
-            dev = logp.device
-            # L = agg(-min(rho A, clip(rho, 1-eta, 1+eta) A)) + beta * agg(k3), global normalisers
-            loss, st = ss_grpo.ss_grpo_loss(
-                logp, old_lp.to(dev), ref_lp.to(dev) if refl is not None else None, adv.to(dev),
-                mask.to(dev), eta=cfg.eta, beta=cfg.beta, agg=cfg.agg, num_sequences=n_seq,
-                num_tokens=n_tok)
-            policy.backward(loss, last)
-            acc = [a + float(st[k]) for a, k in zip(acc, keys)]
-        gn = policy.step()  # the same global norm on every rank
-        if not math.isfinite(gn) and is_rank0():
-            log.warning("SS-GRPO update: gradient norm %s; optimizer step skipped", gn)
-        per_step.append({**dict(zip(keys, all_reduce_sum(acc))), "grad_norm": gn})
-    policy.train(False)
-    if empty and is_rank0():
-        log.warning("SS-GRPO update: %d of %d minibatches have no loss-masked token; skipped",
-                    empty, len(plan.minibatches))
-    M = max(len(per_step), 1)
-    mean = {k: sum(s[k] for s in per_step) / M for k in keys} if per_step else {}
-    norms = [s["grad_norm"] for s in per_step if math.isfinite(s["grad_norm"])]
-    if norms:
-        mean["grad_norm"] = sum(norms) / len(norms)
-    if len(norms) < len(per_step):
-        mean["update/nonfinite_grad_steps"] = len(per_step) - len(norms)
-    if empty:
-        mean["update/empty_minibatches"] = empty
-    return {**mean, "per_step": per_step}
-
-
-# ----------------------------------------------------------------------------------------------------
 # The policy engine of train.py on ZeRO-3: rank 0 leads, the other ranks follow its commands
 
 
@@ -817,17 +632,40 @@ class ZeRO3Engine:
     sampler could equally be vLLM (vllm_sampler.VLLMSampler.sync_weights).
     """
 
-    def __init__(self, cfg, model=None):
+    def __init__(self, cfg, model=None, *, policy: ZeRO3Policy | None = None,
+                 ref: FrozenReference | None = None):
+        """Load pi_theta (and pi_ref when beta > 0) from cfg.model into ZeRO-3 partitions; collective.
+        policy / ref: already built engines instead (the self-test)."""
         self.cfg = cfg
         self.env = dist_env()
         self.model = model  # rank 0: the plain sampling copy; None elsewhere
-        dev = device_kind()
-        ds = deepspeed_config(cfg, self.env.world_size, dev, cfg.full)
-        self.policy = ZeRO3Policy.from_pretrained(cfg.model, ds, cfg.ss_grpo.lr, full=cfg.full)
-        self.ref = (FrozenReference.from_pretrained(cfg.model, ds, chunk_size=cfg.full.logprob_chunk)
-                    if cfg.ss_grpo.beta > 0 else None)
+        if policy is None:
+            ds = deepspeed_config(cfg, self.env.world_size, device_kind(), cfg.full)
+            policy = ZeRO3Policy.from_pretrained(cfg.model, ds, cfg.ss_grpo.lr, full=cfg.full)
+            if cfg.ss_grpo.beta > 0:
+                ref = FrozenReference.from_pretrained(cfg.model, ds, chunk_size=cfg.full.logprob_chunk)
+        self.policy, self.ref = policy, ref
         self.world_size = self.env.world_size
         self.closed = False
+
+    # the five calls of policy.policy_update (the one SS-GRPO update of both engines) -------------
+    def logprobs(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        return self.policy.logprobs(ids, att)
+
+    def ref_logprobs(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        return self.ref.logprobs(ids, att)
+
+    def backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        self.policy.backward(loss, boundary)
+
+    def step(self) -> float:
+        return self.policy.step()
+
+    def train(self, mode: bool = True) -> None:
+        self.policy.train(mode)
+
+    def all_reduce(self, values: Sequence[float]) -> list[float]:
+        return all_reduce_sum(values)
 
     # rank 0 --------------------------------------------------------------------------------------
     def _send(self, kind: str, payloads: Sequence | None = None):
@@ -840,16 +678,14 @@ class ZeRO3Engine:
         return out[0][1]
 
     def update(self, batch, pad_id: int, rng) -> dict:
-        """train.policy_update on ZeRO-3: the same optimizer steps (plan_update consumes `rng` as
-        policy_update does) with global normalisers; returns the same metric keys."""
+        """policy.policy_update on ZeRO-3: rank 0 deals the batch out (policy.plan_update consumes
+        `rng` exactly as the one-process engine does) and every rank updates on its shard."""
         if not batch.ids:
             return {}
         shards, plans = plan_update(batch, self.world_size, self.cfg.ss_grpo.minibatches,
                                     self.cfg.ss_grpo.micro_batch, rng)
         mine = self._send("update", [(sh, pl, pad_id) for sh, pl in zip(shards, plans)])
-        res = zero3_policy_update(self.policy, self.ref, mine[0], self.cfg.ss_grpo, pad_id, mine[1])
-        res.pop("per_step")
-        return res
+        return policy_update(self, mine[0], self.cfg.ss_grpo, pad_id, mine[1])
 
     def sync(self, sampler) -> None:
         """Copy the updated weights into rank 0's sampler: the plain `model` (HF generate) or a vLLM
@@ -928,7 +764,7 @@ class ZeRO3Engine:
                 return updates
             if kind == "update":
                 shard_, plan, pad_id = payload
-                zero3_policy_update(self.policy, self.ref, shard_, self.cfg.ss_grpo, pad_id, plan)
+                policy_update(self, shard_, self.cfg.ss_grpo, pad_id, plan)
                 updates += 1
             elif kind == "sync":
                 for _ in self.policy.iter_full_params(copy=False):  # take part in the gathers only
@@ -950,13 +786,12 @@ class ZeRO3Engine:
 
 def synthetic_batch(vocab_size: int, n_seq: int, group: int = 8, seed: int = 0, min_len: int = 24,
                     max_len: int = 48, prompt_len: int = 8):
-    """A deterministic train.UpdateBatch shaped like a real one: a prompt (mask 0), a response split
+    """A deterministic policy.UpdateBatch shaped like a real one: a prompt (mask 0), a response split
     into the four stage blocks, a masked tool-output span inside the research block, and SS-GRPO
     token advantages from random stage scores R (n_seq, 4) with groups of `group` rollouts.
 
     Raises ValueError when n_seq is not a multiple of group or the lengths leave no response."""
     import ss_grpo
-    from train import UpdateBatch
 
     if n_seq % group or group < 2:
         raise ValueError(f"n_seq={n_seq} must be a multiple of group={group} >= 2")
@@ -991,8 +826,7 @@ def synthetic_batch(vocab_size: int, n_seq: int, group: int = 8, seed: int = 0, 
 def selftest_config(n_seq: int, group: int, minibatches: int, micro: int, lr: float,
                     eta: float | None = None):
     """The `full` preset with a small batch: n_seq = prompts x group sequences per RL step."""
-    from train import full_preset
-
+    from settings import full_preset
     cfg = full_preset()
     cfg.rollout.prompts_per_step, cfg.rollout.n = n_seq // group, group
     cfg.ss_grpo.minibatches, cfg.ss_grpo.micro_batch, cfg.ss_grpo.lr = minibatches, micro, lr
@@ -1006,7 +840,7 @@ def selftest(model_dir: str, out_dir: str, *, updates: int = 1, n_seq: int = 16,
              max_len: int = 48, eta: float | None = None, seed: int = 0,
              full: FullConfig | None = None) -> dict:
     """ZeRO-3 end to end on the current launcher's ranks: load `model_dir` into ZeRO3Policy and
-    FrozenReference, run `updates` calls of zero3_policy_update on synthetic_batch (each = `minibatches`
+    FrozenReference, run `updates` calls of policy.policy_update on synthetic_batch (each = `minibatches`
     optimizer steps), save the final policy to out_dir/final and (rank 0) write out_dir/stats.json:
     per-step global loss/kl/clip_frac/grad_norm, the batch plan and throughput (tokens/s)."""
     env = init_distributed()
@@ -1022,17 +856,17 @@ def selftest(model_dir: str, out_dir: str, *, updates: int = 1, n_seq: int = 16,
     batch = synthetic_batch(mc.vocab_size, n_seq, group, seed, min_len, max_len)
     shards, plans = plan_update(batch, env.world_size, minibatches, micro)
     local, lplan = shards[env.rank], plans[env.rank]
+    engine = ZeRO3Engine(cfg, policy=policy, ref=ref)
     tokens = sum(len(x) for x in batch.ids)
     per_step, times = [], []
     for _ in range(updates):
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        st = zero3_policy_update(policy, ref, local, cfg.ss_grpo, mc.pad_token_id or 0, lplan)
+        policy_update(engine, local, cfg.ss_grpo, mc.pad_token_id or 0, lplan, per_step)
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        per_step += st["per_step"]
     t0 = time.perf_counter()
     policy.save_pretrained(os.path.join(out_dir, "final"))
     t_save = time.perf_counter() - t0
@@ -1126,10 +960,9 @@ def _path_problems(cfg) -> list[str]:
 
 
 def _config_problem(cfg) -> list[str]:
-    """train.validate_config's verdict as a list (it stops at the first error). The policy model
+    """settings.validate_config's verdict as a list (it stops at the first error). The policy model
     is checked by _path_problems, so a missing one is filled in here to let the other checks run."""
-    from train import validate_config
-
+    from settings import validate_config
     probe = copy.deepcopy(cfg)
     probe.model = probe.model or "(--model)"
     try:
@@ -1140,10 +973,9 @@ def _config_problem(cfg) -> list[str]:
 
 
 def _redact(text: str, environ) -> str:
-    """Replace the value of every secret environment variable (train.SECRET_ENV_VARS, *_API_KEY,
+    """Replace the value of every secret environment variable (settings.SECRET_ENV_VARS, *_API_KEY,
     *_TOKEN, *_SECRET; 8 characters or more) in `text` by $NAME."""
-    from train import SECRET_ENV_VARS
-
+    from settings import SECRET_ENV_VARS
     for name, v in environ.items():
         if (name in SECRET_ENV_VARS or name.endswith(("_API_KEY", "_TOKEN", "_SECRET"))) \
                 and isinstance(v, str) and len(v) >= 8:
@@ -1152,10 +984,10 @@ def _redact(text: str, environ) -> str:
 
 
 def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
-    """Resolve `cfg` (a train.Config, normally the `full` preset) into a launch plan without training.
+    """Resolve `cfg` (a settings.Config, normally the `full` preset) into a launch plan without training.
 
     Collects every problem it finds instead of stopping at the first: the configuration
-    (train.validate_config), the local paths the run reads (policy model directory, data.source,
+    (settings.validate_config), the local paths the run reads (policy model directory, data.source,
     embedding model), the batch arithmetic for the launcher's world size (or
     FullConfig.world_size_hint GPUs when not launched), each API key's environment variable
     (reported by NAME only; values never reach the report), GPUs via torch.cuda, and the packages
@@ -1266,8 +1098,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # torch deprecation notices raised inside DeepSpeed's collectives, once per call: not ours to fix.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     if a.cmd == "dry-run":
-        from train import full_preset
-
+        from settings import full_preset
         return main_dry_run(full_preset())
     full = FullConfig(optimizer=a.optimizer, gradient_checkpointing=not a.no_grad_ckpt)
     res = selftest(a.model, a.out, updates=a.updates, n_seq=a.n_seq, group=a.group,

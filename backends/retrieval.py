@@ -34,10 +34,11 @@ import json
 import os
 from typing import TYPE_CHECKING, Sequence
 
+from bank import PAPER_EMBED_MODEL  # PAPER: Qwen3-Embedding-0.6B
+
 if TYPE_CHECKING:
     import torch
 
-PAPER_EMBED_MODEL = "Qwen/Qwen3-Embedding-0.6B"  # PAPER: "rubric bank embeddings Qwen3-Embedding-0.6B"
 POOLING_MODES = ("mean", "lasttoken", "cls")
 
 

@@ -4,7 +4,7 @@ RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewa
 Sampling (§3.1): one token draw over (32, 8192) probabilities with torch.multinomial (HF generate's
 draw) and with kv_sampler.draw_inverse_cdf, next to one lm-head projection of 32 rows. Update (§3.3,
 train.policy_update's work on 32 sequences of 28 prompt + 128 response tokens): the reference
-forward (train.batch_logprobs), the policy forward (policy.token_logprobs with gradient, with and
+forward (policy.batch_logprobs), the policy forward (policy.token_logprobs with gradient, with and
 without its lm-head recompute) and the backward of the SS-GRPO loss, AdamW's step. Token advantages
 of a toy step (one ss_grpo.token_advantages call per rollout, as the loop, against one call). CPU
 seconds, because on a shared machine they change far less than wall seconds.
@@ -64,16 +64,16 @@ def main(argv=None) -> int:
             f()
             print(f"sampling {name}: {cpu(f, 200)[1] * 1e3:.3f} ms CPU per call", flush=True)
     g = torch.Generator().manual_seed(0)
-    ub = train.UpdateBatch()
+    ub = policy.UpdateBatch()
     for i in range(32):
         P, C = 28, 128
         ub.ids.append(torch.randint(3, len(tok), (P + C,), generator=g).tolist())
         ub.mask.append([0] * P + [1] * C)
         ub.adv.append([0.0] * P + [float(i % 3 - 1)] * C)
         ub.kind.append("task")
-    ids, att, mask, adv = train.pad_rows(ub, list(range(32)), tok.pad_token_id)
+    ids, att, mask, adv = policy.pad_rows(ub, list(range(32)), tok.pad_token_id)
     for rep in range(a.reps):
-        _, t_ref = cpu(lambda: train.batch_logprobs(ref, ub, tok.pad_token_id, 32))
+        _, t_ref = cpu(lambda: policy.batch_logprobs(ref, ub, tok.pad_token_id, 32))
         for rc in (True, False):
             model.train()
             logp, t_f = cpu(lambda: policy.token_logprobs(model, ids, att, recompute=rc))

@@ -13,7 +13,7 @@ the same artefacts (seed 0: vocab_sha=2cdc8ad6bb2c1cfc weights_sha=b55d6dc6744a7
 Project side, per step (4 prompts x 8 completions, up to 128 new tokens, T = 1, top_k 0, top_p 1):
     generate  the sampler (--sampler: "kv" = kv_sampler.KVSampler, "hf" = scaffold.HFSampler;
               several, comma-separated, are timed one after the other on the same prompts)
-    update    reward, group advantages (ss_grpo.flat_advantages), train.policy_update with one
+    update    reward, group advantages (ss_grpo.flat_advantages), policy.TorchEngine.update with one
               optimizer step (minibatches 1, micro-batch 32, beta 0.001, lr 1e-6, eta 0.2, loss
               aggregated like TRL's loss_type "grpo": seq_mean_token_mean, grad clip 1.0);
               --two-pass adds the separate old-log-prob forward the update used to run
@@ -130,17 +130,19 @@ class ProjectSide:
     """This project's GRPO step on the harness's model and tokenizer, with one sampler."""
 
     def __init__(self, name: str, model, ref_model, opt, tok, h, a):
-        from toy import kv_sampler
+        import policy
         import scaffold
-        import train
+        import ss_grpo
+        from toy import kv_sampler
 
         self.name, self.model, self.ref, self.opt, self.tok, self.h, self.a = \
             name, model, ref_model, opt, tok, h, a
         cls = {"kv": kv_sampler.KVSampler, "hf": scaffold.HFSampler}[name]
         self.sampler = cls(model, tok, stop_strings=())  # eos only, as TRL
-        self.cfg = train.SSGRPOConfig(advantage="flat", minibatches=1, micro_batch=32,
-                                      beta=h.ARGS.beta, lr=h.ARGS.learning_rate, eta=0.2,
-                                      agg="seq_mean_token_mean", grad_clip=1.0)
+        self.cfg = ss_grpo.SSGRPOConfig(minibatches=1, micro_batch=32, beta=h.ARGS.beta,
+                                        lr=h.ARGS.learning_rate, eta=0.2,
+                                        agg="seq_mean_token_mean", grad_clip=1.0)
+        self.engine = policy.TorchEngine(model, self.cfg, ref_model, opt)
         self.rng = random.Random(a.seed)
         self.rows: list[dict] = []
 
@@ -148,8 +150,8 @@ class ProjectSide:
         """One step on unique prompts (chat messages) with their target words."""
         import torch
 
+        import policy
         import ss_grpo
-        import train
 
         G, h = self.h.ARGS.num_generations, self.h
         c0, t0 = time.process_time(), time.perf_counter()
@@ -164,16 +166,15 @@ class ProjectSide:
                                  [t for t in targets for _ in range(G)])
         # Eq.: A_i = (r_i - mean r) / (Std r + eps) per group of G (K = 1 stage)
         A = ss_grpo.flat_advantages(torch.tensor(r, dtype=torch.float64), 1, group_size=G)[:, 0]
-        ub = train.UpdateBatch()
+        ub = policy.UpdateBatch()
         for p, c, adv in zip(flat, new, A.tolist()):
             ub.ids.append(p + c)
             ub.mask.append([0] * len(p) + [1] * len(c))
             ub.adv.append([0.0] * len(p) + [adv] * len(c))
             ub.kind.append("task")
         if self.a.two_pass:
-            train.batch_logprobs(self.model, ub, self.tok.pad_token_id, self.cfg.micro_batch)
-        st = train.policy_update(self.model, self.ref, self.opt, ub, self.cfg, self.tok.pad_token_id,
-                                 self.rng)
+            policy.batch_logprobs(self.model, ub, self.tok.pad_token_id, self.cfg.micro_batch)
+        st = self.engine.update(ub, self.tok.pad_token_id, self.rng)
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         row = {"step_s": dt, "gen_s": t_gen, "update_s": dt - t_gen, "cpu_s": cpu,
                "gen_cpu_s": c_gen, "update_cpu_s": cpu - c_gen,

@@ -9,7 +9,7 @@ memory-reuse analysis (Fig. 6d: RubricEM +0.4 / +0.7 at cross-episode pass 1 / w
 Baseline RL -0.5 / -0.6; memory_eval.py).
 
 What one grid does
-    1. For each seed, then each arm (train.ARMS), one subprocess
+    1. For each seed, then each arm (settings.ARMS), one subprocess
            train.py --toy --arm A --seed S --run-dir GRID/A-seedS --steps N --eval-every E --no-progress
        with the same --set overrides for all. Every arm of a seed loads the same cached SFT warm start
        (its cache key holds the world, teacher, SFT and model settings and the seed, not the arm),
@@ -64,8 +64,9 @@ sys.path.insert(0, ROOT)
 import checkpoint as ckpt_mod  # noqa: E402
 import report  # noqa: E402
 import train  # noqa: E402
+import settings
 
-ARM_ORDER = list(train.ARMS)  # rubricem, ss_grpo, meta_policy, baseline_rl, baseline_rl_info
+ARM_ORDER = list(settings.ARMS)  # rubricem, ss_grpo, meta_policy, baseline_rl, baseline_rl_info
 PAPER_NAMES = {"rubricem": "RubricEM", "ss_grpo": "SS-GRPO", "meta_policy": "Meta-Policy",
                "baseline_rl": "Baseline RL", "baseline_rl_info": "Baseline RL (info-matched, ours)"}
 MEMORY_ARMS = ("rubricem", "baseline_rl")  # the arms of the paper's memory-reuse figure
@@ -187,7 +188,7 @@ def memory_command(grid: str, arm: str, seed: int, arms: Sequence[str]) -> list[
     rd = run_dir(grid, arm, seed)
     cmd = [sys.executable, os.path.join(ROOT, "memory_eval.py"), rd]
     other = os.path.join(run_dir(grid, "rubricem", seed), "bank.jsonl")
-    if not train.ARMS[arm].reflection and "rubricem" in arms and os.path.exists(other):
+    if not settings.ARMS[arm].reflection and "rubricem" in arms and os.path.exists(other):
         cmd += ["--bank", other]
     return cmd
 
@@ -433,7 +434,7 @@ def threads_of(grid: str, arms: Sequence[str], seeds: Sequence[int], sets: Seque
     if seen:
         return ", ".join(str(t) for t in sorted(seen, key=str))
     asked = [s.split("=", 1)[1] for s in sets if s.startswith("threads=")]
-    return asked[-1] if asked else str(train.toy_preset().threads)
+    return asked[-1] if asked else str(settings.toy_preset().threads)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -462,15 +463,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
     a.arms = [x for x in a.arms.split(",") if x]
-    bad = [x for x in a.arms if x not in train.ARMS]
+    bad = [x for x in a.arms if x not in settings.ARMS]
     if bad:
         ap.error(f"unknown arms {bad}; choose from {ARM_ORDER}")
     a.seeds = [int(x) for x in a.seeds.split(",")] if a.seeds else (QUICK_SEEDS if a.quick else [0, 1, 2])
-    a.steps = a.steps or (QUICK_STEPS if a.quick else train.toy_preset().steps)
+    a.steps = a.steps or (QUICK_STEPS if a.quick else settings.toy_preset().steps)
     a.eval_every = a.eval_every or max(1, a.steps // 6)
     a.sets = (QUICK_SET if a.quick else []) + a.set
     try:  # a bad override stops here, before any run starts
-        train.apply_overrides(train.toy_preset(), a.sets)
+        settings.apply_overrides(settings.toy_preset(), a.sets)
     except ValueError as e:
         ap.error(str(e))
     return a

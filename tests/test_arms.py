@@ -9,6 +9,7 @@ import torch
 import bank as bank_mod
 import ss_grpo
 import train
+import settings
 from runfix import fast_args, metric_rows
 from test_reflection import patch_sampler
 
@@ -22,17 +23,17 @@ EXPECTED = {  # arm: (advantage kind, reflection branch, bank retrieval)
 
 
 def test_arm_table_sec3_3_sec3_4():
-    assert {a: (s.advantage, s.reflection, s.bank) for a, s in train.ARMS.items()} == EXPECTED
-    assert train.toy_preset().arm == "rubricem" and train.full_preset().arm == "rubricem"
+    assert {a: (s.advantage, s.reflection, s.bank) for a, s in settings.ARMS.items()} == EXPECTED
+    assert settings.toy_preset().arm == "rubricem" and settings.full_preset().arm == "rubricem"
 
 
 def test_terminal_advantages_broadcast_one_score_sec3_3():
     g = torch.Generator().manual_seed(0)
     R = torch.rand(8, 4, generator=g, dtype=torch.float64).numpy()  # 2 groups of 4
-    cfg = train.SSGRPOConfig()
-    A_ans, _ = train.task_advantages(R, 4, cfg, "terminal_answer")
-    A_mean, _ = train.task_advantages(R, 4, cfg, "terminal_mean")
-    A_ss, _ = train.task_advantages(R, 4, cfg, "ss_grpo")
+    cfg = ss_grpo.SSGRPOConfig()
+    A_ans, _ = ss_grpo.task_advantages(R, 4, cfg, "terminal_answer")
+    A_mean, _ = ss_grpo.task_advantages(R, 4, cfg, "terminal_mean")
+    A_ss, _ = ss_grpo.task_advantages(R, 4, cfg, "ss_grpo")
     # Eq.: A_i = (r_i - mean r) / (Std r + eps) per group, the same for every stage
     ref_ans = ss_grpo.flat_advantages(torch.from_numpy(R[:, 3]), 4, group_size=4)
     ref_mean = ss_grpo.flat_advantages(torch.from_numpy(R.mean(1)), 4, group_size=4)
@@ -41,10 +42,10 @@ def test_terminal_advantages_broadcast_one_score_sec3_3():
     assert (A_ans == A_ans[:, :1]).all() and (A_mean == A_mean[:, :1]).all()
     assert not (A_ss == A_ss[:, :1]).all()  # stagewise: columns differ
     R[0, 1] = np.nan  # a missing stage score: the mean is missing, that rollout gets advantage 0
-    A_mean, _ = train.task_advantages(R, 4, cfg, "terminal_mean")
+    A_mean, _ = ss_grpo.task_advantages(R, 4, cfg, "terminal_mean")
     assert (A_mean[0] == 0).all()
     with pytest.raises(ValueError, match="advantage kind"):
-        train.task_advantages(R, 4, cfg, "flat")
+        ss_grpo.task_advantages(R, 4, cfg, "flat")
 
 
 @pytest.mark.parametrize("argv, arm, run_dir", [
@@ -73,8 +74,8 @@ def test_each_arm_runs_exactly_its_components(arm, tmp_path, toy_cache, monkeypa
     kind, reflection, retrieval = EXPECTED[arm]
     calls, kinds, retrieves = [], [], []
     patch_sampler(monkeypatch, calls)
-    adv = train.task_advantages
-    monkeypatch.setattr(train, "task_advantages",
+    adv = ss_grpo.task_advantages
+    monkeypatch.setattr(ss_grpo, "task_advantages",
                         lambda R, n, cfg, k="ss_grpo": kinds.append(k) or adv(R, n, cfg, k))
     retrieve = bank_mod.RubricBank.retrieve
     monkeypatch.setattr(bank_mod.RubricBank, "retrieve",
@@ -92,4 +93,4 @@ def test_each_arm_runs_exactly_its_components(arm, tmp_path, toy_cache, monkeypa
     assert len(retrieves) == (2 * P if retrieval else 0)
     assert r1["retrieval/mode_exact"] == 1
     assert r1["retrieval/hits"] == (1.0 if retrieval else 0.0)
-    assert train.config_from_dict(json.load(open(run / "config.json"))).arm == arm
+    assert settings.config_from_dict(json.load(open(run / "config.json"))).arm == arm

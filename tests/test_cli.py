@@ -9,6 +9,8 @@ import torch
 
 import train
 
+import settings
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -72,7 +74,7 @@ def test_bad_settings_exit_2_naming_the_field_and_write_nothing(tmp_path, capsys
 
 
 def test_overrides_take_the_type_of_their_field():
-    c = train.apply_overrides(train.toy_preset(), [
+    c = settings.apply_overrides(settings.toy_preset(), [
         "ss_grpo.lr=1", "steps=1e3", "rollout.n=4", "progress=false", "curriculum.enabled=Yes",
         "model_size=XS", 'cache_dir="a b"', "data.source=", 'faults.tool_kinds=["error"]',
         "judge.caps=[1,1,1,1]", "ss_grpo.lam=[[1,0,0,0],[0,1,0,0],[0,0,1,0],[0,0,0,1]]"])
@@ -82,7 +84,7 @@ def test_overrides_take_the_type_of_their_field():
     assert c.model_size == "XS" and c.cache_dir == "a b" and c.data.source == ""
     assert c.faults.tool_kinds == ("error",) and c.judge.caps == [1, 1, 1, 1]
     assert all(type(x) is float for row in c.ss_grpo.lam for x in row)
-    train.validate_config(c)
+    settings.validate_config(c)
 
 
 def test_every_field_accepts_its_own_default_as_json():
@@ -90,8 +92,8 @@ def test_every_field_accepts_its_own_default_as_json():
 
     from settings import leaf_fields
 
-    for key, _, value in leaf_fields(train.toy_preset()):
-        c = train.apply_overrides(train.toy_preset(), [f"{key}={json.dumps(value)}"])
+    for key, _, value in leaf_fields(settings.toy_preset()):
+        c = settings.apply_overrides(settings.toy_preset(), [f"{key}={json.dumps(value)}"])
         assert dict(((k, v) for k, _, v in leaf_fields(c)))[key] == value, key
 
 
@@ -115,7 +117,7 @@ def _finished_run(d, steps: int = 3):
 
     ck = d / "checkpoints" / f"step-{steps:06d}"
     os.makedirs(ck)
-    cfg = dataclasses.asdict(train.toy_preset())
+    cfg = dataclasses.asdict(settings.toy_preset())
     cfg["steps"], cfg["run_dir"] = steps, str(d)
     torch.save({"step": steps, "config": json.loads(json.dumps(cfg))}, ck / "state.pt")
     data = (ck / "state.pt").read_bytes()

@@ -5,8 +5,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import ss_grpo
-from train import (CurriculumConfig, DataOrder, apply_overrides, curriculum, full_preset,
-                   toy_preset, validate_config)
+from bank import CurriculumConfig, curriculum
+from data import DataOrder
+from settings import apply_overrides, full_preset, toy_preset, validate_config
 
 
 # ---------------------------------------------------------------------------------------------------

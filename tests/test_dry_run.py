@@ -10,6 +10,7 @@ import torch
 
 from backends import full
 import train
+import settings
 
 KEYS = {"GEMINI_API_KEY": "gemini-key-value-123", "SERPER_API_KEY": "serper-key-value-456"}
 
@@ -22,7 +23,7 @@ def ready(tmp_path, monkeypatch):
     (tmp_path / "sft").mkdir()
     (tmp_path / "sft" / "config.json").write_text("{}")
     (tmp_path / "rows.jsonl").write_text("{}\n")
-    cfg = train.full_preset()
+    cfg = settings.full_preset()
     cfg.model, cfg.data.source = str(tmp_path / "sft"), str(tmp_path / "rows.jsonl")
     missing: set = set()
     monkeypatch.setattr(full, "_version", lambda dist: None if dist in missing else "9.9")

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 import train
+
+import settings
 from runfix import fast_args, metric_rows, sha256
 
 
@@ -30,7 +32,7 @@ def test_eval_every_flag_sets_config():
     assert train.parse_args(["--toy", "--eval-every", "3"]).eval.every == 3
     assert train.parse_args(["--toy"]).eval.every == 0
     with pytest.raises(ValueError, match="eval.every"):
-        train.validate_config(train.parse_args(["--toy", "--eval-every", "-1"]))
+        settings.validate_config(train.parse_args(["--toy", "--eval-every", "-1"]))
 
 
 @pytest.mark.slow

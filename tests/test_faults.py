@@ -21,6 +21,8 @@ import pytest
 import scaffold
 from toy import sft
 import train
+import ss_grpo
+import settings
 from bank import RubricBank
 from faults import (JUDGE_KINDS, FaultConfig, FaultyJudge, FaultyTool, fault_draw,
                     validate_fault_config)
@@ -78,7 +80,7 @@ def test_judge_fault_retried_then_missing_only_in_its_cell_with_zero_advantage_s
     q, ros = group
     n = len(ros)
     clean = ScriptedFaults({}, max_retries=2).judge_group(q, ros, 0).R
-    A_clean, _ = train.task_advantages(clean, n, train.SSGRPOConfig())
+    A_clean, _ = ss_grpo.task_advantages(clean, n, ss_grpo.SSGRPOConfig())
     assert np.isfinite(clean).all()
     i, k = next((i, k) for i in range(n) for k in (RESEARCH, 0, 2, 3) if A_clean[i, k] != 0)
     a = _cell_attempt(i, k)
@@ -94,7 +96,7 @@ def test_judge_fault_retried_then_missing_only_in_its_cell_with_zero_advantage_s
     expect = clean.copy()
     expect[i, k] = np.nan
     np.testing.assert_array_equal(R, expect)
-    A, _ = train.task_advantages(R, n, train.SSGRPOConfig())
+    A, _ = ss_grpo.task_advantages(R, n, ss_grpo.SSGRPOConfig())
     assert A[i, k] == 0 and A_clean[i, k] != 0 and np.isfinite(A.numpy()).all()
     others = [(r, c) for r in range(n) for c in range(len(STAGES)) if (r, c) != (i, k)]
     assert any(A[r, c] != 0 for r, c in others)
@@ -336,7 +338,7 @@ def test_reflection_failing_admission_is_counted_not_stored_sec3_4(group, text, 
 ])
 def test_fault_and_judge_config_errors_name_the_field(item, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):  # a type error at parse time,
-        train.validate_config(train.apply_overrides(train.toy_preset(), [item]))  # a range error here
+        settings.validate_config(settings.apply_overrides(settings.toy_preset(), [item]))  # a range error here
 
 
 def test_faults_flag_and_validation():

@@ -38,8 +38,7 @@ N_SEQ, GROUP, MINIBATCHES, MICRO, LR, ETA, WORLD = 16, 8, 2, 2, 1e-3, 0.02, 2
 
 
 def test_appendix_batch_arithmetic_full_preset_32x8_on_8_gpus():
-    from train import full_preset
-
+    from settings import full_preset
     plan = full.batch_plan(full_preset(), 8)
     # PAPER: 32 prompts x 8 rollouts = 256 sequences; micro-batch 1 -> 256 / (1 x 8) = 32 accumulations
     assert (plan.sequences, plan.per_optimizer_step, plan.per_rank, plan.micro_batch, plan.grad_accum) \
@@ -49,8 +48,7 @@ def test_appendix_batch_arithmetic_full_preset_32x8_on_8_gpus():
 
 
 def test_appendix_batch_arithmetic_rejects_inexact_splits():
-    from train import full_preset
-
+    from settings import full_preset
     cfg = full_preset()
     with pytest.raises(ValueError, match="micro_batch x world_size"):
         full.batch_plan(cfg, 3)
@@ -60,8 +58,7 @@ def test_appendix_batch_arithmetic_rejects_inexact_splits():
 
 
 def test_appendix_deepspeed_config_zero3_offload_bf16_on_gpu_only():
-    from train import full_preset
-
+    from settings import full_preset
     gpu = full.deepspeed_config(full_preset(), 8, "cuda")
     assert gpu["zero_optimization"]["stage"] == 3
     assert gpu["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
@@ -114,8 +111,8 @@ def test_rank_leaves_before_finalization_after_the_process_group_is_torn_down(tm
 
 
 def test_toy_mode_and_dry_run_never_import_deepspeed_or_vllm():
-    code = ("import sys, train\nfrom backends import full\n"
-            "text, problems = full.dry_run(train.full_preset(), {'GEMINI_API_KEY': 'sekrit-123'})\n"
+    code = ("import sys, train, settings\nfrom backends import full\n"
+            "text, problems = full.dry_run(settings.full_preset(), {'GEMINI_API_KEY': 'sekrit-123'})\n"
             "assert 'deepspeed' not in sys.modules and 'vllm' not in sys.modules, 'heavy import'\n"
             "print(text)\n")
     env = {**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""}
@@ -130,8 +127,7 @@ def test_toy_mode_and_dry_run_never_import_deepspeed_or_vllm():
 
 
 def test_dry_run_reports_key_names_only_and_lists_problems(monkeypatch):
-    from train import full_preset
-
+    from settings import full_preset
     cfg = full_preset()
     cfg.judge.backend = "gemini"
     cfg.model = "/models/sft"
@@ -267,8 +263,7 @@ from hypothesis import given, strategies as st  # noqa: E402
 def test_plan_update_deals_policy_update_minibatches_to_ranks(n, world, minibatches, micro, seed):
     import random
 
-    from train import UpdateBatch
-
+    from policy import UpdateBatch
     batch = UpdateBatch(ids=[[i, i + 1] for i in range(n)], mask=[[0] + [1] * (i % 3) for i in range(n)],
                         adv=[[0.0, 0.0] for _ in range(n)], kind=["task"] * n)
     rng_a, rng_b = random.Random(seed), random.Random(seed)

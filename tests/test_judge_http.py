@@ -291,7 +291,6 @@ def test_s34_wrapped_json_reply_is_repaired_and_counted(key, backend, wrap):
 def test_s34_wrapped_replies_keep_a_run_scored_and_reach_the_step_metrics(gemini):
     # A judge that always wraps its JSON: every cell is scored and the repairs are logged.
     from train import judge_step_metrics
-
     q = fake_query()
     gemini.rule = lambda req: {"text": "```json\n" + json.dumps(gemini._auto(req)) + "\n```"}
     ros = [fake_rollout(q, t) for t in (GOOD, PARTIAL, POOR)]

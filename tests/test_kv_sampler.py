@@ -156,10 +156,11 @@ def test_rollout_engine_greedy_tool_loop_same_rollouts_sec3_2(tok, model):
 
 def test_config_sampler_kv_builds_the_kv_sampler(tok, model):
     import train
+    import settings
 
-    cfg = train.Config()
+    cfg = settings.Config()
     cfg.sampler = "kv"
-    train.validate_config(cfg)
+    settings.validate_config(cfg)
     assert isinstance(train.build_sampler(cfg, model, tok), KVSampler)
     cfg.sampler = "hf"
     s = train.build_sampler(cfg, model, tok)

@@ -10,6 +10,7 @@ import pytest
 import bank as bank_mod
 import memory_eval
 import train
+import settings
 from runfix import fast_args, sha256
 from test_reflection import LESSON, ReflectionTextSampler, patch_sampler
 
@@ -42,7 +43,7 @@ def test_pass1_similar_then_reflect_then_pass2_exact_fig6d(tmp_path, toy_cache, 
                         lambda self, q, mode, k=2: seen.append((q, mode, len(self))) or
                         retrieve(self, q, mode, k))
     res = memory_eval.memory_reuse(str(run))
-    held = [q.query for q in train.build_environment(train.config_from_dict(
+    held = [q.query for q in train.build_environment(settings.config_from_dict(
         json.load(open(run / "config.json"))))[3][:2]]
     # pass 1 asks the run's bank (4 training lessons) in similar mode, pass 2 the copy in exact mode
     assert seen[:2] == [(q, "similar", 4) for q in held]

@@ -13,6 +13,7 @@ import pytest
 
 import report
 import train
+import settings
 from runfix import fast_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -161,9 +162,9 @@ def test_list_config_prints_every_key_with_its_default_and_doc(capsys):
     assert e.value.code == 0
     text = capsys.readouterr().out
     blocks = {b.split(" = ", 1)[0]: b for b in re.split(r"\n(?=\S)", text.strip())}
-    keys = [k for k, _, _ in leaf_fields(train.toy_preset())]
+    keys = [k for k, _, _ in leaf_fields(settings.toy_preset())]
     assert list(blocks) == keys
-    for key, typ, value in leaf_fields(train.toy_preset()):
+    for key, typ, value in leaf_fields(settings.toy_preset()):
         head, _, doc = blocks[key].partition("\n")
         assert head.startswith(f"{key} = {json.dumps(value)}"), head
         assert doc.startswith("    ") and doc.strip(), f"{key} has no documentation"

@@ -15,6 +15,10 @@ from runfix import fast_args, metric_rows
 
 import train
 
+import settings
+
+import policy
+
 LESSON = "Lesson: search every asked aspect with the full name; cite a snippet for every claim."
 
 
@@ -138,6 +142,9 @@ class ReflectionTextSampler:
     def __init__(self, inner, tok, log):
         self.inner, self.tok, self.log = inner, tok, log
 
+    def __getattr__(self, name):  # the rest of the Sampler interface (stats, sync_weights, ...)
+        return getattr(self.inner, name)
+
     def generate(self, prompts, max_new_tokens, temperature):
         self.log.append((len(prompts), temperature))
         if temperature == ReflectionConfig().temperature:
@@ -182,13 +189,13 @@ def test_deferred_reflection_update_runs_before_the_next_rollouts_alg1(tmp_path,
             events.append(("generate", call[1]))
 
     patch_sampler(monkeypatch, Log())
-    update = train.TorchEngine.update
+    update = policy.TorchEngine.update
 
     def logged(self, batch, pad_id, rng):
         events.append(("update", tuple(sorted(set(batch.kind))), len(batch.ids)))
         return update(self, batch, pad_id, rng)
 
-    monkeypatch.setattr(train.TorchEngine, "update", logged)
+    monkeypatch.setattr(policy.TorchEngine, "update", logged)
     run = tmp_path / "run"
     assert train.main(fast_args(run, toy_cache, 2, "--set", "reflection.max_new_tokens=96",
                                 "--set", "eval.n_questions=0")) == 0
@@ -227,8 +234,8 @@ def test_reflection_update_advantages_scaled_by_loss_coef_sec3_4():
     for c in (1.0, 0.25, 0.0):
         train.apply_reflection_batch(Policy(), pend, None, 0, random.Random(0), c)
         assert seen[-1] == [[0.0, 0.0, 1.5 * c, 1.5 * c], [0.0, 0.0, -1.5 * c]]
-    cfg = train.toy_preset()
+    cfg = settings.toy_preset()
     for bad in (-0.1, float("inf"), float("nan"), True, "1"):
         cfg.reflection.loss_coef = bad
         with pytest.raises(ValueError, match="reflection.loss_coef"):
-            train.validate_config(cfg)
+            settings.validate_config(cfg)

@@ -16,6 +16,7 @@ import torch
 
 import checkpoint as ckpt_mod
 import train
+import settings
 from runfix import fast_args, metric_rows, run_fingerprint
 from test_reflection import ReflectionTextSampler
 
@@ -208,13 +209,13 @@ def test_resume_refuses_a_changed_configuration_naming_the_field(tmp_path, toy_c
 
 
 def test_config_round_trips_through_json_sec3_5():
-    c = train.toy_preset()
+    c = settings.toy_preset()
     c.faults.judge_kinds = ("timeout",)
     d = __import__("json").loads(__import__("json").dumps(__import__("dataclasses").asdict(c)))
-    back = train.config_from_dict(d)
-    assert train.resume_config_diff(d, back) == []
+    back = settings.config_from_dict(d)
+    assert settings.resume_config_diff(d, back) == []
     with pytest.raises(ValueError, match="checkpoint.nope"):
-        train.config_from_dict({"checkpoint": {"nope": 1}})
+        settings.config_from_dict({"checkpoint": {"nope": 1}})
 
 
 @pytest.mark.parametrize("item, field", [
@@ -225,4 +226,4 @@ def test_config_round_trips_through_json_sec3_5():
 ])
 def test_checkpoint_config_errors_name_the_field(item, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):  # a type error at parse time,
-        train.validate_config(train.apply_overrides(train.toy_preset(), [item]))  # a range error here
+        settings.validate_config(settings.apply_overrides(settings.toy_preset(), [item]))  # a range error here

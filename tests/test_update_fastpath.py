@@ -1,4 +1,4 @@
-"""train.policy_update with one optimizer step per batch (§3.3): pi_theta_old is the current policy,
+"""policy.policy_update with one optimizer step per batch (§3.3): pi_theta_old is the current policy,
 so the old log-probs come from the loss's own forward (detached, rho = 1) instead of a second
 forward pass. The gradient must be the two-pass form's (old log-probs from a separate no-grad
 forward, as with several minibatches) to 1e-6, and the policy must be run once, not twice.
@@ -10,8 +10,8 @@ import torch
 
 import policy
 import ss_grpo
-import train
-from train import SSGRPOConfig, UpdateBatch
+from policy import TorchEngine, UpdateBatch
+from ss_grpo import SSGRPOConfig
 
 V, PAD = 64, 0
 
@@ -60,10 +60,10 @@ class RecordingOpt:
 
 def two_pass_grads(model, ref_model, batch: UpdateBatch, cfg: SSGRPOConfig):
     """Gradient and loss of the SS-GRPO loss with pi_theta_old from a separate no-grad forward."""
-    old = train.batch_logprobs(model, batch, PAD, cfg.micro_batch)
-    ref = train.batch_logprobs(ref_model, batch, PAD, cfg.micro_batch)
+    old = policy.batch_logprobs(model, batch, PAD, cfg.micro_batch)
+    ref = policy.batch_logprobs(ref_model, batch, PAD, cfg.micro_batch)
     idx = list(range(len(batch.ids)))
-    ids, att, mask, adv = train.pad_rows(batch, idx, PAD)
+    ids, att, mask, adv = policy.pad_rows(batch, idx, PAD)
     old_lp, ref_lp = torch.zeros(ids.shape), torch.zeros(ids.shape)
     for i in idx:
         old_lp[i, : len(old[i])], ref_lp[i, : len(ref[i])] = old[i], ref[i]
@@ -89,7 +89,7 @@ def test_s33_one_step_update_has_the_two_pass_gradient(agg, micro):
     cfg = SSGRPOConfig(minibatches=1, micro_batch=micro, agg=agg, beta=0.04, grad_clip=1e9)
     want, want_loss = two_pass_grads(model, ref_model, batch, cfg)
     opt = RecordingOpt(model.parameters())
-    out = train.policy_update(model, ref_model, opt, batch, cfg, PAD, random.Random(0))
+    out = TorchEngine(model, cfg, ref_model, opt).update(batch, PAD, random.Random(0))
     assert opt.grads is not None and out["clip_frac"] == 0.0
     assert abs(out["loss/total"] - want_loss) < 1e-6
     worst = max(float((g - w).abs().max()) for g, w in zip(opt.grads, want))
@@ -109,10 +109,10 @@ def test_s33_one_step_update_runs_the_policy_once():
     calls = count_forwards(model)
     cfg = SSGRPOConfig(minibatches=1, micro_batch=16, beta=0.001)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    train.policy_update(model, ref_model, opt, make_batch(6), cfg, PAD, random.Random(0))
+    TorchEngine(model, cfg, ref_model, opt).update(make_batch(6), PAD, random.Random(0))
     assert len(calls) == 1  # the loss's forward; no separate old-log-prob pass
     # several optimizer steps still score pi_theta_old once before the first step
     calls.clear()
     cfg2 = SSGRPOConfig(minibatches=2, micro_batch=16, beta=0.001)
-    train.policy_update(model, ref_model, opt, make_batch(6), cfg2, PAD, random.Random(0))
+    TorchEngine(model, cfg2, ref_model, opt).update(make_batch(6), PAD, random.Random(0))
     assert len(calls) == 1 + 2

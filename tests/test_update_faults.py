@@ -1,8 +1,8 @@
-"""The SS-GRPO update (§3.3) under inputs a long run meets sooner or later, on both engines:
-train.policy_update (one process) and full.zero3_policy_update (the ZeRO-3 update). The ZeRO-3
-update runs here through `OneProcessPolicy`, a plain-PyTorch stand-in with full.ZeRO3Policy's
-interface (train / logprobs / backward / step), so no DeepSpeed is needed; world size 1, so
-full.plan_update hands it the whole batch.
+"""The SS-GRPO update (§3.3) under inputs a long run meets sooner or later, on both engines: the one
+update, policy.policy_update, over policy.TorchEngine (one process) and over `OneProcessPolicy`, a
+plain-PyTorch engine with ZeRO-3's step semantics (backends/full.py's ZeRO3Policy: the optimizer
+itself discards a step whose gradient norm is not finite), so no DeepSpeed is needed; world size 1,
+so policy.plan_update hands it the whole batch.
 
 Faults: a minibatch with no loss-masked token (skipped and counted, not a crash); a ratio rho that
 overflows the fp32 gradient norm (log rho of 45-80: the step is skipped and counted, not applied as
@@ -21,11 +21,9 @@ import sys
 import pytest
 import torch
 
-from backends import full
 import policy
-import train
-from policy import token_logprobs
-from train import SSGRPOConfig, UpdateBatch
+from policy import TorchEngine, UpdateBatch, plan_update, policy_update, token_logprobs
+from ss_grpo import SSGRPOConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V, PAD, SEED = 64, 0, 3
@@ -73,11 +71,15 @@ def same(a: dict, b: dict) -> bool:
 
 
 class OneProcessPolicy:
-    """full.ZeRO3Policy's interface over a plain model: torch AdamW, clip_grad_norm_ in step().
-    Like DeepSpeed's ZeRO-3 optimizer, step() discards a step whose gradient norm is not finite."""
+    """A policy engine (policy.PolicyEngine) with backends/full.py's ZeRO-3 step semantics over a
+    plain model: torch AdamW, clip_grad_norm_ in step(), which (like DeepSpeed's ZeRO-3 optimizer)
+    discards a step whose gradient norm is not finite and always clears the gradients."""
+
+    world_size = 1
 
     def __init__(self, model, cfg: SSGRPOConfig):
         self.model, self.clip = model, cfg.grad_clip
+        self.ref = copy.deepcopy(model).eval()
         self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                      weight_decay=0.0)
         self.steps = 0  # optimizer steps applied
@@ -87,6 +89,9 @@ class OneProcessPolicy:
 
     def logprobs(self, ids, att):
         return token_logprobs(self.model, ids, att)
+
+    def ref_logprobs(self, ids, att):
+        return token_logprobs(self.ref, ids, att)
 
     def backward(self, loss, boundary: bool) -> None:
         loss.backward()
@@ -99,32 +104,23 @@ class OneProcessPolicy:
         self.opt.zero_grad(set_to_none=True)
         return gn
 
-
-class Reference:
-    """full.FrozenReference's interface over a plain frozen model."""
-
-    def __init__(self, model):
-        self.model = model
-
-    @torch.no_grad()
-    def logprobs(self, ids, att):
-        return token_logprobs(self.model, ids, att)
+    def all_reduce(self, values):
+        return list(values)
 
 
 def torch_update(model, batch, cfg, seed=SEED, opt=None):
-    """train.policy_update with a fresh AdamW (as train.TorchEngine builds it) unless `opt`."""
+    """TorchEngine.update with a fresh AdamW (as TorchEngine builds it) unless `opt`."""
     ref = copy.deepcopy(model).eval()
-    opt = opt or torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                                   weight_decay=0.0)
-    return train.policy_update(model, ref, opt, batch, cfg, PAD, random.Random(seed))
+    return TorchEngine(model, cfg, ref_model=ref, opt=opt).update(batch, PAD, random.Random(seed))
 
 
 def zero3_update(model, batch, cfg, seed=SEED, pol=None):
-    """full.zero3_policy_update on one rank, over OneProcessPolicy: (stats, the policy)."""
-    ref = Reference(copy.deepcopy(model).eval())
+    """policy_update over OneProcessPolicy: (stats + "per_step", the engine)."""
     pol = pol or OneProcessPolicy(model, cfg)
-    shards, plans = full.plan_update(batch, 1, cfg.minibatches, cfg.micro_batch, random.Random(seed))
-    return full.zero3_policy_update(pol, ref, shards[0], cfg, PAD, plans[0]), pol
+    shards, plans = plan_update(batch, 1, cfg.minibatches, cfg.micro_batch, random.Random(seed))
+    per_step: list = []
+    out = policy_update(pol, shards[0], cfg, PAD, plans[0], per_step)
+    return {**out, "per_step": per_step}, pol
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -178,22 +174,20 @@ def test_s33_batch_without_any_token_leaves_the_policy_alone(engine):
 # A gradient norm that overflows fp32
 
 
-def stale_old_logprobs(monkeypatch, model, shift: float) -> None:
+def stale_old_logprobs(monkeypatch, model, shift: float, only=None) -> None:
     """Make the old log-probs of `model` `shift` nats below its current ones (a sampler far behind
-    the policy): rho = exp(shift) on every response token; the reference stays untouched."""
-    scored_t, scored_z = train.batch_logprobs, full._sequence_logprobs
+    the policy): rho = exp(shift) on every response token (only: the batch indices affected, default
+    all); the reference stays untouched."""
+    scored = policy.sequence_logprobs
 
-    def batch_logprobs(m, *a):
-        out = scored_t(m, *a)
-        return [x - shift for x in out] if m is model else out
+    def sequence_logprobs(fn, batch, *a):
+        out = scored(fn, batch, *a)
+        index = a[3] if len(a) > 3 and a[3] is not None else list(range(len(out)))
+        if fn.__func__.__name__ == "logprobs" and fn.__self__.model is model:
+            return [x - shift if only is None or index[p] in only else x for p, x in enumerate(out)]
+        return out
 
-    def sequence_logprobs(fn, *a):
-        out = scored_z(fn, *a)
-        return [x - shift for x in out] if getattr(fn, "__self__", None) is not None \
-            and getattr(fn.__self__, "model", None) is model else out
-
-    monkeypatch.setattr(train, "batch_logprobs", batch_logprobs)
-    monkeypatch.setattr(full, "_sequence_logprobs", sequence_logprobs)
+    monkeypatch.setattr(policy, "sequence_logprobs", sequence_logprobs)
 
 
 @pytest.mark.parametrize("shift", [45.0, 80.0])
@@ -227,14 +221,7 @@ def test_s33_overflow_in_one_minibatch_keeps_the_other_step(monkeypatch):
     model = tiny_qwen3()
     w0 = weights(model)
     # rho overflows in optimizer step 1 only: its sequences' old log-probs are 60 nats too low
-    bad = set(minibatch(6, 2, 1, SEED))
-    scored = train.batch_logprobs
-
-    def batch_logprobs(m, b, *a):
-        out = scored(m, b, *a)
-        return [x - 60.0 if m is model and i in bad else x for i, x in enumerate(out)]
-
-    monkeypatch.setattr(train, "batch_logprobs", batch_logprobs)
+    stale_old_logprobs(monkeypatch, model, 60.0, only=set(minibatch(6, 2, 1, SEED)))
     out = torch_update(model, make_batch(6), cfg)
     assert out["update/nonfinite_grad_steps"] == 1
     assert 0 < out["grad_norm"] < 1e6  # the finite step's norm alone
@@ -265,10 +252,9 @@ def record_log_ratios(monkeypatch) -> list:
 
 
 def test_s33_first_minibatch_is_on_policy_with_attention_dropout(monkeypatch):
-    cfg = train.Config()
-    cfg.ss_grpo = SSGRPOConfig(minibatches=2, micro_batch=8, lr=1e-3, eta=0.02)
+    cfg = SSGRPOConfig(minibatches=2, micro_batch=8, lr=1e-3, eta=0.02)
     model = tiny_qwen3(attention_dropout=0.1)
-    engine = train.TorchEngine(model, cfg)
+    engine = TorchEngine(model, cfg)
     seen = record_log_ratios(monkeypatch)
     out = engine.update(make_batch(6), PAD, random.Random(SEED))
     log_rho, clip = seen[0]  # the first minibatch: nothing has moved yet, rho = 1 exactly

@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from backends import full  # noqa: E402
+import policy  # noqa: E402
 import ss_grpo  # noqa: E402
 
 
@@ -39,12 +40,13 @@ def main(model_dir: str, out_path: str) -> None:
     ss_grpo.ss_grpo_loss = recorded
     batch = full.synthetic_batch(pol.module.config.vocab_size, 8, group=2, seed=0, min_len=16,
                                  max_len=24)
-    shards, plans = full.plan_update(batch, 1, 2, 4, random.Random(0))
-    st1 = full.zero3_policy_update(pol, None, shards[0], cfg.ss_grpo, 0, plans[0])
+    engine = full.ZeRO3Engine(cfg, policy=pol)
+    shards, plans = policy.plan_update(batch, 1, 2, 4, random.Random(0))
+    st1 = policy.policy_update(engine, shards[0], cfg.ss_grpo, 0, plans[0])
     w1 = dict(pol.iter_full_params(device="cpu"))
-    scored = full._sequence_logprobs
-    full._sequence_logprobs = lambda fn, *a: [x - 60.0 for x in scored(fn, *a)]
-    st2 = full.zero3_policy_update(pol, None, shards[0], cfg.ss_grpo, 0, plans[0])
+    scored = policy.sequence_logprobs
+    policy.sequence_logprobs = lambda fn, *a: [x - 60.0 for x in scored(fn, *a)]
+    st2 = policy.policy_update(engine, shards[0], cfg.ss_grpo, 0, plans[0])
     w2 = dict(pol.iter_full_params(device="cpu"))
     attn = pol.module.model.layers[0].self_attn
     res = {"seen": seen, "first": st1, "overflow": st2,
