@@ -12,7 +12,7 @@ The checkpoint is a run's final/ (or any local Hugging Face causal-LM directory)
 configuration: the toy world (the search tool's corpus; toy questions are about its fictional
 entities), the search backend and the rollout limits. Without a card the run dir's config.json is
 used for a final/, else the toy preset with --system's prompt. The same builders as training
-(train.build_environment, setup_policy, build_sampler) and scaffold.RolloutEngine make the rollouts,
+(build.build_environment, setup_policy, build_sampler) and scaffold.RolloutEngine make the rollouts,
 so what is printed is what training would have sampled.
 
 Not part of the paper's method: an inspection tool.
@@ -36,7 +36,6 @@ def load_setup(model_dir: str, system: str | None = None):
     "compact", "full" or a literal prompt. The config is the run's (settings.Config) with model =
     model_dir, one process, HF sampling, and the toy world's questions as data. Raises ValueError for
     an unreadable run card."""
-    import train
     import settings
     from runcard import read_run_card
 
@@ -68,7 +67,7 @@ def ask(model_dir: str, question: str | None = None, samples: int = 1, temperatu
     import torch
 
     import bank as bank_mod
-    import train
+    import build
     from scaffold import RolloutEngine
     from data import Query
 
@@ -81,7 +80,7 @@ def ask(model_dir: str, question: str | None = None, samples: int = 1, temperatu
     if max_response_tokens is not None:
         cfg.rollout.max_response_tokens = max_response_tokens
     temp = cfg.rollout.temperature if temperature is None else temperature
-    world, tool, _, held_q = train.build_environment(cfg)
+    world, tool, _, held_q = build.build_environment(cfg)
     if question is None:
         if not held_q:
             raise ValueError("no question given and no toy held-out questions to pick from")
@@ -95,9 +94,9 @@ def ask(model_dir: str, question: str | None = None, samples: int = 1, temperatu
         b = bank_mod.RubricBank.load(bank_path)
         items = bank_mod.format_for_prompt(b.retrieve_similar(q.query, cfg.bank.top_k,
                                                               exclude_self=False))
-    model, tok, _ = train.setup_policy(cfg, world, tool)
+    model, tok, _ = build.setup_policy(cfg, world, tool)
     model.eval()
-    sampler = train.build_sampler(cfg, model, tok)
+    sampler = build.build_sampler(cfg, model, tok)
     engine = RolloutEngine(sampler, tok, {tool.name: tool}, cfg.rollout.max_response_tokens,
                            cfg.rollout.max_tool_calls, system_prompt, temp)
     torch.manual_seed(seed)

@@ -56,10 +56,12 @@ Launch (keys only from the environment: GEMINI_API_KEY / OPENAI_API_KEY, SERPER_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import os
+import random
 import re
 import sys
 import time
@@ -68,6 +70,10 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import torch
+
+import checkpoint as ckpt_mod
+from scaffold import STAGES
 
 log = logging.getLogger("rubricem.evaluate")
 
@@ -462,9 +468,7 @@ def build_engine(model_dir: str, preset: str = "toy", search: str = "", sampler:
     (build_environment for the search tool, setup_policy, build_sampler). preset "toy" (compact
     system prompt, BM25 over the toy world) or "full" (full prompt, Serper, PAPER response budget);
     search "" keeps the preset's tool ("toy" | "serper"). The toy path runs offline on CPU."""
-    import torch
-
-    import train
+    import build
 
     import settings
     from scaffold import SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT, RolloutEngine
@@ -481,14 +485,14 @@ def build_engine(model_dir: str, preset: str = "toy", search: str = "", sampler:
         cfg.rollout.max_response_tokens = max_response_tokens
     if max_tool_calls:
         cfg.rollout.max_tool_calls = max_tool_calls
-    world, tool, _, _ = train.build_environment(cfg)
-    model, tok, info = train.setup_policy(cfg, world, tool)
+    world, tool, _, _ = build.build_environment(cfg)
+    model, tok, info = build.setup_policy(cfg, world, tool)
     model.eval()
     if sampler == "hf" and torch.cuda.is_available():
         # SCALE: HF generate on the GPU in bf16 (our choice; vLLM loads its own copy instead)
         model.to("cuda", dtype=torch.bfloat16)
     system = SYSTEM_PROMPT_COMPACT if cfg.rollout.system_prompt == "compact" else SYSTEM_PROMPT
-    engine = RolloutEngine(train.build_sampler(cfg, model, tok), tok, {tool.name: tool},
+    engine = RolloutEngine(build.build_sampler(cfg, model, tok), tok, {tool.name: tool},
                            cfg.rollout.max_response_tokens, cfg.rollout.max_tool_calls, system,
                            tool_timeout_s=cfg.rollout.tool_timeout_s)
     return engine, {"model": model_dir, "source": info.get("source", model_dir), "preset": preset,
@@ -1131,3 +1135,94 @@ def static_scores(judge, queries: Sequence, rollouts: Sequence, n: int) -> np.nd
     (`judge.evaluate`), one group of `n` contiguous rollouts per query."""
     return np.concatenate([judge.evaluate(q, rollouts[gi * n:(gi + 1) * n])
                            for gi, q in enumerate(queries)])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Held-out evaluation of a toy run (the toy judge's static rubric set; train.py, memory_eval.py)
+
+
+def evaluate_heldout(engine, judge, queries: Sequence, samples: int, temperature: float, seed: int,
+             bank_items: Sequence[Sequence[str]] | None = None) -> dict:
+    """Held-out score with the judge's static rubric set (judge.py, deviation 3): mean of the four
+    stage scores and the answer score, plus format and tool-use rates, and "per_question": the score,
+    answer score and fact recall of each query (lists of len(queries), each the mean over its
+    samples). bank_items: per query, the bank reflections placed in its prompt (§3.5; default none).
+    Deterministic per seed; reseeds torch's global RNG (wrap in `preserved_rng` inside a run)."""
+    torch.manual_seed(seed)
+    ro = engine.run(list(queries), n=samples, temperature=temperature, bank_items=bank_items)
+    return heldout_scores(judge, queries, ro, samples)
+
+
+def heldout_scores(judge, queries: Sequence, ro: Sequence, samples: int) -> dict:
+    """`evaluate_heldout`'s result for rollouts `ro` (query-major, `samples` per query) already sampled."""
+    S = static_scores(judge, queries, ro, samples)  # (N, 4)
+    facts = [judge.fact_recall(r.query, r) for r in ro]  # the toy judge's ground truth
+    return {"score": float(S.mean()), "answer": float(S[:, 3].mean()),
+            **{f"stage/{s}": float(S[:, k].mean()) for k, s in enumerate(STAGES)},
+            "well_formed": float(np.mean([r.parsed.well_formed for r in ro])),
+            "tool_call_rate": float(np.mean([r.n_tool_calls >= 1 for r in ro])),
+            "mean_tool_calls": float(np.mean([r.n_tool_calls for r in ro])),
+            "fact_recall": float(np.mean(facts)), "rollouts": len(ro),
+            # per held-out question (mean over its samples), for confidence intervals (report.py)
+            "per_question": {"score": S.reshape(len(queries), samples, -1).mean(axis=(1, 2)).tolist(),
+                             "answer": S[:, 3].reshape(len(queries), samples).mean(axis=1).tolist(),
+                             "fact_recall": np.reshape(facts, (len(queries), samples)).mean(axis=1).tolist()}}
+
+
+@contextlib.contextmanager
+def preserved_rng():
+    """Run a block without moving the run's global random streams: python `random`, numpy and torch
+    (CPU, and every CUDA device when there is one) are saved on entry and restored on exit, also
+    when the block raises. Lets an evaluation between RL steps reseed and sample freely while the
+    training metrics stay those of a run without it (not in the paper)."""
+    py, npst, th = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npst)
+        torch.set_rng_state(th)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+class EvalCurve:
+    """Held-out evaluations during a run, one JSON line per evaluation in run_dir/eval_curve.jsonl:
+    {"step": completed RL steps (0 = the SFT start), "eval": {n_questions, samples, temperature},
+    then `evaluate`'s keys (score, answer, fact_recall, stage/*, per_question, ...)}. Not in the paper.
+
+    A fresh run starts an empty file; a resumed run keeps the rows up to its checkpoint's step that
+    were taken with the current evaluation settings (the others are dropped with a warning, since
+    eval.* may change on resume), so no step appears twice. Writes are atomic rewrites.
+    """
+
+    def __init__(self, path: str, settings: dict, resume_step: int | None):
+        self.path, self.settings = path, dict(settings)
+        self.rows: list[dict] = []
+        if resume_step is not None and os.path.exists(path):
+            with open(path) as fh:
+                old = [json.loads(l) for l in fh if l.strip().endswith("}")]
+            keep = [r for r in old if r.get("step", 1 << 30) <= resume_step
+                    and r.get("eval") == self.settings]
+            if len(keep) < len([r for r in old if r.get("step", 1 << 30) <= resume_step]):
+                log.warning("eval_curve.jsonl: dropped rows taken with other eval settings")
+            self.rows = keep
+        self._write()
+
+    def _write(self) -> None:
+        data = "".join(json.dumps(r) + "\n" for r in self.rows).encode("utf-8")
+        ckpt_mod.atomic_write_bytes(self.path, data)
+
+    def add(self, step: int, result: dict) -> None:
+        self.rows = [r for r in self.rows if r["step"] != step]
+        self.rows.append({"step": int(step), "eval": dict(self.settings), **result})
+        self.rows.sort(key=lambda r: r["step"])
+        self._write()
+
+    def get(self, step: int) -> dict | None:
+        """The evaluation at `step` without the curve's own keys, or None."""
+        for r in self.rows:
+            if r["step"] == step:
+                return {k: v for k, v in r.items() if k not in ("step", "eval")}
+        return None

@@ -16,7 +16,7 @@ reflection branch of §3.4:
             reflection just written for that very question), and again without memory, with a
             second sampling seed shared by both.
 Each pass reports with-memory minus without-memory on the held-out answer score and the mean stage
-score (train.evaluate's static rubrics), means over questions with 95 % paired bootstrap intervals
+score (evaluate.evaluate_heldout's static rubrics), means over questions with 95 % paired bootstrap intervals
 over questions (report.bootstrap_ci), and the share of questions that received an item.
 
 Glossary: delta_p = mean_q (s_q^mem - s_q^none) for pass p, s_q the mean over the question's samples.
@@ -52,7 +52,8 @@ import torch
 
 import checkpoint as ckpt_mod
 import report
-import train
+import build
+import evaluate
 import settings
 from bank import MODE_EXACT, MODE_SIMILAR, RubricBank, format_for_prompt
 from reflection import run_reflection_branch
@@ -77,7 +78,7 @@ def retrieve_items(bank: RubricBank, queries: Sequence, mode: str, k: int) -> li
 
 
 def paired_delta(with_mem: dict, without: dict) -> dict:
-    """with-memory minus without-memory for two train.evaluate results on the same questions:
+    """with-memory minus without-memory for two evaluate.evaluate_heldout results on the same questions:
     for "answer" and "score", the mean difference and its 95 % paired bootstrap interval over
     questions ([lo, hi]), and the per-question differences."""
     out = {}
@@ -120,7 +121,7 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
     if threads is not None:
         cfg.threads = threads
     torch.set_num_threads(cfg.threads)
-    world, tool, _, held_q = train.build_environment(cfg)
+    world, tool, _, held_q = build.build_environment(cfg)
     qs = held_q[:n_q]
     if not qs or n_s < 1:
         raise ValueError(f"no held-out questions to evaluate (n_questions = {n_q}, samples = {n_s})")
@@ -130,7 +131,7 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
     sampler = build_sampler(model, tok)
     engine = RolloutEngine(sampler, tok, {tool.name: tool}, cfg.rollout.max_response_tokens,
                            cfg.rollout.max_tool_calls, system, cfg.rollout.temperature)
-    judge = train.build_judge(cfg, world)  # fresh: held-out questions have no rubric buffers
+    judge = build.build_judge(cfg, world)  # fresh: held-out questions have no rubric buffers
     retriever = None
     if cfg.bank.retriever == "dense":
         from backends.retrieval import DenseRetriever
@@ -144,7 +145,7 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
     def run_pass(name: str, items: list[list[str]] | None) -> tuple[dict, list]:
         torch.manual_seed(seeds[name])
         ro = engine.run(list(qs), n=n_s, temperature=cfg.eval.temperature, bank_items=items)
-        return train.heldout_scores(judge, qs, ro, n_s), ro
+        return evaluate.heldout_scores(judge, qs, ro, n_s), ro
 
     out: dict = {"run_dir": run_dir, "bank": bank_path, "bank_size": len(bank), "n_questions": len(qs),
                  "samples": n_s, "top_k": cfg.bank.top_k, "seeds": seeds, "arm": cfg.arm}
@@ -174,7 +175,7 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
         out[name] = {"mode": mode, "hits": float(np.mean([len(x) > 0 for x in items])),
                      "items": float(np.mean([len(x) for x in items])), "with": w, "without": wo,
                      "delta": paired_delta(w, wo)}
-    out["reflection"] = {k: train._py(v) for k, v in rmet.items()}
+    out["reflection"] = {k: report._py(v) for k, v in rmet.items()}
     out["seconds"] = time.perf_counter() - t_start
     return out
 

@@ -8,10 +8,15 @@ answer the same questions.
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Sequence
 
 import numpy as np
+import torch
+
+import checkpoint as ckpt_mod
+from scaffold import STAGES
 
 # The short fields of the RL progress bar (train._train_loop's bar.set_postfix).
 PROGRESS_LEGEND = ("rl progress bar: R = mean judge score of this step's rollouts over the 4 stages "
@@ -112,3 +117,101 @@ def sft_line(sft: dict) -> str:
     if sft.get("filter"):
         text += f"; SFT filters {format_filter_counts(sft['filter'])}"
     return text
+
+
+# ----------------------------------------------------------------------------------------------------
+# The metrics log (metrics.jsonl) and the reward-curve figure
+
+
+class MetricsLog:
+    """`log(metrics, step)`: one JSON line per step in run_dir/metrics.jsonl (rank 0 only).
+
+    Every line has the same keys: a key a step does not log is null there, and a key that first
+    appears at a later step (e.g. bank/rejected/<reason> after the first rejection) is added as null
+    to the earlier lines, which are then rewritten atomically. Keys keep the order of first appearance.
+
+    A resumed run calls `reset(rows)` with the checkpoint's rows: the file is rewritten atomically
+    from them, so rows of steps after the checkpoint (or a line cut short by a crash) disappear and
+    no step appears twice.
+    """
+
+    def __init__(self, path: str | None):
+        self.path = path
+        self.rows: list[dict] = []
+        self.keys: list[str] = ["step"]
+
+    def _rewrite(self) -> None:
+        if self.path:
+            data = "".join(json.dumps(r) + "\n" for r in self.rows).encode("utf-8")
+            ckpt_mod.atomic_write_bytes(self.path, data)
+
+    def _add_keys(self, row: dict) -> bool:
+        new = [k for k in row if k not in self.keys]
+        self.keys += new
+        return bool(new)
+
+    def _full(self, row: dict) -> dict:
+        return {k: row.get(k) for k in self.keys}
+
+    def reset(self, rows: list[dict]) -> None:
+        self.keys = ["step"]
+        for r in rows:
+            self._add_keys(r)
+        self.rows = [self._full(r) for r in rows]
+        self._rewrite()
+
+    def log(self, metrics: dict, step: int) -> None:
+        row = {"step": step, **{k: _py(v) for k, v in metrics.items()}}
+        if self._add_keys(row) and self.rows:  # a new key: earlier lines get it as null
+            self.rows = [self._full(r) for r in self.rows]
+            self.rows.append(self._full(row))
+            self._rewrite()
+            return
+        self.rows.append(self._full(row))
+        if self.path:
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(self.rows[-1]) + "\n")
+
+
+def _py(v):
+    if isinstance(v, (np.floating, np.integer)):
+        v = v.item()
+    if isinstance(v, torch.Tensor):
+        v = v.item()
+    if isinstance(v, float) and not np.isfinite(v):
+        return None
+    return v
+
+
+def plot_rewards(rows: list[dict], path: str, curve: list[dict] | None = None) -> None:
+    """PNG of the per-stage mean reward R per step (solid), the static-rubric score of the same
+    rollouts (dashed, `score/{stage}`) and, with `curve` (EvalCurve rows), the held-out answer score
+    at each evaluated step (black, dashed with dots); matplotlib, no display needed."""
+    if not rows:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
+    steps = [r["step"] for r in rows]
+    for k, s in enumerate(STAGES):
+        ys = [r.get(f"reward/{s}") for r in rows]
+        ax.plot(steps, [np.nan if y is None else y for y in ys], color=f"C{k}", label=f"{s} R")
+        ys = [r.get(f"score/{s}") for r in rows]
+        if any(y is not None for y in ys):
+            ax.plot(steps, [np.nan if y is None else y for y in ys], color=f"C{k}", ls="--", lw=1,
+                    label=f"{s} static")
+    if curve:
+        # a row at step s evaluates the policy after s updates, drawn where step s - 1 ended
+        ax.plot([r["step"] - 1 for r in curve], [r["answer"] for r in curve], "k--o", ms=3,
+                label="held-out answer")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("mean stage score (judge)")
+    ax.set_ylim(0, 1)
+    ax.legend(loc="lower right", fontsize=6, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -289,7 +289,7 @@ class FullConfig:
     # rank 0 samples, judges and reflects, which for 256 long rollouts can take far longer than
     # torch's 10-30 minute default
     vllm_max_model_len: int = 0  # 0 = longest prompt budget + rollout.max_response_tokens (see
-    # train.build_sampler); the engine's context length
+    # build.build_sampler); the engine's context length
     vllm_gpu_memory_utilization: float = 0.5  # ours: leaves room for the ZeRO-3 shards on rank 0's GPU
     # (on CPU: the fraction of RAM vLLM requires to be free at start)
     vllm_cpu_kv_cache_gib: int = 2  # CPU only: vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)

@@ -56,7 +56,6 @@ Deviations from the paper (besides the toy world, see world.py / sft.py)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -74,11 +73,14 @@ import report
 import ss_grpo
 from bank import curriculum
 from data import DataOrder
-from evaluate import static_scores, static_stage_scores
+from build import (build_environment, build_judge, build_sampler, eval_settings, heldout_engines,
+                   setup_policy)
+from evaluate import EvalCurve, evaluate_heldout, preserved_rng, static_stage_scores
 from faults import JUDGE_KINDS, TOOL_KINDS
 from judge import JudgeResult
 from policy import TorchEngine, UpdateBatch
 from reflection import ReflectionBatch, run_reflection_branch
+from report import MetricsLog, plot_rewards
 from runcard import save_with_run_card
 from scaffold import STAGES, SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT
 from settings import (ARMS, RESUME_MAY_CHANGE, Config, _flatten, apply_overrides, check_local_inputs,
@@ -94,70 +96,6 @@ log = logging.getLogger("rubricem")
 
 # ----------------------------------------------------------------------------------------------------
 # Windowed curriculum (§3.5)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Logging
-
-
-class MetricsLog:
-    """`log(metrics, step)`: one JSON line per step in run_dir/metrics.jsonl (rank 0 only).
-
-    Every line has the same keys: a key a step does not log is null there, and a key that first
-    appears at a later step (e.g. bank/rejected/<reason> after the first rejection) is added as null
-    to the earlier lines, which are then rewritten atomically. Keys keep the order of first appearance.
-
-    A resumed run calls `reset(rows)` with the checkpoint's rows: the file is rewritten atomically
-    from them, so rows of steps after the checkpoint (or a line cut short by a crash) disappear and
-    no step appears twice.
-    """
-
-    def __init__(self, path: str | None):
-        self.path = path
-        self.rows: list[dict] = []
-        self.keys: list[str] = ["step"]
-
-    def _rewrite(self) -> None:
-        if self.path:
-            data = "".join(json.dumps(r) + "\n" for r in self.rows).encode("utf-8")
-            ckpt_mod.atomic_write_bytes(self.path, data)
-
-    def _add_keys(self, row: dict) -> bool:
-        new = [k for k in row if k not in self.keys]
-        self.keys += new
-        return bool(new)
-
-    def _full(self, row: dict) -> dict:
-        return {k: row.get(k) for k in self.keys}
-
-    def reset(self, rows: list[dict]) -> None:
-        self.keys = ["step"]
-        for r in rows:
-            self._add_keys(r)
-        self.rows = [self._full(r) for r in rows]
-        self._rewrite()
-
-    def log(self, metrics: dict, step: int) -> None:
-        row = {"step": step, **{k: _py(v) for k, v in metrics.items()}}
-        if self._add_keys(row) and self.rows:  # a new key: earlier lines get it as null
-            self.rows = [self._full(r) for r in self.rows]
-            self.rows.append(self._full(row))
-            self._rewrite()
-            return
-        self.rows.append(self._full(row))
-        if self.path:
-            with open(self.path, "a") as fh:
-                fh.write(json.dumps(self.rows[-1]) + "\n")
-
-
-def _py(v):
-    if isinstance(v, (np.floating, np.integer)):
-        v = v.item()
-    if isinstance(v, torch.Tensor):
-        v = v.item()
-    if isinstance(v, float) and not np.isfinite(v):
-        return None
-    return v
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -198,121 +136,8 @@ def apply_reflection_batch(policy, pending: ReflectionBatch, sampler, pad_id: in
 # Evaluation
 
 
-def evaluate(engine, judge, queries: Sequence, samples: int, temperature: float, seed: int,
-             bank_items: Sequence[Sequence[str]] | None = None) -> dict:
-    """Held-out score with the judge's static rubric set (judge.py, deviation 3): mean of the four
-    stage scores and the answer score, plus format and tool-use rates, and "per_question": the score,
-    answer score and fact recall of each query (lists of len(queries), each the mean over its
-    samples). bank_items: per query, the bank reflections placed in its prompt (§3.5; default none).
-    Deterministic per seed; reseeds torch's global RNG (wrap in `preserved_rng` inside a run)."""
-    torch.manual_seed(seed)
-    ro = engine.run(list(queries), n=samples, temperature=temperature, bank_items=bank_items)
-    return heldout_scores(judge, queries, ro, samples)
-
-
-def heldout_scores(judge, queries: Sequence, ro: Sequence, samples: int) -> dict:
-    """`evaluate`'s result for rollouts `ro` (query-major, `samples` per query) already sampled."""
-    S = static_scores(judge, queries, ro, samples)  # (N, 4)
-    facts = []
-    for r in ro:
-        by_key = {f"{f['entity']} {f['aspect']}": f for f in r.query.facts}
-        ctx = judge._context(r.query, r)  # parse evidence and claims once per rollout
-        # fact recall: share of required facts stated with the right value (cited or not)
-        facts.append(np.mean([judge._check(("ans_fact", k), ctx, by_key) >= 0.5 for k in by_key])
-                     if by_key else 0.0)
-    return {"score": float(S.mean()), "answer": float(S[:, 3].mean()),
-            **{f"stage/{s}": float(S[:, k].mean()) for k, s in enumerate(STAGES)},
-            "well_formed": float(np.mean([r.parsed.well_formed for r in ro])),
-            "tool_call_rate": float(np.mean([r.n_tool_calls >= 1 for r in ro])),
-            "mean_tool_calls": float(np.mean([r.n_tool_calls for r in ro])),
-            "fact_recall": float(np.mean(facts)), "rollouts": len(ro),
-            # per held-out question (mean over its samples), for confidence intervals (report.py)
-            "per_question": {"score": S.reshape(len(queries), samples, -1).mean(axis=(1, 2)).tolist(),
-                             "answer": S[:, 3].reshape(len(queries), samples).mean(axis=1).tolist(),
-                             "fact_recall": np.reshape(facts, (len(queries), samples)).mean(axis=1).tolist()}}
-
-
-@contextlib.contextmanager
-def preserved_rng():
-    """Run a block without moving the run's global random streams: python `random`, numpy and torch
-    (CPU, and every CUDA device when there is one) are saved on entry and restored on exit, also
-    when the block raises. Lets an evaluation between RL steps reseed and sample freely while the
-    training metrics stay those of a run without it (not in the paper)."""
-    py, npst, th = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
-        yield
-    finally:
-        random.setstate(py)
-        np.random.set_state(npst)
-        torch.set_rng_state(th)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-
-
-class EvalCurve:
-    """Held-out evaluations during a run, one JSON line per evaluation in run_dir/eval_curve.jsonl:
-    {"step": completed RL steps (0 = the SFT start), "eval": {n_questions, samples, temperature},
-    then `evaluate`'s keys (score, answer, fact_recall, stage/*, per_question, ...)}. Not in the paper.
-
-    A fresh run starts an empty file; a resumed run keeps the rows up to its checkpoint's step that
-    were taken with the current evaluation settings (the others are dropped with a warning, since
-    eval.* may change on resume), so no step appears twice. Writes are atomic rewrites.
-    """
-
-    def __init__(self, path: str, settings: dict, resume_step: int | None):
-        self.path, self.settings = path, dict(settings)
-        self.rows: list[dict] = []
-        if resume_step is not None and os.path.exists(path):
-            with open(path) as fh:
-                old = [json.loads(l) for l in fh if l.strip().endswith("}")]
-            keep = [r for r in old if r.get("step", 1 << 30) <= resume_step
-                    and r.get("eval") == self.settings]
-            if len(keep) < len([r for r in old if r.get("step", 1 << 30) <= resume_step]):
-                log.warning("eval_curve.jsonl: dropped rows taken with other eval settings")
-            self.rows = keep
-        self._write()
-
-    def _write(self) -> None:
-        data = "".join(json.dumps(r) + "\n" for r in self.rows).encode("utf-8")
-        ckpt_mod.atomic_write_bytes(self.path, data)
-
-    def add(self, step: int, result: dict) -> None:
-        self.rows = [r for r in self.rows if r["step"] != step]
-        self.rows.append({"step": int(step), "eval": dict(self.settings), **result})
-        self.rows.sort(key=lambda r: r["step"])
-        self._write()
-
-    def get(self, step: int) -> dict | None:
-        """The evaluation at `step` without the curve's own keys, or None."""
-        for r in self.rows:
-            if r["step"] == step:
-                return {k: v for k, v in r.items() if k not in ("step", "eval")}
-        return None
-
-
 # ----------------------------------------------------------------------------------------------------
 # The training loop (Algorithm 1)
-
-
-def setup_policy(cfg: Config, world, tool):
-    """(model, tokenizer, info): a local --model directory, or the cached toy SFT warm start."""
-    from policy import load_policy
-    from toy.sft import warm_start
-
-    system = SYSTEM_PROMPT_COMPACT if cfg.rollout.system_prompt == "compact" else SYSTEM_PROMPT
-    if cfg.model:
-        # ZeRO-3 on GPUs trains in bf16: rank 0's sampling copy uses the same precision (half the
-        # memory of fp32; 16 GB at 8B). Everywhere else fp32.
-        bf16 = cfg.engine == "zero3" and torch.cuda.is_available() and cfg.full.bf16 != "off"
-        model, tok = load_policy(cfg.model, dtype=torch.bfloat16 if bf16 else torch.float32)
-        return model, tok, {"source": cfg.model}
-    # The warm start depends on sft.seed (part of the cache key), not on the RL seed: it reseeds
-    # every generator it uses, so runs with different --seed share one cached SFT policy.
-    model, tok, info, path = warm_start(world, tool, system, cfg.sft, cfg.teacher, cfg.model_size,
-                                        cfg.vocab_size, cfg.cache_dir, progress=cfg.progress)
-    info["source"] = path
-    return model, tok, info
 
 
 def seed_everything(seed: int) -> None:
@@ -471,84 +296,6 @@ def train(cfg: Config, resume: str | None = None) -> dict:
         policy.close()
 
 
-def build_environment(cfg: Config):
-    """(world or None, search tool, train queries, held-out queries) for cfg's data and search
-    backends: the toy world and its BM25 tool, or DR Tulu rows (data.load_rl_rows) and the Serper
-    tool (search_http). The toy world is built when anything needs it (toy data, tool or judge, or
-    the SFT warm start)."""
-    from toy.world import BM25SearchTool, make_world
-    from data import load_rows
-
-    need_world = (not cfg.data.source or cfg.search.backend == "toy" or cfg.judge.backend == "toy"
-                  or not cfg.model)
-    world = make_world(cfg.world) if need_world else None
-    if cfg.search.backend == "serper":
-        from backends.search_http import SerperConfig, SerperSearchTool
-
-        tool = SerperSearchTool(SerperConfig(base_url=cfg.search.base_url, k=cfg.search.k,
-                                             cache_dir=os.path.join(cfg.cache_dir, "search")))
-    else:
-        tool = BM25SearchTool(world.docs)
-    if cfg.data.source:
-        from data import load_rl_rows
-
-        train_q = load_rl_rows(cfg.data.source, cfg.data.split, cfg.data.limit or None)
-        held_q = []
-    else:
-        train_q, held_q = load_rows(world.train_rows), load_rows(world.heldout_rows)
-    if len(train_q) < cfg.rollout.prompts_per_step:
-        raise ValueError(f"data: {len(train_q)} training questions, fewer than "
-                         f"rollout.prompts_per_step = {cfg.rollout.prompts_per_step}")
-    return world, tool, train_q, held_q
-
-
-def build_judge(cfg: Config, world):
-    """The stage judge of §3.4: ToyJudge (the toy world's ground truth) or judge_http.HTTPJudge
-    (Gemini or an OpenAI-compatible server; the key is read from the environment per request)."""
-    if cfg.judge.backend == "toy":
-        from toy.judge import ToyJudge
-
-        return ToyJudge(world, cfg.judge.caps)
-    from backends.judge_http import HTTPJudge, HTTPJudgeConfig
-
-    hc = HTTPJudgeConfig(backend=cfg.judge.backend, model=cfg.judge.model, base_url=cfg.judge.base_url,
-                         timeout_s=cfg.judge.timeout_s, max_retries=cfg.judge.max_retries,
-                         concurrency=cfg.judge.concurrency,
-                         cache_dir=os.path.join(cfg.cache_dir, "judge"))
-    return HTTPJudge(hc, cfg.judge.caps)
-
-
-def build_sampler(cfg: Config, model, tok):
-    """The rollout sampler on rank 0: HF generate over `model` ("hf"), the KV-cache decode loop over
-    `model` ("kv", kv_sampler.KVSampler), or vLLM loaded from cfg.model (its weights follow pi_theta
-    through the engine's sync after every update)."""
-    from scaffold import HFSampler
-
-    if cfg.sampler == "kv":
-        from toy.kv_sampler import KVSampler
-
-        return KVSampler(model, tok)
-    if cfg.sampler != "vllm":
-        return HFSampler(model, tok)
-    from backends.vllm_sampler import VLLMSampler  # SCALE: vLLM only when asked for
-
-    # SCALE: on GPU the fraction of GPU memory for weights + KV cache; on CPU vLLM reads the same
-    # setting as a fraction of RAM it checks is free, and the KV cache has its own size.
-    kw = {"gpu_memory_utilization": cfg.full.vllm_gpu_memory_utilization}
-    if not torch.cuda.is_available():
-        kw["kv_cache_space_gib"] = cfg.full.vllm_cpu_kv_cache_gib
-    # The engine's context: the configured length, else the response budget plus 4096 prompt tokens,
-    # never beyond what the model's positions allow.
-    limit = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
-    max_len = min(cfg.full.vllm_max_model_len or cfg.rollout.max_response_tokens + 4096, limit)
-    # Under a multi-rank launcher, vLLM's in-process engine would build its process groups on the
-    # trainer's default group, which every rank must join (it hangs): the engine then runs in its
-    # own process and takes new weights from a checkpoint on tmpfs (full.ZeRO3Engine.sync).
-    in_process = int(os.environ.get("WORLD_SIZE", "1")) <= 1
-    return VLLMSampler(cfg.model, tok, seed=cfg.seed, max_model_len=max_len, in_process=in_process,
-                       **kw)
-
-
 def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, reference, world, tool,
                 train_q, held_q, mpath, timings, t_start) -> dict:
     """Algorithm 1 on rank 0 (train's body once the policy engine exists)."""
@@ -629,7 +376,7 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
     def curve_point(done: int, eng) -> None:
         t0 = time.perf_counter()
         with preserved_rng():
-            curve.add(done, evaluate(eng, eval_judge, qs, cfg.eval.samples, cfg.eval.temperature,
+            curve.add(done, evaluate_heldout(eng, eval_judge, qs, cfg.eval.samples, cfg.eval.temperature,
                                      cfg.seed + 12345))
         timings["curve_eval_s"] += time.perf_counter() - t0
 
@@ -803,9 +550,9 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
         t0 = time.perf_counter()
         # The SFT start evaluated at step 0 of eval_curve.jsonl is this same evaluation (same
         # weights, questions and seed): reused instead of sampled again.
-        summary["eval_sft"] = curve.get(0) or evaluate(ref_engine, eval_judge, qs, cfg.eval.samples,
+        summary["eval_sft"] = curve.get(0) or evaluate_heldout(ref_engine, eval_judge, qs, cfg.eval.samples,
                                                        cfg.eval.temperature, cfg.seed + 12345)
-        summary["eval_rl"] = evaluate(cur_engine, eval_judge, qs, cfg.eval.samples,
+        summary["eval_rl"] = evaluate_heldout(cur_engine, eval_judge, qs, cfg.eval.samples,
                                       cfg.eval.temperature, cfg.seed + 12345)
         curve.add(0, summary["eval_sft"])
         curve.add(cfg.steps, summary["eval_rl"])
@@ -815,26 +562,6 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
     timings["total_s"] = time.perf_counter() - t_start
     ckpt_mod.atomic_write_json(os.path.join(cfg.run_dir, "eval.json"), summary)
     return summary
-
-
-def eval_settings(cfg: Config) -> dict:
-    """What makes two held-out evaluations comparable (besides the seed and the world)."""
-    return {"n_questions": cfg.eval.n_questions, "samples": cfg.eval.samples,
-            "temperature": cfg.eval.temperature}
-
-
-def heldout_engines(cfg: Config, policy, model, tok, tool, system: str):
-    """(SFT-start engine, current-policy engine) for the held-out evaluation: rollout engines over
-    pi_ref (policy.ref_model) and pi_theta (`model`, the weights the torch engine trains) with the
-    clean search tool, so evaluation measures the policy whatever faults training saw."""
-    from scaffold import HFSampler, RolloutEngine
-
-    ref_engine = RolloutEngine(HFSampler(policy.ref_model, tok), tok, {tool.name: tool},
-                               cfg.rollout.max_response_tokens, cfg.rollout.max_tool_calls, system)
-    cur_engine = RolloutEngine(HFSampler(model, tok), tok, {tool.name: tool},
-                               cfg.rollout.max_response_tokens, cfg.rollout.max_tool_calls, system,
-                               cfg.rollout.temperature)
-    return ref_engine, cur_engine
 
 
 def checked_judge_result(res: Any, n: int, step: int = 0, query: str = "") -> tuple[Any, bool]:
@@ -896,40 +623,6 @@ def judge_step_metrics(before: dict, after: dict, http_before: dict | None = Non
     if http_before is not None and http_after is not None:
         out.update({f"judge/http/{k}": v for k, v in h.items()})
     return out
-
-
-def plot_rewards(rows: list[dict], path: str, curve: list[dict] | None = None) -> None:
-    """PNG of the per-stage mean reward R per step (solid), the static-rubric score of the same
-    rollouts (dashed, `score/{stage}`) and, with `curve` (EvalCurve rows), the held-out answer score
-    at each evaluated step (black, dashed with dots); matplotlib, no display needed."""
-    if not rows:
-        return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
-    steps = [r["step"] for r in rows]
-    for k, s in enumerate(STAGES):
-        ys = [r.get(f"reward/{s}") for r in rows]
-        ax.plot(steps, [np.nan if y is None else y for y in ys], color=f"C{k}", label=f"{s} R")
-        ys = [r.get(f"score/{s}") for r in rows]
-        if any(y is not None for y in ys):
-            ax.plot(steps, [np.nan if y is None else y for y in ys], color=f"C{k}", ls="--", lw=1,
-                    label=f"{s} static")
-    if curve:
-        # a row at step s evaluates the policy after s updates, drawn where step s - 1 ended
-        ax.plot([r["step"] - 1 for r in curve], [r["answer"] for r in curve], "k--o", ms=3,
-                label="held-out answer")
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("mean stage score (judge)")
-    ax.set_ylim(0, 1)
-    ax.legend(loc="lower right", fontsize=6, ncol=2)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:

@@ -691,7 +691,7 @@ class ZeRO3Engine:
         """Copy the updated weights into rank 0's sampler: the plain `model` (HF generate) or a vLLM
         engine. Gathers one parameter at a time (iter_full_params)."""
         if getattr(sampler, "in_process", True) is False:
-            # An out-of-process vLLM engine (world size > 1, see train.build_sampler): rank 0 writes
+            # An out-of-process vLLM engine (world size > 1, see build.build_sampler): rank 0 writes
             # the gathered weights as a HF checkpoint on tmpfs (collective, one tensor at a time)
             # and the engine reloads them in place.
             sampler.reload_from_checkpoint(self)

@@ -47,7 +47,6 @@ def main(argv=None) -> int:
 
     import policy
     import ss_grpo
-    import train
     from toy.kv_sampler import draw_inverse_cdf
 
     torch.set_num_threads(a.threads)

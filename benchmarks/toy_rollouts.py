@@ -34,14 +34,16 @@ def main(argv=None) -> int:
     import torch
 
     import train
+
+    import build
     from toy.kv_sampler import KVSampler
     from scaffold import SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT, HFSampler, RolloutEngine
 
     cfg = train.parse_args([x for x in a.train_args if x != "--"])
     cfg.progress = False
     torch.set_num_threads(cfg.threads)
-    world, tool, train_q, _ = train.build_environment(cfg)
-    model, tok, _ = train.setup_policy(cfg, world, tool)
+    world, tool, train_q, _ = build.build_environment(cfg)
+    model, tok, _ = build.setup_policy(cfg, world, tool)
     model.eval()
     system = SYSTEM_PROMPT_COMPACT if cfg.rollout.system_prompt == "compact" else SYSTEM_PROMPT
     queries = train_q[: cfg.rollout.prompts_per_step]

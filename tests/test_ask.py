@@ -8,7 +8,7 @@ import ask
 import policy
 import runcard
 import scaffold
-import train
+import build
 import settings
 from toyfix import TINY, policy_segments, replay, teacher, tiny_tokenizer, torch_threads, train_queries
 
@@ -68,7 +68,7 @@ def test_ask_runs_a_checkpoint_with_its_run_card(tmp_path, capsys):
     assert res["system"] == scaffold.SYSTEM_PROMPT_COMPACT and len(res["rollouts"]) == 1
     r = res["rollouts"][0]
     assert scaffold.SYSTEM_PROMPT_COMPACT in tok.decode(r.prompt_ids) and len(r.response_ids) <= 24
-    assert res["question"] == train.build_environment(settings.config_from_dict(
+    assert res["question"] == build.build_environment(settings.config_from_dict(
         json.load(open(os.path.join(d, runcard.CARD)))["config"]))[3][0].query  # a held-out question
     # Unusable input: exit code 2 with the reason.
     assert ask.main([str(tmp_path / "nope"), "q"]) == 2

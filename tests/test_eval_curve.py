@@ -9,6 +9,8 @@ import torch
 
 import train
 
+import evaluate
+
 import settings
 from runfix import fast_args, metric_rows, sha256
 
@@ -19,7 +21,7 @@ def curve_rows(run_dir) -> list[dict]:
 
 def test_preserved_rng_restores_python_numpy_and_torch_streams():
     random.seed(1), np.random.seed(1), torch.manual_seed(1)
-    with train.preserved_rng():
+    with evaluate.preserved_rng():
         torch.manual_seed(99)
         random.random(), np.random.rand(), torch.rand(3)
     a = (random.random(), float(np.random.rand()), torch.rand(3))
@@ -72,13 +74,13 @@ def test_eval_every_writes_a_curve_and_leaves_training_unchanged(tmp_path, toy_c
 def test_eval_curve_resume_keeps_rows_up_to_the_checkpoint(tmp_path):
     path = str(tmp_path / "eval_curve.jsonl")
     s = {"n_questions": 2, "samples": 1, "temperature": 1.0}
-    c = train.EvalCurve(path, s, None)
+    c = evaluate.EvalCurve(path, s, None)
     for step in (0, 2, 4):
         c.add(step, {"answer": step / 10})
     with open(path, "a") as fh:
         fh.write('{"step": 6, "eval"')  # a line cut short by a kill
-    c2 = train.EvalCurve(path, s, 3)
+    c2 = evaluate.EvalCurve(path, s, 3)
     assert [r["step"] for r in c2.rows] == [0, 2] and c2.get(2) == {"answer": 0.2}
-    c3 = train.EvalCurve(path, {**s, "samples": 2}, 3)  # eval settings changed on resume
+    c3 = evaluate.EvalCurve(path, {**s, "samples": 2}, 3)  # eval settings changed on resume
     assert c3.rows == [] and c3.get(0) is None
-    assert train.EvalCurve(path, s, None).rows == []  # a fresh run starts empty
+    assert evaluate.EvalCurve(path, s, None).rows == []  # a fresh run starts empty

@@ -20,6 +20,7 @@ import pytest
 
 import scaffold
 from toy import sft
+import build
 import train
 import ss_grpo
 import settings
@@ -191,7 +192,7 @@ def test_run_with_a_wrong_shaped_judge_result_trains_on_missing_cells_sec3_4(tmp
                 return WRONG_SHAPES[kind](res)
             return res
 
-    monkeypatch.setattr(train, "build_judge", lambda cfg, world: WrongShapeOnce(world, cfg.judge.caps))
+    monkeypatch.setattr(build, "build_judge", lambda cfg, world: WrongShapeOnce(world, cfg.judge.caps))
     d = tmp_path / "run"
     assert train.main(fast_args(d, toy_cache, 3, "--set", "checkpoint.every=0")) == 0
     rows = metric_rows(d)

@@ -224,7 +224,7 @@ def _vllm_python_with_deepspeed():
 
 @pytest.mark.slow
 def test_full_mode_two_zero3_ranks_with_the_vllm_sampler(runs, tmp_path):
-    """ZeRO-3 on 2 ranks + vLLM on rank 0 (its own process: see train.build_sampler), synced after
+    """ZeRO-3 on 2 ranks + vLLM on rank 0 (its own process: see build.build_sampler), synced after
     every update through a checkpoint on tmpfs. The sync must reach the engine: with lr 0 and lr 1e-3
     the first step samples the same trajectories (same weights, same per-request seeds) and the
     second step differs only if the engine received the updated weights. Then one ZeRO-3 rank with

@@ -155,15 +155,15 @@ def test_rollout_engine_greedy_tool_loop_same_rollouts_sec3_2(tok, model):
 
 
 def test_config_sampler_kv_builds_the_kv_sampler(tok, model):
-    import train
+    import build
     import settings
 
     cfg = settings.Config()
     cfg.sampler = "kv"
     settings.validate_config(cfg)
-    assert isinstance(train.build_sampler(cfg, model, tok), KVSampler)
+    assert isinstance(build.build_sampler(cfg, model, tok), KVSampler)
     cfg.sampler = "hf"
-    s = train.build_sampler(cfg, model, tok)
+    s = build.build_sampler(cfg, model, tok)
     assert isinstance(s, HFSampler) and not isinstance(s, KVSampler)
 
 

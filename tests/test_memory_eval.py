@@ -10,6 +10,7 @@ import pytest
 import bank as bank_mod
 import memory_eval
 import train
+import build
 import settings
 from runfix import fast_args, sha256
 from test_reflection import LESSON, ReflectionTextSampler, patch_sampler
@@ -34,16 +35,16 @@ def test_pass1_similar_then_reflect_then_pass2_exact_fig6d(tmp_path, toy_cache, 
                                 "--set", "eval.n_questions=2")) == 0
     bank_before = sha256(run / "bank.jsonl")
     assert len(bank_mod.RubricBank.load(run / "bank.jsonl")) == 4
-    build = memory_eval.build_sampler  # reflections on held-out trajectories: the valid lesson
+    orig = memory_eval.build_sampler  # reflections on held-out trajectories: the valid lesson
     monkeypatch.setattr(memory_eval, "build_sampler",
-                        lambda model, tok: ReflectionTextSampler(build(model, tok), tok, []))
+                        lambda model, tok: ReflectionTextSampler(orig(model, tok), tok, []))
     seen = []
     retrieve = bank_mod.RubricBank.retrieve
     monkeypatch.setattr(bank_mod.RubricBank, "retrieve",
                         lambda self, q, mode, k=2: seen.append((q, mode, len(self))) or
                         retrieve(self, q, mode, k))
     res = memory_eval.memory_reuse(str(run))
-    held = [q.query for q in train.build_environment(settings.config_from_dict(
+    held = [q.query for q in build.build_environment(settings.config_from_dict(
         json.load(open(run / "config.json"))))[3][:2]]
     # pass 1 asks the run's bank (4 training lessons) in similar mode, pass 2 the copy in exact mode
     assert seen[:2] == [(q, "similar", 4) for q in held]

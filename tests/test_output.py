@@ -89,7 +89,7 @@ def test_glossary_names_the_fault_and_bank_keys():
 
 
 def test_metrics_lines_share_one_key_set_with_null_for_keys_a_step_lacks(tmp_path):
-    log = train.MetricsLog(str(tmp_path / "m.jsonl"))
+    log = report.MetricsLog(str(tmp_path / "m.jsonl"))
     log.log({"a": 1.0}, 0)
     log.log({"a": 2.0, "bank/rejected/empty": 1}, 1)  # a key that appears at step 1
     log.log({"b": float("nan")}, 2)
@@ -98,7 +98,7 @@ def test_metrics_lines_share_one_key_set_with_null_for_keys_a_step_lacks(tmp_pat
         {"step": 0, "a": 1.0, "bank/rejected/empty": None, "b": None},
         {"step": 1, "a": 2.0, "bank/rejected/empty": 1, "b": None},
         {"step": 2, "a": None, "bank/rejected/empty": None, "b": None}]
-    again = train.MetricsLog(str(tmp_path / "m.jsonl"))  # a resumed run starts from the rows
+    again = report.MetricsLog(str(tmp_path / "m.jsonl"))  # a resumed run starts from the rows
     again.reset(rows[:2])
     again.log({"a": 3.0}, 2)
     assert [json.loads(line) for line in open(tmp_path / "m.jsonl")][2] == \

@@ -15,6 +15,8 @@ from runfix import fast_args, metric_rows
 
 import train
 
+import build
+
 import settings
 
 import policy
@@ -154,9 +156,9 @@ class ReflectionTextSampler:
 
 
 def patch_sampler(monkeypatch, log):
-    build = train.build_sampler
-    monkeypatch.setattr(train, "build_sampler",
-                        lambda cfg, model, tok: ReflectionTextSampler(build(cfg, model, tok), tok, log))
+    orig = build.build_sampler
+    monkeypatch.setattr(build, "build_sampler",
+                        lambda cfg, model, tok: ReflectionTextSampler(orig(cfg, model, tok), tok, log))
 
 
 @pytest.mark.slow

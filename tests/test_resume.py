@@ -16,6 +16,7 @@ import torch
 
 import checkpoint as ckpt_mod
 import train
+import build
 import settings
 from runfix import fast_args, metric_rows, run_fingerprint
 from test_reflection import ReflectionTextSampler
@@ -37,12 +38,12 @@ LESSON_ARGS = ("--set", "reflection.max_new_tokens=96")
 
 @contextlib.contextmanager
 def lesson_sampler():
-    """Context: train.build_sampler wrapped so that reflection calls (temperature 0.7) return a valid
+    """Context: build.build_sampler wrapped so that reflection calls (temperature 0.7) return a valid
     lesson and rollouts pass through (test_reflection.ReflectionTextSampler)."""
-    build = train.build_sampler
+    orig = build.build_sampler
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(train, "build_sampler",
-                  lambda cfg, model, tok: ReflectionTextSampler(build(cfg, model, tok), tok, []))
+        m.setattr(build, "build_sampler",
+                  lambda cfg, model, tok: ReflectionTextSampler(orig(cfg, model, tok), tok, []))
         yield
 
 

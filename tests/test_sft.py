@@ -265,6 +265,7 @@ def test_warm_start_is_shared_by_rl_seeds_and_ignores_global_rng_appendix(tmp_pa
     # The SFT policy depends on sft.seed only: a run with another --seed (which seeds the global
     # generators first) must find the same cached warm start instead of training an identical one.
     import train
+    import build
     import settings
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -277,7 +278,7 @@ def test_warm_start_is_shared_by_rl_seeds_and_ignores_global_rng_appendix(tmp_pa
         c.sft = sft.SFTConfig(n_trajectories=6, n_reflections=2, steps=2, batch_size=4, warmup=1)
         cfgs.append(c)
     train.seed_everything(0)
-    m0, _, info0 = train.setup_policy(cfgs[0], world, tf.tiny_tool())
+    m0, _, info0 = build.setup_policy(cfgs[0], world, tf.tiny_tool())
     # trained from scratch in another cache dir under other global seeds: the same weights
     train.seed_everything(123)
     m_other, _, _, _ = sft.warm_start(world, tf.tiny_tool(), tf.SYSTEM, cfgs[1].sft, cfgs[1].teacher,
@@ -285,6 +286,6 @@ def test_warm_start_is_shared_by_rl_seeds_and_ignores_global_rng_appendix(tmp_pa
     sd0, sd1 = m0.state_dict(), m_other.state_dict()
     assert all(torch.equal(sd0[k], sd1[k]) for k in sd0)
     train.seed_everything(1)
-    _, _, info1 = train.setup_policy(cfgs[1], world, tf.tiny_tool())
+    _, _, info1 = build.setup_policy(cfgs[1], world, tf.tiny_tool())
     assert info0["cached"] is False and info1["cached"] is True
     assert info1["source"] == info0["source"]

@@ -291,6 +291,16 @@ class ToyJudge(EvolvingJudge):
               "res_efficient", "res_honest", "rev_map", "rev_plan", "ans_fact", "ans_supported",
               "ans_cited", "ans_closed", "ans_nodistractor"}
 
+    def fact_recall(self, query, ro: Rollout) -> float:
+        """Share in [0, 1] of the query's required facts that rollout `ro`'s answer states with the
+        right value (cited or not; the `ans_fact` check >= 0.5); 0.0 for a query without facts.
+        The held-out evaluation reports it (evaluate.heldout_scores)."""
+        by_key = {f"{f['entity']} {f['aspect']}": f for f in query.facts}
+        if not by_key:
+            return 0.0
+        ctx = self._context(query, ro)  # parse evidence and claims once per rollout
+        return float(np.mean([self._check(("ans_fact", k), ctx, by_key) >= 0.5 for k in by_key]))
+
     def _check(self, check: tuple, c: dict, facts: dict) -> float:
         """Score in [0,1] of one check spec on one rollout's context; NaN for an unknown kind. A
         per-fact spec ("kind", "Entity aspect") whose fact is not asked scores 0."""
