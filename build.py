@@ -9,6 +9,7 @@ when the configuration asks for it, so a toy run never imports DeepSpeed, vLLM o
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -132,3 +133,68 @@ def heldout_engines(cfg: Config, policy, model, tok, tool, system: str):
                                cfg.rollout.max_response_tokens, cfg.rollout.max_tool_calls, system,
                                cfg.rollout.temperature)
     return ref_engine, cur_engine
+
+
+# ----------------------------------------------------------------------------------------------------
+# A run's components, built once
+
+
+@dataclass
+class Run:
+    """What one RL step of Algorithm 1 (train.rl_step) reads and updates. Built by `build_run`.
+
+    policy: the policy engine (policy.PolicyEngine: TorchEngine, or backends/full.py's ZeRO3Engine);
+    sampler: the rollout sampler (scaffold.Sampler); rollouts: scaffold.RolloutEngine over the
+    sampler and the search tool as training sees it (`rl_tool`, with injected faults when asked);
+    judge: the stage judge (judge.EvolvingJudge; faults.FaultyJudge around it when asked), `clean_judge`
+    the same without injected faults (evaluation); bank: the rubric bank (bank.RubricBank); order:
+    data.DataOrder over `train_q`; arm: settings.Arm, which components the ablation arm runs."""
+
+    cfg: Config
+    policy: object
+    model: object
+    tok: object
+    system: str
+    sampler: object
+    rollouts: object
+    tool: object
+    rl_tool: object
+    judge: object
+    clean_judge: object
+    bank: object
+    order: object
+    train_q: list
+    held_q: list
+    arm: object
+
+
+def build_run(cfg: Config, policy, model, tok, world, tool, train_q: list, held_q: list) -> Run:
+    """The sampler, rollout engine, judge, bank and data order of a run whose policy engine exists
+    (built by train.train, collectively on every rank for ZeRO-3)."""
+    from bank import RubricBank
+    from data import DataOrder
+    from faults import FaultyJudge, FaultyTool
+    from scaffold import RolloutEngine
+    from settings import ARMS
+
+    system = SYSTEM_PROMPT_COMPACT if cfg.rollout.system_prompt == "compact" else SYSTEM_PROMPT
+    sampler = build_sampler(cfg, model, tok)
+    # Injected tool faults reach the RL rollouts only: the warm start and evaluation use the clean
+    # tool, so their results do not depend on the fault settings.
+    rl_tool = FaultyTool(tool, cfg.faults) if cfg.faults.tool_rate > 0 else tool
+    rollouts = RolloutEngine(sampler, tok, {tool.name: rl_tool}, cfg.rollout.max_response_tokens,
+                             cfg.rollout.max_tool_calls, system, cfg.rollout.temperature,
+                             tool_timeout_s=cfg.rollout.tool_timeout_s,
+                             deadline_s=cfg.rollout.deadline_s)
+    clean_judge = build_judge(cfg, world)
+    judge = (FaultyJudge(clean_judge, cfg.faults, cfg.judge.max_retries)
+             if cfg.faults.judge_rate > 0 else clean_judge)
+    retriever = None
+    if cfg.bank.retriever == "dense":
+        from backends.retrieval import DenseRetriever  # SCALE: the full preset's retriever
+
+        retriever = DenseRetriever(cfg.bank.embed_model)
+    bank = RubricBank(max_chars=cfg.bank.max_chars, retriever=retriever)
+    order = DataOrder(len(train_q), cfg.rollout.prompts_per_step, cfg.seed)
+    return Run(cfg, policy, model, tok, system, sampler, rollouts, tool, rl_tool, judge, clean_judge,
+               bank, order, train_q, held_q, ARMS[cfg.arm])

@@ -56,6 +56,7 @@ Deviations from the paper (besides the toy world, see world.py / sft.py)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -73,8 +74,8 @@ import report
 import ss_grpo
 from bank import curriculum
 from data import DataOrder
-from build import (build_environment, build_judge, build_sampler, eval_settings, heldout_engines,
-                   setup_policy)
+from bank import format_for_prompt
+from build import Run, build_environment, build_run, eval_settings, heldout_engines, setup_policy
 from evaluate import EvalCurve, evaluate_heldout, preserved_rng, static_stage_scores
 from faults import JUDGE_KINDS, TOOL_KINDS
 from judge import JudgeResult
@@ -82,7 +83,7 @@ from policy import TorchEngine, UpdateBatch
 from reflection import ReflectionBatch, run_reflection_branch
 from report import MetricsLog, plot_rewards
 from runcard import save_with_run_card
-from scaffold import STAGES, SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT
+from scaffold import STAGES
 from settings import (ARMS, RESUME_MAY_CHANGE, Config, _flatten, apply_overrides, check_local_inputs,
                       config_from_dict, format_config_reference, full_preset, resume_config_diff,
                       toy_preset, validate_config, variation_run_dir)
@@ -296,14 +297,190 @@ def train(cfg: Config, resume: str | None = None) -> dict:
         policy.close()
 
 
+# ----------------------------------------------------------------------------------------------------
+# One RL step: Algorithm 1 as the paper's named steps
+
+
+@contextlib.contextmanager
+def timed(m: dict, key: str):
+    """Add the wall seconds of the block to metrics m[key] (the time/* keys of metrics.jsonl)."""
+    t0 = time.perf_counter()
+    yield
+    m[key] = time.perf_counter() - t0
+
+
+@dataclass
+class StepOut:
+    """What one step produced, for its metrics, samples and the next step: the queries, their
+    rollouts (query-major, n per query), the stage scores R (N, 4) float64 (NaN = missing), the
+    judge's result per group, the update batch, and the reflection batch for the next step."""
+
+    queries: list
+    rollouts: list
+    R: np.ndarray
+    results: list
+    batch: UpdateBatch
+    pending: ReflectionBatch
+
+
+def rl_step(run: Run, step: int, pending: ReflectionBatch, rng: random.Random, m: dict) -> StepOut:
+    """One step of Algorithm 1 (0-based `step`); fills the metrics dict `m` as it goes."""
+    cfg, n = run.cfg, run.cfg.rollout.n
+    with timed(m, "time/reflection_update_s"):  # Alg. 1: last step's reflection GRPO batch first
+        m.update(apply_reflection_batch(run.policy, pending, run.sampler, run.tok.pad_token_id, rng,
+                                        cfg.reflection.loss_coef))
+    b, mode = curriculum(step, cfg.curriculum.K, cfg.curriculum.enabled)  # §3.5 windowed curriculum
+    queries = [run.train_q[i] for i in run.order.batch(b)]
+    items = retrieve_memory(run, queries, mode, b, m)  # Alg. 1 step 2
+    with timed(m, "time/rollout_s"):
+        rollouts = sample_rollouts(run, queries, items, step)  # Alg. 1 step 3
+    with timed(m, "time/judge_s"):
+        R, results, judged = judge_groups(run, queries, rollouts, step, m)  # Alg. 1 step 4
+    with timed(m, "time/update_s"):
+        A, am = ss_grpo.task_advantages(R, n, cfg.ss_grpo, run.arm.advantage)  # Alg. 1 step 5
+        m.update(am)
+        batch = update_batch(rollouts, A)
+        m.update(run.policy.update(batch, run.tok.pad_token_id, rng))  # Alg. 1 step 6
+    with timed(m, "time/sync_s"):
+        run.policy.sync(run.sampler)  # pi_theta changed: the sampler's weights follow
+    if "syncs" in run.sampler.stats:  # vLLM: weight syncs so far and the last one's size
+        m["sampler/syncs"] = run.sampler.stats["syncs"] + run.sampler.stats["reloads"]
+        m["sampler/sync_bytes"] = run.sampler.stats["last_sync"].get("bytes", 0)
+    with timed(m, "time/reflection_s"):
+        pending, rmet = reflect(run, step, rollouts, judged, rng)  # Alg. 1 step 7
+        m.update(rmet)
+    return StepOut(queries, rollouts, R, results, batch, pending)
+
+
+def retrieve_memory(run: Run, queries: list, mode: str, b: int, m: dict) -> list[list[str]]:
+    """Alg. 1 step 2 (§3.5): per query, the rubric-bank items for its prompt ("similar": top-k of
+    other queries' reflections; "exact": its own entry); none when the arm has no bank."""
+    items = []
+    for q in queries:
+        got = run.bank.retrieve(q.query, mode, k=run.cfg.bank.top_k) if run.arm.bank else []
+        items.append(format_for_prompt(got))
+    m["retrieval/mode_exact"] = int(mode == "exact")
+    m["retrieval/batch"] = b
+    m["retrieval/hits"] = float(np.mean([len(x) > 0 for x in items]))
+    m["retrieval/items"] = float(np.mean([len(x) for x in items]))
+    return items
+
+
+def sample_rollouts(run: Run, queries: list, items: list, step: int) -> list:
+    """Alg. 1 step 3 (§3.1-3.2): n rollouts per query at the rollout temperature, seeded per step."""
+    seed = run.cfg.seed * 7919 + step
+    torch.manual_seed(seed)
+    run.sampler.reseed(seed)  # vLLM: per-request seeds; HF / KV: torch's global RNG above
+    return run.rollouts.run(queries, n=run.cfg.rollout.n, bank_items=items)
+
+
+def judge_groups(run: Run, queries: list, rollouts: list, step: int, m: dict):
+    """Alg. 1 step 4 (§3.4): each query's group through judge.judge_group (propose -> merge ->
+    score -> prune). Returns R (N, 4) float64, the per-group results, and judged: rollout index ->
+    (its group's result, its row), which the reflection branch reads."""
+    n = run.cfg.rollout.n
+    R, results, judged, bad_shape = np.zeros((len(rollouts), len(STAGES))), [], {}, 0
+    for gi, q in enumerate(queries):
+        grp = rollouts[gi * n:(gi + 1) * n]
+        res, bad = checked_judge_result(run.judge.judge_group(q, grp, step), len(grp), step, q.query)
+        bad_shape += bad
+        results.append(res)
+        R[gi * n:(gi + 1) * n] = res.R
+        judged.update({gi * n + j: (res, j) for j in range(n)})
+    if bad_shape:  # only on steps where it happened: fault-free metrics rows stay as they were
+        m["judge/bad_shape"] = bad_shape
+    return R, results, judged
+
+
+def update_batch(rollouts: list, A: torch.Tensor) -> UpdateBatch:
+    """The task sequences of the update: prompt + response ids, the loss mask (sampled tokens only)
+    and each token's advantage A[i, stage of the token] (ss_grpo.token_advantages, §3.3)."""
+    ub = UpdateBatch()
+    for i, r in enumerate(rollouts):
+        ub.ids.append(r.prompt_ids + r.response_ids)
+        ub.mask.append([0] * len(r.prompt_ids) + r.loss_mask)
+        st = torch.tensor([-1] * len(r.prompt_ids) + r.stage_ids)[None]
+        mk = torch.tensor(ub.mask[-1])[None]
+        ub.adv.append(ss_grpo.token_advantages(A[i:i + 1], st, mk)[0].tolist())
+        ub.kind.append("task")
+    return ub
+
+
+def reflect(run: Run, step: int, rollouts: list, judged: dict, rng: random.Random):
+    """Alg. 1 step 7 (§3.4): the reflection branch on this step's trajectories (bank upserts now,
+    its GRPO batch applied at the next step); nothing when the arm has no reflection."""
+    if not run.arm.reflection:
+        return ReflectionBatch(step), {}
+    cfg = run.cfg
+    return run_reflection_branch(step, rollouts, judged, run.judge, run.bank, run.sampler, run.tok,
+                                 run.system, cfg.reflection, rng, cfg.ss_grpo.std, cfg.ss_grpo.eps,
+                                 group_size=cfg.rollout.n)
+
+
+def step_metrics(run: Run, out: StepOut, before: dict) -> dict:
+    """The per-step metrics besides those rl_step logs: scores and advantages per stage, judge,
+    tool and rollout counters (differences from the `before` snapshot), bank size."""
+    m: dict[str, Any] = {}
+    R, rollouts, results, ub = out.R, out.rollouts, out.results, out.batch
+    static = static_stage_scores(run.judge, out.queries, rollouts, run.cfg.rollout.n)
+    for k, s in enumerate(STAGES):
+        m[f"score/{s}"] = static[k] if static is not None else None
+        m[f"reward/{s}"] = float(np.nanmean(R[:, k])) if np.isfinite(R[:, k]).any() else None
+        m[f"reward_std/{s}"] = float(np.nanstd(R[:, k])) if np.isfinite(R[:, k]).any() else None
+        vals = [ub.adv[i][len(r.prompt_ids) + t] for i, r in enumerate(rollouts)
+                for t, sid in enumerate(r.stage_ids) if sid == k and r.loss_mask[t]]
+        m[f"adv/{s}"] = float(np.mean(vals)) if vals else 0.0
+        m[f"adv_abs/{s}"] = float(np.mean(np.abs(vals))) if vals else 0.0
+        m[f"judge/buffer_{s}"] = float(np.mean([res.stats["buffer_sizes"][k] for res in results]))
+    m["judge/missing"] = int(np.isnan(R).sum())
+    m["judge/proposed"] = int(sum(res.stats["proposed"] for res in results))
+    m["judge/pruned"] = int(sum(res.stats["pruned"] for res in results))
+    http = run.judge.stats() if before["http"] is not None else None
+    m.update(judge_step_metrics(before["judge"], run.judge.counters, before["http"], http))
+    m["tokens/sampled"] = int(sum(sum(r.loss_mask) for r in rollouts))
+    m["tokens/total"] = int(sum(len(r.response_ids) for r in rollouts))
+    m["tools/calls"] = float(np.mean([r.n_tool_calls for r in rollouts]))
+    m["tools/errors"] = int(sum(r.n_tool_errors for r in rollouts))
+    m["tools/timeouts"] = int(sum(r.n_tool_timeouts for r in rollouts))
+    m["tools/deadline_refusals"] = (run.rollouts.stats["deadline_refusals"]
+                                    - before["engine"]["deadline_refusals"])
+    for kind in TOOL_KINDS if run.cfg.faults.tool_rate > 0 else ():
+        m[f"tools/faults/{kind}"] = run.rl_tool.counts[kind] - before["tool"].get(kind, 0)
+    m["rollout/well_formed"] = float(np.mean([r.parsed.well_formed for r in rollouts]))
+    m["rollout/truncated"] = float(np.mean([r.truncated for r in rollouts]))
+    m["rollout/forged_tool_outputs"] = int(sum(r.parsed.forged_tool_outputs for r in rollouts))
+    m.update(run.bank.metrics())
+    return m
+
+
+def counters(run: Run) -> dict:
+    """Snapshot of the cumulative counters step_metrics turns into per-step differences."""
+    return {"judge": dict(run.judge.counters), "engine": dict(run.rollouts.stats),
+            "http": run.judge.stats() if hasattr(run.judge, "stats") else None,
+            "tool": dict(getattr(run.rl_tool, "counts", {}))}
+
+
+# ----------------------------------------------------------------------------------------------------
+# The training loop: steps, metrics, checkpoints, evaluation, abort
+
+
+@dataclass
+class LoopState:
+    """The loop's state besides the components (all of it goes into a checkpoint)."""
+
+    rng: random.Random
+    pending: ReflectionBatch
+    logger: MetricsLog
+    samples: list
+    monitor: FailureMonitor
+    reference: dict
+
+
 def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, reference, world, tool,
                 train_q, held_q, mpath, timings, t_start) -> dict:
-    """Algorithm 1 on rank 0 (train's body once the policy engine exists)."""
+    """Algorithm 1 on rank 0 (train's body once the policy engine exists): resume, the steps, the
+    artefacts and the held-out evaluation."""
     from tqdm import tqdm
-
-    import bank as bank_mod
-    from faults import FaultyJudge, FaultyTool
-    from scaffold import RolloutEngine
 
     if state is not None:
         if state["reference"]["sha256"] != reference["sha256"]:
@@ -312,253 +489,158 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
                 f"{reference['source']} differs from the one the run started with "
                 f"({state['reference']['source']}); restore that warm start or --model")
         policy.load(ckpt_path, state)
-    system = SYSTEM_PROMPT_COMPACT if cfg.rollout.system_prompt == "compact" else SYSTEM_PROMPT
-    sampler = build_sampler(cfg, model, tok)
+    run = build_run(cfg, policy, model, tok, world, tool, train_q, held_q)
     if state is not None:
-        policy.sync(sampler)  # vLLM loaded the starting weights (a no-op for the HF / KV samplers)
-    # Injected tool faults reach the RL rollouts only: the warm start and evaluation use the clean
-    # tool, so their results do not depend on the fault settings.
-    rl_tool = FaultyTool(tool, cfg.faults) if cfg.faults.tool_rate > 0 else tool
-    engine = RolloutEngine(sampler, tok, {tool.name: rl_tool}, cfg.rollout.max_response_tokens,
-                           cfg.rollout.max_tool_calls, system, cfg.rollout.temperature,
-                           tool_timeout_s=cfg.rollout.tool_timeout_s, deadline_s=cfg.rollout.deadline_s)
-    judge = build_judge(cfg, world)
-    if cfg.faults.judge_rate > 0:
-        judge = FaultyJudge(judge, cfg.faults, cfg.judge.max_retries)
-    retriever = None
-    if cfg.bank.retriever == "dense":
-        from backends.retrieval import DenseRetriever
-
-        retriever = DenseRetriever(cfg.bank.embed_model)
-    bank = bank_mod.RubricBank(max_chars=cfg.bank.max_chars, retriever=retriever)
-    order = DataOrder(len(train_q), cfg.rollout.prompts_per_step, cfg.seed)
-    rng = random.Random(cfg.seed + 1)
-    logger = MetricsLog(mpath)
-    pending = ReflectionBatch(-1)
-    samples_out: list = []
-    monitor = FailureMonitor(cfg.judge.max_failure_rate, cfg.judge.max_failure_steps)
+        policy.sync(run.sampler)  # vLLM loaded the starting weights (a no-op for the HF / KV samplers)
+    ls = LoopState(random.Random(cfg.seed + 1), ReflectionBatch(-1), MetricsLog(mpath), [],
+                   FailureMonitor(cfg.judge.max_failure_rate, cfg.judge.max_failure_steps), reference)
     start = 0
     if state is not None:
-        restore_training_state(state, rng, judge, bank, engine, rl_tool, monitor, order)
-        pending = ReflectionBatch.from_dict(state["pending"])
-        samples_out = list(state["samples"])
-        logger.reset(state["metrics"])
-        bank.save(os.path.join(cfg.run_dir, "bank.jsonl"))  # the bank file follows the checkpoint
+        restore_training_state(state, ls.rng, run.judge, run.bank, run.rollouts, run.rl_tool,
+                               ls.monitor, run.order)
+        ls.pending = ReflectionBatch.from_dict(state["pending"])
+        ls.samples = list(state["samples"])
+        ls.logger.reset(state["metrics"])
+        run.bank.save(os.path.join(cfg.run_dir, "bank.jsonl"))  # the bank file follows the checkpoint
         start = int(state["step"])
         log.info("resumed from %s at step %d", ckpt_path, start)
-    n = cfg.rollout.n
-    arm = ARMS[cfg.arm]  # which of advantage kind, reflection branch and bank retrieval run
     stop_at = min(cfg.steps, start + cfg.checkpoint.stop_after) if cfg.checkpoint.stop_after else cfg.steps
     last_ckpt = ckpt_path
-
-    def save_checkpoint(done: int) -> str:
-        st = training_state(done, cfg, policy, rng, judge, bank, pending, logger, samples_out, engine,
-                            rl_tool, monitor, reference, order)
-        return ckpt_mod.save_checkpoint(cfg.run_dir, done, policy, tok, st, keep=cfg.checkpoint.keep,
-                                        meta={"config": asdict(cfg)}, extra=policy.save_state)
-
-    # Held-out evaluations during the run (eval.every; not in the paper): the final evaluation's
-    # questions, samples, temperature and seed, scored by the clean judge, with the run's random
-    # streams saved and restored around them, so the training metrics do not depend on eval.every.
-    qs = held_q[: cfg.eval.n_questions]
-    can_eval = bool(cfg.eval.n_questions > 0 and cfg.judge.backend == "toy" and cfg.engine == "torch"
-                    and qs)
-    curve = EvalCurve(os.path.join(cfg.run_dir, "eval_curve.jsonl"), eval_settings(cfg),
-                      start if state is not None else None) if can_eval else None
-    if curve is None and state is None and os.path.exists(os.path.join(cfg.run_dir, "eval_curve.jsonl")):
-        os.remove(os.path.join(cfg.run_dir, "eval_curve.jsonl"))  # an earlier run's, in this run dir
-    eval_judge = judge.inner if isinstance(judge, FaultyJudge) else judge
-    ref_engine = cur_engine = None
-    if can_eval:
-        ref_engine, cur_engine = heldout_engines(cfg, policy, model, tok, tool, system)
-    timings["curve_eval_s"] = 0.0
-
-    def curve_point(done: int, eng) -> None:
-        t0 = time.perf_counter()
-        with preserved_rng():
-            curve.add(done, evaluate_heldout(eng, eval_judge, qs, cfg.eval.samples, cfg.eval.temperature,
-                                     cfg.seed + 12345))
-        timings["curve_eval_s"] += time.perf_counter() - t0
-
-    if can_eval and cfg.eval.every and start == 0 and curve.get(0) is None:
-        curve_point(0, ref_engine)  # the SFT start
+    ev = HeldOut(run, start if state is not None else None, timings)
+    if cfg.eval.every and start == 0:
+        ev.point(0, sft=True)  # the SFT start
     if cfg.progress:
         log.info(report.PROGRESS_LEGEND)
     bar = tqdm(range(start, stop_at), desc="rl", initial=start, total=cfg.steps,
                disable=not cfg.progress)
     for step in bar:
         m: dict[str, Any] = {}
-        t_step = time.perf_counter()
-        judge_before = dict(judge.counters)
-        http_before = judge.stats() if hasattr(judge, "stats") else None
-        engine_before = dict(engine.stats)
-        tool_before = dict(getattr(rl_tool, "counts", {}))
-        # 0. the previous step's reflection GRPO batch (one-step lag), applied before this step's
-        # task rollouts (PAPER: Algorithm 1, §3.4 asynchrony)
-        t0 = time.perf_counter()
-        m.update(apply_reflection_batch(policy, pending, sampler, tok.pad_token_id, rng,
-                                        cfg.reflection.loss_coef))
-        m["time/reflection_update_s"] = time.perf_counter() - t0
-        b, mode = curriculum(step, cfg.curriculum.K, cfg.curriculum.enabled)
-        queries = [train_q[i] for i in order.batch(b)]
-        # 2. retrieval from the rubric bank (§3.5)
-        items = []
-        for q in queries:
-            got = bank.retrieve(q.query, mode, k=cfg.bank.top_k) if arm.bank else []
-            items.append(bank_mod.format_for_prompt(got))
-        m["retrieval/mode_exact"] = int(mode == "exact")
-        m["retrieval/batch"] = b
-        m["retrieval/hits"] = float(np.mean([len(x) > 0 for x in items]))
-        m["retrieval/items"] = float(np.mean([len(x) for x in items]))
-        # 3. rollouts
-        t0 = time.perf_counter()
-        torch.manual_seed(cfg.seed * 7919 + step)
-        sampler.reseed(cfg.seed * 7919 + step)  # vLLM: per-request seeds, reproducible per step
-        rollouts = engine.run(queries, n=n, bank_items=items)
-        m["time/rollout_s"] = time.perf_counter() - t0
-        # 4. judge, one group per query
-        t0 = time.perf_counter()
-        results, R = [], np.zeros((len(rollouts), len(STAGES)))
-        judged = {}
-        bad_shape = 0
-        for gi, q in enumerate(queries):
-            grp = rollouts[gi * n:(gi + 1) * n]
-            res, bad = checked_judge_result(judge.judge_group(q, grp, step), len(grp), step, q.query)
-            bad_shape += bad
-            results.append(res)
-            R[gi * n:(gi + 1) * n] = res.R
-            for j in range(n):
-                judged[gi * n + j] = (res, j)
-        m["time/judge_s"] = time.perf_counter() - t0
-        if bad_shape:  # only on steps where it happened: fault-free metrics rows stay as they were
-            m["judge/bad_shape"] = bad_shape
-        # 5. SS-GRPO advantages and the update on this step's task batch
-        t0 = time.perf_counter()
-        A, amet = ss_grpo.task_advantages(R, n, cfg.ss_grpo, arm.advantage)
-        m.update(amet)
-        ub = UpdateBatch()
-        for i, r in enumerate(rollouts):
-            ub.ids.append(r.prompt_ids + r.response_ids)
-            ub.mask.append([0] * len(r.prompt_ids) + r.loss_mask)
-            st = torch.tensor([-1] * len(r.prompt_ids) + r.stage_ids)[None]
-            mk = torch.tensor(ub.mask[-1])[None]
-            ub.adv.append(ss_grpo.token_advantages(A[i:i + 1], st, mk)[0].tolist())
-            ub.kind.append("task")
-        m.update(policy.update(ub, tok.pad_token_id, rng))
-        m["time/update_s"] = time.perf_counter() - t0
-        # pi_theta changed: the sampler's copy follows (ZeRO-3 shards gathered one tensor at a time)
-        t0 = time.perf_counter()
-        policy.sync(sampler)
-        m["time/sync_s"] = time.perf_counter() - t0
-        if "syncs" in sampler.stats:  # vLLM: weight syncs so far (in place or through a
-            # checkpoint reload) and the size of the last in-place one
-            m["sampler/syncs"] = sampler.stats["syncs"] + sampler.stats["reloads"]
-            m["sampler/sync_bytes"] = sampler.stats["last_sync"].get("bytes", 0)
-        # 6. reflection branch on this step's trajectories (applied at the next update)
-        t0 = time.perf_counter()
-        pending, rmet = ReflectionBatch(step), {}
-        if arm.reflection:
-            pending, rmet = run_reflection_branch(step, rollouts, judged, judge, bank, sampler, tok,
-                                                  system, cfg.reflection, rng, cfg.ss_grpo.std,
-                                                  cfg.ss_grpo.eps, group_size=n)
-        m.update(rmet)
-        m["time/reflection_s"] = time.perf_counter() - t0
-        # 7. metrics
-        static = static_stage_scores(judge, queries, rollouts, n)
-        for k, s in enumerate(STAGES):
-            m[f"score/{s}"] = static[k] if static is not None else None
-            m[f"reward/{s}"] = float(np.nanmean(R[:, k])) if np.isfinite(R[:, k]).any() else None
-            m[f"reward_std/{s}"] = float(np.nanstd(R[:, k])) if np.isfinite(R[:, k]).any() else None
-            vals = [ub.adv[i][len(r.prompt_ids) + t] for i, r in enumerate(rollouts)
-                    for t, sid in enumerate(r.stage_ids) if sid == k and r.loss_mask[t]]
-            m[f"adv/{s}"] = float(np.mean(vals)) if vals else 0.0
-            m[f"adv_abs/{s}"] = float(np.mean(np.abs(vals))) if vals else 0.0
-            m[f"judge/buffer_{s}"] = float(np.mean([res.stats["buffer_sizes"][k] for res in results]))
-        m["judge/missing"] = int(np.isnan(R).sum())
-        m["judge/proposed"] = int(sum(res.stats["proposed"] for res in results))
-        m["judge/pruned"] = int(sum(res.stats["pruned"] for res in results))
-        m.update(judge_step_metrics(judge_before, judge.counters, http_before,
-                                    judge.stats() if http_before is not None else None))
-        m["tokens/sampled"] = int(sum(sum(r.loss_mask) for r in rollouts))
-        m["tokens/total"] = int(sum(len(r.response_ids) for r in rollouts))
-        m["tools/calls"] = float(np.mean([r.n_tool_calls for r in rollouts]))
-        m["tools/errors"] = int(sum(r.n_tool_errors for r in rollouts))
-        m["tools/timeouts"] = int(sum(r.n_tool_timeouts for r in rollouts))
-        m["tools/deadline_refusals"] = engine.stats["deadline_refusals"] - engine_before["deadline_refusals"]
-        for kind in TOOL_KINDS if cfg.faults.tool_rate > 0 else ():
-            m[f"tools/faults/{kind}"] = rl_tool.counts[kind] - tool_before.get(kind, 0)
-        m["rollout/well_formed"] = float(np.mean([r.parsed.well_formed for r in rollouts]))
-        m["rollout/truncated"] = float(np.mean([r.truncated for r in rollouts]))
-        m["rollout/forged_tool_outputs"] = int(sum(r.parsed.forged_tool_outputs for r in rollouts))
-        m.update(bank.metrics())
+        t_step, before = time.perf_counter(), counters(run)
+        out = rl_step(run, step, ls.pending, ls.rng, m)
+        ls.pending = out.pending
+        m.update(step_metrics(run, out, before))
         m["time/step_s"] = time.perf_counter() - t_step
-        logger.log(m, step)
-        if step in (0, cfg.steps - 1):
-            for j in (0, n - 1):
-                r, res = rollouts[j], results[0]
-                samples_out.append({"step": step, "query": r.query.query, "bank_items": r.bank_items,
-                                    "trajectory": r.judge_text, "R": res.R[j].tolist(),
-                                    "justifications": res.justifications[j]})
+        ls.logger.log(m, step)
+        keep_samples(ls.samples, step, out, cfg)
         done = step + 1
-        if can_eval and cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.steps:
-            curve_point(done, cur_engine)  # before the checkpoint: a resume never lacks this row
+        if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.steps:
+            ev.point(done)  # before the checkpoint: a resume never lacks this row
         abort = None
         try:
-            monitor.update(m["judge/failure_rate"], step)
+            ls.monitor.update(m["judge/failure_rate"], step)
         except JudgeFailureAbort as e:
             abort = e  # stop after this step's checkpoint, so the run can continue once fixed
         # The checkpoint comes before the bank file, so bank.jsonl is never ahead of the latest
         # checkpoint; a resume rewrites it from the checkpoint anyway.
         every = cfg.checkpoint.every
         if (every and done % every == 0) or done == stop_at or abort is not None:
-            last_ckpt = save_checkpoint(done)
+            last_ckpt = save_checkpoint(run, ls, done)
         if done % cfg.bank.save_every == 0:
-            bank.save(os.path.join(cfg.run_dir, "bank.jsonl"))
+            run.bank.save(os.path.join(cfg.run_dir, "bank.jsonl"))
         if abort is not None:
             raise abort
-        bar.set_postfix(R=f"{np.nanmean(R):.3f}" if np.isfinite(R).any() else "missing", bank=len(bank))
+        R = out.R
+        bar.set_postfix(R=f"{np.nanmean(R):.3f}" if np.isfinite(R).any() else "missing",
+                        bank=len(run.bank))
     bar.close()
-    if hasattr(rl_tool, "close"):
-        rl_tool.close()  # release tool calls still hung in abandoned worker threads
+    if hasattr(run.rl_tool, "close"):
+        run.rl_tool.close()  # release tool calls still hung in abandoned worker threads
     if stop_at < cfg.steps:
         log.info("stopped after step %d; continue with --resume latest", stop_at)
         return {"stopped_at": stop_at, "checkpoint": last_ckpt, "sft": sft_info}
     timings["rl_s"] = (time.perf_counter() - t_start - timings["world_s"] - timings["warm_start_s"]
                        - timings["curve_eval_s"])
+    return finish(run, ls, ev, sft_info, timings, t_start)
 
-    # ---- artefacts (each written atomically)
-    bank.save(os.path.join(cfg.run_dir, "bank.jsonl"))
-    ckpt_mod.atomic_write_json(os.path.join(cfg.run_dir, "rubric_buffers.json"), judge.state_dict())
+
+def keep_samples(samples: list, step: int, out: StepOut, cfg: Config) -> None:
+    """Two trajectories of the first group at the first and last step, for samples.jsonl."""
+    if step not in (0, cfg.steps - 1):
+        return
+    for j in (0, cfg.rollout.n - 1):
+        r, res = out.rollouts[j], out.results[0]
+        samples.append({"step": step, "query": r.query.query, "bank_items": r.bank_items,
+                        "trajectory": r.judge_text, "R": res.R[j].tolist(),
+                        "justifications": res.justifications[j]})
+
+
+def save_checkpoint(run: Run, ls: LoopState, done: int) -> str:
+    """The whole training state after `done` steps (checkpoint.save_checkpoint); its path."""
+    cfg = run.cfg
+    st = training_state(done, cfg, run.policy, ls.rng, run.judge, run.bank, ls.pending, ls.logger,
+                        ls.samples, run.rollouts, run.rl_tool, ls.monitor, ls.reference, run.order)
+    return ckpt_mod.save_checkpoint(cfg.run_dir, done, run.policy, run.tok, st,
+                                    keep=cfg.checkpoint.keep, meta={"config": asdict(cfg)},
+                                    extra=run.policy.save_state)
+
+
+class HeldOut:
+    """Held-out evaluations of the run (not in the paper): the SFT start, every eval.every steps into
+    eval_curve.jsonl, and the end; the same questions, samples, temperature and seed each time,
+    scored by the clean judge with the clean tool, with the run's random streams saved and restored
+    around them, so the training metrics do not depend on eval.every. Only with the toy judge and
+    the torch engine (`enabled`)."""
+
+    def __init__(self, run: Run, resume_step: int | None, timings: dict):
+        cfg = run.cfg
+        self.run, self.timings = run, timings
+        self.qs = run.held_q[: cfg.eval.n_questions]
+        self.enabled = bool(cfg.eval.n_questions > 0 and cfg.judge.backend == "toy"
+                            and cfg.engine == "torch" and self.qs)
+        path = os.path.join(cfg.run_dir, "eval_curve.jsonl")
+        self.curve = EvalCurve(path, eval_settings(cfg), resume_step) if self.enabled else None
+        if self.curve is None and resume_step is None and os.path.exists(path):
+            os.remove(path)  # an earlier run's, in this run dir
+        self.ref_engine = self.cur_engine = None
+        if self.enabled:
+            self.ref_engine, self.cur_engine = heldout_engines(cfg, run.policy, run.model, run.tok,
+                                                               run.tool, run.system)
+        timings["curve_eval_s"] = 0.0
+
+    def evaluate(self, sft: bool = False) -> dict:
+        cfg = self.run.cfg
+        return evaluate_heldout(self.ref_engine if sft else self.cur_engine, self.run.clean_judge,
+                                self.qs, cfg.eval.samples, cfg.eval.temperature, cfg.seed + 12345)
+
+    def point(self, done: int, sft: bool = False) -> None:
+        """A point of eval_curve.jsonl after `done` steps (sft: the SFT start, once)."""
+        if not self.enabled or (sft and self.curve.get(0) is not None):
+            return
+        t0 = time.perf_counter()
+        with preserved_rng():
+            self.curve.add(done, self.evaluate(sft))
+        self.timings["curve_eval_s"] += time.perf_counter() - t0
+
+
+def finish(run: Run, ls: LoopState, ev: HeldOut, sft_info: dict, timings: dict, t_start: float) -> dict:
+    """The artefacts of a finished run (each written atomically) and the held-out evaluation of the
+    SFT start against the trained policy; returns the summary, also written to eval.json."""
+    cfg, tok = run.cfg, run.tok
+    run.bank.save(os.path.join(cfg.run_dir, "bank.jsonl"))
+    ckpt_mod.atomic_write_json(os.path.join(cfg.run_dir, "rubric_buffers.json"), run.judge.state_dict())
     ckpt_mod.atomic_write_bytes(os.path.join(cfg.run_dir, "samples.jsonl"),
-                                "".join(json.dumps(s) + "\n" for s in samples_out).encode("utf-8"))
+                                "".join(json.dumps(s) + "\n" for s in ls.samples).encode("utf-8"))
 
     def save_final(d: str) -> None:
-        policy.save_pretrained(d)
-        save_with_run_card(d, tok, asdict(cfg), system)  # the system prompt travels with the policy
+        run.policy.save_pretrained(d)
+        save_with_run_card(d, tok, asdict(cfg), run.system)  # the system prompt travels with the policy
 
     ckpt_mod.save_dir_atomic(save_final, os.path.join(cfg.run_dir, "final"))
-
-    # ---- held-out evaluation: SFT start vs trained policy, same questions and seed (clean judge
-    # and tool: evaluation measures the policy, whatever faults training saw)
     summary = {"sft": sft_info, "timings": timings}
-    if hasattr(judge, "close"):
-        judge.close()
-    sampler.close()
-    # The held-out evaluation scores with the toy world's static rubrics, against pi_ref in this
-    # process: toy judge and the torch engine only.
-    if can_eval:
+    if hasattr(run.judge, "close"):
+        run.judge.close()
+    run.sampler.close()
+    if ev.enabled:
         t0 = time.perf_counter()
         # The SFT start evaluated at step 0 of eval_curve.jsonl is this same evaluation (same
         # weights, questions and seed): reused instead of sampled again.
-        summary["eval_sft"] = curve.get(0) or evaluate_heldout(ref_engine, eval_judge, qs, cfg.eval.samples,
-                                                       cfg.eval.temperature, cfg.seed + 12345)
-        summary["eval_rl"] = evaluate_heldout(cur_engine, eval_judge, qs, cfg.eval.samples,
-                                      cfg.eval.temperature, cfg.seed + 12345)
-        curve.add(0, summary["eval_sft"])
-        curve.add(cfg.steps, summary["eval_rl"])
+        summary["eval_sft"] = ev.curve.get(0) or ev.evaluate(sft=True)
+        summary["eval_rl"] = ev.evaluate()
+        ev.curve.add(0, summary["eval_sft"])
+        ev.curve.add(cfg.steps, summary["eval_rl"])
         timings["eval_s"] = time.perf_counter() - t0
-    plot_rewards(logger.rows, os.path.join(cfg.run_dir, "reward_curves.png"),
-                 curve.rows if curve is not None else None)
+    plot_rewards(ls.logger.rows, os.path.join(cfg.run_dir, "reward_curves.png"),
+                 ev.curve.rows if ev.curve is not None else None)
     timings["total_s"] = time.perf_counter() - t_start
     ckpt_mod.atomic_write_json(os.path.join(cfg.run_dir, "eval.json"), summary)
     return summary
