@@ -47,7 +47,7 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np

@@ -72,10 +72,19 @@ class ReflectionBatch:
         return cls(**d)
 
 
+# The instruction of the reflection meta-policy (ours: the paper does not give its wording).
+REFLECT_INSTRUCTION = "Reflect on this attempt. Name what was missed and give lessons."
+
+
+def reflection_messages(query: str, trajectory_text: str, system: str) -> list:
+    """Prompt of the reflection meta-policy (§3.4): the query and the trajectory as fixed context."""
+    return [{"role": "system", "content": system},
+            {"role": "user", "content": f"{REFLECT_INSTRUCTION}\nQuestion: {query}\n"
+                                        f"Attempt:\n{trajectory_text}"}]
+
+
 def reflection_prompt_ids(tok, query: str, rollout: Rollout, system: str) -> list[int]:
     """Token ids of the reflection prompt: query + the trajectory (forged tool outputs neutralised)."""
-    from toy.sft import reflection_messages
-
     traj = rollout.judge_text.replace("<|im_end|>", "")
     ids = tok.apply_chat_template(reflection_messages(query, traj, system),
                                   add_generation_prompt=True, tokenize=True)
@@ -126,9 +135,6 @@ def run_reflection_branch(step: int, rollouts: Sequence[Rollout], judged: dict, 
     Returns (batch for the next update, metrics). Never raises on model output; a judge failure
     gives NaN scores, whose candidates get advantage 0.
     """
-    from ss_grpo import group_advantages
-    import torch
-
     batch = ReflectionBatch(step)
     metrics = {"reflect/trajectories": 0, "reflect/candidates": 0, "reflect/admitted": 0,
                "reflect/invalid": 0,
@@ -153,34 +159,10 @@ def run_reflection_branch(step: int, rollouts: Sequence[Rollout], judged: dict, 
         all_scores += s.tolist()
         within += [r.within for r in scored]
         cross += [r.cross for r in scored]
-        # Best valid candidate -> bank (upsert by sha256 of the query). "Valid" is two gates: the
-        # privileged judge's verdict (ReflectionScore.valid: degenerate, cut-off or off-topic text is
-        # never a lesson, whatever its score) and the bank's admission rules (bank.validate_reflection).
-        invalid = [not getattr(r, "valid", True) for r in scored]
-        metrics["reflect/invalid"] += sum(invalid)
-        order = sorted(range(len(texts)), key=lambda j: (-(s[j] if np.isfinite(s[j]) else -1), j))
-        for j in order:
-            if not np.isfinite(s[j]):
-                break
-            if invalid[j]:  # keeps its (zero) score in the GRPO group below, never enters the bank
-                continue
-            meta = {"within": scored[j].within, "cross": scored[j].cross}
-            if bank.upsert(ro.query.query, texts[j], step, float(s[j]), meta=meta,
-                           trajectory_text=ro.judge_text):
-                metrics["reflect/admitted"] += 1
-                break
+        metrics["reflect/invalid"] += sum(not getattr(x, "valid", True) for x in scored)
+        metrics["reflect/admitted"] += admit_best(bank, ro, texts, s, scored, step)
         if cfg.train:
-            # Eq.: A_j = (s_j - mean s) / (Std s + eps)  (GRPO over this trajectory's m candidates)
-            missing = torch.from_numpy(~np.isfinite(s))[:, None]
-            A = group_advantages(torch.from_numpy(np.nan_to_num(s))[:, None], std=std, eps=eps,
-                                 missing=missing)[:, 0]
-            for j, (c, a) in enumerate(zip(cands, A.tolist())):
-                if not c:
-                    continue
-                batch.sequences.append(prompt + list(c))
-                batch.masks.append([0] * len(prompt) + [1] * len(c))
-                batch.advantages.append(float(a))
-                batch.scores.append(float(s[j]))
+            grpo_group(batch, prompt, cands, s, std, eps)
     metrics["reflect/trajectories"] = len(picks)
     metrics["reflect/candidates"] = len(all_scores)
     if all_scores:
@@ -191,3 +173,44 @@ def run_reflection_branch(step: int, rollouts: Sequence[Rollout], judged: dict, 
         metrics["reflect/within"] = float(np.mean(within))
         metrics["reflect/cross"] = float(np.mean(cross))
     return batch, metrics
+
+
+def admit_best(bank, ro: Rollout, texts: list[str], s: np.ndarray, scored: list, step: int) -> int:
+    """Upsert the best valid candidate of one trajectory into the bank (key: sha256 of its query);
+    1 if one was admitted, else 0. "Valid" is two gates: the privileged judge's verdict
+    (ReflectionScore.valid: degenerate, cut-off or off-topic text is never a lesson, whatever its
+    score) and the bank's admission rules (bank.validate_reflection). s: (m,) float64 scores, NaN =
+    the judge failed (such candidates are never admitted)."""
+    order = sorted(range(len(texts)), key=lambda j: (-(s[j] if np.isfinite(s[j]) else -1), j))
+    for j in order:
+        if not np.isfinite(s[j]):
+            break
+        if not getattr(scored[j], "valid", True):  # keeps its (zero) score in the GRPO group
+            continue
+        meta = {"within": scored[j].within, "cross": scored[j].cross}
+        if bank.upsert(ro.query.query, texts[j], step, float(s[j]), meta=meta,
+                       trajectory_text=ro.judge_text):
+            return 1
+    return 0
+
+
+def grpo_group(batch: ReflectionBatch, prompt: list[int], cands: list[list[int]], s: np.ndarray,
+               std: str, eps: float) -> None:
+    """Append one trajectory's m candidates to `batch` as their own GRPO group (§3.4): each
+    candidate's tokens get its advantage A_j; NaN scores (judge failures) get A_j = 0; empty
+    candidates are left out."""
+    import torch
+
+    from ss_grpo import group_advantages
+
+    # Eq.: A_j = (s_j - mean s) / (Std s + eps)  (GRPO over this trajectory's m candidates)
+    missing = torch.from_numpy(~np.isfinite(s))[:, None]
+    A = group_advantages(torch.from_numpy(np.nan_to_num(s))[:, None], std=std, eps=eps,
+                         missing=missing)[:, 0]
+    for j, (c, a) in enumerate(zip(cands, A.tolist())):
+        if not c:
+            continue
+        batch.sequences.append(prompt + list(c))
+        batch.masks.append([0] * len(prompt) + [1] * len(c))
+        batch.advantages.append(float(a))
+        batch.scores.append(float(s[j]))

@@ -707,13 +707,8 @@ def judge_step_metrics(before: dict, after: dict, http_before: dict | None = Non
     return out
 
 
-def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
-    """(config, resume) from the command line; resume is None, "latest" or a checkpoint path.
-
-    With --resume the configuration starts from the checkpoint's own (so `--resume PATH` alone
-    continues a run); flags and --set apply on top, and `train` refuses changes outside
-    RESUME_MAY_CHANGE. Raises ValueError for unknown fields or malformed values.
-    """
+def _argument_parser() -> argparse.ArgumentParser:
+    """The command line of train.py (flags and --set; parse_cli applies them to a preset)."""
     ap = argparse.ArgumentParser(description="RubricEM training (toy or full mode)",
                                  epilog="Every config key, its default and its meaning: --list-config. "
                                         "README.md has the quick start and the logged metrics.")
@@ -760,7 +755,17 @@ def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
                          "is checked against the key's type before the run starts (keys and defaults: "
                          "--list-config; default: none)")
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
-    a = ap.parse_args(argv)
+    return ap
+
+
+def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
+    """(config, resume) from the command line; resume is None, "latest" or a checkpoint path.
+
+    With --resume the configuration starts from the checkpoint's own (so `--resume PATH` alone
+    continues a run); flags and --set apply on top, and `train` refuses changes outside
+    RESUME_MAY_CHANGE. Raises ValueError for unknown fields or malformed values.
+    """
+    a = _argument_parser().parse_args(argv)
     if a.advantage is not None:
         raise ValueError("--advantage was replaced by --arm: --arm baseline_rl is one terminal score "
                          "without reflection or bank, --arm meta_policy the same score with them")

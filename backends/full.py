@@ -697,7 +697,9 @@ class ZeRO3Engine:
             sampler.reload_from_checkpoint(self)
             return
         self._send("sync")
-        vllm = hasattr(sampler, "sync_weights")
+        # HF / KV samplers generate with rank 0's plain copy `model` itself: it takes each gathered
+        # parameter; any other sampler (vLLM) holds its own weights and takes them via sync_weights.
+        vllm = getattr(sampler, "model", None) is not self.model
         # vLLM keeps a layer's tensors until the layer is complete: it gets fresh CPU copies (and
         # makes no second one); the HF copy takes each gathered parameter straight away.
         params = self.policy.iter_full_params(device="cpu") if vllm else \

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from backends import full
+import policy
 import ss_grpo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -188,17 +189,17 @@ def _reference_steps(init_dir):
     pad = model.config.pad_token_id or 0
     everything = list(range(N_SEQ))
     with torch.no_grad():
-        ids, att, _, _ = full.pad_rows(batch, everything, pad)
+        ids, att, _, _ = policy.pad_rows(batch, everything, pad)
         model.eval()
         old, refl = token_logprobs(model, ids, att), token_logprobs(ref, ids, att)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     model.train()
     out = []
     for j in range(MINIBATCHES):
-        # full.plan_update without a shuffle: optimizer step j takes sequences j, j + M, ... (as
+        # policy.plan_update without a shuffle: optimizer step j takes sequences j, j + M, ... (as
         # train.policy_update's order[j::M]), dealt to the ranks round-robin.
         mb = everything[j::MINIBATCHES]
-        ids, att, mask, adv = full.pad_rows(batch, mb, pad)
+        ids, att, mask, adv = policy.pad_rows(batch, mb, pad)
         L = ids.shape[1]
         logp = token_logprobs(model, ids, att)
         loss, st = ss_grpo.ss_grpo_loss(logp, old[mb, :L], refl[mb, :L], adv, mask, eta=ETA,
@@ -267,7 +268,7 @@ def test_plan_update_deals_policy_update_minibatches_to_ranks(n, world, minibatc
     batch = UpdateBatch(ids=[[i, i + 1] for i in range(n)], mask=[[0] + [1] * (i % 3) for i in range(n)],
                         adv=[[0.0, 0.0] for _ in range(n)], kind=["task"] * n)
     rng_a, rng_b = random.Random(seed), random.Random(seed)
-    shards, plans = full.plan_update(batch, world, minibatches, micro, rng_a)
+    shards, plans = policy.plan_update(batch, world, minibatches, micro, rng_a)
     # train.policy_update: shuffle once, optimizer step j takes order[j::M]
     order = list(range(n))
     rng_b.shuffle(order)

@@ -100,3 +100,11 @@ def test_a_toy_run_imports_nothing_from_backends(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def test_reading_path_doc_is_current_and_within_its_limits():
+    """docs/reading_path.md: one RL step in <= 800 lines of <= 5 files, a step body <= 50 lines, no
+    function over 80 lines in the concept modules (scripts/reading_path.py --check)."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "reading_path.py"), "--check"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr

@@ -133,7 +133,9 @@ def _scratch_checkout(dest):
     for name in os.listdir(REPO):
         if name.endswith(".py") or name in ("pyproject.toml", "README.md"):
             shutil.copy2(os.path.join(REPO, name), dest / name)
-    shutil.copytree(os.path.join(REPO, "scripts"), dest / "scripts")
+    for name in ("scripts", "toy", "backends"):
+        shutil.copytree(os.path.join(REPO, name), dest / name,
+                        ignore=shutil.ignore_patterns("__pycache__"))
 
 
 def _env(extra=None) -> dict:

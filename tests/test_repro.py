@@ -19,7 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SFT_DIGEST = r"""
 import hashlib, json, sys
 import torch
-import policy, scaffold, sft
+import policy, scaffold
+from toy import sft
 from toy.world import BM25SearchTool, SYLLABLES, WorldConfig, make_world
 torch.set_num_threads(1)
 w = make_world(WorldConfig(seed=0, n_train_entities=40, n_heldout_entities=8))

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+import reflection
 import scaffold
 from toy import sft
 from scaffold import CALL_OPEN, format_tool_error
@@ -217,7 +218,7 @@ def test_encode_examples_equals_encode_example_appendix(tok, queries):
            for i, q in enumerate(queries[:8])]
     tr = tf.teacher(queries[0], 0)
     traj = "".join(t for _, t in tr.segments).replace("<|im_end|>", "")
-    exs.append((sft.reflection_messages(queries[0].query, traj, tf.SYSTEM),
+    exs.append((reflection.reflection_messages(queries[0].query, traj, tf.SYSTEM),
                 [(False, sft.teacher_reflection(queries[0], tr) + "<|im_end|>")]))
     batched = encode_examples(tok, exs)
     assert len(batched) == len(exs)
@@ -264,9 +265,9 @@ def test_warm_start_trains_once_then_loads_from_cache_appendix(tmp_path, monkeyp
 def test_warm_start_is_shared_by_rl_seeds_and_ignores_global_rng_appendix(tmp_path, monkeypatch):
     # The SFT policy depends on sft.seed only: a run with another --seed (which seeds the global
     # generators first) must find the same cached warm start instead of training an identical one.
-    import train
     import build
     import settings
+    import train
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     world = tf.tiny_world()

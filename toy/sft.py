@@ -43,6 +43,7 @@ from typing import Sequence
 import torch
 
 import scaffold
+from reflection import reflection_messages
 from scaffold import CALL_OPEN, format_tool_error, format_tool_output
 from toy.world import ANSWER_TEMPLATES, World
 from data import Query
@@ -259,16 +260,6 @@ def sft_filter(segments: Sequence[Segment]) -> str | None:
 
 # ----------------------------------------------------------------------------------------------------
 # Examples and training
-
-
-REFLECT_INSTRUCTION = "Reflect on this attempt. Name what was missed and give lessons."
-
-
-def reflection_messages(query: str, trajectory_text: str, system: str) -> list:
-    """Prompt of the reflection meta-policy (§3.4): the query and the trajectory as fixed context."""
-    return [{"role": "system", "content": system},
-            {"role": "user", "content": f"{REFLECT_INSTRUCTION}\nQuestion: {query}\n"
-                                        f"Attempt:\n{trajectory_text}"}]
 
 
 def encode_example(tok, messages: list, segments: Sequence[Segment]) -> tuple[list[int], list[int]]:
