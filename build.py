@@ -13,16 +13,17 @@ from dataclasses import dataclass
 
 import torch
 
-from scaffold import SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT
+from scaffold import system_prompt
 from settings import Config
 
 
 def setup_policy(cfg: Config, world, tool):
-    """(model, tokenizer, info): a local --model directory, or the cached toy SFT warm start."""
+    """(model, tokenizer, info): a local --model directory, or the cached toy SFT warm start of the
+    run's scaffold (rollout.scaffold)."""
     from policy import load_policy
     from toy.sft import warm_start
 
-    system = SYSTEM_PROMPT_COMPACT if cfg.rollout.system_prompt == "compact" else SYSTEM_PROMPT
+    system = system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
     if cfg.model:
         # ZeRO-3 on GPUs trains in bf16: rank 0's sampling copy uses the same precision (half the
         # memory of fp32; 16 GB at 8B). Everywhere else fp32.
@@ -32,7 +33,8 @@ def setup_policy(cfg: Config, world, tool):
     # The warm start depends on sft.seed (part of the cache key), not on the RL seed: it reseeds
     # every generator it uses, so runs with different --seed share one cached SFT policy.
     model, tok, info, path = warm_start(world, tool, system, cfg.sft, cfg.teacher, cfg.model_size,
-                                        cfg.vocab_size, cfg.cache_dir, progress=cfg.progress)
+                                        cfg.vocab_size, cfg.cache_dir, progress=cfg.progress,
+                                        scaffold=cfg.rollout.scaffold)
     info["source"] = path
     return model, tok, info
 
@@ -70,11 +72,12 @@ def build_environment(cfg: Config):
 
 def build_judge(cfg: Config, world):
     """The stage judge of §3.4: ToyJudge (the toy world's ground truth) or judge_http.HTTPJudge
-    (Gemini or an OpenAI-compatible server; the key is read from the environment per request)."""
+    (Gemini or an OpenAI-compatible server; the key is read from the environment per request). The
+    toy judge scores only the Answer stage of an unstructured scaffold's rollouts."""
     if cfg.judge.backend == "toy":
         from toy.judge import ToyJudge
 
-        return ToyJudge(world, cfg.judge.caps)
+        return ToyJudge(world, cfg.judge.caps, scaffold=cfg.rollout.scaffold)
     from backends.judge_http import HTTPJudge, HTTPJudgeConfig
 
     hc = HTTPJudgeConfig(backend=cfg.judge.backend, model=cfg.judge.model, base_url=cfg.judge.base_url,
@@ -128,10 +131,11 @@ def heldout_engines(cfg: Config, policy, model, tok, tool, system: str):
     from scaffold import HFSampler, RolloutEngine
 
     ref_engine = RolloutEngine(HFSampler(policy.ref_model, tok), tok, {tool.name: tool},
-                               cfg.rollout.max_response_tokens, cfg.rollout.max_tool_calls, system)
+                               cfg.rollout.max_response_tokens, cfg.rollout.max_tool_calls, system,
+                               scaffold=cfg.rollout.scaffold)
     cur_engine = RolloutEngine(HFSampler(model, tok), tok, {tool.name: tool},
                                cfg.rollout.max_response_tokens, cfg.rollout.max_tool_calls, system,
-                               cfg.rollout.temperature)
+                               cfg.rollout.temperature, scaffold=cfg.rollout.scaffold)
     return ref_engine, cur_engine
 
 
@@ -177,7 +181,7 @@ def build_run(cfg: Config, policy, model, tok, world, tool, train_q: list, held_
     from scaffold import RolloutEngine
     from settings import ARMS
 
-    system = SYSTEM_PROMPT_COMPACT if cfg.rollout.system_prompt == "compact" else SYSTEM_PROMPT
+    system = system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
     sampler = build_sampler(cfg, model, tok)
     # Injected tool faults reach the RL rollouts only: the warm start and evaluation use the clean
     # tool, so their results do not depend on the fault settings.
@@ -185,7 +189,7 @@ def build_run(cfg: Config, policy, model, tok, world, tool, train_q: list, held_
     rollouts = RolloutEngine(sampler, tok, {tool.name: rl_tool}, cfg.rollout.max_response_tokens,
                              cfg.rollout.max_tool_calls, system, cfg.rollout.temperature,
                              tool_timeout_s=cfg.rollout.tool_timeout_s,
-                             deadline_s=cfg.rollout.deadline_s)
+                             deadline_s=cfg.rollout.deadline_s, scaffold=cfg.rollout.scaffold)
     clean_judge = build_judge(cfg, world)
     judge = (FaultyJudge(clean_judge, cfg.faults, cfg.judge.max_retries)
              if cfg.faults.judge_rate > 0 else clean_judge)

@@ -1119,20 +1119,23 @@ if __name__ == "__main__":
 
 
 def static_stage_scores(judge, queries: Sequence, rollouts: Sequence, n: int) -> list | None:
-    """Mean stage scores (4 floats in [0, 1]) of a step's rollouts under the judge's *static* rubric
-    set (the held-out evaluation's, `judge.evaluate`), or None for a judge without one (HTTP).
+    """Mean stage scores (4 floats in [0, 1], None for a stage the judge does not grade: the
+    unstructured scaffold's Plan, Research, Review) of a step's rollouts under the judge's *static*
+    rubric set (the held-out evaluation's, `judge.evaluate`), or None for a judge without one (HTTP).
 
     Not in the paper. R is scored on the evolving buffers, which keep the rubrics the group still
     fails (§3.4), so its mean is not comparable from step to step; this score is, and shows whether
     the training rollouts get better. rollouts: len(queries) * n, query gi's group contiguous."""
     if getattr(judge, "evaluate", None) is None or not rollouts:
         return None
-    return [float(x) for x in static_scores(judge, queries, rollouts, n).mean(0)]  # (4,)
+    return [float(x) if np.isfinite(x) else None
+            for x in static_scores(judge, queries, rollouts, n).mean(0)]  # (4,)
 
 
 def static_scores(judge, queries: Sequence, rollouts: Sequence, n: int) -> np.ndarray:
     """(len(rollouts), 4) float stage scores in [0, 1] under the judge's static rubric set
-    (`judge.evaluate`), one group of `n` contiguous rollouts per query."""
+    (`judge.evaluate`), one group of `n` contiguous rollouts per query; a column is NaN for a stage
+    the judge does not grade (the unstructured scaffold's Plan, Research, Review)."""
     return np.concatenate([judge.evaluate(q, rollouts[gi * n:(gi + 1) * n])
                            for gi, q in enumerate(queries)])
 
@@ -1144,7 +1147,9 @@ def static_scores(judge, queries: Sequence, rollouts: Sequence, n: int) -> np.nd
 def evaluate_heldout(engine, judge, queries: Sequence, samples: int, temperature: float, seed: int,
              bank_items: Sequence[Sequence[str]] | None = None) -> dict:
     """Held-out score with the judge's static rubric set (judge.py, deviation 3): mean of the four
-    stage scores and the answer score, plus format and tool-use rates, and "per_question": the score,
+    stage scores (of the Answer score alone for the unstructured scaffold, whose other stages are
+    not graded: their stage/* are None) and the answer score, plus format and tool-use rates, and
+    "per_question": the score,
     answer score and fact recall of each query (lists of len(queries), each the mean over its
     samples). bank_items: per query, the bank reflections placed in its prompt (§3.5; default none).
     Deterministic per seed; reseeds torch's global RNG (wrap in `preserved_rng` inside a run)."""
@@ -1156,15 +1161,18 @@ def evaluate_heldout(engine, judge, queries: Sequence, samples: int, temperature
 def heldout_scores(judge, queries: Sequence, ro: Sequence, samples: int) -> dict:
     """`evaluate_heldout`'s result for rollouts `ro` (query-major, `samples` per query) already sampled."""
     S = static_scores(judge, queries, ro, samples)  # (N, 4)
+    graded = np.isfinite(S).all(0)  # (4,): False for a stage the judge does not grade
+    Sg = S if graded.all() else S[:, graded]  # (N, K graded)
     facts = [judge.fact_recall(r.query, r) for r in ro]  # the toy judge's ground truth
-    return {"score": float(S.mean()), "answer": float(S[:, 3].mean()),
-            **{f"stage/{s}": float(S[:, k].mean()) for k, s in enumerate(STAGES)},
+    return {"score": float(Sg.mean()), "answer": float(S[:, 3].mean()),
+            **{f"stage/{s}": float(S[:, k].mean()) if graded[k] else None
+               for k, s in enumerate(STAGES)},
             "well_formed": float(np.mean([r.parsed.well_formed for r in ro])),
             "tool_call_rate": float(np.mean([r.n_tool_calls >= 1 for r in ro])),
             "mean_tool_calls": float(np.mean([r.n_tool_calls for r in ro])),
             "fact_recall": float(np.mean(facts)), "rollouts": len(ro),
             # per held-out question (mean over its samples), for confidence intervals (report.py)
-            "per_question": {"score": S.reshape(len(queries), samples, -1).mean(axis=(1, 2)).tolist(),
+            "per_question": {"score": Sg.reshape(len(queries), samples, -1).mean(axis=(1, 2)).tolist(),
                              "answer": S[:, 3].reshape(len(queries), samples).mean(axis=1).tolist(),
                              "fact_recall": np.reshape(facts, (len(queries), samples)).mean(axis=1).tolist()}}
 

@@ -65,11 +65,11 @@ def _scramble_names(text: str, names_re: re.Pattern | None, rng: random.Random,
 
 
 def train_tokenizer(texts: Iterable[str], names: Sequence[str] = (), vocab_size: int = 1024,
-                    syllables: Sequence[str] = (), seed: int = 0):
+                    syllables: Sequence[str] = (), seed: int = 0, tags: Sequence[str] = SCAFFOLD_TAGS):
     """Train a byte-level BPE tokenizer and wrap it as a `PreTrainedTokenizerFast` with ChatML.
 
-    texts: training text; names: entity names to scramble into random syllable strings (drawn from
-    `syllables`) before training. vocab_size counts BPE merges + byte alphabet (tags come on top).
+    texts: training text; names: entity names scrambled into `syllables` strings before training;
+    tags: one added token each (a scaffold's tags). vocab_size: BPE merges + byte alphabet, tags on top.
     Returns a tokenizer whose eos is <|im_end|> and pad is <|endoftext|>. Deterministic per seed.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -81,7 +81,7 @@ def train_tokenizer(texts: Iterable[str], names: Sequence[str] = (), vocab_size:
         names_re = re.compile(r"\b(" + "|".join(sorted(map(re.escape, names), key=len, reverse=True))
                               + r")\b")
     corpus = [_scramble_names(t, names_re, rng, syllables) for t in texts]
-    for tag in SCAFFOLD_TAGS:  # tags become added tokens: keep them out of BPE statistics
+    for tag in tags:  # tags become added tokens: keep them out of BPE statistics
         corpus = [c.replace(tag, " ") for c in corpus]
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.Sequence([
@@ -94,7 +94,7 @@ def train_tokenizer(texts: Iterable[str], names: Sequence[str] = (), vocab_size:
     tk.train_from_iterator(corpus, trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>",
                                   pad_token="<|endoftext|>", unk_token=None)
-    tok.add_tokens(list(SCAFFOLD_TAGS))  # non-special: decode keeps them, the parser sees them
+    tok.add_tokens(list(tags))  # non-special: decode keeps them, the parser sees them
     tok.chat_template = CHATML_TEMPLATE
     return tok
 

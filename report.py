@@ -71,9 +71,12 @@ def bootstrap_ci(values: Sequence[float], level: float = 0.95, n_boot: int = 200
 def heldout_lines(e0: dict, e1: dict) -> list[str]:
     """Lines comparing the SFT start (e0) and the trained policy (e1), two train.evaluate results on
     the same questions: score, answer score and fact recall, each mean with its 95 % CI and the
-    paired RL - SFT difference with its CI (when the results carry per-question values)."""
+    paired RL - SFT difference with its CI (when the results carry per-question values). The score
+    of an unstructured-scaffold run (its stage/* other than the answer are None) is its answer score."""
     pq0, pq1 = e0.get("per_question") or {}, e1.get("per_question") or {}
-    labels = (("score", "held-out score (mean of 4 stage scores):"),
+    answer_only = e0.get("stage/plan", 0.0) is None
+    labels = (("score", "held-out score (Answer stage only):     " if answer_only else
+                        "held-out score (mean of 4 stage scores):"),
               ("answer", "held-out answer score:                  "),
               ("fact_recall", "held-out fact recall:                   "))
     out = []

@@ -15,12 +15,24 @@ text either way):
     <review><rubrics_review>..</rubrics_review><writing_plan>..</writing_plan></review> -> Review (k = 2)
     <answer>.. cited with [1], [2] ..</answer>                                  -> Answer    (k = 3)
 
+The unstructured scaffold (the paper's scaffold ablation, Fig. 6a-c; `rollout.scaffold =
+"unstructured"`): a ReAct-like agent with no Plan, no Review and no self-written rubrics:
+
+    <think>..</think>                                 (optional, any number)
+    <call_tool name="google_search">query</call_tool>
+    <tool_output>..inserted by the environment..</tool_output>      (repeated)
+    <answer>.. cited with [1], [2] ..</answer>
+
+`parse_unstructured` reads it; having no stages, the whole response is the Answer block (K = 1, see
+there), and the loss mask is set by the engine exactly as for the structured scaffold.
+
 Glossary: n rollouts per query form a *group*; B_{i,k} is the *stage block* of rollout i in stage k
 (the tokens with stage id k); the loss mask is 1 on tokens the policy sampled and 0 on tokens the
 environment inserted (tool outputs), so tool outputs get no gradient (§3.3, "masked").
 
 What the functions compute
 - `parse_response(text, env_spans)`: text -> stage boundaries and stage texts; never raises.
+- `parse_unstructured(text, env_spans)`: the same for the unstructured scaffold; never raises.
 - `stage_of_chars` / `assign_stage_ids`: the stage id of every character / token.
 - `RolloutEngine.run`: batched multi-turn generation through a `Sampler`, token-in/token-out.
 
@@ -53,6 +65,8 @@ Deviations from the paper
    that exceeds the per-call timeout yields "error: search timed out" (the call is abandoned in its
    worker thread), and after the rollout deadline every further call is refused with an error; in
    each case the rollout goes on to Review and Answer within its token budget (`RolloutEngine`).
+4. The unstructured scaffold's tags and prompt are ours (think / call / answer, as a ReAct agent
+   writes them); the paper compares against an unstructured scaffold without giving its format.
 """
 from __future__ import annotations
 
@@ -91,9 +105,32 @@ At most 10 tool calls.
 gives a fact</answer>
 Notes from memory, when given inside <memory>, are lessons from earlier attempts."""
 
+# The scaffold ablation (Fig. 6a-c): the same task and tool without the four stages (ReAct-like).
+SCAFFOLDS = ("structured", "unstructured")
+THINK_TAGS = ("<think>", "</think>")  # the unstructured scaffold's tag besides call, output, answer
+
+UNSTRUCTURED_SYSTEM_PROMPT = """You are a deep-research assistant. Use these tags exactly.
+Think when useful: <think>your reasoning</think>. Call the search tool with \
+<call_tool name="google_search">query</call_tool>. The environment replies with <tool_output>[1] \
+title | text ...</tool_output>; never write tool outputs yourself. At most 10 tool calls.
+Finish with <answer>the report; cite every claim with the snippet id, e.g. [1]; say when no source \
+gives a fact</answer>"""
+
 # Toy mode trains its policy from scratch, so instructions are learnt from demonstrations, not read;
 # a short system prompt saves forward-pass tokens on every step (not in the paper; our choice).
 SYSTEM_PROMPT_COMPACT = "Research assistant: plan, search, review, answer with cited snippets."
+UNSTRUCTURED_SYSTEM_PROMPT_COMPACT = "Research assistant: think, search, answer with cited snippets."
+
+
+def system_prompt(scaffold: str = "structured", style: str = "compact") -> str:
+    """The system prompt of a scaffold ("structured" | "unstructured") in a style ("compact": the
+    toy's short prompt, instructions learnt from demonstrations; anything else: the full prompt, as
+    `rollout.system_prompt` reads). Raises ValueError for an unknown scaffold."""
+    if scaffold not in SCAFFOLDS:
+        raise ValueError(f"rollout.scaffold must be one of {SCAFFOLDS}, got {scaffold!r}")
+    if scaffold == "unstructured":
+        return UNSTRUCTURED_SYSTEM_PROMPT_COMPACT if style == "compact" else UNSTRUCTURED_SYSTEM_PROMPT
+    return SYSTEM_PROMPT_COMPACT if style == "compact" else SYSTEM_PROMPT
 
 _TAG_RE = {
     "analysis": re.compile(r"<analysis>(.*?)(?:</analysis>|$)", re.S),
@@ -103,6 +140,7 @@ _TAG_RE = {
     "writing_plan": re.compile(r"<writing_plan>(.*?)(?:</writing_plan>|$)", re.S),
     "answer": re.compile(r"<answer>(.*?)(?:</answer>|$)", re.S),
 }
+_THINK_RE = re.compile(r"<think>(.*?)(?:</think>|$)", re.S)
 _STATE_EVAL_RE = re.compile(r"<state_evaluation>(.*?)(?:</state_evaluation>|$)", re.S)
 _CALL_RE = re.compile(r'<call_tool\s+name="([^"]*)"\s*>(.*?)</call_tool>', re.S)
 _TOOL_OUT_RE = re.compile(r"<tool_output>.*?(?:</tool_output>|$)", re.S)
@@ -180,10 +218,14 @@ class ParsedResponse:
     has_stage: tuple[bool, bool, bool, bool]
     closed: dict[str, bool]
     forged_tool_outputs: int
+    scaffold: str = "structured"  # which grammar parsed it (SCAFFOLDS)
 
     @property
     def well_formed(self) -> bool:
-        """All four stages present, their blocks closed, the answer closed."""
+        """Structured: all four stages present, their blocks closed, the answer closed.
+        Unstructured: an answer, closed, and every <think> closed."""
+        if self.scaffold == "unstructured":
+            return self.has_stage[ANSWER] and all(self.closed.values())
         return all(self.has_stage) and all(self.closed.values())
 
 
@@ -236,6 +278,45 @@ def parse_response(text: str, env_spans: Sequence[tuple[int, int]] = ()) -> Pars
               "review": "</review>" in st[REVIEW], "answer": "</answer>" in st[ANSWER]}
     forged = len(forged_spans(text, env_spans))
     return ParsedResponse((b1, b2, b3), st, fields, evals, calls, cites, has, closed, forged)
+
+
+def parse_unstructured(text: str, env_spans: Sequence[tuple[int, int]] = ()) -> ParsedResponse:
+    """Parse a response of the unstructured scaffold (the scaffold ablation, Fig. 6a-c): optional
+    <think> blocks, tool calls and their environment outputs, then <answer>. Never raises.
+
+    Args: as `parse_response`. Returns a ParsedResponse with scaffold = "unstructured":
+    - stage ids: the scaffold has no stages, so the whole response is one block, the Answer block:
+      bounds = (0, 0, 0), stage_texts = ("", "", "", text), and every token gets stage id ANSWER (3).
+      The terminal-score advantage (settings.ARMS "baseline_rl": A_i from R_{i,Answer}, the same
+      in every column of A) then gives every sampled token the one advantage A_i (K = 1 GRPO).
+    - calls and <think> texts (fields["think"], one per line) are read before the first <answer>
+      with tool-output blocks stripped, as the structured parser reads the Research stage;
+      fields["answer"] and citations exactly as `parse_response` reads them (from the first
+      <answer>, up to </answer> or the end); the structured fields are "".
+    - has_stage = (False, False, False, answer opened); closed = {"think": every <think> closed,
+      "answer": </answer> present}; well_formed = answer opened and everything closed.
+    - forged_tool_outputs as `parse_response` (the loss mask is the engine's, not the parser's:
+      tool outputs have mask 0 for both scaffolds).
+    """
+    if not isinstance(text, str):
+        text = str(text)
+    b = _first(text, ["<answer>"])
+    before, block = _strip_tool_outputs(text[:b]), text[b:]
+    m = _TAG_RE["answer"].search(block)
+    fields = {key: "" for key in _TAG_RE}
+    fields["answer"] = m.group(1).strip() if m else ""
+    fields["think"] = "\n".join(t.group(1).strip() for t in _THINK_RE.finditer(before))
+    calls = [(c.group(1), c.group(2).strip()) for c in _CALL_RE.finditer(before)]
+    cites = [int(c) for c in _CITE_RE.findall(fields["answer"])]
+    has = (False, False, False, "<answer>" in block)
+    closed = {"think": before.count("<think>") <= before.count("</think>"),
+              "answer": "</answer>" in block}
+    forged = len(forged_spans(text, env_spans))
+    return ParsedResponse((0, 0, 0), ("", "", "", text), fields, [], calls, cites, has, closed,
+                          forged, "unstructured")
+
+
+PARSERS = {"structured": parse_response, "unstructured": parse_unstructured}
 
 
 def _strip_tool_outputs(s: str) -> str:
@@ -530,11 +611,12 @@ def token_char_starts(tokenizer, ids: Sequence[int]) -> tuple[str, list[int]]:
     return "".join(pieces), starts
 
 
-def finalize(rollout: Rollout, tokenizer) -> Rollout:
-    """Decode, parse and assign a stage id to every token of a finished rollout."""
+def finalize(rollout: Rollout, tokenizer, scaffold: str = "structured") -> Rollout:
+    """Decode, parse (with the scaffold's parser, PARSERS) and assign a stage id to every token of a
+    finished rollout."""
     text, starts = token_char_starts(tokenizer, rollout.response_ids)
     rollout.text = text
-    rollout.parsed = parse_response(text, rollout.env_spans)
+    rollout.parsed = PARSERS[scaffold](text, rollout.env_spans)
     rollout.stage_ids = assign_stage_ids(starts, rollout.parsed)
     return rollout
 
@@ -551,13 +633,22 @@ class RolloutEngine:
     past `tool_timeout_s` (s) becomes "error: search timed out", and once `deadline_s` (s, counted
     from the start of `run`) has passed every call is refused with an error. Counts accumulate in
     `stats` (tool_errors, tool_refusals, tool_timeouts, deadline_refusals).
+
+    `scaffold` ("structured" | "unstructured") selects the parser of finished rollouts (PARSERS);
+    generation, tool calls and loss masks are the same for both.
     """
 
     def __init__(self, sampler: Sampler, tokenizer, tools: dict, max_response_tokens: int = 512,
                  max_tool_calls: int = MAX_TOOL_CALLS, system_prompt: str = SYSTEM_PROMPT,
                  temperature: float = 1.0, max_rounds: int | None = None,
-                 tool_timeout_s: float | None = None, deadline_s: float | None = None):
+                 tool_timeout_s: float | None = None, deadline_s: float | None = None,
+                 scaffold: str = "structured"):
+        if scaffold not in PARSERS:
+            raise ValueError(f"scaffold must be one of {SCAFFOLDS}, got {scaffold!r}")
         self.sampler, self.tok, self.tools = sampler, tokenizer, dict(tools)
+        self.scaffold = scaffold
+        # What a refused call tells the policy to do next (the unstructured scaffold has no review).
+        self._finish = "the review and the answer" if scaffold == "structured" else "the answer"
         self.max_response_tokens = max_response_tokens
         self.max_tool_calls = max_tool_calls
         self.system_prompt = system_prompt
@@ -622,7 +713,7 @@ class RolloutEngine:
                 del r.response_ids[self.max_response_tokens:]
                 del r.loss_mask[self.max_response_tokens:]
                 r.truncated = True
-            finalize(r, self.tok)
+            finalize(r, self.tok, self.scaffold)
         return rollouts
 
     def _eos_ids(self) -> set:
@@ -647,13 +738,13 @@ class RolloutEngine:
         left = self._deadline - time.monotonic() if self._deadline is not None else None
         if n_done >= self.max_tool_calls:
             call = ToolCall(name, query, [], [], f"tool-call limit of {self.max_tool_calls} reached; "
-                            "write the review and the answer", refused=True)
+                            f"write {self._finish}", refused=True)
             env = format_tool_error(call.error)
             self.stats["tool_refusals"] += 1
         elif left is not None and left <= 0:
             # Past the rollout deadline: no more tool calls; the rollout goes on within its budget.
-            call = ToolCall(name, query, [], [], "rollout deadline reached; write the review and "
-                            "the answer", refused=True)
+            call = ToolCall(name, query, [], [], f"rollout deadline reached; write {self._finish}",
+                            refused=True)
             env = format_tool_error(call.error)
             self.stats["deadline_refusals"] += 1
         elif name not in self.tools:
@@ -732,6 +823,9 @@ class RolloutConfig:
     max_response_tokens: int = 512  # full: PAPER max response 18,432 tokens
     max_tool_calls: int = 10  # PAPER: at most 10 tool calls
     system_prompt: str = "compact"  # "compact" (toy: learnt from demonstrations) | "full"
+    scaffold: str = "structured"  # PAPER: "structured" (the four stages, §3.2) | "unstructured" (the
+    # scaffold ablation, Fig. 6a-c: think / tool call / answer only, ReAct-like; its own SFT warm
+    # start; trains with arm "baseline_rl" only, settings.validate_config)
     tool_timeout_s: float = 30.0  # ours: a tool call still running after this many seconds is
     # abandoned and answered "error: search timed out" (0 = no limit); wall-clock, so far above a
     # healthy call (toy BM25: milliseconds) to keep runs reproducible

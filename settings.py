@@ -39,7 +39,7 @@ from data import PAPER_RL_DATA, DataConfig
 from faults import FaultConfig, validate_fault_config
 from judge import JudgeConfig
 from reflection import ReflectionConfig
-from scaffold import STAGES, RolloutConfig, SearchConfig
+from scaffold import SCAFFOLDS, STAGES, RolloutConfig, SearchConfig
 from ss_grpo import SSGRPOConfig
 from toy.sft import SFTConfig, TeacherConfig
 from toy.world import WorldConfig
@@ -425,6 +425,7 @@ def validate_config(cfg: Config) -> None:
                          f"got {cfg.judge.caps}")
     if cfg.arm not in ARMS:
         raise ValueError(f"arm must be one of {tuple(ARMS)}, got {cfg.arm!r}")
+    validate_scaffold(cfg)
     if cfg.ss_grpo.agg not in ss_grpo.AGG_MODES:
         raise ValueError(f"ss_grpo.agg must be one of {ss_grpo.AGG_MODES}")
     if cfg.rollout.n < 2:
@@ -465,6 +466,32 @@ def validate_config(cfg: Config) -> None:
         raise ValueError("--faults injects judge faults into the toy judge only; an HTTP judge is "
                          "tested against a loopback server instead (tests/loopback.py)")
     validate_fault_config(cfg.faults, "faults")
+
+
+def validate_scaffold(cfg: Config) -> None:
+    """The scaffold ablation (Fig. 6a-c): rollout.scaffold must be one of scaffold.SCAFFOLDS, and the
+    unstructured scaffold, which has no stages, no reflection and no memory, trains only with an arm
+    whose advantage is the terminal Answer score without reflection or bank ("baseline_rl": the
+    paper's Baseline RL, one score broadcast to all tokens), scored by the toy judge (the only one
+    that grades its Answer stage alone). Raises ValueError naming the fields."""
+    sc = cfg.rollout.scaffold
+    if sc not in SCAFFOLDS:
+        raise ValueError(f"rollout.scaffold must be one of {SCAFFOLDS}, got {sc!r}")
+    if sc == "structured":
+        return
+    arm = ARMS[cfg.arm]
+    wants = (("stage-wise advantages (advantage 'ss_grpo')", arm.advantage == "ss_grpo"),
+             ("all four stage scores (advantage 'terminal_mean')", arm.advantage == "terminal_mean"),
+             ("the reflection meta-policy", arm.reflection), ("the rubric bank", arm.bank))
+    needs = [what for what, on in wants if on]
+    if needs:
+        raise ValueError(f"rollout.scaffold = 'unstructured' has no stages, no reflection and no "
+                         f"memory, but arm = {cfg.arm!r} needs {', '.join(needs)}; use arm "
+                         "'baseline_rl' (--arm baseline_rl: terminal Answer score, no reflection, "
+                         "no bank)")
+    if cfg.judge.backend != "toy":
+        raise ValueError(f"rollout.scaffold = 'unstructured' is graded by the toy judge only "
+                         f"(judge.backend = 'toy'), got judge.backend = {cfg.judge.backend!r}")
 
 
 def _field(cfg: Config, dotted: str):

@@ -15,6 +15,13 @@ written inside a rollout or a tool output cannot move it, and keyword stuffing o
 Reflection candidates are scored from the judged trajectory's rubrics (privileged, §3.4); degenerate,
 cut-off or off-topic candidates are marked invalid.
 
+The unstructured scaffold (the scaffold ablation, Fig. 6a-c; `ToyJudge(..., scaffold="unstructured")`)
+has no plan, research notes or review to grade: its pool holds the Answer stage's checks only, so
+its Answer score is computed from the same answer rubrics (the data row's initial rubrics plus the
+proposed answer checks) as the structured scaffold's, and its Plan, Research and Review cells are
+NaN (not applicable: no rubric scores them) in R and in `evaluate`. Training counts these NaN cells
+in judge/missing (3 per rollout); they never reach the advantage, which is the terminal Answer score.
+
 Deviations from the paper
 1. Toy rubric proposal picks from a finite pool of checks derived from ground truth, ranked by d_r;
    the paper's Gemini judge writes free-text rubrics (full mode, backends/judge_http.py).
@@ -32,7 +39,7 @@ from typing import Sequence
 import numpy as np
 
 from judge import BUFFER_CAPS, EvolvingJudge, JudgeResult, ReflectionScore, Rubric
-from scaffold import ANSWER, PLAN, RESEARCH, REVIEW, STAGES, Rollout
+from scaffold import ANSWER, PLAN, RESEARCH, REVIEW, SCAFFOLDS, STAGES, Rollout
 
 # ----------------------------------------------------------------------------------------------------
 # Toy judge: deterministic checks against the toy world's ground truth
@@ -169,12 +176,18 @@ class ToyJudge(EvolvingJudge):
     never free text that a policy could stuff with keywords.
     """
 
-    def __init__(self, world, caps: Sequence[int] = BUFFER_CAPS):
+    def __init__(self, world, caps: Sequence[int] = BUFFER_CAPS, scaffold: str = "structured"):
+        if scaffold not in SCAFFOLDS:
+            raise ValueError(f"scaffold must be one of {SCAFFOLDS}, got {scaffold!r}")
         super().__init__(caps)
         self.world = world
+        # The stages this judge grades: all four, or the Answer stage alone for the unstructured
+        # scaffold (its other cells are NaN: not applicable).
+        self.stages = tuple(range(len(STAGES))) if scaffold == "structured" else (ANSWER,)
 
     # pool of candidate rubrics ------------------------------------------------------------------
     def pool(self, query) -> list[Rubric]:
+        """Candidate rubrics of `query`, of the stages this judge grades (`self.stages`)."""
         facts = query.facts
         P = []
         for f in facts:
@@ -220,7 +233,7 @@ class ToyJudge(EvolvingJudge):
                    "No value copied from an old record or a look-alike entity.",
                    check=("ans_nodistractor",)),
         ]
-        return P
+        return [r for r in P if r.stage in self.stages]
 
     def propose(self, query, rollouts, step) -> list[Rubric]:
         return self.pool(query)
@@ -474,12 +487,16 @@ class ToyJudge(EvolvingJudge):
     # static evaluation ----------------------------------------------------------------------------
     def evaluate(self, query, rollouts: Sequence[Rollout]) -> np.ndarray:
         """Static held-out score (deviation 3): (n, 4) stage scores over the whole pool + initial
-        rubrics, independent of the evolving buffers. Never NaN for the toy judge."""
+        rubrics, independent of the evolving buffers. Never NaN for a stage this judge grades;
+        NaN (not applicable) for the others (the unstructured scaffold's Plan, Research, Review)."""
         pool, init = self.pool(query), self.initial_rubrics(query)
         allr = pool + init
         S = self.score_rubrics(query, rollouts, allr)
         out = np.zeros((len(rollouts), len(STAGES)))
         for k in range(len(STAGES)):
+            if k not in self.stages:
+                out[:, k] = np.nan
+                continue
             cols = [j for j, r in enumerate(allr) if r.stage == k]
             w = np.array([allr[j].weight for j in cols])
             out[:, k] = (np.nan_to_num(S[:, cols]) * w).sum(1) / w.sum()

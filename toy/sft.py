@@ -11,6 +11,14 @@ SFT policy therefore starts with headroom for RL. The teacher also writes reflec
 trajectories (for the reflection meta-policy of §3.4) and, when a retrieved memory names a fact it
 missed before, it does not miss it again: that is how the policy learns what a bank item is for.
 
+The unstructured scaffold (the scaffold ablation, Fig. 6a-c; scaffold.parse_unstructured) has its own
+teacher and warm start: `teacher_trajectory(..., scaffold="unstructured")` draws the same random
+numbers as the structured teacher, so for the same query and seed it makes the same imperfections
+(same error rates), runs the same searches and writes the same answer, but writes no plan and no
+review, and its notes after each tool output are <think> blocks instead of <state_evaluation>. Its
+warm start has no memory prompts and no reflection examples (the unstructured agent has neither a
+bank nor a reflection meta-policy), and its cache key holds the scaffold.
+
 SFT filters (PAPER, appendix): drop a trajectory
   (1) without a closing </answer>;
   (2) with a non-final turn (a segment followed by a tool output) that does not end in a valid call;
@@ -42,9 +50,9 @@ from typing import Sequence
 
 import torch
 
-import scaffold
 from reflection import reflection_messages
-from scaffold import CALL_OPEN, format_tool_error, format_tool_output
+from scaffold import (CALL_OPEN, SCAFFOLD_TAGS, THINK_TAGS, build_messages, format_tool_error,
+                      format_tool_output)
 from toy.world import ANSWER_TEMPLATES, World
 from data import Query
 
@@ -94,11 +102,15 @@ class TeacherTrace:
 
 
 def teacher_trajectory(q: Query, tool, world: World, rng: random.Random, cfg: TeacherConfig,
-                       memory: Sequence[str] = ()) -> TeacherTrace:
-    """One stage-structured trajectory for query q through `tool`, with controlled imperfections.
+                       memory: Sequence[str] = (), scaffold: str = "structured") -> TeacherTrace:
+    """One trajectory for query q through `tool`, with controlled imperfections: stage-structured
+    (scaffold "structured", §3.2), or think / call / answer only ("unstructured": no plan, no
+    review, <think> notes; the same random draws, so the same searches, imperfections and answer).
 
     The teacher is privileged: it reads each retrieved document's ground truth from `world`.
     """
+    structured = scaffold == "structured"
+    note_open, note_close = ("<state_evaluation>", "</state_evaluation>") if structured else THINK_TAGS
     facts = q.facts
     remembered = memory_missed(memory)
     ents = (q.toy or {}).get("entities", [])
@@ -114,12 +126,12 @@ def teacher_trajectory(q: Query, tool, world: World, rng: random.Random, cfg: Te
         defects[k] = "skipped"
     need = "; ".join(f"need: {fact_key(f)}" for f in facts)
     neg = "" if rng.random() < cfg.p_no_negative else "; avoid: look-alike names and old records"
-    if not neg:
+    if not neg and structured:
         defects["_negative"] = "no negative constraint"
     plan = (f"<structured_plan><analysis>Report on {' and '.join(ents)}: {', '.join(aspects)}."
             f"</analysis><rubrics>{need}{neg}</rubrics><research_plan>"
             + "; ".join(f"search {fact_key(f)}" for f in facts if fact_key(f) not in skip)
-            + "</research_plan></structured_plan>\n")
+            + "</research_plan></structured_plan>\n") if structured else ""
     segs: list[Segment] = []
     cur = plan
     handle = 1
@@ -141,7 +153,7 @@ def teacher_trajectory(q: Query, tool, world: World, rng: random.Random, cfg: Te
             segs.append((False, cur))
             if rng.random() < cfg.p_tool_fail:
                 segs.append((True, format_tool_error("search failed")))
-                cur = "<state_evaluation>search failed, retrying</state_evaluation>\n"
+                cur = f"{note_open}search failed, retrying{note_close}\n"
                 continue
             results = tool(query)
             segs.append((True, format_tool_output(results, handle)))
@@ -163,7 +175,7 @@ def teacher_trajectory(q: Query, tool, world: World, rng: random.Random, cfg: Te
             handle += len(results)
             found[k] = (hit[0], hit[1]) if hit else None
             ev = f"{k}: {hit[1]} [{hit[0]}]" if hit else f"{k}: not found"
-            cur = f"<state_evaluation>{ev}</state_evaluation>\n"
+            cur = f"{note_open}{ev}{note_close}\n"
             break
         else:
             found[k] = None
@@ -175,7 +187,9 @@ def teacher_trajectory(q: Query, tool, world: World, rng: random.Random, cfg: Te
     review = (f"<review><rubrics_review>{'; '.join(review_items)}</rubrics_review><writing_plan>"
               f"{', '.join(fact_key(f) for f in facts if fact_key(f) not in skip)}</writing_plan>"
               "</review>\n")
-    if 0.5 * cfg.p_defect <= kind_defect < 1.5 * cfg.p_defect and "_kind" not in defects:
+    if not structured:
+        review = ""  # the unstructured scaffold has no review
+    elif 0.5 * cfg.p_defect <= kind_defect < 1.5 * cfg.p_defect and "_kind" not in defects:
         review = ""  # defect: a missing review block
         defects["_kind"] = "missing review"
     sentences = []
@@ -231,10 +245,14 @@ def teacher_reflection(q: Query, trace: TeacherTrace) -> str:
 
 _VALID_CALL = re.compile(r'<call_tool\s+name="google_search"\s*>\s*\S.*?</call_tool>\s*$', re.S)
 REQUIRED_TAGS = ("<structured_plan>", "</structured_plan>", "<review>", "</review>", "<answer>")
+UNSTRUCTURED_REQUIRED_TAGS = ("<answer>",)  # ours: the unstructured scaffold has no other block
 
 
-def sft_filter(segments: Sequence[Segment]) -> str | None:
+def sft_filter(segments: Sequence[Segment], scaffold: str = "structured") -> str | None:
     """The paper's four SFT filters. Returns the reason for dropping, or None to keep.
+
+    The required tags of filter (3) are the scaffold's: REQUIRED_TAGS plus <state_evaluation> after
+    a tool output (structured), or UNSTRUCTURED_REQUIRED_TAGS ("unstructured").
 
     Reasons: "no_closing_answer", "non_final_turn_without_valid_call", "missing_required_tag",
     "consecutive_tool_errors".
@@ -246,7 +264,10 @@ def sft_filter(segments: Sequence[Segment]) -> str | None:
         if not is_env and j + 1 < len(segments) and segments[j + 1][0]:
             if not _VALID_CALL.search(t):
                 return "non_final_turn_without_valid_call"
-    tags = REQUIRED_TAGS + (("<state_evaluation>",) if any(e for e, _ in segments) else ())
+    if scaffold == "structured":
+        tags = REQUIRED_TAGS + (("<state_evaluation>",) if any(e for e, _ in segments) else ())
+    else:
+        tags = UNSTRUCTURED_REQUIRED_TAGS
     if any(tag not in text for tag in tags):
         return "missing_required_tag"
     run = 0
@@ -312,13 +333,16 @@ class SFTConfig:
     seed: int = 0  # seed of the teacher data, the tokenizer and the model initialisation
 
 
-def build_sft_data(world: World, tool, tok_system: str, cfg: SFTConfig, tcfg: TeacherConfig):
-    """Teacher trajectories (filtered) and reflection examples over the *train* rows.
+def build_sft_data(world: World, tool, tok_system: str, cfg: SFTConfig, tcfg: TeacherConfig,
+                   scaffold: str = "structured"):
+    """Teacher trajectories (filtered) and reflection examples over the *train* rows; for the
+    unstructured scaffold trajectories only, without memory in the prompts.
 
     Returns (examples, stats): examples are (messages, segments) pairs; stats counts filter drops.
     """
     from data import load_rows
 
+    structured = scaffold == "structured"
     rng = random.Random(cfg.seed)
     rows = load_rows(world.train_rows)
     stats = {"generated": 0, "kept": 0}
@@ -326,21 +350,23 @@ def build_sft_data(world: World, tool, tok_system: str, cfg: SFTConfig, tcfg: Te
     while len(examples) < cfg.n_trajectories:
         q = rng.choice(rows)
         memory: list[str] = []
-        if rng.random() < tcfg.p_memory and traces:
+        if structured and rng.random() < tcfg.p_memory and traces:
             # Memory is either this query's own earlier reflection (exact) or another query's.
             prev = [t for t in traces[-200:] if t[0].query == q.query]
             src = prev[-1] if prev and rng.random() < 0.5 else rng.choice(traces[-200:])
             memory = [teacher_reflection(src[0], src[1])]
-        tr = teacher_trajectory(q, tool, world, rng, tcfg, memory)
+        tr = teacher_trajectory(q, tool, world, rng, tcfg, memory, scaffold)
         stats["generated"] += 1
-        why = sft_filter(tr.segments)
+        why = sft_filter(tr.segments, scaffold)
         if why:
             stats[why] = stats.get(why, 0) + 1
             continue
         stats["kept"] += 1
-        examples.append((scaffold.build_messages(q.query, memory, tok_system), tr.segments))
+        examples.append((build_messages(q.query, memory, tok_system), tr.segments))
         traces.append((q, tr))
-    for q, tr in rng.sample(traces, min(cfg.n_reflections, len(traces))):
+    # The unstructured agent has no reflection meta-policy: no reflection examples.
+    picked = rng.sample(traces, min(cfg.n_reflections, len(traces))) if structured else []
+    for q, tr in picked:
         traj = "".join(t for _, t in tr.segments).replace("<|im_end|>", "")
         msgs = reflection_messages(q.query, traj, tok_system)
         examples.append((msgs, [(False, teacher_reflection(q, tr) + "<|im_end|>")]))
@@ -425,19 +451,32 @@ def cache_key(obj: dict) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def warm_start(world: World, tool, system: str, cfg: SFTConfig, tcfg: TeacherConfig, size: str,
-               vocab_size: int, cache_dir: str, progress: bool = True, extra_key: dict | None = None):
-    """Build (or load from cache) the SFT policy. Returns (model, tokenizer, info dict, path).
+def warm_start_key(world_config, system: str, cfg: SFTConfig, tcfg: TeacherConfig, size: str,
+                   vocab_size: int, scaffold: str = "structured", extra_key: dict | None = None) -> str:
+    """The warm start's cache key (16 hex characters): world, teacher, SFT and model configuration,
+    the system prompt and the scaffold. The structured scaffold's key leaves the scaffold out, so
+    warm starts cached before the scaffold ablation existed stay valid; every other scaffold is in
+    the key, so two scaffolds' warm starts never share a cache entry."""
+    return cache_key({"world": asdict(world_config), "teacher": asdict(tcfg), "sft": asdict(cfg),
+                      "size": size, "vocab": vocab_size, "system": system, "v": 1,
+                      **({} if scaffold == "structured" else {"scaffold": scaffold}),
+                      **(extra_key or {})})
 
-    The cache key covers the world, teacher, SFT and model configuration; a second run with the same
-    configuration loads `cache_dir/sft-<key>` (save_pretrained format) and skips training.
+
+def warm_start(world: World, tool, system: str, cfg: SFTConfig, tcfg: TeacherConfig, size: str,
+               vocab_size: int, cache_dir: str, progress: bool = True, extra_key: dict | None = None,
+               scaffold: str = "structured"):
+    """Build (or load from cache) the SFT policy of a scaffold ("structured" | "unstructured").
+    Returns (model, tokenizer, info dict, path).
+
+    The cache key (`warm_start_key`) covers the world, teacher, SFT and model configuration and the
+    scaffold; a second run with the same configuration loads `cache_dir/sft-<key>`
+    (save_pretrained format) and skips training.
     """
     import policy
     from toy.world import SYLLABLES
 
-    key = cache_key({"world": asdict(world.config), "teacher": asdict(tcfg), "sft": asdict(cfg),
-                     "size": size, "vocab": vocab_size, "system": system, "v": 1,
-                     **(extra_key or {})})
+    key = warm_start_key(world.config, system, cfg, tcfg, size, vocab_size, scaffold, extra_key)
     path = os.path.join(cache_dir, f"sft-{key}")
     info_path = os.path.join(path, "sft_info.json")
     if os.path.exists(info_path):
@@ -448,12 +487,13 @@ def warm_start(world: World, tool, system: str, cfg: SFTConfig, tcfg: TeacherCon
         log.info("SFT warm start loaded from cache %s", path)
         return model, tok, info, path
     t0 = time.perf_counter()
-    examples, stats = build_sft_data(world, tool, system, cfg, tcfg)
+    examples, stats = build_sft_data(world, tool, system, cfg, tcfg, scaffold)
     t_data = time.perf_counter() - t0
     texts = [d.title + " " + d.text for d in world.docs]
     texts += [tok_text(msgs, segs) for msgs, segs in examples[:3000]]
     tok = policy.train_tokenizer(texts, names=list(world.entities), vocab_size=vocab_size,
-                                 syllables=SYLLABLES, seed=cfg.seed)
+                                 syllables=SYLLABLES, seed=cfg.seed,
+                                 tags=SCAFFOLD_TAGS + (THINK_TAGS if scaffold == "unstructured" else ()))
     encoded = encode_examples(tok, examples)
     model = policy.build_tiny_qwen3(tok, size, seed=cfg.seed)
     torch.manual_seed(cfg.seed)
