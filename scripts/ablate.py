@@ -6,7 +6,9 @@ RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewa
 Reproduces in the toy world the comparisons of §4 "Ablation: RL training recipes" (Fig. 5: Baseline RL
 < SS-GRPO alone and Meta-Policy alone < full RubricEM; 600 steps from the same SFT checkpoint) and the
 memory-reuse analysis (Fig. 6d: RubricEM +0.4 / +0.7 at cross-episode pass 1 / within-episode pass 2,
-Baseline RL -0.5 / -0.6; memory_eval.py).
+Baseline RL -0.5 / -0.6; memory_eval.py) and, with --scaffold, the scaffold ablation (Fig. 6a-c: the
+structured SFT start beats the unstructured one, DRB 43.0 vs 39.8, and without the scaffold RL gains
+are small and unstable).
 
 What one grid does
     1. For each seed, then each arm (settings.ARMS), one subprocess
@@ -23,6 +25,12 @@ What one grid does
     4. The table (held-out answer-score difference from the SFT start at the final step: mean and 95 %
        percentile-bootstrap interval over seeds x questions), the figure (that difference against the
        RL step, one line per arm with its interval as a band) and the findings, into --doc.
+    5. With --scaffold, per seed also Baseline RL on the unstructured scaffold (run dir
+       GRID/unstructured-seedS: train.py --arm baseline_rl --set rollout.scaffold="unstructured"),
+       beside the structured baseline_rl run (added to --arms if missing): the same steps, seed, data
+       order and held-out questions, each from its own scaffold's SFT start. The report compares
+       the two after SFT and after RL (held-out answer score, scored by the same answer rubrics, and
+       fact recall; mean and 95 % interval over seeds x questions).
 
 Resumable: a run whose eval.json exists is done and never redone; a run dir with checkpoints
 continues with --resume latest; memory.json marks a finished memory evaluation. Kill the grid at any
@@ -32,6 +40,7 @@ Launch
     python scripts/ablate.py                                 # 5 arms x seeds 0,1,2, toy steps (hours)
     python scripts/ablate.py --quick                         # fewer steps, questions, smaller SFT
     python scripts/ablate.py --arms rubricem,baseline_rl --seeds 0 --steps 12 --set threads=1
+    python scripts/ablate.py --arms baseline_rl --scaffold --quick   # scaffold ablation (Fig. 6a-c)
     python scripts/ablate.py --render-only                   # redraw the doc from GRID/results.jsonl
     python scripts/ablate.py memory --run-dir runs/toy       # memory reuse of one run (memory_eval.py)
 
@@ -69,6 +78,17 @@ ARM_ORDER = list(settings.ARMS)  # rubricem, ss_grpo, meta_policy, baseline_rl, 
 PAPER_NAMES = {"rubricem": "RubricEM", "ss_grpo": "SS-GRPO", "meta_policy": "Meta-Policy",
                "baseline_rl": "Baseline RL", "baseline_rl_info": "Baseline RL (info-matched, ours)"}
 MEMORY_ARMS = ("rubricem", "baseline_rl")  # the arms of the paper's memory-reuse figure
+# The scaffold ablation (Fig. 6a-c, --scaffold): Baseline RL on the unstructured scaffold, run beside
+# the structured baseline_rl run under this name (its run dir GRID/unstructured-seedS).
+UNSTRUCTURED = "unstructured"
+SCAFFOLD_SET = 'rollout.scaffold="unstructured"'
+PAPER_NAMES[UNSTRUCTURED] = "Baseline RL, unstructured scaffold"
+# Paper findings on the scaffold (Fig. 6a-c): (what is compared, results-row key, at the SFT start?).
+SCAFFOLD_FINDINGS = (
+    ("structured > unstructured after SFT (paper: DRB 43.0 vs 39.8)", "per_question_answer", True),
+    ("structured > unstructured after RL", "per_question_answer", False),
+    ("RL gain (RL - SFT) larger with the scaffold (paper: without it RL gains are small and "
+     "unstable)", "per_question_delta", False))
 # Paper findings on the recipe (Fig. 5): (lower arm, higher arm).
 ORDER_FINDINGS = (("baseline_rl", "ss_grpo"), ("baseline_rl", "meta_policy"),
                   ("ss_grpo", "rubricem"), ("meta_policy", "rubricem"))
@@ -128,9 +148,10 @@ def sign_verdict(stat: tuple, sign: int) -> str:
 
 def curve_rows(arm: str, seed: int, curve: list[dict]) -> list[dict]:
     """results.jsonl rows of one run from its eval_curve.jsonl rows: one per evaluated step with the
-    answer score, score and fact recall, the answer score of the SFT start (the run's step-0 row)
-    and the per-question answer scores and their differences from the SFT start. Raises ValueError
-    when the curve has no step-0 row."""
+    scaffold ("unstructured" for the UNSTRUCTURED run, else "structured"), the answer score, score
+    and fact recall, the answer score of the SFT start (the run's step-0 row) and the per-question
+    answer scores, their differences from the SFT start and fact recalls. Raises ValueError when
+    the curve has no step-0 row."""
     base = next((r for r in curve if r["step"] == 0), None)
     if base is None:
         raise ValueError(f"{arm}-seed{seed}: eval_curve.jsonl has no step-0 (SFT start) row")
@@ -138,18 +159,26 @@ def curve_rows(arm: str, seed: int, curve: list[dict]) -> list[dict]:
     out = []
     for r in curve:
         a = np.asarray(r["per_question"]["answer"])
-        out.append({"arm": arm, "seed": seed, "step": r["step"], "answer": r["answer"],
-                    "score": r["score"], "fact_recall": r["fact_recall"], "answer_sft": base["answer"],
-                    "delta_answer": float((a - a0).mean()), "per_question_answer": a.tolist(),
-                    "per_question_delta": (a - a0).tolist()})
+        out.append({"arm": arm, "seed": seed, "step": r["step"],
+                    "scaffold": "unstructured" if arm == UNSTRUCTURED else "structured",
+                    "answer": r["answer"], "score": r["score"], "fact_recall": r["fact_recall"],
+                    "answer_sft": base["answer"], "delta_answer": float((a - a0).mean()),
+                    "per_question_answer": a.tolist(), "per_question_delta": (a - a0).tolist(),
+                    "per_question_fact_recall": list(r["per_question"].get("fact_recall", []))})
     return out
 
 
 def arm_stats(rows: list[dict], arm: str, step: int) -> tuple[float, float, float]:
     """(mean, lo, hi) of the answer-score difference from the SFT start at `step`, pooled over the
     arm's seeds x questions."""
-    vals = [d for r in rows if r["arm"] == arm and r["step"] == step for d in r["per_question_delta"]]
-    return mean_ci(vals)
+    return pooled_stats(rows, arm, step, "per_question_delta")
+
+
+def pooled_stats(rows: list[dict], arm: str, step: int, key: str) -> tuple[float, float, float]:
+    """(mean, lo, hi) of the per-question values `key` of results rows (per_question_answer,
+    per_question_delta, per_question_fact_recall) of run `arm` (an arm or UNSTRUCTURED) at `step`,
+    pooled over its seeds x questions; all NaN when there are none."""
+    return mean_ci([d for r in rows if r["arm"] == arm and r["step"] == step for d in r.get(key, [])])
 
 
 def final_step(rows: list[dict]) -> int | None:
@@ -171,10 +200,13 @@ def run_dir(grid: str, arm: str, seed: int) -> str:
 def train_command(grid: str, arm: str, seed: int, steps: int, eval_every: int,
                   sets: Sequence[str]) -> list[str]:
     """The train.py command line of one (arm, seed); `--resume latest` when its run dir holds
-    checkpoints (a half-finished run)."""
+    checkpoints (a half-finished run). arm UNSTRUCTURED: Baseline RL on the unstructured scaffold
+    (--arm baseline_rl, SCAFFOLD_SET after the other overrides)."""
     rd = run_dir(grid, arm, seed)
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--toy", "--arm", arm, "--seed", str(seed),
-           "--run-dir", rd, "--steps", str(steps), "--eval-every", str(eval_every), "--no-progress"]
+    cli_arm, sets = (("baseline_rl", [*sets, SCAFFOLD_SET]) if arm == UNSTRUCTURED else (arm, sets))
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--toy", "--arm", cli_arm, "--seed",
+           str(seed), "--run-dir", rd, "--steps", str(steps), "--eval-every", str(eval_every),
+           "--no-progress"]
     for s in sets:
         cmd += ["--set", s]
     if ckpt_mod.list_checkpoints(rd):
@@ -202,12 +234,15 @@ def run_logged(cmd: list[str], log_path: str) -> int:
 
 
 def run_grid(grid: str, arms: Sequence[str], seeds: Sequence[int], steps: int, eval_every: int,
-             sets: Sequence[str], memory: bool = True, progress: bool = True) -> dict:
-    """Train every (arm, seed) not yet done, then the memory evaluations; returns
-    {"done": [...], "skipped": [...], "failed": [...]} of "arm-seedS" (memory: "memory:arm-seedS")."""
+             sets: Sequence[str], memory: bool = True, progress: bool = True,
+             scaffold: bool = False) -> dict:
+    """Train every (arm, seed) not yet done (with `scaffold`, also the UNSTRUCTURED run per seed),
+    then the memory evaluations; returns {"done": [...], "skipped": [...], "failed": [...]} of
+    "arm-seedS" (memory: "memory:arm-seedS")."""
     from tqdm import tqdm
 
-    jobs = [("train", a, s) for s in seeds for a in arms]
+    runs = list(arms) + ([UNSTRUCTURED] if scaffold else [])
+    jobs = [("train", a, s) for s in seeds for a in runs]
     if memory:
         jobs += [("memory", a, s) for s in seeds for a in arms if a in MEMORY_ARMS]
 
@@ -241,21 +276,37 @@ def run_grid(grid: str, arms: Sequence[str], seeds: Sequence[int], steps: int, e
     return status
 
 
-def collect(grid: str, arms: Sequence[str], seeds: Sequence[int]) -> tuple[list[dict], dict, list[str]]:
-    """(results rows, memory results by (arm, seed), checks) from the finished runs; writes
-    GRID/results.jsonl. Checks: the SFT start is the same for every arm of a seed (warm-start cache
-    key and the step-0 evaluation) and the evaluations used the same settings."""
+def _finished_run(grid: str, arm: str, seed: int) -> tuple[dict, list[dict]] | None:
+    """(eval.json, eval_curve.jsonl rows) of a finished run, or None when it has no eval.json."""
+    rd = run_dir(grid, arm, seed)
+    if not os.path.exists(os.path.join(rd, "eval.json")):
+        return None
+    ev = json.load(open(os.path.join(rd, "eval.json")))
+    cp = os.path.join(rd, "eval_curve.jsonl")
+    return ev, [json.loads(l) for l in open(cp) if l.strip()] if os.path.exists(cp) else []
+
+
+def _sft_key(ev: dict) -> str:
+    return str(ev.get("sft", {}).get("key") or ev.get("sft", {}).get("source"))
+
+
+def collect(grid: str, arms: Sequence[str], seeds: Sequence[int],
+            scaffold: bool = False) -> tuple[list[dict], dict, list[str]]:
+    """(results rows, memory results by (arm, seed), checks) from the finished runs (with
+    `scaffold`, the UNSTRUCTURED runs too); writes GRID/results.jsonl. Checks: the SFT start is the
+    same for every arm of a seed (warm-start cache key and the step-0 evaluation), the evaluations
+    used the same settings, and an unstructured run had its own warm start and the structured
+    run's held-out questions and evaluation settings."""
     rows, mem, checks = [], {}, []
     for s in seeds:
         keys, base = {}, {}
         for a in arms:
-            rd = run_dir(grid, a, s)
-            if not os.path.exists(os.path.join(rd, "eval.json")):
+            got = _finished_run(grid, a, s)
+            if got is None:
                 continue
-            ev = json.load(open(os.path.join(rd, "eval.json")))
-            keys[a] = ev.get("sft", {}).get("key") or ev.get("sft", {}).get("source")
-            cp = os.path.join(rd, "eval_curve.jsonl")
-            curve = [json.loads(l) for l in open(cp) if l.strip()] if os.path.exists(cp) else []
+            ev, curve = got
+            keys[a] = _sft_key(ev)
+            rd = run_dir(grid, a, s)
             try:
                 rows += curve_rows(a, s, curve)
             except ValueError as e:  # e.g. eval.n_questions = 0: nothing to compare
@@ -272,10 +323,35 @@ def collect(grid: str, arms: Sequence[str], seeds: Sequence[int]) -> tuple[list[
                           f"{'yes' if len(distinct) == 1 else 'NO'} (cache key "
                           f"{', '.join(k[:12] for k in distinct)}); identical step-0 held-out "
                           f"evaluation: {'yes' if same_base else 'NO'}")
+        got = _finished_run(grid, UNSTRUCTURED, s) if scaffold else None
+        if got is not None:
+            more, lines = _unstructured_rows(got, s, keys.get("baseline_rl"), base.get("baseline_rl"))
+            rows, checks = rows + more, checks + lines
     if os.path.isdir(grid):
         data = "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8")
         ckpt_mod.atomic_write_bytes(os.path.join(grid, "results.jsonl"), data)
     return rows, mem, checks
+
+
+def _unstructured_rows(got: tuple[dict, list[dict]], seed: int, key_structured: str | None,
+                       base_structured: tuple | None) -> tuple[list[dict], list[str]]:
+    """Results rows and checks of one seed's UNSTRUCTURED run: its own SFT warm start (a cache key
+    other than the structured baseline_rl run's), the same number of held-out questions and the
+    same evaluation settings (questions, samples, temperature) as that run."""
+    ev, curve = got
+    try:
+        rows = curve_rows(UNSTRUCTURED, seed, curve)
+    except ValueError as e:
+        return [], [f"{e}; left out"]
+    key = _sft_key(ev)
+    line = (f"seed {seed}: unstructured scaffold: own SFT warm start (cache key {key[:12]}): "
+            f"{'yes' if key != key_structured else 'NO'}")
+    if base_structured is not None:
+        same = (len(curve[0]["per_question"]["answer"]) == len(base_structured[0])
+                and json.dumps(curve[0]["eval"]) == base_structured[1])
+        line += (f"; same held-out question count and evaluation settings as structured baseline_rl: "
+                 f"{'yes' if same else 'NO'}")
+    return rows, [line]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -364,6 +440,8 @@ def render(rows: list[dict], mem: dict, checks: list[str], arms: Sequence[str], 
         L.append("")
     if meta.get("figure"):
         L += [f"![held-out answer score minus SFT start per RL step]({meta['figure']})", ""]
+    if meta.get("scaffold") or any(r["arm"] == UNSTRUCTURED for r in rows):
+        L += render_scaffold(rows, fs)
     L += ["## Memory reuse (with minus without memory, answer score)", ""]
     if not mem:
         L += ["No memory evaluations yet.", ""]
@@ -402,6 +480,42 @@ def render(rows: list[dict], mem: dict, checks: list[str], arms: Sequence[str], 
     return "\n".join(L)
 
 
+def render_scaffold(rows: list[dict], fs: int | None) -> list[str]:
+    """The report's scaffold-ablation section (Fig. 6a-c): structured vs unstructured Baseline RL
+    after SFT (step 0) and after RL (step `fs`), held-out answer score and fact recall, mean and 95 %
+    interval over seeds x questions, and a verdict per paper finding (`order_verdict`)."""
+    L = ["## Scaffold ablation: structured vs unstructured after SFT and after RL (Fig. 6a-c)", "",
+         "Baseline RL (terminal Answer score, no reflection, no bank) on the four-stage scaffold and "
+         "on an unstructured one (think / tool call / answer, ReAct-like), each from its own SFT "
+         "start (the same scripted teacher without plan and review: same error rates, searches and "
+         "answers; same SFT budget and seed), with the same steps, data order and held-out "
+         "questions; both graded by the same answer rubrics of the toy judge.", ""]
+    if fs is None or not any(r["arm"] == UNSTRUCTURED for r in rows):
+        return L + ["Not run yet: `python scripts/ablate.py --scaffold` fills this section.", ""]
+    L += [f"At RL step {fs} (after RL) and step 0 (after SFT).", "",
+          "| scaffold | run | seeds | answer after SFT [95% CI] | answer after RL [95% CI] "
+          "| RL - SFT [95% CI] | fact recall after SFT | fact recall after RL |",
+          "|---|---|---|---|---|---|---|---|"]
+
+    def cell(name: str, step: int, key: str, sign: str = "") -> str:
+        m, lo, hi = pooled_stats(rows, name, step, key)
+        return f"{m:{sign}.3f} [{lo:{sign}.3f}, {hi:{sign}.3f}]" if np.isfinite(m) else "n/a"
+
+    for name, label in (("baseline_rl", "structured"), (UNSTRUCTURED, "unstructured")):
+        n = len({r["seed"] for r in rows if r["arm"] == name and r["step"] == fs})
+        cells = [cell(name, 0, "per_question_answer"), cell(name, fs, "per_question_answer"),
+                 cell(name, fs, "per_question_delta", "+"), cell(name, 0, "per_question_fact_recall"),
+                 cell(name, fs, "per_question_fact_recall")]
+        L.append(f"| {label} | `{name}` | {n} | " + " | ".join(cells) + " |")
+    L.append("")
+    for text, key, at_sft in SCAFFOLD_FINDINGS:
+        step = 0 if at_sft else fs
+        v = order_verdict(pooled_stats(rows, UNSTRUCTURED, step, key),
+                          pooled_stats(rows, "baseline_rl", step, key))
+        L.append(f"- {text}: **{v}**")
+    return L + [""]
+
+
 def memory_stats(mem: dict, arm: str, p: str) -> tuple[float, float, float]:
     """(mean, lo, hi) of a pass's with-minus-without answer difference, pooled over the arm's seeds
     x questions."""
@@ -410,12 +524,14 @@ def memory_stats(mem: dict, arm: str, p: str) -> tuple[float, float, float]:
 
 
 def write_report(grid: str, arms: Sequence[str], seeds: Sequence[int], doc: str, meta: dict) -> str:
-    """Collect the finished runs, write GRID/results.jsonl, the figure next to `doc` and `doc`."""
-    rows, mem, checks = collect(grid, arms, seeds)
+    """Collect the finished runs, write GRID/results.jsonl, the figure next to `doc` and `doc`
+    (meta["scaffold"]: the UNSTRUCTURED runs too, drawn in the figure as a line of their own)."""
+    scaffold = bool(meta.get("scaffold"))
+    rows, mem, checks = collect(grid, arms, seeds, scaffold)
     png = os.path.splitext(doc)[0] + ".png"
     os.makedirs(os.path.dirname(os.path.abspath(doc)), exist_ok=True)
     if rows:
-        plot(rows, arms, png)
+        plot(rows, list(arms) + ([UNSTRUCTURED] if scaffold else []), png)
         meta = {**meta, "figure": os.path.basename(png)}
     text = render(rows, mem, checks, arms, meta)
     ckpt_mod.atomic_write_bytes(doc, text.encode("utf-8"))
@@ -457,6 +573,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--doc", default=os.path.join(ROOT, "docs", "ablations.md"),
                     help="report to write (the figure goes next to it as .png; default docs/ablations.md)")
     ap.add_argument("--no-memory", action="store_true", help="skip the memory-reuse evaluations")
+    ap.add_argument("--scaffold", action="store_true", help="also the scaffold ablation (Fig. 6a-c): "
+                    "per seed, Baseline RL on the unstructured scaffold (its own SFT start) beside "
+                    "the structured baseline_rl run, which is added to --arms if missing")
     ap.add_argument("--render-only", action="store_true", help="only rewrite the report from the "
                     "finished runs in --out")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -465,6 +584,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     bad = [x for x in a.arms if x not in settings.ARMS]
     if bad:
         ap.error(f"unknown arms {bad}; choose from {ARM_ORDER}")
+    if a.scaffold and "baseline_rl" not in a.arms:
+        a.arms.append("baseline_rl")  # the structured side of the scaffold comparison
     a.seeds = [int(x) for x in a.seeds.split(",")] if a.seeds else (QUICK_SEEDS if a.quick else [0, 1, 2])
     a.steps = a.steps or (QUICK_STEPS if a.quick else settings.toy_preset().steps)
     a.eval_every = a.eval_every or max(1, a.steps // 6)
@@ -491,11 +612,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = {"failed": []}
     if not a.render_only:
         status = run_grid(a.out, a.arms, a.seeds, a.steps, a.eval_every, a.sets,
-                          memory=not a.no_memory, progress=not a.no_progress)
+                          memory=not a.no_memory, progress=not a.no_progress, scaffold=a.scaffold)
     meta = {"command": "python scripts/ablate.py " + shlex.join(argv), "commit": commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
             "machine": machine(), "threads": threads_of(a.out, a.arms, a.seeds, a.sets),
-            "grid": f"arms {','.join(a.arms)}; seeds {','.join(map(str, a.seeds))}; {a.steps} RL "
+            "scaffold": a.scaffold,
+            "grid": f"arms {','.join(a.arms)}"
+                    f"{' + baseline_rl on the unstructured scaffold' if a.scaffold else ''}; "
+                    f"seeds {','.join(map(str, a.seeds))}; {a.steps} RL "
                     f"steps; evaluation every {a.eval_every} steps; overrides "
                     f"{' '.join(a.sets) or 'none'}; run dirs under {a.out}"}
     write_report(a.out, a.arms, a.seeds, a.doc, meta)
