@@ -23,7 +23,7 @@ Deviations from the paper
     2. Multi-turn chats: only the last assistant turn is trained; earlier turns are prompt (mask 0),
        as in the paper's single-turn ChatML format.
 
-Launch: no entry point; full mode calls load_rl_rows(FullConfig.data) (see full.py).
+Launch: no entry point; full mode calls load_rl_rows(FullConfig.data) (see backends/full.py).
 """
 from __future__ import annotations
 

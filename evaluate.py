@@ -1125,16 +1125,16 @@ def static_stage_scores(judge, queries: Sequence, rollouts: Sequence, n: int) ->
     Not in the paper. R is scored on the evolving buffers, which keep the rubrics the group still
     fails (§3.4), so its mean is not comparable from step to step; this score is, and shows whether
     the training rollouts get better. rollouts: len(queries) * n, query gi's group contiguous."""
-    if getattr(judge, "evaluate", None) is None or not rollouts:
-        return None
-    return [float(x) for x in static_scores(judge, queries, rollouts, n).mean(0)]  # (4,)
+    S = static_scores(judge, queries, rollouts, n) if rollouts else None
+    return None if S is None else [float(x) for x in S.mean(0)]  # (4,)
 
 
-def static_scores(judge, queries: Sequence, rollouts: Sequence, n: int) -> np.ndarray:
+def static_scores(judge, queries: Sequence, rollouts: Sequence, n: int) -> np.ndarray | None:
     """(len(rollouts), 4) float stage scores in [0, 1] under the judge's static rubric set
-    (`judge.evaluate`), one group of `n` contiguous rollouts per query."""
-    return np.concatenate([judge.evaluate(q, rollouts[gi * n:(gi + 1) * n])
-                           for gi, q in enumerate(queries)])
+    (`judge.evaluate`), one group of `n` contiguous rollouts per query; None for a judge without a
+    static rubric set."""
+    parts = [judge.evaluate(q, rollouts[gi * n:(gi + 1) * n]) for gi, q in enumerate(queries)]
+    return None if any(p is None for p in parts) else np.concatenate(parts)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -104,6 +104,14 @@ class Judge(Protocol):
 
     def load_state_dict(self, state: dict) -> None: ...
 
+    counters: dict  # cumulative calls, failures, proposed, pruned (train.py logs per-step differences)
+
+    def evaluate(self, query, rollouts: Sequence[Rollout]) -> np.ndarray | None: ...  # static rubrics
+
+    def stats(self) -> dict | None: ...  # HTTP figures (requests, tokens, cost), None otherwise
+
+    def close(self) -> None: ...
+
 
 def discriminativeness(scores: np.ndarray) -> float:
     """d_r = population std of a rubric's scores over the group, NaNs ignored (0 if < 2 values)."""
@@ -157,7 +165,6 @@ class EvolvingJudge:
         buffer carries into the query's next step. Never raises on model output; a backend failure
         leaves NaN cells (missing), counted in `counters["failures"]`.
         """
-        n = len(rollouts)
         buf = self.buffers.setdefault(query.query, [[] for _ in STAGES])
         init = self.initial_rubrics(query)
         # 1. propose: new discriminative rubrics (failure modes seen on-policy), at most cap per stage
@@ -262,6 +269,19 @@ class EvolvingJudge:
         self.counters = dict(state["counters"])
         self.buffers = {q: [[Rubric.from_dict(r) for r in b] for b in bufs]
                         for q, bufs in state["buffers"].items()}
+
+    # Defaults of the rest of the Judge interface (a backend overrides what it has)
+    def evaluate(self, query, rollouts: Sequence[Rollout]) -> np.ndarray | None:
+        """(n, 4) stage scores under a *static* rubric set, comparable across steps (the held-out
+        evaluation's); None: this judge has none (the HTTP judge)."""
+        return None
+
+    def stats(self) -> dict | None:
+        """Cumulative HTTP figures of a judge that makes requests (backends/judge_http.py); None."""
+        return None
+
+    def close(self) -> None:
+        """Release what the judge holds (HTTP sessions, worker threads); nothing here."""
 
 
 def _justify(rubrics: Sequence[Rubric], s: np.ndarray) -> str:

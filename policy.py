@@ -18,7 +18,7 @@ Functions
   (train-mode) log-probs of the SS-GRPO update come from the same function.
 
 Deviations from the paper
-1. Toy mode trains a tiny model from scratch (SFT warm start, sft.py) instead of starting from a
+1. Toy mode trains a tiny model from scratch (SFT warm start, toy/sft.py) instead of starting from a
    pretrained Qwen3-8B: nothing may be downloaded here.
 """
 from __future__ import annotations

@@ -69,7 +69,7 @@ def bootstrap_ci(values: Sequence[float], level: float = 0.95, n_boot: int = 200
 
 
 def heldout_lines(e0: dict, e1: dict) -> list[str]:
-    """Lines comparing the SFT start (e0) and the trained policy (e1), two train.evaluate results on
+    """Lines comparing the SFT start (e0) and the trained policy (e1), two evaluate.evaluate_heldout results on
     the same questions: score, answer score and fact recall, each mean with its 95 % CI and the
     paired RL - SFT difference with its CI (when the results carry per-question values)."""
     pq0, pq1 = e0.get("per_question") or {}, e1.get("per_question") or {}

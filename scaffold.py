@@ -46,7 +46,7 @@ characters) and a closing tag on its own (`forged_spans`).
 
 Deviations from the paper
 1. Tool outputs are numbered snippets "[h] title | text" with per-rollout handles h = 1, 2, ...
-   (see world.py); the paper's web snippets carry URLs.
+   (see toy/world.py); the paper's web snippets carry URLs.
 2. An 11th tool call is not executed: the environment answers it with a refusal inside
    <tool_output> and lets the policy go on to Review and Answer (the paper only states the cap).
 3. Fault tolerance, not in the paper: a failing tool yields "error: search failed", a tool call

@@ -2,32 +2,37 @@
 the windowed curriculum of §3.5, in toy mode on a laptop CPU and in full mode on GPU nodes.
 
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
-Implements Algorithm 1 and §3.5; the pieces live in their own modules:
-    scaffold.py  §3.1-3.2  prompt, stage grammar, multi-turn rollouts with tool calls
-    judge.py     §3.4      evolving per-stage rubric buffers, stage scores R (n x 4)
-    ss_grpo.py   §3.3      G = R Lambda^T, stagewise advantages, PPO-clip + k3 KL loss
-    reflection.py §3.4     reflection meta-policy, privileged scoring, GRPO over candidates
-    bank.py      §3.4-3.5  rubric bank, exact / similar retrieval
-    sft.py       appendix  scripted teacher + SFT warm start (toy mode)
+Implements Algorithm 1: `rl_step` is one step, written as the paper's named steps; each calls the
+module of its section:
+    scaffold.py   §3.1-3.2  prompt, stage grammar, multi-turn rollouts with tool calls
+    judge.py      §3.4      evolving per-stage rubric buffers, stage scores R (n x 4)
+    ss_grpo.py    §3.3      G = R Lambda^T, stagewise advantages, PPO-clip + k3 KL loss
+    policy.py     §3.3      the one SS-GRPO update of both policy engines (policy_update)
+    reflection.py §3.4      reflection meta-policy, privileged scoring, GRPO over candidates
+    bank.py       §3.4-3.5  rubric bank, exact / similar retrieval, the windowed curriculum
+The components are built once (build.build_run); the configuration is settings.Config. Everything
+besides the step (metrics, checkpoints, held-out evaluation, abort) is in `_train_loop` and the
+functions after it. docs/reading_path.md lists the functions of one step in reading order.
 
 Launch
-    python train.py --toy                      # ~16 min on a busy 2-core CPU (~8 min with the SFT cached)
-    python train.py --toy --arm baseline_rl    # an ablation arm (ARMS; run dir runs/toy-baseline_rl)
+    python train.py --toy                      # the toy run (README: wall time and results)
+    python train.py --toy --arm baseline_rl    # an ablation arm (settings.ARMS; runs/toy-baseline_rl)
     deepspeed train.py --full ...              # full mode (DeepSpeed ZeRO-3, vLLM, HTTP judge)
 
-One step (Algorithm 1; step numbers here are 0-based, the paper's 1-based):
-    0. the previous step's reflection GRPO batch (one-step lag) is applied as its own update, before
-       this step's rollouts (`apply_reflection_batch`)
-    1. curriculum: batch b and retrieval mode for this step (§3.5, `curriculum`)
+One step, `rl_step` (step numbers here are 0-based, the paper's 1-based):
+    1. the previous step's reflection GRPO batch (one-step lag) is applied as its own update, before
+       this step's rollouts (`apply_reflection_batch`); then the curriculum picks batch b and the
+       retrieval mode (§3.5, bank.curriculum)
     2. retrieve bank items for each query (similar: top-k = 2 other queries; exact: its own entry)
     3. sample n rollouts per query at temperature 1.0 (scaffold.RolloutEngine)
     4. judge each query's group: propose, merge, score (R), prune (judge.EvolvingJudge)
-    5. SS-GRPO advantages and the policy update on the task batch
-    6. reflection branch on this step's trajectories: for every query one trajectory of its group,
+    5. advantages of the ablation arm (SS-GRPO: G = R Lambda^T, group-normalised per stage)
+    6. the policy update on the task batch, and the sampler's weights follow
+    7. reflection branch on this step's trajectories: for every query one trajectory of its group,
        m candidates each (one batched sampler call), privileged judge, each query's best valid
-       candidate into the bank, P GRPO groups of m kept for the next update
-    7. log metrics; save the bank every 10 steps (PAPER) and at the end; write a checkpoint of the
-       whole training state every `checkpoint.every` steps and at the end (checkpoint.py)
+       candidate into the bank, P GRPO groups of m kept for the next step's update
+After the step the loop logs metrics, saves the bank every 10 steps (PAPER) and at the end, and
+writes a checkpoint of the whole training state every `checkpoint.every` steps and at the end.
 
 Checkpoints and faults (not in the paper; docs/robustness.md)
     python train.py --toy --resume                 # continue runs/toy from its newest valid checkpoint
@@ -39,14 +44,15 @@ weights): a checkpoint holds weights, optimizer, every RNG state, judge buffers 
 the pending reflection batch, the metrics rows and the fault schedule's position; the curriculum
 position follows from the step and DataOrder's seed.
 
-Deviations from the paper (besides the toy world, see world.py / sft.py)
+Deviations from the paper (besides the toy world, see toy/world.py / toy/sft.py)
     1. Toy hyperparameters (prompts per step, learning rate, steps) are ours, sized for minutes on
        2 cores; every paper value in the `full` preset is marked PAPER.
     2. Each step's batch is split into `minibatches` optimizer steps (PPO-style), so the ratio rho
        departs from 1 and clipping acts; the paper does not say how many updates a batch gets.
     3. The reflection branch runs in sequence after the update (see reflection.py), not on a
-       separate worker; its GRPO batch is applied at the start of the next step, before that step's
-       rollouts, as in Algorithm 1 (so each step may make two updates, with a weight sync after each).
+       separate worker. (Its GRPO batch is applied at the start of the next step, before that
+       step's rollouts, which is Algorithm 1's order: each step may make two updates, with a weight
+       sync after each.)
     4. Fault handling the paper does not describe: a judge call that still fails after
        `judge.max_retries` re-asks leaves its cells of R missing (advantage 0 for those cells);
        the run stops (JudgeFailureAbort, exit code 3) only when more than `judge.max_failure_rate`
@@ -456,7 +462,7 @@ def step_metrics(run: Run, out: StepOut, before: dict) -> dict:
 def counters(run: Run) -> dict:
     """Snapshot of the cumulative counters step_metrics turns into per-step differences."""
     return {"judge": dict(run.judge.counters), "engine": dict(run.rollouts.stats),
-            "http": run.judge.stats() if hasattr(run.judge, "stats") else None,
+            "http": run.judge.stats(),
             "tool": dict(getattr(run.rl_tool, "counts", {}))}
 
 
@@ -627,8 +633,7 @@ def finish(run: Run, ls: LoopState, ev: HeldOut, sft_info: dict, timings: dict, 
 
     ckpt_mod.save_dir_atomic(save_final, os.path.join(cfg.run_dir, "final"))
     summary = {"sft": sft_info, "timings": timings}
-    if hasattr(run.judge, "close"):
-        run.judge.close()
+    run.judge.close()
     run.sampler.close()
     if ev.enabled:
         t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""HTTP judge (judge_http.py, §3.4 full mode) against loopback fake Gemini / OpenAI servers.
+"""HTTP judge (backends/judge_http.py, §3.4 full mode) against loopback fake Gemini / OpenAI servers.
 
 No request leaves 127.0.0.1; backoff is 0.01 s so the file runs in a few seconds.
 """

@@ -1,4 +1,4 @@
-"""Serper-compatible `google_search` (search_http.py, the §3.1 tool environment in full mode) against a
+"""Serper-compatible `google_search` (backends/search_http.py, the §3.1 tool environment in full mode) against a
 loopback fake server. No request leaves 127.0.0.1."""
 from __future__ import annotations
 
