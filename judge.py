@@ -29,6 +29,7 @@ Gemini or an OpenAI-compatible server) implement `propose`, `score_rubrics` and 
 from __future__ import annotations
 
 import math
+import threading
 
 from dataclasses import asdict, dataclass, field
 from typing import Protocol, Sequence
@@ -119,6 +120,34 @@ def discriminativeness(scores: np.ndarray) -> float:
     return float(s.std()) if s.size >= 2 else 0.0
 
 
+def judge_all(judge, queries: Sequence, groups: Sequence[Sequence[Rollout]], step: int) -> list:
+    """Algorithm 1 step 4: `judge.judge_group` for every (query, group) of a step; the results in
+    query order. A judge with `concurrent_groups` (the HTTP judge) judges the groups of different
+    queries in threads, so a step's judge phase waits about one proposal and one scoring round trip
+    instead of one per group (the judge bounds its requests in flight by judge.concurrency); groups
+    of the same query (a batch that wraps around an epoch) still go in order, since they share a
+    rubric buffer. Other judges go group by group."""
+    if not getattr(judge, "concurrent_groups", False) or len(queries) < 2:
+        return [judge.judge_group(q, g, step) for q, g in zip(queries, groups)]
+    from concurrent.futures import ThreadPoolExecutor
+
+    out: list = [None] * len(queries)
+    waves: list[list[int]] = []  # wave w: the w-th occurrence of each query text
+    seen: dict[str, int] = {}
+    for i, q in enumerate(queries):
+        w = seen.get(q.query, 0)
+        seen[q.query] = w + 1
+        if w == len(waves):
+            waves.append([])
+        waves[w].append(i)
+    with ThreadPoolExecutor(max_workers=max(len(w) for w in waves)) as ex:
+        for wave in waves:
+            for i, res in zip(wave, ex.map(lambda i: judge.judge_group(queries[i], groups[i], step),
+                                           wave)):
+                out[i] = res
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------
 # The evolving buffer mechanics, shared by every judge backend
 
@@ -132,6 +161,8 @@ class EvolvingJudge:
     """
 
     caps: tuple[int, ...] = BUFFER_CAPS
+    concurrent_groups: bool = False  # judge_all may judge different queries' groups in threads
+    # (a backend whose calls wait on the network sets it; the toy judge computes, so it stays False)
 
     def __init__(self, caps: Sequence[int] = BUFFER_CAPS):
         if len(caps) != len(STAGES) or any(int(c) < 0 for c in caps):
@@ -140,6 +171,12 @@ class EvolvingJudge:
         self.caps = tuple(int(c) for c in caps)
         self.buffers: dict[str, list[list[Rubric]]] = {}
         self.counters = {"proposed": 0, "pruned": 0, "failures": 0, "calls": 0}
+        self._count_lock = threading.Lock()  # counters are shared by concurrently judged groups
+
+    def count(self, key: str, k: int = 1) -> None:
+        """counters[key] += k, safe when groups are judged in threads (judge_all)."""
+        with self._count_lock:
+            self.counters[key] = self.counters.get(key, 0) + k
 
     # hooks -------------------------------------------------------------------------------------
     def propose(self, query, rollouts, step) -> list[Rubric]:
@@ -175,8 +212,8 @@ class EvolvingJudge:
         R, just, active = self._score_step(S, col, merged, pool, init)
         # 4. prune: B_k <- the most discriminative of M_k up to the cap (for the next step)
         stats = {"proposed": sum(len(f) for f in fresh), "pruned": self._prune_step(buf, merged, step)}
-        self.counters["proposed"] += stats["proposed"]
-        self.counters["pruned"] += stats["pruned"]
+        self.count("proposed", stats["proposed"])
+        self.count("pruned", stats["pruned"])
         stats["missing"] = int(np.isnan(R).sum())
         stats["buffer_sizes"] = [len(b) for b in buf]
         return JudgeResult(R, just, active, stats)
@@ -189,7 +226,8 @@ class EvolvingJudge:
         try:
             proposals = self.propose(query, rollouts, step)
         except Exception:
-            proposals, self.counters["failures"] = [], self.counters["failures"] + 1
+            proposals = []
+            self.count("failures")
         pool, cands = [], []
         for k in range(len(STAGES)):
             have = {r.rid for r in buf[k]}
@@ -248,7 +286,7 @@ class EvolvingJudge:
 
     def _safe_scores(self, query, rollouts, rubrics) -> np.ndarray:
         n = len(rollouts)
-        self.counters["calls"] += 1
+        self.count("calls")
         try:
             S = np.asarray(self.score_rubrics(query, rollouts, rubrics), dtype=np.float64)
             if S.shape != (n, len(rubrics)):
@@ -256,7 +294,7 @@ class EvolvingJudge:
             S[(S < 0) | (S > 1) | ~np.isfinite(S)] = np.nan  # out of range is missing, not clipped
             return S
         except Exception:
-            self.counters["failures"] += 1
+            self.count("failures")
             return np.full((n, len(rubrics)), np.nan)
 
     def state_dict(self) -> dict:

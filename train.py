@@ -84,7 +84,7 @@ from bank import format_for_prompt
 from build import Run, build_environment, build_run, eval_settings, heldout_engines, setup_policy
 from evaluate import EvalCurve, evaluate_heldout, preserved_rng, static_stage_scores
 from faults import JUDGE_KINDS, TOOL_KINDS
-from judge import JudgeResult
+from judge import JudgeResult, judge_all
 from policy import TorchEngine, UpdateBatch
 from reflection import ReflectionBatch, run_reflection_branch
 from report import MetricsLog, plot_rewards
@@ -382,13 +382,13 @@ def sample_rollouts(run: Run, queries: list, items: list, step: int) -> list:
 
 def judge_groups(run: Run, queries: list, rollouts: list, step: int, m: dict):
     """Alg. 1 step 4 (§3.4): each query's group through judge.judge_group (propose -> merge ->
-    score -> prune). Returns R (N, 4) float64, the per-group results, and judged: rollout index ->
+    score -> prune; judge.judge_all: concurrently for the HTTP judge). Returns R (N, 4) float64, the per-group results, and judged: rollout index ->
     (its group's result, its row), which the reflection branch reads."""
     n = run.cfg.rollout.n
     R, results, judged, bad_shape = np.zeros((len(rollouts), len(STAGES))), [], {}, 0
-    for gi, q in enumerate(queries):
-        grp = rollouts[gi * n:(gi + 1) * n]
-        res, bad = checked_judge_result(run.judge.judge_group(q, grp, step), len(grp), step, q.query)
+    groups = [rollouts[gi * n:(gi + 1) * n] for gi in range(len(queries))]
+    for gi, (q, raw) in enumerate(zip(queries, judge_all(run.judge, queries, groups, step))):
+        res, bad = checked_judge_result(raw, len(groups[gi]), step, q.query)
         bad_shape += bad
         results.append(res)
         R[gi * n:(gi + 1) * n] = res.R

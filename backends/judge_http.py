@@ -413,6 +413,8 @@ class HTTPJudge(EvolvingJudge):
     Thread-safe; `close()` (or a `with` block) releases the thread pool and connections.
     """
 
+    concurrent_groups = True  # its calls wait on the network: judge.judge_all runs groups in threads
+
     def __init__(self, config: HTTPJudgeConfig | None = None, caps: Sequence[int] = BUFFER_CAPS):
         super().__init__(caps)
         self.config = config or HTTPJudgeConfig()

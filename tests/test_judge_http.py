@@ -627,3 +627,24 @@ def test_s34_http_scoring_equals_toy_judge_on_loopback(gemini):
             assert a.justifications == b.justifications and a.stats == b.stats
         assert toy.state_dict()["buffers"] == hj.state_dict()["buffers"]
     assert np.nanstd(a.R, axis=0).max() > 0  # the group is not degenerate
+
+
+def test_s34_http_groups_judged_concurrently_equal_one_by_one(gemini, tmp_path):
+    """judge.judge_all with the HTTP judge (concurrent_groups): the same R, buffers and counters as
+    judging the groups one after another (the loopback server's replies depend on the request only)."""
+    from judge import judge_all
+
+    qs = [Query(f"Write a short report on Kuvebro{i}: its habitat.",
+                [{"title": "fact", "description": "States the habitat.", "weight": 1.0}])
+          for i in range(4)]
+    groups = [[fake_rollout(q, t) for t in (GOOD, PARTIAL, POOR)] for q in qs]
+    with make_judge(gemini) as seq, make_judge(gemini) as con:
+        seq.concurrent_groups = False
+        assert con.concurrent_groups
+        a, b = judge_all(seq, qs, groups, 0), judge_all(con, qs, groups, 0)
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x.R, y.R)
+        sa, sb = seq.state_dict(), con.state_dict()
+        ma, mb = sa.pop("http_meter"), sb.pop("http_meter")  # it also holds wall-clock latencies
+        assert sa == sb  # buffers and counters
+        assert all(ma[k] == mb[k] for k in ("calls", "requests", "failures", "retries"))
