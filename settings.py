@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import importlib.util
 import inspect
 import io
 import json
@@ -322,6 +323,8 @@ class Config:
     # second thread, and on a busy CPU two spinning threads slowed SFT ~10x (6.8 s vs 0.4-0.7 s per
     # step measured on a shared 2-core machine); numbers are deterministic per seed and thread count
     progress: bool = True  # progress bars (--no-progress turns them off)
+    report_to: list = field(default_factory=list)  # metrics besides metrics.jsonl: "tensorboard"
+    # (run_dir/tensorboard) and / or "wandb" (offline unless $WANDB_MODE says otherwise); --report-to
     dry_run: bool = False  # full mode: check the environment and print the plan only
     engine: str = "torch"  # policy engine: "torch" (one process, torch AdamW) | "zero3" (DeepSpeed
     # ZeRO-3 over the launcher's ranks, full.ZeRO3Engine)
@@ -465,6 +468,15 @@ def validate_config(cfg: Config) -> None:
         raise ValueError("--faults injects judge faults into the toy judge only; an HTTP judge is "
                          "tested against a loopback server instead (tests/loopback.py)")
     validate_fault_config(cfg.faults, "faults")
+    for name in cfg.report_to:
+        from report import REPORT_BACKENDS
+
+        if name not in REPORT_BACKENDS:
+            raise ValueError(f"report_to: unknown backend {name!r}; expected some of "
+                             f"{tuple(REPORT_BACKENDS)}")
+        if importlib.util.find_spec(REPORT_BACKENDS[name]) is None:
+            raise ValueError(f"report_to {name!r} needs the {REPORT_BACKENDS[name]} package: "
+                             f"pip install {REPORT_BACKENDS[name]}")
 
 
 def _field(cfg: Config, dotted: str):
@@ -529,7 +541,7 @@ def config_from_dict(d: dict, cls=None, prefix: str = ""):
 
 # Fields a resumed run may change: where and how long it runs, not what it computes. The tool
 # limits are wall-clock safety nets and the failure thresholds only decide when to stop.
-RESUME_MAY_CHANGE = ("steps", "run_dir", "progress", "threads", "cache_dir", "checkpoint.", "eval.",
+RESUME_MAY_CHANGE = ("steps", "run_dir", "progress", "report_to", "threads", "cache_dir", "checkpoint.", "eval.",
                      "rollout.tool_timeout_s", "rollout.deadline_s", "judge.max_failure_rate",
                      "judge.max_failure_steps", "judge.base_url", "judge.concurrency", "judge.timeout_s",
                      "search.base_url", "full.dist_timeout_min")

@@ -87,7 +87,7 @@ from faults import JUDGE_KINDS, TOOL_KINDS
 from judge import JudgeResult, judge_all
 from policy import TorchEngine, UpdateBatch
 from reflection import ReflectionBatch, run_reflection_branch
-from report import MetricsLog, plot_rewards
+from report import Logger, plot_rewards
 from runcard import save_with_run_card
 from scaffold import STAGES
 from settings import (ARMS, RESUME_MAY_CHANGE, Config, _flatten, apply_overrides, check_local_inputs,
@@ -180,7 +180,7 @@ class FailureMonitor:
 
 
 def training_state(step: int, cfg: Config, engine, rng: random.Random, judge, bank, pending,
-                   logger: MetricsLog, samples_out: list, rollouts, tool, monitor: FailureMonitor,
+                   logger: Logger, samples_out: list, rollouts, tool, monitor: FailureMonitor,
                    reference: dict, order: DataOrder) -> dict:
     """Everything besides the policy weights that step `step` (completed steps) needs to continue
     exactly: a dict of tensors and plain values for checkpoint.save_checkpoint."""
@@ -476,7 +476,7 @@ class LoopState:
 
     rng: random.Random
     pending: ReflectionBatch
-    logger: MetricsLog
+    logger: Logger
     samples: list
     monitor: FailureMonitor
     reference: dict
@@ -486,8 +486,6 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
                 train_q, held_q, mpath, timings, t_start) -> dict:
     """Algorithm 1 on rank 0 (train's body once the policy engine exists): resume, the steps, the
     artefacts and the held-out evaluation."""
-    from tqdm import tqdm
-
     if state is not None:
         if state["reference"]["sha256"] != reference["sha256"]:
             raise ckpt_mod.CheckpointError(
@@ -498,9 +496,22 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
     run = build_run(cfg, policy, model, tok, world, tool, train_q, held_q)
     if state is not None:
         policy.sync(run.sampler)  # vLLM loaded the starting weights (a no-op for the HF / KV samplers)
-    ls = LoopState(random.Random(cfg.seed + 1), ReflectionBatch(-1), MetricsLog(mpath), [],
+    start = int(state["step"]) if state is not None else 0
+    logger = Logger(mpath, cfg.report_to, cfg.run_dir, asdict(cfg), start if state is not None else None)
+    ls = LoopState(random.Random(cfg.seed + 1), ReflectionBatch(-1), logger, [],
                    FailureMonitor(cfg.judge.max_failure_rate, cfg.judge.max_failure_steps), reference)
-    start = 0
+    try:
+        return _run_steps(run, ls, state, ckpt_path, start, sft_info, timings, t_start)
+    finally:
+        ls.logger.close()
+
+
+def _run_steps(run: Run, ls: "LoopState", state, ckpt_path, start: int, sft_info: dict,
+               timings: dict, t_start: float) -> dict:
+    """The steps from `start` (a fresh run: 0), then the artefacts (train's loop body)."""
+    from tqdm import tqdm
+
+    cfg = run.cfg
     if state is not None:
         restore_training_state(state, ls.rng, run.judge, run.bank, run.rollouts, run.rl_tool,
                                ls.monitor, run.order)
@@ -508,7 +519,6 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
         ls.samples = list(state["samples"])
         ls.logger.reset(state["metrics"])
         run.bank.save(os.path.join(cfg.run_dir, "bank.jsonl"))  # the bank file follows the checkpoint
-        start = int(state["step"])
         log.info("resumed from %s at step %d", ckpt_path, start)
     stop_at = min(cfg.steps, start + cfg.checkpoint.stop_after) if cfg.checkpoint.stop_after else cfg.steps
     last_ckpt = ckpt_path
@@ -742,6 +752,10 @@ def _argument_parser() -> argparse.ArgumentParser:
                          "end)")
     ap.add_argument("--no-progress", action="store_true",
                     help="no progress bars (default: shown)")
+    ap.add_argument("--report-to", metavar="BACKENDS",
+                    help="also log the metrics to tensorboard (run_dir/tensorboard) and / or wandb "
+                         "(offline unless $WANDB_MODE is set), comma-separated (config report_to; "
+                         "default: metrics.jsonl only)")
     ap.add_argument("--list-config", action=_ListConfig, nargs=0,
                     help="print every config key with its default (toy, and full where it differs) "
                          "and its meaning, then exit")
@@ -801,6 +815,8 @@ def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
         cfg.arm = a.arm
     if a.no_progress:
         cfg.progress = False
+    if a.report_to is not None:
+        cfg.report_to = [x.strip() for x in a.report_to.split(",") if x.strip()]
     if a.eval_every is not None:
         cfg.eval.every = a.eval_every
     cfg.dry_run = bool(a.dry_run)
