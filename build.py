@@ -49,10 +49,12 @@ def build_environment(cfg: Config):
                   or not cfg.model)
     world = make_world(cfg.world) if need_world else None
     if cfg.search.backend == "serper":
-        from backends.search_http import SerperConfig, SerperSearchTool
+        import dataclasses
 
-        tool = SerperSearchTool(SerperConfig(base_url=cfg.search.base_url, k=cfg.search.k,
-                                             cache_dir=os.path.join(cfg.cache_dir, "search")))
+        from backends.search_http import SerperSearchTool  # SCALE: web search only when asked for
+
+        tool = SerperSearchTool(dataclasses.replace(
+            cfg.search, cache_dir=cfg.search.cache_dir or os.path.join(cfg.cache_dir, "search")))
     else:
         tool = BM25SearchTool(world.docs)
     if cfg.data.source:
@@ -75,13 +77,14 @@ def build_judge(cfg: Config, world):
         from toy.judge import ToyJudge
 
         return ToyJudge(world, cfg.judge.caps)
-    from backends.judge_http import HTTPJudge, HTTPJudgeConfig
+    import dataclasses
 
-    hc = HTTPJudgeConfig(backend=cfg.judge.backend, model=cfg.judge.model, base_url=cfg.judge.base_url,
-                         timeout_s=cfg.judge.timeout_s, max_retries=cfg.judge.max_retries,
-                         concurrency=cfg.judge.concurrency,
-                         cache_dir=os.path.join(cfg.cache_dir, "judge"))
-    return HTTPJudge(hc, cfg.judge.caps)
+    from backends.judge_http import HTTPJudge  # SCALE: requests / urllib3 only for an HTTP judge
+
+    # The run's judge section is the HTTP judge's configuration; its reply cache defaults to the
+    # run's cache folder.
+    return HTTPJudge(dataclasses.replace(
+        cfg.judge, cache_dir=cfg.judge.cache_dir or os.path.join(cfg.cache_dir, "judge")))
 
 
 def build_sampler(cfg: Config, model, tok):

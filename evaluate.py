@@ -1013,9 +1013,9 @@ Paper averages: RubricEM-8B 55.5, its SFT start 49.2, DR Tulu-8B RL 53.6."""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    from backends.judge_http import HTTPJudgeConfig
+    from judge import JudgeConfig
 
-    d = HTTPJudgeConfig()
+    d = JudgeConfig(backend="gemini", cache_dir=".cache/rubricem/judge")
     p = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.split("\n")[0], epilog=HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("benchmark", choices=sorted(BENCHMARKS))
@@ -1059,7 +1059,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: load rows, get answers, grade, write report.json / report.md; prints the score line.
     Returns 0; 2 when no example could be scored."""
-    from backends.judge_http import HTTPJudge, HTTPJudgeConfig
+    from backends.judge_http import HTTPJudge
+    from judge import JudgeConfig
 
     a = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -1080,12 +1081,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(os.path.join(out_dir, "responses.jsonl"), "w", encoding="utf-8") as fh:
             for r, t in zip(rows, texts):
                 fh.write(json.dumps({"id": r["id"], "response": t}, ensure_ascii=False) + "\n")
-    hc = HTTPJudgeConfig(backend=a.judge, model=a.judge_model, base_url=a.judge_base_url,
-                         timeout_s=a.judge_timeout, max_retries=a.judge_max_retries,
-                         backoff_s=a.judge_backoff, concurrency=a.judge_concurrency,
-                         cache_dir=a.judge_cache_dir, prompt_version="eval-v1",
-                         price_per_1k_input=a.price_in, price_per_1k_output=a.price_out,
-                         openai_response_format=a.openai_response_format)
+    hc = JudgeConfig(backend=a.judge, model=a.judge_model, base_url=a.judge_base_url,
+                     timeout_s=a.judge_timeout, max_retries=a.judge_max_retries,
+                     backoff_s=a.judge_backoff, concurrency=a.judge_concurrency,
+                     cache_dir=a.judge_cache_dir, prompt_version="eval-v1",
+                     price_per_1k_input=a.price_in, price_per_1k_output=a.price_out,
+                     openai_response_format=a.openai_response_format)
     with HTTPJudge(hc) as judge:
         try:
             result = grade(a.benchmark, rows, answers, judge, a.judge_concurrency, a.ternary, a.seed,

@@ -341,16 +341,71 @@ def _justify(rubrics: Sequence[Rubric], s: np.ndarray) -> str:
 # Configuration (the run config's `judge` section; settings.py nests it)
 
 
+# The HTTP judge's public endpoints and key variables (backends/judge_http.py).
+DEFAULT_BASE_URLS = {"gemini": "https://generativelanguage.googleapis.com/v1beta",
+                     "openai": "https://api.openai.com/v1"}
+DEFAULT_KEY_ENVS = {"gemini": "GEMINI_API_KEY", "openai": "OPENAI_API_KEY"}
+
+
 @dataclass
 class JudgeConfig:
-    backend: str = "toy"  # "toy" (ToyJudge, the toy world's ground truth) | "gemini" | "openai"
-    # (judge_http.HTTPJudge; the key comes from $GEMINI_API_KEY / $OPENAI_API_KEY, never from here)
+    """The stage judge: its backend, and for the HTTP judge where and how to call the model (one
+    config for the training run and for backends/judge_http.HTTPJudge used on its own). Holds the
+    *name* of the key's environment variable, never the key. Times in seconds; prices in USD per
+    1000 tokens."""
+
+    backend: str = "toy"
+    """"toy" (ToyJudge, the toy world's ground truth) | "gemini" (generateContent REST API) |
+    "openai" (chat completions: OpenAI, vLLM, SGLang); the key comes from the environment."""
     model: str = "gemini-2.5-flash"  # PAPER: "Gemini Flash" (the exact version is ours)
-    base_url: str = ""  # "" = the backend's public endpoint; tests point it at a loopback server
-    concurrency: int = 8  # parallel judge requests
-    timeout_s: float = 120.0  # one HTTP request
+    """HTTP judge model id."""
+    base_url: str = ""
+    """API root without a trailing slash; "" = the backend's public endpoint (DEFAULT_BASE_URLS);
+    tests point it at a loopback server."""
+    api_key_env: str = ""
+    """Environment variable holding the key; "" = GEMINI_API_KEY / OPENAI_API_KEY. Optional for openai."""
     caps: list = field(default_factory=lambda: list(BUFFER_CAPS))  # PAPER: 3, 2, 2, 3
-    max_retries: int = 3  # ours: re-asks of one failed judge call before its cells become missing
-    max_failure_rate: float = 0.5  # ours: a step whose share of failed judge calls exceeds this...
-    max_failure_steps: int = 3  # ...this many steps in a row stops the run (JudgeFailureAbort):
-    # training on mostly missing rewards would waste compute without learning anything
+    """Rubric-buffer caps per stage (Plan, Research, Review, Answer)."""
+    concurrency: int = 8
+    """Maximum parallel HTTP judge requests (thread pool + semaphore)."""
+    timeout_s: float = 120.0
+    """Connect and read timeout of one request; a read timeout is re-asked (counts as a retry)."""
+    max_retries: int = 3
+    """Ours: bound on transport retries (429/5xx/connect) and, separately, on re-asks (timeout,
+    invalid reply) of one judge call before its cells become missing."""
+    backoff_s: float = 1.0
+    """Base of the exponential backoff: waits backoff_s * 2^(attempt-1), capped at backoff_max_s."""
+    backoff_max_s: float = 30.0
+    """Cap of one backoff wait."""
+    cache_dir: str = ""
+    """Disk cache of validated HTTP replies. In a training run "" = cache_dir/judge (the run's cache
+    folder); for an HTTPJudge built on its own, "" disables it."""
+    prompt_version: str = "v1"
+    """Part of the cache key: change it when the prompts change."""
+    price_per_1k_input: float = 0.0003  # gemini-2.5-flash list price, $0.30 / 1M input tokens
+    """USD per 1000 input tokens (judge/http/cost_usd)."""
+    price_per_1k_output: float = 0.0025  # $2.50 / 1M output tokens (thinking tokens included)
+    """USD per 1000 output tokens."""
+    temperature: float = 0.0
+    """Judge sampling temperature; 0 keeps rewards as reproducible as the API allows (our choice)."""
+    max_output_tokens: int = 0
+    """0 = the server's default."""
+    gemini_schema_field: str = "responseSchema"
+    """"responseSchema" (OpenAPI subset) or "responseJsonSchema" (JSON Schema) in generationConfig."""
+    openai_response_format: str = "json_schema"
+    """"json_schema" (strict structured output) or "json_object" for servers without schema support."""
+    max_text_chars: int = 40000
+    """Each untrusted block (one stage of a response, one candidate) is cut to this many characters."""
+    max_failure_rate: float = 0.5
+    """Ours: a step whose share of failed judge calls exceeds this..."""
+    max_failure_steps: int = 3
+    """...this many steps in a row stops the run (JudgeFailureAbort): training on mostly missing
+    rewards would waste compute without learning anything."""
+
+    @property
+    def url_root(self) -> str:
+        return (self.base_url or DEFAULT_BASE_URLS[self.backend]).rstrip("/")
+
+    @property
+    def key_env(self) -> str:
+        return self.api_key_env or DEFAULT_KEY_ENVS[self.backend]

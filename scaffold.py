@@ -741,6 +741,29 @@ class RolloutConfig:
 
 @dataclass
 class SearchConfig:
-    backend: str = "toy"  # "toy" (BM25 over the toy world) | "serper" (search_http, $SERPER_API_KEY)
-    base_url: str = "https://google.serper.dev"  # Serper-compatible endpoint (serper backend only)
-    k: int = 5  # results per query (Serper "num")
+    """The search tool: the toy world's BM25 or a Serper-compatible web search API
+    (backends/search_http.SerperSearchTool, one config for the training run and for the tool used
+    on its own). Holds the *name* of the key's environment variable, never the key."""
+
+    backend: str = "toy"
+    """"toy" (BM25 over the toy world) | "serper" (backends/search_http.py, $SERPER_API_KEY)."""
+    base_url: str = "https://google.serper.dev"
+    """Serper-compatible API root without a trailing slash (tests point it at a loopback server)."""
+    api_key_env: str = "SERPER_API_KEY"
+    """Environment variable holding the Serper key."""
+    k: int = 5
+    """Results per query (Serper "num"); the paper does not fix it, 5 snippets keep tool outputs short."""
+    timeout_s: float = 15.0
+    """Connect and read timeout of one search request."""
+    max_retries: int = 3
+    """Bound per kind (connect errors, read timeouts, 429/5xx statuses) before SearchError."""
+    backoff_s: float = 0.5
+    """Backoff base: waits backoff_s * 2^(retry-1), capped at backoff_max_s (the first retry is
+    immediate in urllib3 2)."""
+    backoff_max_s: float = 8.0
+    """Cap of one backoff wait."""
+    cache_dir: str = ""
+    """Disk cache of result lists. In a training run "" = cache_dir/search (the run's cache folder);
+    for a SerperSearchTool built on its own, "" disables it."""
+    max_snippet_chars: int = 1000
+    """Each search result's text is cut to this many characters."""

@@ -468,6 +468,14 @@ def validate_config(cfg: Config) -> None:
         raise ValueError("--faults injects judge faults into the toy judge only; an HTTP judge is "
                          "tested against a loopback server instead (tests/loopback.py)")
     validate_fault_config(cfg.faults, "faults")
+    if cfg.judge.backend != "toy":  # the HTTP judge's own settings (backends/judge_http.py)
+        from backends.judge_http import check_http_config
+
+        check_http_config(cfg.judge)
+    if cfg.search.backend == "serper":
+        from backends.search_http import check_search_config
+
+        check_search_config(cfg.search)
     for name in cfg.report_to:
         from report import REPORT_BACKENDS
 
@@ -541,10 +549,12 @@ def config_from_dict(d: dict, cls=None, prefix: str = ""):
 
 # Fields a resumed run may change: where and how long it runs, not what it computes. The tool
 # limits are wall-clock safety nets and the failure thresholds only decide when to stop.
-RESUME_MAY_CHANGE = ("steps", "run_dir", "progress", "report_to", "threads", "cache_dir", "checkpoint.", "eval.",
-                     "rollout.tool_timeout_s", "rollout.deadline_s", "judge.max_failure_rate",
-                     "judge.max_failure_steps", "judge.base_url", "judge.concurrency", "judge.timeout_s",
-                     "search.base_url", "full.dist_timeout_min")
+RESUME_MAY_CHANGE = ("steps", "run_dir", "progress", "report_to", "threads", "cache_dir", "checkpoint.",
+                     "eval.", "rollout.tool_timeout_s", "rollout.deadline_s", "judge.max_failure_rate",
+                     "judge.max_failure_steps", "judge.base_url", "judge.api_key_env",
+                     "judge.concurrency", "judge.timeout_s", "judge.backoff", "judge.cache_dir",
+                     "judge.price_per_1k_", "search.base_url", "search.api_key_env", "search.timeout_s",
+                     "search.backoff", "search.cache_dir", "full.dist_timeout_min")
 
 
 def resume_config_diff(saved: dict, cfg: Config) -> list[str]:

@@ -65,13 +65,13 @@ def groups(P: int, n: int):
 
 def phase(server, latency: float, P: int, n: int, C: int, concurrent: bool) -> tuple[float, int]:
     """(seconds, requests) of one judge phase over P fresh groups."""
-    from backends.judge_http import HTTPJudge, HTTPJudgeConfig
-    from judge import judge_all
+    from backends.judge_http import HTTPJudge
+    from judge import JudgeConfig, judge_all
 
     server.rule = lambda req: {"sleep": latency}
     before = len(server.requests)
     with tempfile.TemporaryDirectory() as d:
-        cfg = HTTPJudgeConfig(backend="gemini", model=server.model, base_url=server.url,
+        cfg = JudgeConfig(backend="gemini", model=server.model, base_url=server.url,
                               timeout_s=max(30.0, 10 * latency), max_retries=0, concurrency=C,
                               cache_dir=os.path.join(d, "cache"))
         with HTTPJudge(cfg) as judge:

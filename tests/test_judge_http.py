@@ -24,7 +24,8 @@ import scaffold
 from toy import sft
 from judge import BUFFER_CAPS, JudgeResult
 from toy.judge import ToyJudge
-from backends.judge_http import TRUNCATED_NOTE, HTTPJudge, HTTPJudgeConfig, JudgeCallError
+from backends.judge_http import TRUNCATED_NOTE, HTTPJudge, JudgeCallError
+from judge import JudgeConfig
 from loopback import TEST_KEY, FakeServer
 from scaffold import ANSWER, STAGES, Rollout, ToolCall, parse_response
 from toy.world import BM25SearchTool, WorldConfig, make_world
@@ -59,7 +60,7 @@ def make_judge(server: FakeServer, tmp_path=None, **kw) -> HTTPJudge:
                 max_retries=2, backoff_s=0.01, backoff_max_s=0.02, concurrency=4,
                 cache_dir=str(tmp_path / "cache") if tmp_path is not None else "")
     base.update(kw)
-    return HTTPJudge(HTTPJudgeConfig(**base))
+    return HTTPJudge(JudgeConfig(**base))
 
 
 @pytest.fixture
@@ -337,7 +338,7 @@ def test_s34_connection_refused_gives_nan(key):
     with FakeServer("gemini") as s:
         url = s.url
     q = fake_query()
-    j = HTTPJudge(HTTPJudgeConfig(model="gemini-test", base_url=url, max_retries=1, backoff_s=0.01,
+    j = HTTPJudge(JudgeConfig(backend="gemini", model="gemini-test", base_url=url, max_retries=1, backoff_s=0.01,
                                   timeout_s=1.0, cache_dir=""))
     with j:
         S = j.score_rubrics(q, [fake_rollout(q, GOOD)], init_rubrics(j, q))
@@ -619,7 +620,7 @@ def test_s34_http_scoring_equals_toy_judge_on_loopback(gemini):
                                     for i, v in zip(ids, s)]}}
 
     gemini.rule = serve_toy
-    cfg = HTTPJudgeConfig(model="gemini-test", base_url=gemini.url, backoff_s=0.01, cache_dir="")
+    cfg = JudgeConfig(backend="gemini", model="gemini-test", base_url=gemini.url, backoff_s=0.01, cache_dir="")
     with PoolJudge(cfg) as hj:
         for step in range(2):
             a, b = toy.judge_group(q, ros, step), hj.judge_group(q, ros, step)
