@@ -325,7 +325,10 @@ PAPER_RL_DATA = "rl-research/dr-tulu-rl-data"
 
 @dataclass
 class DataConfig:
-    source: str = ""  # "" = the toy world's questions; else RL rows in the DR Tulu schema: a Hugging
-    # Face dataset id or a local .jsonl / .json / .parquet file (data.load_rl_rows); full: PAPER
-    split: str = "train"  # dataset split of a Hugging Face dataset id in data.source
-    limit: int = 0  # 0 = every row
+    source: str = ""
+    """"" = the toy world's questions; else RL rows in the DR Tulu schema: a Hugging Face dataset id
+    or a local .jsonl / .json / .parquet file (data.load_rl_rows); full: PAPER"""
+    split: str = "train"
+    """dataset split of a Hugging Face dataset id in data.source"""
+    limit: int = 0
+    """0 = every row"""

@@ -726,17 +726,25 @@ class SearchTool(Protocol):
 
 @dataclass
 class RolloutConfig:
-    prompts_per_step: int = 8  # full: PAPER 32 prompts per step
-    n: int = 8  # PAPER: 8 rollouts per prompt
-    temperature: float = 1.0  # PAPER: temperature 1.0
-    max_response_tokens: int = 512  # full: PAPER max response 18,432 tokens
-    max_tool_calls: int = 10  # PAPER: at most 10 tool calls
-    system_prompt: str = "compact"  # "compact" (toy: learnt from demonstrations) | "full"
-    tool_timeout_s: float = 30.0  # ours: a tool call still running after this many seconds is
-    # abandoned and answered "error: search timed out" (0 = no limit); wall-clock, so far above a
-    # healthy call (toy BM25: milliseconds) to keep runs reproducible
-    deadline_s: float = 1800.0  # ours: after this many seconds of one step's rollouts, tool calls
-    # are refused with an error and rollouts finish within their token budget (0 = no deadline)
+    prompts_per_step: int = 8
+    """full: PAPER 32 prompts per step"""
+    n: int = 8
+    """PAPER: 8 rollouts per prompt"""
+    temperature: float = 1.0
+    """PAPER: temperature 1.0"""
+    max_response_tokens: int = 512
+    """full: PAPER max response 18,432 tokens"""
+    max_tool_calls: int = 10
+    """PAPER: at most 10 tool calls"""
+    system_prompt: str = "compact"
+    """"compact" (toy: learnt from demonstrations) | "full"."""
+    tool_timeout_s: float = 30.0
+    """ours: a tool call still running after this many seconds is abandoned and answered "error:
+    search timed out" (0 = no limit); wall-clock, so far above a healthy call (toy BM25:
+    milliseconds) to keep runs reproducible"""
+    deadline_s: float = 1800.0
+    """ours: after this many seconds of one step's rollouts, tool calls are refused with an error
+    and rollouts finish within their token budget (0 = no deadline)"""
 
 
 @dataclass
