@@ -657,6 +657,13 @@ def finish(run: Run, ls: LoopState, ev: HeldOut, sft_info: dict, timings: dict, 
     plot_rewards(ls.logger.rows, os.path.join(cfg.run_dir, "reward_curves.png"),
                  ev.curve.rows if ev.curve is not None else None)
     timings["total_s"] = time.perf_counter() - t_start
+    try:  # peak resident memory of this process so far (Linux reports KiB, macOS bytes)
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        timings["peak_rss_mb"] = rss / (1024 * 1024 if sys.platform == "darwin" else 1024)
+    except ImportError:  # Windows: no getrusage
+        pass
     ckpt_mod.atomic_write_json(os.path.join(cfg.run_dir, "eval.json"), summary)
     return summary
 

@@ -182,11 +182,16 @@ def seed_row(seed: int, d: dict) -> dict:
             "sft_recall": e0["fact_recall"], "rl_recall": e1["fact_recall"],
             "wf_min": min(wf) if wf else float("nan"), "steps": len(rows),
             "cold_s": None if cached else total,
-            "cached_s": total if cached else (total - sft_s if total is not None else None)}
+            "cached_s": total if cached else (total - sft_s if total is not None else None),
+            "rss_mb": t.get("peak_rss_mb")}
 
 
 def _fmt_s(x) -> str:
     return "-" if x is None else f"{x / 60:.1f} min"
+
+
+def _fmt_mb(x) -> str:
+    return "-" if x is None else f"{x / 1024:.2f} GB"
 
 
 def machine() -> str:
@@ -234,22 +239,24 @@ def results_markdown(seeds, summ, commands, extra, smooth_w, threads) -> str:
     wf_min = min(r["wf_min"] for r in R)
     colds = [r["cold_s"] for r in R if r["cold_s"] is not None]
     cacheds = [r["cached_s"] for r in R if r["cached_s"] is not None]
+    rss = [r["rss_mb"] for r in R if r.get("rss_mb") is not None]
     L = [BEGIN, "## Results", "",
          f"Written by `scripts/reproduce.py` on {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.",
          f"Machine: {machine()}; torch threads: {threads}; git commit: {git_commit()}.", "",
          "| seed | SFT answer | RL answer | gain | SFT mean-stage | RL mean-stage | fact recall SFT -> RL "
-         "| well_formed min | wall cold | wall cached |",
-         "|---|---|---|---|---|---|---|---|---|---|"]
+         "| well_formed min | wall cold | wall cached | peak RSS |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in R:
         L.append(f"| {r['seed']} | {r['sft_answer']:.3f} | {r['rl_answer']:.3f} | {r['gain']:+.3f} | "
                  f"{r['sft_score']:.3f} | {r['rl_score']:.3f} | {r['sft_recall']:.3f} -> "
                  f"{r['rl_recall']:.3f} | {r['wf_min']:.2f} | {_fmt_s(r['cold_s'])} | "
-                 f"{_fmt_s(r['cached_s'])} |")
+                 f"{_fmt_s(r['cached_s'])} | {_fmt_mb(r['rss_mb'])} |")
     L.append(f"| mean | {m('sft_answer'):.3f} | {m('rl_answer'):.3f} | {g[0]:+.3f} "
              f"[{g[1]:+.3f}, {g[2]:+.3f}] | {m('sft_score'):.3f} | {m('rl_score'):.3f} | "
              f"{m('sft_recall'):.3f} -> {m('rl_recall'):.3f} | {wf_min:.2f} | "
              f"{_fmt_s(float(np.mean(colds)) if colds else None)} | "
-             f"{_fmt_s(float(np.mean(cacheds)) if cacheds else None)} |")
+             f"{_fmt_s(float(np.mean(cacheds)) if cacheds else None)} | "
+             f"{_fmt_mb(max(rss) if rss else None)} |")
     L += ["",
           f"- Held-out answer-score gain (RL - SFT): {g[0]:+.3f}, 95 % CI [{g[1]:+.3f}, {g[2]:+.3f}]; "
           f"mean-stage-score gain {gs[0]:+.3f} [{gs[1]:+.3f}, {gs[2]:+.3f}]; fact-recall gain "
@@ -261,7 +268,9 @@ def results_markdown(seeds, summ, commands, extra, smooth_w, threads) -> str:
           f"quarter minus first quarter of {summ['T']} steps = {summ['curve_gain']:+.3f}.",
           f"- Lowest rollout/well_formed at any step of any seed: {wf_min:.2f}.",
           "- Wall time cold: SFT warm start trained in the run; cached: the same run minus the SFT "
-          "data and training time it reported (measured when the warm start was loaded from cache).",
+          "data and training time it reported (measured when the warm start was loaded from cache). "
+          "Peak RSS: the training process's maximum resident memory (getrusage; the mean row "
+          "shows the largest).",
           "",
           "Targets: gain >= +0.15 with the CI above 0; well_formed >= 0.8 at every step; curve "
           "last-quarter minus first-quarter >= +0.1; wall time <= 8 min cold and <= 5 min cached. "
