@@ -147,7 +147,7 @@ class Run:
     """What one RL step of Algorithm 1 (train.rl_step) reads and updates. Built by `build_run`.
 
     policy: the policy engine (policy.PolicyEngine: TorchEngine, or backends/full.py's ZeRO3Engine);
-    sampler: the rollout sampler (scaffold.Sampler); rollouts: scaffold.RolloutEngine over the
+    sampler: the rollout sampler (scaffold.Sampler); rollout_engine: scaffold.RolloutEngine over the
     sampler and the search tool as training sees it (`rl_tool`, with injected faults when asked);
     judge: the stage judge (judge.EvolvingJudge; faults.FaultyJudge around it when asked), `clean_judge`
     the same without injected faults (evaluation); bank: the rubric bank (bank.RubricBank); order:
@@ -159,7 +159,7 @@ class Run:
     tok: object
     system: str
     sampler: object
-    rollouts: object
+    rollout_engine: object
     tool: object
     rl_tool: object
     judge: object
@@ -185,10 +185,10 @@ def build_run(cfg: Config, policy, model, tok, world, tool, train_q: list, held_
     # Injected tool faults reach the RL rollouts only: the warm start and evaluation use the clean
     # tool, so their results do not depend on the fault settings.
     rl_tool = FaultyTool(tool, cfg.faults) if cfg.faults.tool_rate > 0 else tool
-    rollouts = RolloutEngine(sampler, tok, {tool.name: rl_tool}, cfg.rollout.max_response_tokens,
-                             cfg.rollout.max_tool_calls, system, cfg.rollout.temperature,
-                             tool_timeout_s=cfg.rollout.tool_timeout_s,
-                             deadline_s=cfg.rollout.deadline_s)
+    rollout_engine = RolloutEngine(sampler, tok, {tool.name: rl_tool}, cfg.rollout.max_response_tokens,
+                                   cfg.rollout.max_tool_calls, system, cfg.rollout.temperature,
+                                   tool_timeout_s=cfg.rollout.tool_timeout_s,
+                                   deadline_s=cfg.rollout.deadline_s)
     clean_judge = build_judge(cfg, world)
     judge = (FaultyJudge(clean_judge, cfg.faults, cfg.judge.max_retries)
              if cfg.faults.judge_rate > 0 else clean_judge)
@@ -199,5 +199,5 @@ def build_run(cfg: Config, policy, model, tok, world, tool, train_q: list, held_
         retriever = DenseRetriever(cfg.bank.embed_model)
     bank = RubricBank(max_chars=cfg.bank.max_chars, retriever=retriever)
     order = DataOrder(len(train_q), cfg.rollout.prompts_per_step, cfg.seed)
-    return Run(cfg, policy, model, tok, system, sampler, rollouts, tool, rl_tool, judge, clean_judge,
+    return Run(cfg, policy, model, tok, system, sampler, rollout_engine, tool, rl_tool, judge, clean_judge,
                bank, order, train_q, held_q, ARMS[cfg.arm])

@@ -325,6 +325,8 @@ PAPER_RL_DATA = "rl-research/dr-tulu-rl-data"
 
 @dataclass
 class DataConfig:
+    """Where the RL questions come from: the toy world, or DR Tulu-schema rows (load_rl_rows)."""
+
     source: str = ""
     """"" = the toy world's questions; else RL rows in the DR Tulu schema: a Hugging Face dataset id
     or a local .jsonl / .json / .parquet file (data.load_rl_rows); full: PAPER"""

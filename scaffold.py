@@ -726,6 +726,8 @@ class SearchTool(Protocol):
 
 @dataclass
 class RolloutConfig:
+    """Rollouts (§3.1-3.2): questions and rollouts per step, sampling, budgets, tool limits."""
+
     prompts_per_step: int = 8
     """full: PAPER 32 prompts per step"""
     n: int = 8

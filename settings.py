@@ -312,6 +312,8 @@ class FullConfig:
 
 @dataclass
 class EvalConfig:
+    """Held-out evaluation of a toy run (not in the paper): questions, samples, temperature."""
+
     n_questions: int = 64
     """held-out questions evaluated at the end (0 = no evaluation)"""
     samples: int = 2

@@ -639,6 +639,8 @@ def task_advantages(R: np.ndarray, n: int, cfg: "SSGRPOConfig", kind: str = "ss_
 
 @dataclass
 class SSGRPOConfig:
+    """SS-GRPO (§3.3): Lambda, advantage normalisation, PPO clip, KL, loss aggregation, optimizer."""
+
     lam: list = field(default_factory=lambda: [list(r) for r in PAPER_LAMBDA])
     """PAPER"""
     std: str = DEFAULT_STD

@@ -180,7 +180,7 @@ class FailureMonitor:
 
 
 def training_state(step: int, cfg: Config, engine, rng: random.Random, judge, bank, pending,
-                   logger: Logger, samples_out: list, rollouts, tool, monitor: FailureMonitor,
+                   logger: Logger, samples_out: list, rollout_engine, tool, monitor: FailureMonitor,
                    reference: dict, order: DataOrder) -> dict:
     """Everything besides the policy weights that step `step` (completed steps) needs to continue
     exactly: a dict of tensors and plain values for checkpoint.save_checkpoint."""
@@ -194,12 +194,12 @@ def training_state(step: int, cfg: Config, engine, rng: random.Random, judge, ba
                 "torch": torch.get_rng_state()},
         "judge": judge.state_dict(), "bank": bank.state_dict(), "pending": pending.to_dict(),
         "metrics": [dict(r) for r in logger.rows], "samples": list(samples_out),
-        "engine": dict(rollouts.stats), "tool": tool.state_dict() if hasattr(tool, "state_dict") else None,
+        "engine": dict(rollout_engine.stats), "tool": tool.state_dict() if hasattr(tool, "state_dict") else None,
         "monitor": list(monitor.streak),
     }
 
 
-def restore_training_state(state: dict, rng: random.Random, judge, bank, rollouts, tool,
+def restore_training_state(state: dict, rng: random.Random, judge, bank, rollout_engine, tool,
                            monitor: FailureMonitor, order: DataOrder) -> None:
     """Inverse of `training_state` for the objects rebuilt by `train` (in place; the policy engine
     restores its weights and optimizer itself). Raises checkpoint.CheckpointError if the checkpoint's
@@ -215,7 +215,7 @@ def restore_training_state(state: dict, rng: random.Random, judge, bank, rollout
     torch.set_rng_state(rs["torch"])
     judge.load_state_dict(state["judge"])
     bank.load_state_dict(state["bank"])
-    rollouts.stats.update(state["engine"])
+    rollout_engine.stats.update(state["engine"])
     if state.get("tool") is not None and hasattr(tool, "load_state_dict"):
         tool.load_state_dict(state["tool"])
     monitor.streak = list(state["monitor"])
@@ -377,7 +377,7 @@ def sample_rollouts(run: Run, queries: list, items: list, step: int) -> list:
     seed = run.cfg.seed * 7919 + step
     torch.manual_seed(seed)
     run.sampler.reseed(seed)  # vLLM: per-request seeds; HF / KV: torch's global RNG above
-    return run.rollouts.run(queries, n=run.cfg.rollout.n, bank_items=items)
+    return run.rollout_engine.run(queries, n=run.cfg.rollout.n, bank_items=items)
 
 
 def judge_groups(run: Run, queries: list, rollouts: list, step: int, m: dict):
@@ -448,7 +448,7 @@ def step_metrics(run: Run, out: StepOut, before: dict) -> dict:
     m["tools/calls"] = float(np.mean([r.n_tool_calls for r in rollouts]))
     m["tools/errors"] = int(sum(r.n_tool_errors for r in rollouts))
     m["tools/timeouts"] = int(sum(r.n_tool_timeouts for r in rollouts))
-    m["tools/deadline_refusals"] = (run.rollouts.stats["deadline_refusals"]
+    m["tools/deadline_refusals"] = (run.rollout_engine.stats["deadline_refusals"]
                                     - before["engine"]["deadline_refusals"])
     for kind in TOOL_KINDS if run.cfg.faults.tool_rate > 0 else ():
         m[f"tools/faults/{kind}"] = run.rl_tool.counts[kind] - before["tool"].get(kind, 0)
@@ -461,7 +461,7 @@ def step_metrics(run: Run, out: StepOut, before: dict) -> dict:
 
 def counters(run: Run) -> dict:
     """Snapshot of the cumulative counters step_metrics turns into per-step differences."""
-    return {"judge": dict(run.judge.counters), "engine": dict(run.rollouts.stats),
+    return {"judge": dict(run.judge.counters), "engine": dict(run.rollout_engine.stats),
             "http": run.judge.stats(),
             "tool": dict(getattr(run.rl_tool, "counts", {}))}
 
@@ -513,7 +513,7 @@ def _run_steps(run: Run, ls: "LoopState", state, ckpt_path, start: int, sft_info
 
     cfg = run.cfg
     if state is not None:
-        restore_training_state(state, ls.rng, run.judge, run.bank, run.rollouts, run.rl_tool,
+        restore_training_state(state, ls.rng, run.judge, run.bank, run.rollout_engine, run.rl_tool,
                                ls.monitor, run.order)
         ls.pending = ReflectionBatch.from_dict(state["pending"])
         ls.samples = list(state["samples"])
@@ -584,7 +584,7 @@ def save_checkpoint(run: Run, ls: LoopState, done: int) -> str:
     """The whole training state after `done` steps (checkpoint.save_checkpoint); its path."""
     cfg = run.cfg
     st = training_state(done, cfg, run.policy, ls.rng, run.judge, run.bank, ls.pending, ls.logger,
-                        ls.samples, run.rollouts, run.rl_tool, ls.monitor, ls.reference, run.order)
+                        ls.samples, run.rollout_engine, run.rl_tool, ls.monitor, ls.reference, run.order)
     return ckpt_mod.save_checkpoint(cfg.run_dir, done, run.policy, run.tok, st,
                                     keep=cfg.checkpoint.keep, meta={"config": asdict(cfg)},
                                     extra=run.policy.save_state)
