@@ -291,7 +291,7 @@ def train(cfg: Config, resume: str | None = None) -> dict:
     if cfg.engine == "zero3":
         from backends import full
 
-        if torch.cuda.is_available() and cfg.sampler == "hf":
+        if torch.cuda.is_available() and cfg.sampler in ("hf", "kv"):
             model.to(f"cuda:{full.dist_env().local_rank}")  # HF generate on rank 0's GPU
         policy = full.ZeRO3Engine(cfg, model)  # collective with the other ranks' ZeRO3Engine(cfg)
     else:
