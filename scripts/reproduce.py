@@ -49,6 +49,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ("plan", "research", "review", "answer")
 BEGIN, END = "<!-- reproduce:begin -->", "<!-- reproduce:end -->"
+# README.md's quick-start results come from the same runs, between these markers.
+README_BEGIN, README_END = "<!-- reproduce-readme:begin -->", "<!-- reproduce-readme:end -->"
 QUICK = ["--steps", "6", "--set", "eval.n_questions=32"]
 
 
@@ -290,13 +292,74 @@ def results_markdown(seeds, summ, commands, extra, smooth_w, threads) -> str:
     return "\n".join(L) + "\n"
 
 
-def write_results(path: str, section: str) -> None:
-    """Replace the text between the reproduce markers of `path` (or append the section)."""
+def console_summary(run_dir: str) -> list[str]:
+    """The end-of-run summary train.py printed (from "run dir:" to "total time"), read from the
+    seed's reproduce.log; [] when the log has none."""
+    path = os.path.join(run_dir, "reproduce.log")
+    lines = open(path).read().splitlines() if os.path.exists(path) else []
+    starts = [i for i, line in enumerate(lines) if line.startswith("run dir: ")]
+    if not starts:
+        return []
+    out = []
+    for line in lines[starts[-1]:]:
+        out.append(line)
+        if line.startswith("total time"):
+            break
+    return out
+
+
+def readme_markdown(seeds, summ, data, out: str) -> str:
+    """README.md's quick-start results: wall times, seed 0's console summary, the per-seed table and
+    its intervals (the same runs as docs/results.md)."""
+    R = summ["rows"]
+    m = lambda k: float(np.mean([r[k] for r in R]))  # noqa: E731
+    g, gs = summ["answer_gain"], summ["score_gain"]
+    colds = [r["cold_s"] for r in R if r["cold_s"] is not None]
+    cacheds = [r["cached_s"] for r in R if r["cached_s"] is not None]
+    rss = [r["rss_mb"] for r in R if r.get("rss_mb") is not None]
+    sft = data[seeds[0]]["eval"].get("sft", {})
+    sft_s = sft.get("train_seconds", 0.0) + sft.get("data_seconds", 0.0)
+    wall = (f"**Expected wall time** (this machine: {machine()}; `threads=1`, the default; other jobs "
+            "may have shared the cores): the SFT warm start takes "
+            f"{_fmt_s(sft_s)} (teacher data and SFT, measured once, then cached in `.cache/rubricem`); "
+            "a run with the warm start cached takes "
+            + (f"{_fmt_s(min(cacheds))}-{_fmt_s(max(cacheds))}" if cacheds else "(not measured)")
+            + (f", cold {_fmt_s(max(colds))}" if colds else "")
+            + (f"; peak memory {_fmt_mb(max(rss))}" if rss else "") + ". "
+            f"The run ends with a summary like this (seed {seeds[0]}; `[lo, hi]` is a 95 % bootstrap "
+            "interval over the held-out questions):")
+    L = [README_BEGIN, wall, "", "```", *console_summary(os.path.join(out, f"seed{seeds[0]}")), "```",
+         "", "Held-out toy scores (64 held-out questions x 2 samples at temperature 1.0, static judge "
+         "rubrics; `python scripts/reproduce.py`, which runs the seeds and writes this table, the "
+         "bootstrap intervals and the figure to docs/results.md and here):", "",
+         "| seed | SFT score | RL score | SFT answer | RL answer | answer gain | fact recall SFT -> RL "
+         "| lowest well_formed |", "|---|---|---|---|---|---|---|---|"]
+    for r in R:
+        L.append(f"| {r['seed']} | {r['sft_score']:.3f} | {r['rl_score']:.3f} | {r['sft_answer']:.3f} | "
+                 f"{r['rl_answer']:.3f} | {r['gain']:+.3f} | {r['sft_recall']:.3f} -> {r['rl_recall']:.3f} "
+                 f"| {r['wf_min']:.2f} |")
+    L.append(f"| mean | {m('sft_score'):.3f} | {m('rl_score'):.3f} | {m('sft_answer'):.3f} | "
+             f"{m('rl_answer'):.3f} | {g[0]:+.3f} [{g[1]:+.3f}, {g[2]:+.3f}] | {m('sft_recall'):.3f} -> "
+             f"{m('rl_recall'):.3f} | {min(r['wf_min'] for r in R):.2f} |")
+    L += ["", f"`[lo, hi]`: 95 % bootstrap interval over seeds x questions; the mean-stage score gains "
+          f"{gs[0]:+.3f} [{gs[1]:+.3f}, {gs[2]:+.3f}]; the training answer curve (`score/answer`, "
+          f"{summ['T']} steps) moves {summ['curve_gain']:+.3f} from its first to its last quarter.",
+          README_END]
+    return "\n".join(L) + "\n"
+
+
+def write_results(path: str, section: str, begin: str = BEGIN, end: str = END,
+                  append: bool = True) -> None:
+    """Replace the text between the markers `begin` / `end` of `path` (a section that starts with
+    `begin` and ends with `end`); without the markers, append the section (append=False: leave the
+    file alone)."""
     old = open(path).read() if os.path.exists(path) else "# Results\n\n"
-    if BEGIN in old and END in old:
-        new = old[: old.index(BEGIN)] + section.rstrip("\n") + old[old.index(END) + len(END):]
-    else:
+    if begin in old and end in old:
+        new = old[: old.index(begin)] + section.rstrip("\n") + old[old.index(end) + len(end):]
+    elif append:
         new = old.rstrip("\n") + "\n\n" + section
+    else:
+        return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as fh:
@@ -349,6 +412,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "reproduce"))
     ap.add_argument("--results", default=os.path.join(ROOT, "docs", "results.md"))
     ap.add_argument("--figure", default=os.path.join(ROOT, "docs", "reward_curves.png"))
+    ap.add_argument("--readme", default=os.path.join(ROOT, "README.md"),
+                    help="README whose quick-start results (between the reproduce-readme markers) "
+                         "are rewritten; a file without the markers is left alone")
     ap.add_argument("--smooth", type=int, default=6,
                     help="trailing moving-average window (steps); 6 = one curriculum window (2K)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -366,6 +432,9 @@ def main(argv=None) -> int:
     summ = summarise(a.seeds, data, a.smooth)
     shown = (["--quick"] if a.quick else []) + [x for kv in a.set for x in ("--set", kv)]
     write_results(a.results, results_markdown(a.seeds, summ, commands, shown, a.smooth, threads))
+    if not a.quick and not a.set:  # the README shows the default run only
+        write_results(a.readme, readme_markdown(a.seeds, summ, data, a.out), README_BEGIN,
+                      README_END, append=False)
     plot(a.seeds, data, summ, a.figure, a.smooth)
     g = summ["answer_gain"]
     print(f"held-out answer gain {g[0]:+.3f} [{g[1]:+.3f}, {g[2]:+.3f}]; curve last-first quarter "
