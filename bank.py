@@ -804,5 +804,9 @@ def curriculum(step: int, K: int = 3, enabled: bool = True) -> tuple[int, str]:
 
 @dataclass
 class CurriculumConfig:
-    K: int = 3  # PAPER: window K = 3 (2K = 6 steps)
-    enabled: bool = True  # false: every step a fresh batch with similar retrieval (no replay)
+    """The windowed curriculum of §3.5 (`curriculum`)."""
+
+    K: int = 3
+    """PAPER: window K = 3 (2K = 6 steps)"""
+    enabled: bool = True
+    """false: every step a fresh batch with similar retrieval (no replay)"""

@@ -51,10 +51,12 @@ def build_environment(cfg: Config):
                   or not cfg.model)
     world = make_world(cfg.world) if need_world else None
     if cfg.search.backend == "serper":
-        from backends.search_http import SerperConfig, SerperSearchTool
+        import dataclasses
 
-        tool = SerperSearchTool(SerperConfig(base_url=cfg.search.base_url, k=cfg.search.k,
-                                             cache_dir=os.path.join(cfg.cache_dir, "search")))
+        from backends.search_http import SerperSearchTool  # SCALE: web search only when asked for
+
+        tool = SerperSearchTool(dataclasses.replace(
+            cfg.search, cache_dir=cfg.search.cache_dir or os.path.join(cfg.cache_dir, "search")))
     else:
         tool = BM25SearchTool(world.docs)
     if cfg.data.source:
@@ -78,13 +80,14 @@ def build_judge(cfg: Config, world):
         from toy.judge import ToyJudge
 
         return ToyJudge(world, cfg.judge.caps, scaffold=cfg.rollout.scaffold)
-    from backends.judge_http import HTTPJudge, HTTPJudgeConfig
+    import dataclasses
 
-    hc = HTTPJudgeConfig(backend=cfg.judge.backend, model=cfg.judge.model, base_url=cfg.judge.base_url,
-                         timeout_s=cfg.judge.timeout_s, max_retries=cfg.judge.max_retries,
-                         concurrency=cfg.judge.concurrency,
-                         cache_dir=os.path.join(cfg.cache_dir, "judge"))
-    return HTTPJudge(hc, cfg.judge.caps)
+    from backends.judge_http import HTTPJudge  # SCALE: requests / urllib3 only for an HTTP judge
+
+    # The run's judge section is the HTTP judge's configuration; its reply cache defaults to the
+    # run's cache folder.
+    return HTTPJudge(dataclasses.replace(
+        cfg.judge, cache_dir=cfg.judge.cache_dir or os.path.join(cfg.cache_dir, "judge")))
 
 
 def build_sampler(cfg: Config, model, tok):
@@ -148,7 +151,7 @@ class Run:
     """What one RL step of Algorithm 1 (train.rl_step) reads and updates. Built by `build_run`.
 
     policy: the policy engine (policy.PolicyEngine: TorchEngine, or backends/full.py's ZeRO3Engine);
-    sampler: the rollout sampler (scaffold.Sampler); rollouts: scaffold.RolloutEngine over the
+    sampler: the rollout sampler (scaffold.Sampler); rollout_engine: scaffold.RolloutEngine over the
     sampler and the search tool as training sees it (`rl_tool`, with injected faults when asked);
     judge: the stage judge (judge.EvolvingJudge; faults.FaultyJudge around it when asked), `clean_judge`
     the same without injected faults (evaluation); bank: the rubric bank (bank.RubricBank); order:
@@ -160,7 +163,7 @@ class Run:
     tok: object
     system: str
     sampler: object
-    rollouts: object
+    rollout_engine: object
     tool: object
     rl_tool: object
     judge: object
@@ -186,10 +189,10 @@ def build_run(cfg: Config, policy, model, tok, world, tool, train_q: list, held_
     # Injected tool faults reach the RL rollouts only: the warm start and evaluation use the clean
     # tool, so their results do not depend on the fault settings.
     rl_tool = FaultyTool(tool, cfg.faults) if cfg.faults.tool_rate > 0 else tool
-    rollouts = RolloutEngine(sampler, tok, {tool.name: rl_tool}, cfg.rollout.max_response_tokens,
-                             cfg.rollout.max_tool_calls, system, cfg.rollout.temperature,
-                             tool_timeout_s=cfg.rollout.tool_timeout_s,
-                             deadline_s=cfg.rollout.deadline_s, scaffold=cfg.rollout.scaffold)
+    rollout_engine = RolloutEngine(sampler, tok, {tool.name: rl_tool}, cfg.rollout.max_response_tokens,
+                                   cfg.rollout.max_tool_calls, system, cfg.rollout.temperature,
+                                   tool_timeout_s=cfg.rollout.tool_timeout_s,
+                                   deadline_s=cfg.rollout.deadline_s, scaffold=cfg.rollout.scaffold)
     clean_judge = build_judge(cfg, world)
     judge = (FaultyJudge(clean_judge, cfg.faults, cfg.judge.max_retries)
              if cfg.faults.judge_rate > 0 else clean_judge)
@@ -200,5 +203,5 @@ def build_run(cfg: Config, policy, model, tok, world, tool, train_q: list, held_
         retriever = DenseRetriever(cfg.bank.embed_model)
     bank = RubricBank(max_chars=cfg.bank.max_chars, retriever=retriever)
     order = DataOrder(len(train_q), cfg.rollout.prompts_per_step, cfg.seed)
-    return Run(cfg, policy, model, tok, system, sampler, rollouts, tool, rl_tool, judge, clean_judge,
+    return Run(cfg, policy, model, tok, system, sampler, rollout_engine, tool, rl_tool, judge, clean_judge,
                bank, order, train_q, held_q, ARMS[cfg.arm])

@@ -382,8 +382,12 @@ def load_model_weights(model: torch.nn.Module, path: str) -> None:
 class CheckpointConfig:
     """Full training-state checkpoints (checkpoint.py); not in the paper, which saves only the bank."""
 
-    every: int = 10  # ours: steps between checkpoints (0 = only at the end); also written at the end
-    keep: int = 3  # ours: newest checkpoints kept on disk
-    stop_after: int = 0  # stop this invocation after this many steps, with a checkpoint (0 = run to
-    # `steps`); for time-sliced jobs: continue with --resume latest
-    verify: bool = True  # check every file's sha256 before resuming from a checkpoint
+    every: int = 10
+    """ours: steps between checkpoints (0 = only at the end); also written at the end"""
+    keep: int = 3
+    """ours: newest checkpoints kept on disk"""
+    stop_after: int = 0
+    """stop this invocation after this many steps, with a checkpoint (0 = run to `steps`); for
+    time-sliced jobs: continue with --resume latest"""
+    verify: bool = True
+    """check every file's sha256 before resuming from a checkpoint"""

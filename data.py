@@ -23,7 +23,7 @@ Deviations from the paper
     2. Multi-turn chats: only the last assistant turn is trained; earlier turns are prompt (mask 0),
        as in the paper's single-turn ChatML format.
 
-Launch: no entry point; full mode calls load_rl_rows(FullConfig.data) (see full.py).
+Launch: no entry point; full mode calls load_rl_rows(FullConfig.data) (see backends/full.py).
 """
 from __future__ import annotations
 
@@ -325,7 +325,12 @@ PAPER_RL_DATA = "rl-research/dr-tulu-rl-data"
 
 @dataclass
 class DataConfig:
-    source: str = ""  # "" = the toy world's questions; else RL rows in the DR Tulu schema: a Hugging
-    # Face dataset id or a local .jsonl / .json / .parquet file (data.load_rl_rows); full: PAPER
-    split: str = "train"  # dataset split of a Hugging Face dataset id in data.source
-    limit: int = 0  # 0 = every row
+    """Where the RL questions come from: the toy world, or DR Tulu-schema rows (load_rl_rows)."""
+
+    source: str = ""
+    """"" = the toy world's questions; else RL rows in the DR Tulu schema: a Hugging Face dataset id
+    or a local .jsonl / .json / .parquet file (data.load_rl_rows); full: PAPER"""
+    split: str = "train"
+    """dataset split of a Hugging Face dataset id in data.source"""
+    limit: int = 0
+    """0 = every row"""

@@ -1013,9 +1013,9 @@ Paper averages: RubricEM-8B 55.5, its SFT start 49.2, DR Tulu-8B RL 53.6."""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    from backends.judge_http import HTTPJudgeConfig
+    from judge import JudgeConfig
 
-    d = HTTPJudgeConfig()
+    d = JudgeConfig(backend="gemini", cache_dir=".cache/rubricem/judge")
     p = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.split("\n")[0], epilog=HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("benchmark", choices=sorted(BENCHMARKS))
@@ -1059,7 +1059,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: load rows, get answers, grade, write report.json / report.md; prints the score line.
     Returns 0; 2 when no example could be scored."""
-    from backends.judge_http import HTTPJudge, HTTPJudgeConfig
+    from backends.judge_http import HTTPJudge
+    from judge import JudgeConfig
 
     a = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -1080,12 +1081,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(os.path.join(out_dir, "responses.jsonl"), "w", encoding="utf-8") as fh:
             for r, t in zip(rows, texts):
                 fh.write(json.dumps({"id": r["id"], "response": t}, ensure_ascii=False) + "\n")
-    hc = HTTPJudgeConfig(backend=a.judge, model=a.judge_model, base_url=a.judge_base_url,
-                         timeout_s=a.judge_timeout, max_retries=a.judge_max_retries,
-                         backoff_s=a.judge_backoff, concurrency=a.judge_concurrency,
-                         cache_dir=a.judge_cache_dir, prompt_version="eval-v1",
-                         price_per_1k_input=a.price_in, price_per_1k_output=a.price_out,
-                         openai_response_format=a.openai_response_format)
+    hc = JudgeConfig(backend=a.judge, model=a.judge_model, base_url=a.judge_base_url,
+                     timeout_s=a.judge_timeout, max_retries=a.judge_max_retries,
+                     backoff_s=a.judge_backoff, concurrency=a.judge_concurrency,
+                     cache_dir=a.judge_cache_dir, prompt_version="eval-v1",
+                     price_per_1k_input=a.price_in, price_per_1k_output=a.price_out,
+                     openai_response_format=a.openai_response_format)
     with HTTPJudge(hc) as judge:
         try:
             result = grade(a.benchmark, rows, answers, judge, a.judge_concurrency, a.ternary, a.seed,
@@ -1126,18 +1127,18 @@ def static_stage_scores(judge, queries: Sequence, rollouts: Sequence, n: int) ->
     Not in the paper. R is scored on the evolving buffers, which keep the rubrics the group still
     fails (§3.4), so its mean is not comparable from step to step; this score is, and shows whether
     the training rollouts get better. rollouts: len(queries) * n, query gi's group contiguous."""
-    if getattr(judge, "evaluate", None) is None or not rollouts:
-        return None
-    return [float(x) if np.isfinite(x) else None
-            for x in static_scores(judge, queries, rollouts, n).mean(0)]  # (4,)
+    S = static_scores(judge, queries, rollouts, n) if rollouts else None
+    # a stage the judge does not grade (the unstructured scaffold's Plan, Research, Review) is None
+    return None if S is None else [float(x) if np.isfinite(x) else None for x in S.mean(0)]  # (4,)
 
 
-def static_scores(judge, queries: Sequence, rollouts: Sequence, n: int) -> np.ndarray:
+def static_scores(judge, queries: Sequence, rollouts: Sequence, n: int) -> np.ndarray | None:
     """(len(rollouts), 4) float stage scores in [0, 1] under the judge's static rubric set
-    (`judge.evaluate`), one group of `n` contiguous rollouts per query; a column is NaN for a stage
-    the judge does not grade (the unstructured scaffold's Plan, Research, Review)."""
-    return np.concatenate([judge.evaluate(q, rollouts[gi * n:(gi + 1) * n])
-                           for gi, q in enumerate(queries)])
+    (`judge.evaluate`), one group of `n` contiguous rollouts per query; None for a judge without a
+    static rubric set; a column is NaN for a stage the judge does not grade (the unstructured
+    scaffold's Plan, Research, Review)."""
+    parts = [judge.evaluate(q, rollouts[gi * n:(gi + 1) * n]) for gi, q in enumerate(queries)]
+    return None if any(p is None for p in parts) else np.concatenate(parts)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ What each piece does
                          for that (rollout, stage) cell only (ss_grpo.py, deviation 1)
     FaultyTool           wraps a search tool; a call raises (an HTTP error) or hangs
 
-Judge fault kinds (what a real HTTP judge does, judge_http.py)
+Judge fault kinds (what a real HTTP judge does, backends/judge_http.py)
     "timeout"       the request times out                   -> raises JudgeTimeout
     "429"           rate limited                             -> raises JudgeHTTPError(429)
     "5xx"           server error (500/502/503/504)           -> raises JudgeHTTPError(5xx)
@@ -36,7 +36,7 @@ a *call* is one logical question; an *attempt* is one request (a call makes 1 + 
 
 Deviations from the paper (none of this is in the paper)
 1. Retries of the simulated client do not sleep (no backoff): the faults are simulated, so waiting
-   would only slow tests down; the HTTP judge (judge_http.py) does back off.
+   would only slow tests down; the HTTP judge (backends/judge_http.py) does back off.
 2. Under FaultyJudge the toy judge scores one (rollout, stage) cell per call, so one failure removes
    exactly one cell of R; the unwrapped toy judge scores a whole group in one call (same values).
 3. A reply whose scores fall outside [0, 1] is invalid and re-asked; after the bound its cells are
@@ -220,6 +220,15 @@ class FaultyJudge(EvolvingJudge):
         return getattr(self.inner, name)
 
     # the simulated client --------------------------------------------------------------------
+    def evaluate(self, query, rollouts):
+        return self.inner.evaluate(query, rollouts)  # evaluation scores without faults
+
+    def stats(self):
+        return self.inner.stats()
+
+    def close(self) -> None:
+        self.inner.close()
+
     def _call(self, request: Callable[[], Any], validate: Callable[[Any], Any]) -> Any | None:
         """One logical call: up to 1 + max_retries attempts; the validated reply, or None (failed)."""
         self.counters["calls"] += 1

@@ -29,6 +29,7 @@ Gemini or an OpenAI-compatible server) implement `propose`, `score_rubrics` and 
 from __future__ import annotations
 
 import math
+import threading
 
 from dataclasses import asdict, dataclass, field
 from typing import Protocol, Sequence
@@ -104,11 +105,47 @@ class Judge(Protocol):
 
     def load_state_dict(self, state: dict) -> None: ...
 
+    counters: dict  # cumulative calls, failures, proposed, pruned (train.py logs per-step differences)
+
+    def evaluate(self, query, rollouts: Sequence[Rollout]) -> np.ndarray | None: ...  # static rubrics
+
+    def stats(self) -> dict | None: ...  # HTTP figures (requests, tokens, cost), None otherwise
+
+    def close(self) -> None: ...
+
 
 def discriminativeness(scores: np.ndarray) -> float:
     """d_r = population std of a rubric's scores over the group, NaNs ignored (0 if < 2 values)."""
     s = scores[~np.isnan(scores)]
     return float(s.std()) if s.size >= 2 else 0.0
+
+
+def judge_all(judge, queries: Sequence, groups: Sequence[Sequence[Rollout]], step: int) -> list:
+    """Algorithm 1 step 4: `judge.judge_group` for every (query, group) of a step; the results in
+    query order. A judge with `concurrent_groups` (the HTTP judge) judges the groups of different
+    queries in threads, so a step's judge phase waits about one proposal and one scoring round trip
+    instead of one per group (the judge bounds its requests in flight by judge.concurrency); groups
+    of the same query (a batch that wraps around an epoch) still go in order, since they share a
+    rubric buffer. Other judges go group by group."""
+    if not getattr(judge, "concurrent_groups", False) or len(queries) < 2:
+        return [judge.judge_group(q, g, step) for q, g in zip(queries, groups)]
+    from concurrent.futures import ThreadPoolExecutor
+
+    out: list = [None] * len(queries)
+    waves: list[list[int]] = []  # wave w: the w-th occurrence of each query text
+    seen: dict[str, int] = {}
+    for i, q in enumerate(queries):
+        w = seen.get(q.query, 0)
+        seen[q.query] = w + 1
+        if w == len(waves):
+            waves.append([])
+        waves[w].append(i)
+    with ThreadPoolExecutor(max_workers=max(len(w) for w in waves)) as ex:
+        for wave in waves:
+            for i, res in zip(wave, ex.map(lambda i: judge.judge_group(queries[i], groups[i], step),
+                                           wave)):
+                out[i] = res
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -124,6 +161,8 @@ class EvolvingJudge:
     """
 
     caps: tuple[int, ...] = BUFFER_CAPS
+    concurrent_groups: bool = False  # judge_all may judge different queries' groups in threads
+    # (a backend whose calls wait on the network sets it; the toy judge computes, so it stays False)
 
     def __init__(self, caps: Sequence[int] = BUFFER_CAPS):
         if len(caps) != len(STAGES) or any(int(c) < 0 for c in caps):
@@ -132,6 +171,12 @@ class EvolvingJudge:
         self.caps = tuple(int(c) for c in caps)
         self.buffers: dict[str, list[list[Rubric]]] = {}
         self.counters = {"proposed": 0, "pruned": 0, "failures": 0, "calls": 0}
+        self._count_lock = threading.Lock()  # counters are shared by concurrently judged groups
+
+    def count(self, key: str, k: int = 1) -> None:
+        """counters[key] += k, safe when groups are judged in threads (judge_all)."""
+        with self._count_lock:
+            self.counters[key] = self.counters.get(key, 0) + k
 
     # hooks -------------------------------------------------------------------------------------
     def propose(self, query, rollouts, step) -> list[Rubric]:
@@ -157,7 +202,6 @@ class EvolvingJudge:
         buffer carries into the query's next step. Never raises on model output; a backend failure
         leaves NaN cells (missing), counted in `counters["failures"]`.
         """
-        n = len(rollouts)
         buf = self.buffers.setdefault(query.query, [[] for _ in STAGES])
         init = self.initial_rubrics(query)
         # 1. propose: new discriminative rubrics (failure modes seen on-policy), at most cap per stage
@@ -168,8 +212,8 @@ class EvolvingJudge:
         R, just, active = self._score_step(S, col, merged, pool, init)
         # 4. prune: B_k <- the most discriminative of M_k up to the cap (for the next step)
         stats = {"proposed": sum(len(f) for f in fresh), "pruned": self._prune_step(buf, merged, step)}
-        self.counters["proposed"] += stats["proposed"]
-        self.counters["pruned"] += stats["pruned"]
+        self.count("proposed", stats["proposed"])
+        self.count("pruned", stats["pruned"])
         stats["missing"] = int(np.isnan(R).sum())
         stats["buffer_sizes"] = [len(b) for b in buf]
         return JudgeResult(R, just, active, stats)
@@ -182,7 +226,8 @@ class EvolvingJudge:
         try:
             proposals = self.propose(query, rollouts, step)
         except Exception:
-            proposals, self.counters["failures"] = [], self.counters["failures"] + 1
+            proposals = []
+            self.count("failures")
         pool, cands = [], []
         for k in range(len(STAGES)):
             have = {r.rid for r in buf[k]}
@@ -241,7 +286,7 @@ class EvolvingJudge:
 
     def _safe_scores(self, query, rollouts, rubrics) -> np.ndarray:
         n = len(rollouts)
-        self.counters["calls"] += 1
+        self.count("calls")
         try:
             S = np.asarray(self.score_rubrics(query, rollouts, rubrics), dtype=np.float64)
             if S.shape != (n, len(rubrics)):
@@ -249,7 +294,7 @@ class EvolvingJudge:
             S[(S < 0) | (S > 1) | ~np.isfinite(S)] = np.nan  # out of range is missing, not clipped
             return S
         except Exception:
-            self.counters["failures"] += 1
+            self.count("failures")
             return np.full((n, len(rubrics)), np.nan)
 
     def state_dict(self) -> dict:
@@ -262,6 +307,19 @@ class EvolvingJudge:
         self.counters = dict(state["counters"])
         self.buffers = {q: [[Rubric.from_dict(r) for r in b] for b in bufs]
                         for q, bufs in state["buffers"].items()}
+
+    # Defaults of the rest of the Judge interface (a backend overrides what it has)
+    def evaluate(self, query, rollouts: Sequence[Rollout]) -> np.ndarray | None:
+        """(n, 4) stage scores under a *static* rubric set, comparable across steps (the held-out
+        evaluation's); None: this judge has none (the HTTP judge)."""
+        return None
+
+    def stats(self) -> dict | None:
+        """Cumulative HTTP figures of a judge that makes requests (backends/judge_http.py); None."""
+        return None
+
+    def close(self) -> None:
+        """Release what the judge holds (HTTP sessions, worker threads); nothing here."""
 
 
 def _justify(rubrics: Sequence[Rubric], s: np.ndarray) -> str:
@@ -283,16 +341,71 @@ def _justify(rubrics: Sequence[Rubric], s: np.ndarray) -> str:
 # Configuration (the run config's `judge` section; settings.py nests it)
 
 
+# The HTTP judge's public endpoints and key variables (backends/judge_http.py).
+DEFAULT_BASE_URLS = {"gemini": "https://generativelanguage.googleapis.com/v1beta",
+                     "openai": "https://api.openai.com/v1"}
+DEFAULT_KEY_ENVS = {"gemini": "GEMINI_API_KEY", "openai": "OPENAI_API_KEY"}
+
+
 @dataclass
 class JudgeConfig:
-    backend: str = "toy"  # "toy" (ToyJudge, the toy world's ground truth) | "gemini" | "openai"
-    # (judge_http.HTTPJudge; the key comes from $GEMINI_API_KEY / $OPENAI_API_KEY, never from here)
+    """The stage judge: its backend, and for the HTTP judge where and how to call the model (one
+    config for the training run and for backends/judge_http.HTTPJudge used on its own). Holds the
+    *name* of the key's environment variable, never the key. Times in seconds; prices in USD per
+    1000 tokens."""
+
+    backend: str = "toy"
+    """"toy" (ToyJudge, the toy world's ground truth) | "gemini" (generateContent REST API) |
+    "openai" (chat completions: OpenAI, vLLM, SGLang); the key comes from the environment."""
     model: str = "gemini-2.5-flash"  # PAPER: "Gemini Flash" (the exact version is ours)
-    base_url: str = ""  # "" = the backend's public endpoint; tests point it at a loopback server
-    concurrency: int = 8  # parallel judge requests
-    timeout_s: float = 120.0  # one HTTP request
+    """HTTP judge model id."""
+    base_url: str = ""
+    """API root without a trailing slash; "" = the backend's public endpoint (DEFAULT_BASE_URLS);
+    tests point it at a loopback server."""
+    api_key_env: str = ""
+    """Environment variable holding the key; "" = GEMINI_API_KEY / OPENAI_API_KEY. Optional for openai."""
     caps: list = field(default_factory=lambda: list(BUFFER_CAPS))  # PAPER: 3, 2, 2, 3
-    max_retries: int = 3  # ours: re-asks of one failed judge call before its cells become missing
-    max_failure_rate: float = 0.5  # ours: a step whose share of failed judge calls exceeds this...
-    max_failure_steps: int = 3  # ...this many steps in a row stops the run (JudgeFailureAbort):
-    # training on mostly missing rewards would waste compute without learning anything
+    """Rubric-buffer caps per stage (Plan, Research, Review, Answer)."""
+    concurrency: int = 8
+    """Maximum parallel HTTP judge requests (thread pool + semaphore)."""
+    timeout_s: float = 120.0
+    """Connect and read timeout of one request; a read timeout is re-asked (counts as a retry)."""
+    max_retries: int = 3
+    """Ours: bound on transport retries (429/5xx/connect) and, separately, on re-asks (timeout,
+    invalid reply) of one judge call before its cells become missing."""
+    backoff_s: float = 1.0
+    """Base of the exponential backoff: waits backoff_s * 2^(attempt-1), capped at backoff_max_s."""
+    backoff_max_s: float = 30.0
+    """Cap of one backoff wait."""
+    cache_dir: str = ""
+    """Disk cache of validated HTTP replies. In a training run "" = cache_dir/judge (the run's cache
+    folder); for an HTTPJudge built on its own, "" disables it."""
+    prompt_version: str = "v1"
+    """Part of the cache key: change it when the prompts change."""
+    price_per_1k_input: float = 0.0003  # gemini-2.5-flash list price, $0.30 / 1M input tokens
+    """USD per 1000 input tokens (judge/http/cost_usd)."""
+    price_per_1k_output: float = 0.0025  # $2.50 / 1M output tokens (thinking tokens included)
+    """USD per 1000 output tokens."""
+    temperature: float = 0.0
+    """Judge sampling temperature; 0 keeps rewards as reproducible as the API allows (our choice)."""
+    max_output_tokens: int = 0
+    """0 = the server's default."""
+    gemini_schema_field: str = "responseSchema"
+    """"responseSchema" (OpenAPI subset) or "responseJsonSchema" (JSON Schema) in generationConfig."""
+    openai_response_format: str = "json_schema"
+    """"json_schema" (strict structured output) or "json_object" for servers without schema support."""
+    max_text_chars: int = 40000
+    """Each untrusted block (one stage of a response, one candidate) is cut to this many characters."""
+    max_failure_rate: float = 0.5
+    """Ours: a step whose share of failed judge calls exceeds this..."""
+    max_failure_steps: int = 3
+    """...this many steps in a row stops the run (JudgeFailureAbort): training on mostly missing
+    rewards would waste compute without learning anything."""
+
+    @property
+    def url_root(self) -> str:
+        return (self.base_url or DEFAULT_BASE_URLS[self.backend]).rstrip("/")
+
+    @property
+    def key_env(self) -> str:
+        return self.api_key_env or DEFAULT_KEY_ENVS[self.backend]

@@ -18,7 +18,7 @@ Functions
   (train-mode) log-probs of the SS-GRPO update come from the same function.
 
 Deviations from the paper
-1. Toy mode trains a tiny model from scratch (SFT warm start, sft.py) instead of starting from a
+1. Toy mode trains a tiny model from scratch (SFT warm start, toy/sft.py) instead of starting from a
    pretrained Qwen3-8B: nothing may be downloaded here.
 """
 from __future__ import annotations
@@ -337,23 +337,52 @@ def batch_logprobs(model, batch: UpdateBatch, pad_id: int, micro: int) -> list[t
 
 class PolicyEngine(Protocol):
     """What `policy_update` and the training loop call on pi_theta's engine (TorchEngine here,
-    backends/full.py's ZeRO3Engine at scale)."""
+    backends/full.py's ZeRO3Engine at scale). The first six are the update's; on a multi-rank engine
+    each is collective (every rank calls it, in the same order)."""
 
     world_size: int
 
-    def logprobs(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor: ...  # (B, L), grad
-    def ref_logprobs(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor: ...  # pi_ref
-    def backward(self, loss: torch.Tensor, boundary: bool) -> None: ...
-    def step(self) -> float: ...  # optimizer step; the pre-clip global gradient norm
-    def train(self, mode: bool = True) -> None: ...
-    def all_reduce(self, values: Sequence[float]) -> list[float]: ...  # sum over ranks
-    def update(self, batch: UpdateBatch, pad_id: int, rng: random.Random) -> dict: ...
-    def sync(self, sampler) -> None: ...  # the sampler's weights follow pi_theta
-    def save_pretrained(self, out_dir: str) -> None: ...
-    def save_state(self, ckpt_dir: str) -> None: ...
-    def state_dict(self) -> dict | None: ...
-    def load(self, ckpt_dir: str, state: dict) -> None: ...
-    def close(self) -> None: ...
+    def logprobs(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """(B, L) int64 ids and attention -> (B, L) float32 log pi_theta of each next token (column 0
+        is 0), with gradient unless under torch.no_grad()."""
+
+    def ref_logprobs(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """The same under the frozen reference pi_ref (no gradient); called only when beta > 0."""
+
+    def backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        """Accumulate the gradient of a 0-dim loss normalised with the optimizer step's global
+        counts; boundary: True on the last micro-batch of the optimizer step."""
+
+    def step(self) -> float:
+        """Clip and apply the optimizer step; returns the pre-clip global gradient norm (a non-finite
+        norm: no step taken, gradients dropped)."""
+
+    def train(self, mode: bool = True) -> None:
+        """Train / eval mode of pi_theta (dropout is disabled either way)."""
+
+    def all_reduce(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sum over ranks (identity in one process)."""
+
+    def update(self, batch: UpdateBatch, pad_id: int, rng: random.Random) -> dict:
+        """plan_update + policy_update on a whole batch (rank 0's call); the update's metrics."""
+
+    def sync(self, sampler) -> None:
+        """The sampler's weights follow pi_theta (a no-op for samplers that share the model)."""
+
+    def save_pretrained(self, out_dir: str) -> None:
+        """pi_theta as a Hugging Face checkpoint."""
+
+    def save_state(self, ckpt_dir: str) -> None:
+        """Engine state a checkpoint needs besides state_dict (ZeRO-3 partitions); may do nothing."""
+
+    def state_dict(self) -> dict | None:
+        """Optimizer state for the training state (None when save_state holds it)."""
+
+    def load(self, ckpt_dir: str, state: dict) -> None:
+        """Restore weights and optimizer from a checkpoint directory and its training state."""
+
+    def close(self) -> None:
+        """Release what the engine holds (other ranks, process groups)."""
 
 
 _STAT_KEYS = ("loss/total", "loss/policy", "kl", "clip_frac")
@@ -488,14 +517,17 @@ class TorchEngine:
             model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         self._fresh = True  # the next backward starts a new optimizer step: gradients are cleared
 
-    # the five calls of policy_update --------------------------------------------------------------
+    # the calls of policy_update (PolicyEngine documents each) ---------------------------------------
     def logprobs(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """(B, L) float32 log pi_theta of each next token (policy.token_logprobs on `model`)."""
         return token_logprobs(self.model, ids, att)
 
     def ref_logprobs(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """(B, L) float32 log pi_ref of each next token (`ref_model`, frozen)."""
         return token_logprobs(self.ref_model, ids, att)
 
     def backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        """loss.backward(); the first call of an optimizer step clears the previous gradients."""
         if self._fresh:
             self.opt.zero_grad(set_to_none=True)
             self._fresh = False
@@ -513,9 +545,11 @@ class TorchEngine:
         return gn
 
     def train(self, mode: bool = True) -> None:
+        """Train / eval mode of `model`."""
         self.model.train(mode)
 
     def all_reduce(self, values: Sequence[float]) -> list[float]:
+        """One process: the values themselves."""
         return list(values)
 
     # what the training loop calls -----------------------------------------------------------------
@@ -531,19 +565,22 @@ class TorchEngine:
         sampler.sync_weights(self.model.named_parameters())
 
     def save_pretrained(self, out_dir: str, **kw) -> None:
+        """`model` as a Hugging Face checkpoint."""
         self.model.save_pretrained(out_dir, **kw)
 
     def save_state(self, ckpt_dir: str) -> None:
-        pass  # the optimizer state travels in the training state (state_dict)
+        """Nothing: the optimizer state travels in the training state (state_dict)."""
 
     def state_dict(self) -> dict:
+        """The AdamW state."""
         return self.opt.state_dict()
 
     def load(self, ckpt_dir: str, state: dict) -> None:
+        """Weights from ckpt_dir (checkpoint.load_model_weights), optimizer from state["optimizer"]."""
         from checkpoint import load_model_weights
 
         load_model_weights(self.model, ckpt_dir)
         self.opt.load_state_dict(state["optimizer"])
 
     def close(self) -> None:
-        pass
+        """Nothing to release."""

@@ -42,14 +42,20 @@ class ReflectionConfig:
     """Reflection branch settings (PAPER values: m = 8, temperature 0.7, 1 trajectory per query). Whether
     the branch runs at all is the ablation arm's choice (settings.ARMS)."""
 
-    m: int = 8  # PAPER: 8 candidates
-    temperature: float = 0.7  # PAPER: 0.7
-    trajectories_per_query: int = 1  # PAPER: reflection trajectories sampled = 1 (per query: Algorithm 1
-    # launches a reflection job for every query of the step)
-    max_new_tokens: int = 64  # ours: toy reflections are one or two sentences
-    train: bool = True  # add the GRPO group to the next update (False: bank only)
-    loss_coef: float = 1.0  # c in L = c * L_reflect for the deferred reflection update (its A_j are
-    # scaled by c); the paper gives the two objectives no relative weight (c = 1, the full preset)
+    m: int = 8
+    """PAPER: 8 candidates"""
+    temperature: float = 0.7
+    """PAPER: 0.7"""
+    trajectories_per_query: int = 1
+    """PAPER: reflection trajectories sampled = 1 (per query: Algorithm 1 launches a reflection job
+    for every query of the step)"""
+    max_new_tokens: int = 64
+    """ours: toy reflections are one or two sentences"""
+    train: bool = True
+    """add the GRPO group to the next update (False: bank only)"""
+    loss_coef: float = 1.0
+    """c in L = c * L_reflect for the deferred reflection update (its A_j are scaled by c); the
+    paper gives the two objectives no relative weight (c = 1, the full preset)"""
 
 
 @dataclass

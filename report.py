@@ -9,6 +9,7 @@ answer the same questions.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Sequence
 
@@ -69,7 +70,7 @@ def bootstrap_ci(values: Sequence[float], level: float = 0.95, n_boot: int = 200
 
 
 def heldout_lines(e0: dict, e1: dict) -> list[str]:
-    """Lines comparing the SFT start (e0) and the trained policy (e1), two train.evaluate results on
+    """Lines comparing the SFT start (e0) and the trained policy (e1), two evaluate.evaluate_heldout results on
     the same questions: score, answer score and fact recall, each mean with its 95 % CI and the
     paired RL - SFT difference with its CI (when the results carry per-question values). The score
     of an unstructured-scaffold run (its stage/* other than the answer are None) is its answer score."""
@@ -174,6 +175,89 @@ class MetricsLog:
         if self.path:
             with open(self.path, "a") as fh:
                 fh.write(json.dumps(self.rows[-1]) + "\n")
+
+
+REPORT_BACKENDS = {"tensorboard": "tensorboard", "wandb": "wandb"}  # --report-to name -> package
+
+
+class TensorBoardLog:
+    """metrics as TensorBoard scalars in run_dir/tensorboard (`tensorboard --logdir RUN_DIR`); a
+    resumed run drops the events after its checkpoint (purge_step), as metrics.jsonl does."""
+
+    def __init__(self, run_dir: str, resume_step: int | None):
+        from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
+
+        self.writer = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"),
+                                    purge_step=resume_step)
+
+    def log(self, metrics: dict, step: int) -> None:
+        for k, v in _numbers(metrics).items():
+            self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbLog:
+    """metrics to Weights & Biases, one W&B run per invocation in run_dir/wandb. Offline unless
+    $WANDB_MODE says otherwise (no network needed; `wandb sync` uploads later); project
+    $WANDB_PROJECT or "rubricem"; the run config is the training configuration."""
+
+    def __init__(self, run_dir: str, config: dict):
+        import wandb
+
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "rubricem"), dir=run_dir,
+                              name=os.path.basename(os.path.normpath(run_dir)), config=config,
+                              mode=os.environ.get("WANDB_MODE", "offline"))
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.run.log(_numbers(metrics), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _numbers(metrics: dict) -> dict:
+    """The finite numeric values of a metrics row (no nulls, flags or strings)."""
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))
+            and not isinstance(v, bool) and math.isfinite(v)}
+
+
+class Logger:
+    """`log(metrics, step)`: the one place a run's metrics go. metrics.jsonl always (MetricsLog,
+    rank 0); TensorBoard and W&B when asked for (`--report-to tensorboard,wandb`, config
+    report_to). With no backend the extra calls do nothing (a null object for the loop)."""
+
+    def __init__(self, path: str | None, report_to=(), run_dir: str = "", config: dict | None = None,
+                 resume_step: int | None = None):
+        self.jsonl = MetricsLog(path)
+        self.backends = []
+        for name in report_to:
+            if name == "tensorboard":
+                self.backends.append(TensorBoardLog(run_dir, resume_step))
+            elif name == "wandb":
+                self.backends.append(WandbLog(run_dir, config or {}))
+            else:
+                raise ValueError(f"report_to: unknown backend {name!r}; expected one of "
+                                 f"{tuple(REPORT_BACKENDS)}")
+
+    @property
+    def rows(self) -> list[dict]:
+        return self.jsonl.rows
+
+    def reset(self, rows: list[dict]) -> None:
+        self.jsonl.reset(rows)
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.jsonl.log(metrics, step)
+        for b in self.backends:
+            b.log({k: _py(v) for k, v in metrics.items()}, step)
+
+    def close(self) -> None:
+        for b in self.backends:
+            b.close()
+        self.backends = []
 
 
 def _py(v):

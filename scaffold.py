@@ -58,7 +58,7 @@ characters) and a closing tag on its own (`forged_spans`).
 
 Deviations from the paper
 1. Tool outputs are numbered snippets "[h] title | text" with per-rollout handles h = 1, 2, ...
-   (see world.py); the paper's web snippets carry URLs.
+   (see toy/world.py); the paper's web snippets carry URLs.
 2. An 11th tool call is not executed: the environment answers it with a refusal inside
    <tool_output> and lets the policy go on to Review and Answer (the paper only states the cap).
 3. Fault tolerance, not in the paper: a failing tool yields "error: search failed", a tool call
@@ -817,24 +817,58 @@ class SearchTool(Protocol):
 
 @dataclass
 class RolloutConfig:
-    prompts_per_step: int = 8  # full: PAPER 32 prompts per step
-    n: int = 8  # PAPER: 8 rollouts per prompt
-    temperature: float = 1.0  # PAPER: temperature 1.0
-    max_response_tokens: int = 512  # full: PAPER max response 18,432 tokens
-    max_tool_calls: int = 10  # PAPER: at most 10 tool calls
-    system_prompt: str = "compact"  # "compact" (toy: learnt from demonstrations) | "full"
-    scaffold: str = "structured"  # PAPER: "structured" (the four stages, §3.2) | "unstructured" (the
-    # scaffold ablation, Fig. 6a-c: think / tool call / answer only, ReAct-like; its own SFT warm
-    # start; trains with arm "baseline_rl" only, settings.validate_config)
-    tool_timeout_s: float = 30.0  # ours: a tool call still running after this many seconds is
-    # abandoned and answered "error: search timed out" (0 = no limit); wall-clock, so far above a
-    # healthy call (toy BM25: milliseconds) to keep runs reproducible
-    deadline_s: float = 1800.0  # ours: after this many seconds of one step's rollouts, tool calls
-    # are refused with an error and rollouts finish within their token budget (0 = no deadline)
+    """Rollouts (§3.1-3.2): questions and rollouts per step, sampling, budgets, tool limits."""
+
+    prompts_per_step: int = 8
+    """full: PAPER 32 prompts per step"""
+    n: int = 8
+    """PAPER: 8 rollouts per prompt"""
+    temperature: float = 1.0
+    """PAPER: temperature 1.0"""
+    max_response_tokens: int = 512
+    """full: PAPER max response 18,432 tokens"""
+    max_tool_calls: int = 10
+    """PAPER: at most 10 tool calls"""
+    system_prompt: str = "compact"
+    """"compact" (toy: learnt from demonstrations) | "full"."""
+    scaffold: str = "structured"
+    """PAPER: "structured" (the four stages, §3.2) | "unstructured" (the scaffold ablation, Fig. 6a-c:
+    think / tool call / answer only, ReAct-like; its own SFT warm start; trains with arm
+    "baseline_rl" only, settings.validate_config)."""
+    tool_timeout_s: float = 30.0
+    """ours: a tool call still running after this many seconds is abandoned and answered "error:
+    search timed out" (0 = no limit); wall-clock, so far above a healthy call (toy BM25:
+    milliseconds) to keep runs reproducible"""
+    deadline_s: float = 1800.0
+    """ours: after this many seconds of one step's rollouts, tool calls are refused with an error
+    and rollouts finish within their token budget (0 = no deadline)"""
 
 
 @dataclass
 class SearchConfig:
-    backend: str = "toy"  # "toy" (BM25 over the toy world) | "serper" (search_http, $SERPER_API_KEY)
-    base_url: str = "https://google.serper.dev"  # Serper-compatible endpoint (serper backend only)
-    k: int = 5  # results per query (Serper "num")
+    """The search tool: the toy world's BM25 or a Serper-compatible web search API
+    (backends/search_http.SerperSearchTool, one config for the training run and for the tool used
+    on its own). Holds the *name* of the key's environment variable, never the key."""
+
+    backend: str = "toy"
+    """"toy" (BM25 over the toy world) | "serper" (backends/search_http.py, $SERPER_API_KEY)."""
+    base_url: str = "https://google.serper.dev"
+    """Serper-compatible API root without a trailing slash (tests point it at a loopback server)."""
+    api_key_env: str = "SERPER_API_KEY"
+    """Environment variable holding the Serper key."""
+    k: int = 5
+    """Results per query (Serper "num"); the paper does not fix it, 5 snippets keep tool outputs short."""
+    timeout_s: float = 15.0
+    """Connect and read timeout of one search request."""
+    max_retries: int = 3
+    """Bound per kind (connect errors, read timeouts, 429/5xx statuses) before SearchError."""
+    backoff_s: float = 0.5
+    """Backoff base: waits backoff_s * 2^(retry-1), capped at backoff_max_s (the first retry is
+    immediate in urllib3 2)."""
+    backoff_max_s: float = 8.0
+    """Cap of one backoff wait."""
+    cache_dir: str = ""
+    """Disk cache of result lists. In a training run "" = cache_dir/search (the run's cache folder);
+    for a SerperSearchTool built on its own, "" disables it."""
+    max_snippet_chars: int = 1000
+    """Each search result's text is cut to this many characters."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import importlib.util
 import inspect
 import io
 import json
@@ -274,62 +275,101 @@ class FullConfig:
     so that a toy run never imports that module). Values the paper
     fixes are marked PAPER; the rest are ours (module docstring, deviation 1)."""
 
-    zero_stage: int = 3  # PAPER: "ZeRO-3"
-    offload_optimizer: bool = True  # PAPER: "with CPU offload"
-    offload_param: bool = False  # ours: parameters stay on GPU (2 GB per GPU for 8B over 8 GPUs)
-    gradient_checkpointing: bool = True  # PAPER: "gradient checkpointing"
-    bf16: str = "auto"  # "auto" = on for GPU, off for CPU; "on" | "off"
-    optimizer: str = "auto"  # "auto" = DeepSpeed AdamW on GPU, torch AdamW on CPU; "torch" | "deepspeed"
-    adam_betas: tuple = (0.9, 0.95)  # ours, as the toy path (train.py)
-    weight_decay: float = 0.0  # ours, as the toy path
-    reference: str = "zero3"  # pi_ref placement: ZeRO-3 partitioned for inference (see docstring)
-    logprob_chunk: int = 1024  # positions per vocabulary projection in policy.token_logprobs
-    world_size_hint: int = 8  # dry run without a launcher: assume one node of 8 GPUs (the paper's SFT node)
-    dist_timeout_min: float = 180.0  # ours: collective timeout; ranks > 0 wait in a collective while
-    # rank 0 samples, judges and reflects, which for 256 long rollouts can take far longer than
-    # torch's 10-30 minute default
-    vllm_max_model_len: int = 0  # 0 = longest prompt budget + rollout.max_response_tokens (see
-    # build.build_sampler); the engine's context length
-    vllm_gpu_memory_utilization: float = 0.5  # ours: leaves room for the ZeRO-3 shards on rank 0's GPU
-    # (on CPU: the fraction of RAM vLLM requires to be free at start)
-    vllm_cpu_kv_cache_gib: int = 2  # CPU only: vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)
+    zero_stage: int = 3
+    """PAPER: "ZeRO-3"."""
+    offload_optimizer: bool = True
+    """PAPER: "with CPU offload"."""
+    offload_param: bool = False
+    """ours: parameters stay on GPU (2 GB per GPU for 8B over 8 GPUs)"""
+    gradient_checkpointing: bool = True
+    """PAPER: "gradient checkpointing"."""
+    bf16: str = "auto"
+    """"auto" = on for GPU, off for CPU; "on" | "off"."""
+    optimizer: str = "auto"
+    """"auto" = DeepSpeed AdamW on GPU, torch AdamW on CPU; "torch" | "deepspeed"."""
+    adam_betas: tuple = (0.9, 0.95)
+    """ours, as the toy path (train.py)"""
+    weight_decay: float = 0.0
+    """ours, as the toy path"""
+    reference: str = "zero3"
+    """pi_ref placement: ZeRO-3 partitioned for inference (see docstring)"""
+    logprob_chunk: int = 1024
+    """positions per vocabulary projection in policy.token_logprobs"""
+    world_size_hint: int = 8
+    """dry run without a launcher: assume one node of 8 GPUs (the paper's SFT node)"""
+    dist_timeout_min: float = 180.0
+    """ours: collective timeout; ranks > 0 wait in a collective while rank 0 samples, judges and
+    reflects, which for 256 long rollouts can take far longer than torch's 10-30 minute default"""
+    vllm_max_model_len: int = 0
+    """0 = longest prompt budget + rollout.max_response_tokens (see build.build_sampler); the
+    engine's context length"""
+    vllm_gpu_memory_utilization: float = 0.5
+    """ours: leaves room for the ZeRO-3 shards on rank 0's GPU (on CPU: the fraction of RAM vLLM
+    requires to be free at start)"""
+    vllm_cpu_kv_cache_gib: int = 2
+    """CPU only: vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)"""
 
 
 @dataclass
 class EvalConfig:
-    n_questions: int = 64  # held-out questions evaluated at the end (0 = no evaluation)
-    samples: int = 2  # rollouts per held-out question
-    temperature: float = 1.0  # sampling temperature of the held-out evaluation
-    every: int = 0  # ours: also evaluate the current policy every this many RL steps, same questions
-    # and settings, into eval_curve.jsonl (0 = only the SFT start and the end)
+    """Held-out evaluation of a toy run (not in the paper): questions, samples, temperature."""
+
+    n_questions: int = 64
+    """held-out questions evaluated at the end (0 = no evaluation)"""
+    samples: int = 2
+    """rollouts per held-out question"""
+    temperature: float = 1.0
+    """sampling temperature of the held-out evaluation"""
+    every: int = 0
+    """ours: also evaluate the current policy every this many RL steps, same questions and settings,
+    into eval_curve.jsonl (0 = only the SFT start and the end)"""
 
 
 @dataclass
 class Config:
     """Everything a run needs. `toy_preset()` / `full_preset()` fill it; `--set a.b=v` overrides."""
 
-    mode: str = "toy"  # preset the run started from: "toy" | "full" (set by --toy / --full)
-    arm: str = "rubricem"  # ablation arm (ARMS): "rubricem" | "ss_grpo" | "meta_policy" | "baseline_rl"
-    # | "baseline_rl_info"; selects the advantage, the reflection branch and bank retrieval together
-    seed: int = 0  # seeds data order, sampling, warm start and evaluation (--seed)
-    steps: int = 24  # toy: four curriculum windows of 2K = 6 steps
-    run_dir: str = "runs/toy"  # where metrics, checkpoints, final/ and eval.json go (--run-dir)
-    model: str = ""  # "" = toy SFT warm start; else a local HF causal-LM directory
-    model_size: str = "S"  # toy policy size: "XS" | "S" | "M" (policy.SIZES); "S" = 0.5 M parameters
-    vocab_size: int = 1024  # toy byte-level BPE vocabulary size (tokenizer trained on the toy world)
-    cache_dir: str = ".cache/rubricem"  # SFT warm-start cache; HTTP judge and search caches
-    threads: int = 1  # ours: torch intra-op threads. The toy model (hidden 128) gains little from a
-    # second thread, and on a busy CPU two spinning threads slowed SFT ~10x (6.8 s vs 0.4-0.7 s per
-    # step measured on a shared 2-core machine); numbers are deterministic per seed and thread count
-    progress: bool = True  # progress bars (--no-progress turns them off)
-    dry_run: bool = False  # full mode: check the environment and print the plan only
-    engine: str = "torch"  # policy engine: "torch" (one process, torch AdamW) | "zero3" (DeepSpeed
-    # ZeRO-3 over the launcher's ranks, full.ZeRO3Engine)
-    sampler: str = "hf"  # rollouts: "hf" (transformers generate) | "kv" (kv_sampler.KVSampler: its own
-    # KV-cache decode loop, same greedy rollouts, faster on CPU) | "vllm" (vllm_sampler.VLLMSampler)
+    mode: str = "toy"
+    """preset the run started from: "toy" | "full" (set by --toy / --full)"""
+    arm: str = "rubricem"
+    """ablation arm (ARMS): "rubricem" | "ss_grpo" | "meta_policy" | "baseline_rl" |
+    "baseline_rl_info"; selects the advantage, the reflection branch and bank retrieval together"""
+    seed: int = 0
+    """seeds data order, sampling, warm start and evaluation (--seed)"""
+    steps: int = 24
+    """toy: four curriculum windows of 2K = 6 steps"""
+    run_dir: str = "runs/toy"
+    """where metrics, checkpoints, final/ and eval.json go (--run-dir)"""
+    model: str = ""
+    """"" = toy SFT warm start; else a local HF causal-LM directory"""
+    model_size: str = "S"
+    """toy policy size: "XS" | "S" | "M" (policy.SIZES); "S" = 0.5 M parameters"""
+    vocab_size: int = 1024
+    """toy byte-level BPE vocabulary size (tokenizer trained on the toy world)"""
+    cache_dir: str = ".cache/rubricem"
+    """SFT warm-start cache; HTTP judge and search caches"""
+    threads: int = 1
+    """ours: torch intra-op threads. The toy model (hidden 128) gains little from a second thread,
+    and on a busy CPU two spinning threads slowed SFT ~10x (6.8 s vs 0.4-0.7 s per step measured
+    on a shared 2-core machine); numbers are deterministic per seed and thread count"""
+    progress: bool = True
+    """progress bars (--no-progress turns them off)"""
+    report_to: list = field(default_factory=list)
+    """metrics besides metrics.jsonl: "tensorboard" (run_dir/tensorboard) and / or "wandb" (offline
+    unless $WANDB_MODE says otherwise); --report-to"""
+    dry_run: bool = False
+    """full mode: check the environment and print the plan only"""
+    engine: str = "torch"
+    """policy engine: "torch" (one process, torch AdamW) | "zero3" (DeepSpeed ZeRO-3 over the
+    launcher's ranks, full.ZeRO3Engine)"""
+    sampler: str = "kv"
+    """rollouts: "kv" (toy/kv_sampler.KVSampler: its own KV-cache decode loop, HF generate's greedy
+    rollouts and next-token distributions, about 2x faster on CPU; the toy default) | "hf"
+    (transformers generate, the reference path) | "vllm" (backends/vllm_sampler.VLLMSampler)"""
     data: DataConfig = field(default_factory=DataConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
-    full: FullConfig = field(default_factory=FullConfig)  # DeepSpeed settings (engine = "zero3")
+    full: FullConfig = field(default_factory=FullConfig)
+    """DeepSpeed settings (engine = "zero3")"""
     world: WorldConfig = field(default_factory=WorldConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -341,7 +381,8 @@ class Config:
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    faults: FaultConfig = field(default_factory=FaultConfig)  # injected faults (off by default)
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    """injected faults (off by default)"""
 
 
 def toy_preset() -> Config:
@@ -466,6 +507,23 @@ def validate_config(cfg: Config) -> None:
         raise ValueError("--faults injects judge faults into the toy judge only; an HTTP judge is "
                          "tested against a loopback server instead (tests/loopback.py)")
     validate_fault_config(cfg.faults, "faults")
+    if cfg.judge.backend != "toy":  # the HTTP judge's own settings (backends/judge_http.py)
+        from backends.judge_http import check_http_config
+
+        check_http_config(cfg.judge)
+    if cfg.search.backend == "serper":
+        from backends.search_http import check_search_config
+
+        check_search_config(cfg.search)
+    for name in cfg.report_to:
+        from report import REPORT_BACKENDS
+
+        if name not in REPORT_BACKENDS:
+            raise ValueError(f"report_to: unknown backend {name!r}; expected some of "
+                             f"{tuple(REPORT_BACKENDS)}")
+        if importlib.util.find_spec(REPORT_BACKENDS[name]) is None:
+            raise ValueError(f"report_to {name!r} needs the {REPORT_BACKENDS[name]} package: "
+                             f"pip install {REPORT_BACKENDS[name]}")
 
 
 def validate_scaffold(cfg: Config) -> None:
@@ -556,10 +614,12 @@ def config_from_dict(d: dict, cls=None, prefix: str = ""):
 
 # Fields a resumed run may change: where and how long it runs, not what it computes. The tool
 # limits are wall-clock safety nets and the failure thresholds only decide when to stop.
-RESUME_MAY_CHANGE = ("steps", "run_dir", "progress", "threads", "cache_dir", "checkpoint.", "eval.",
-                     "rollout.tool_timeout_s", "rollout.deadline_s", "judge.max_failure_rate",
-                     "judge.max_failure_steps", "judge.base_url", "judge.concurrency", "judge.timeout_s",
-                     "search.base_url", "full.dist_timeout_min")
+RESUME_MAY_CHANGE = ("steps", "run_dir", "progress", "report_to", "threads", "cache_dir", "checkpoint.",
+                     "eval.", "rollout.tool_timeout_s", "rollout.deadline_s", "judge.max_failure_rate",
+                     "judge.max_failure_steps", "judge.base_url", "judge.api_key_env",
+                     "judge.concurrency", "judge.timeout_s", "judge.backoff", "judge.cache_dir",
+                     "judge.price_per_1k_", "search.base_url", "search.api_key_env", "search.timeout_s",
+                     "search.backoff", "search.cache_dir", "full.dist_timeout_min")
 
 
 def resume_config_diff(saved: dict, cfg: Config) -> list[str]:

@@ -639,13 +639,25 @@ def task_advantages(R: np.ndarray, n: int, cfg: "SSGRPOConfig", kind: str = "ss_
 
 @dataclass
 class SSGRPOConfig:
-    lam: list = field(default_factory=lambda: [list(r) for r in PAPER_LAMBDA])  # PAPER
-    std: str = DEFAULT_STD  # Std in A = (G - mean) / (Std + eps): "sample" | "population"
-    eps: float = DEFAULT_EPS  # eps in A = (G - mean) / (Std + eps); not fixed by the paper
-    eta: float = DEFAULT_ETA  # PPO clip
-    beta: float = PAPER_BETA  # PAPER: KL beta 0.001, k3 estimator
-    agg: str = DEFAULT_AGG  # loss aggregation: "token_mean" | "paper" | "seq_mean_token_mean"
-    lr: float = 2e-4  # toy: ours; full: PAPER 5e-7 constant
-    minibatches: int = 2  # optimizer steps per batch (deviation 2)
-    micro_batch: int = 32  # sequences per forward pass (gradient accumulation within a minibatch)
-    grad_clip: float = 1.0  # max global gradient norm per optimizer step
+    """SS-GRPO (§3.3): Lambda, advantage normalisation, PPO clip, KL, loss aggregation, optimizer."""
+
+    lam: list = field(default_factory=lambda: [list(r) for r in PAPER_LAMBDA])
+    """PAPER"""
+    std: str = DEFAULT_STD
+    """Std in A = (G - mean) / (Std + eps): "sample" | "population"."""
+    eps: float = DEFAULT_EPS
+    """eps in A = (G - mean) / (Std + eps); not fixed by the paper"""
+    eta: float = DEFAULT_ETA
+    """PPO clip"""
+    beta: float = PAPER_BETA
+    """PAPER: KL beta 0.001, k3 estimator"""
+    agg: str = DEFAULT_AGG
+    """loss aggregation: "token_mean" | "paper" | "seq_mean_token_mean"."""
+    lr: float = 2e-4
+    """toy: ours; full: PAPER 5e-7 constant"""
+    minibatches: int = 2
+    """optimizer steps per batch (deviation 2)"""
+    micro_batch: int = 32
+    """sequences per forward pass (gradient accumulation within a minibatch)"""
+    grad_clip: float = 1.0
+    """max global gradient norm per optimizer step"""

@@ -2,32 +2,37 @@
 the windowed curriculum of §3.5, in toy mode on a laptop CPU and in full mode on GPU nodes.
 
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
-Implements Algorithm 1 and §3.5; the pieces live in their own modules:
-    scaffold.py  §3.1-3.2  prompt, stage grammar, multi-turn rollouts with tool calls
-    judge.py     §3.4      evolving per-stage rubric buffers, stage scores R (n x 4)
-    ss_grpo.py   §3.3      G = R Lambda^T, stagewise advantages, PPO-clip + k3 KL loss
-    reflection.py §3.4     reflection meta-policy, privileged scoring, GRPO over candidates
-    bank.py      §3.4-3.5  rubric bank, exact / similar retrieval
-    sft.py       appendix  scripted teacher + SFT warm start (toy mode)
+Implements Algorithm 1: `rl_step` is one step, written as the paper's named steps; each calls the
+module of its section:
+    scaffold.py   §3.1-3.2  prompt, stage grammar, multi-turn rollouts with tool calls
+    judge.py      §3.4      evolving per-stage rubric buffers, stage scores R (n x 4)
+    ss_grpo.py    §3.3      G = R Lambda^T, stagewise advantages, PPO-clip + k3 KL loss
+    policy.py     §3.3      the one SS-GRPO update of both policy engines (policy_update)
+    reflection.py §3.4      reflection meta-policy, privileged scoring, GRPO over candidates
+    bank.py       §3.4-3.5  rubric bank, exact / similar retrieval, the windowed curriculum
+The components are built once (build.build_run); the configuration is settings.Config. Everything
+besides the step (metrics, checkpoints, held-out evaluation, abort) is in `_train_loop` and the
+functions after it. docs/reading_path.md lists the functions of one step in reading order.
 
 Launch
-    python train.py --toy                      # ~16 min on a busy 2-core CPU (~8 min with the SFT cached)
-    python train.py --toy --arm baseline_rl    # an ablation arm (ARMS; run dir runs/toy-baseline_rl)
+    python train.py --toy                      # the toy run (README: wall time and results)
+    python train.py --toy --arm baseline_rl    # an ablation arm (settings.ARMS; runs/toy-baseline_rl)
     deepspeed train.py --full ...              # full mode (DeepSpeed ZeRO-3, vLLM, HTTP judge)
 
-One step (Algorithm 1; step numbers here are 0-based, the paper's 1-based):
-    0. the previous step's reflection GRPO batch (one-step lag) is applied as its own update, before
-       this step's rollouts (`apply_reflection_batch`)
-    1. curriculum: batch b and retrieval mode for this step (§3.5, `curriculum`)
+One step, `rl_step` (step numbers here are 0-based, the paper's 1-based):
+    1. the previous step's reflection GRPO batch (one-step lag) is applied as its own update, before
+       this step's rollouts (`apply_reflection_batch`); then the curriculum picks batch b and the
+       retrieval mode (§3.5, bank.curriculum)
     2. retrieve bank items for each query (similar: top-k = 2 other queries; exact: its own entry)
     3. sample n rollouts per query at temperature 1.0 (scaffold.RolloutEngine)
     4. judge each query's group: propose, merge, score (R), prune (judge.EvolvingJudge)
-    5. SS-GRPO advantages and the policy update on the task batch
-    6. reflection branch on this step's trajectories: for every query one trajectory of its group,
+    5. advantages of the ablation arm (SS-GRPO: G = R Lambda^T, group-normalised per stage)
+    6. the policy update on the task batch, and the sampler's weights follow
+    7. reflection branch on this step's trajectories: for every query one trajectory of its group,
        m candidates each (one batched sampler call), privileged judge, each query's best valid
-       candidate into the bank, P GRPO groups of m kept for the next update
-    7. log metrics; save the bank every 10 steps (PAPER) and at the end; write a checkpoint of the
-       whole training state every `checkpoint.every` steps and at the end (checkpoint.py)
+       candidate into the bank, P GRPO groups of m kept for the next step's update
+After the step the loop logs metrics, saves the bank every 10 steps (PAPER) and at the end, and
+writes a checkpoint of the whole training state every `checkpoint.every` steps and at the end.
 
 Checkpoints and faults (not in the paper; docs/robustness.md)
     python train.py --toy --resume                 # continue runs/toy from its newest valid checkpoint
@@ -39,14 +44,15 @@ weights): a checkpoint holds weights, optimizer, every RNG state, judge buffers 
 the pending reflection batch, the metrics rows and the fault schedule's position; the curriculum
 position follows from the step and DataOrder's seed.
 
-Deviations from the paper (besides the toy world, see world.py / sft.py)
+Deviations from the paper (besides the toy world, see toy/world.py / toy/sft.py)
     1. Toy hyperparameters (prompts per step, learning rate, steps) are ours, sized for minutes on
        2 cores; every paper value in the `full` preset is marked PAPER.
     2. Each step's batch is split into `minibatches` optimizer steps (PPO-style), so the ratio rho
        departs from 1 and clipping acts; the paper does not say how many updates a batch gets.
     3. The reflection branch runs in sequence after the update (see reflection.py), not on a
-       separate worker; its GRPO batch is applied at the start of the next step, before that step's
-       rollouts, as in Algorithm 1 (so each step may make two updates, with a weight sync after each).
+       separate worker. (Its GRPO batch is applied at the start of the next step, before that
+       step's rollouts, which is Algorithm 1's order: each step may make two updates, with a weight
+       sync after each.)
     4. Fault handling the paper does not describe: a judge call that still fails after
        `judge.max_retries` re-asks leaves its cells of R missing (advantage 0 for those cells);
        the run stops (JudgeFailureAbort, exit code 3) only when more than `judge.max_failure_rate`
@@ -78,10 +84,10 @@ from bank import format_for_prompt
 from build import Run, build_environment, build_run, eval_settings, heldout_engines, setup_policy
 from evaluate import EvalCurve, evaluate_heldout, preserved_rng, static_stage_scores
 from faults import JUDGE_KINDS, TOOL_KINDS
-from judge import JudgeResult
+from judge import JudgeResult, judge_all
 from policy import TorchEngine, UpdateBatch
 from reflection import ReflectionBatch, run_reflection_branch
-from report import MetricsLog, plot_rewards
+from report import Logger, plot_rewards
 from runcard import save_with_run_card
 from scaffold import STAGES
 from settings import (ARMS, RESUME_MAY_CHANGE, Config, _flatten, apply_overrides, check_local_inputs,
@@ -174,7 +180,7 @@ class FailureMonitor:
 
 
 def training_state(step: int, cfg: Config, engine, rng: random.Random, judge, bank, pending,
-                   logger: MetricsLog, samples_out: list, rollouts, tool, monitor: FailureMonitor,
+                   logger: Logger, samples_out: list, rollout_engine, tool, monitor: FailureMonitor,
                    reference: dict, order: DataOrder) -> dict:
     """Everything besides the policy weights that step `step` (completed steps) needs to continue
     exactly: a dict of tensors and plain values for checkpoint.save_checkpoint."""
@@ -188,12 +194,12 @@ def training_state(step: int, cfg: Config, engine, rng: random.Random, judge, ba
                 "torch": torch.get_rng_state()},
         "judge": judge.state_dict(), "bank": bank.state_dict(), "pending": pending.to_dict(),
         "metrics": [dict(r) for r in logger.rows], "samples": list(samples_out),
-        "engine": dict(rollouts.stats), "tool": tool.state_dict() if hasattr(tool, "state_dict") else None,
+        "engine": dict(rollout_engine.stats), "tool": tool.state_dict() if hasattr(tool, "state_dict") else None,
         "monitor": list(monitor.streak),
     }
 
 
-def restore_training_state(state: dict, rng: random.Random, judge, bank, rollouts, tool,
+def restore_training_state(state: dict, rng: random.Random, judge, bank, rollout_engine, tool,
                            monitor: FailureMonitor, order: DataOrder) -> None:
     """Inverse of `training_state` for the objects rebuilt by `train` (in place; the policy engine
     restores its weights and optimizer itself). Raises checkpoint.CheckpointError if the checkpoint's
@@ -209,7 +215,7 @@ def restore_training_state(state: dict, rng: random.Random, judge, bank, rollout
     torch.set_rng_state(rs["torch"])
     judge.load_state_dict(state["judge"])
     bank.load_state_dict(state["bank"])
-    rollouts.stats.update(state["engine"])
+    rollout_engine.stats.update(state["engine"])
     if state.get("tool") is not None and hasattr(tool, "load_state_dict"):
         tool.load_state_dict(state["tool"])
     monitor.streak = list(state["monitor"])
@@ -285,7 +291,7 @@ def train(cfg: Config, resume: str | None = None) -> dict:
     if cfg.engine == "zero3":
         from backends import full
 
-        if torch.cuda.is_available() and cfg.sampler == "hf":
+        if torch.cuda.is_available() and cfg.sampler in ("hf", "kv"):
             model.to(f"cuda:{full.dist_env().local_rank}")  # HF generate on rank 0's GPU
         policy = full.ZeRO3Engine(cfg, model)  # collective with the other ranks' ZeRO3Engine(cfg)
     else:
@@ -371,18 +377,18 @@ def sample_rollouts(run: Run, queries: list, items: list, step: int) -> list:
     seed = run.cfg.seed * 7919 + step
     torch.manual_seed(seed)
     run.sampler.reseed(seed)  # vLLM: per-request seeds; HF / KV: torch's global RNG above
-    return run.rollouts.run(queries, n=run.cfg.rollout.n, bank_items=items)
+    return run.rollout_engine.run(queries, n=run.cfg.rollout.n, bank_items=items)
 
 
 def judge_groups(run: Run, queries: list, rollouts: list, step: int, m: dict):
     """Alg. 1 step 4 (§3.4): each query's group through judge.judge_group (propose -> merge ->
-    score -> prune). Returns R (N, 4) float64, the per-group results, and judged: rollout index ->
+    score -> prune; judge.judge_all: concurrently for the HTTP judge). Returns R (N, 4) float64, the per-group results, and judged: rollout index ->
     (its group's result, its row), which the reflection branch reads."""
     n = run.cfg.rollout.n
     R, results, judged, bad_shape = np.zeros((len(rollouts), len(STAGES))), [], {}, 0
-    for gi, q in enumerate(queries):
-        grp = rollouts[gi * n:(gi + 1) * n]
-        res, bad = checked_judge_result(run.judge.judge_group(q, grp, step), len(grp), step, q.query)
+    groups = [rollouts[gi * n:(gi + 1) * n] for gi in range(len(queries))]
+    for gi, (q, raw) in enumerate(zip(queries, judge_all(run.judge, queries, groups, step))):
+        res, bad = checked_judge_result(raw, len(groups[gi]), step, q.query)
         bad_shape += bad
         results.append(res)
         R[gi * n:(gi + 1) * n] = res.R
@@ -442,7 +448,7 @@ def step_metrics(run: Run, out: StepOut, before: dict) -> dict:
     m["tools/calls"] = float(np.mean([r.n_tool_calls for r in rollouts]))
     m["tools/errors"] = int(sum(r.n_tool_errors for r in rollouts))
     m["tools/timeouts"] = int(sum(r.n_tool_timeouts for r in rollouts))
-    m["tools/deadline_refusals"] = (run.rollouts.stats["deadline_refusals"]
+    m["tools/deadline_refusals"] = (run.rollout_engine.stats["deadline_refusals"]
                                     - before["engine"]["deadline_refusals"])
     for kind in TOOL_KINDS if run.cfg.faults.tool_rate > 0 else ():
         m[f"tools/faults/{kind}"] = run.rl_tool.counts[kind] - before["tool"].get(kind, 0)
@@ -455,8 +461,8 @@ def step_metrics(run: Run, out: StepOut, before: dict) -> dict:
 
 def counters(run: Run) -> dict:
     """Snapshot of the cumulative counters step_metrics turns into per-step differences."""
-    return {"judge": dict(run.judge.counters), "engine": dict(run.rollouts.stats),
-            "http": run.judge.stats() if hasattr(run.judge, "stats") else None,
+    return {"judge": dict(run.judge.counters), "engine": dict(run.rollout_engine.stats),
+            "http": run.judge.stats(),
             "tool": dict(getattr(run.rl_tool, "counts", {}))}
 
 
@@ -470,7 +476,7 @@ class LoopState:
 
     rng: random.Random
     pending: ReflectionBatch
-    logger: MetricsLog
+    logger: Logger
     samples: list
     monitor: FailureMonitor
     reference: dict
@@ -480,8 +486,6 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
                 train_q, held_q, mpath, timings, t_start) -> dict:
     """Algorithm 1 on rank 0 (train's body once the policy engine exists): resume, the steps, the
     artefacts and the held-out evaluation."""
-    from tqdm import tqdm
-
     if state is not None:
         if state["reference"]["sha256"] != reference["sha256"]:
             raise ckpt_mod.CheckpointError(
@@ -492,17 +496,29 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
     run = build_run(cfg, policy, model, tok, world, tool, train_q, held_q)
     if state is not None:
         policy.sync(run.sampler)  # vLLM loaded the starting weights (a no-op for the HF / KV samplers)
-    ls = LoopState(random.Random(cfg.seed + 1), ReflectionBatch(-1), MetricsLog(mpath), [],
+    start = int(state["step"]) if state is not None else 0
+    logger = Logger(mpath, cfg.report_to, cfg.run_dir, asdict(cfg), start if state is not None else None)
+    ls = LoopState(random.Random(cfg.seed + 1), ReflectionBatch(-1), logger, [],
                    FailureMonitor(cfg.judge.max_failure_rate, cfg.judge.max_failure_steps), reference)
-    start = 0
+    try:
+        return _run_steps(run, ls, state, ckpt_path, start, sft_info, timings, t_start)
+    finally:
+        ls.logger.close()
+
+
+def _run_steps(run: Run, ls: "LoopState", state, ckpt_path, start: int, sft_info: dict,
+               timings: dict, t_start: float) -> dict:
+    """The steps from `start` (a fresh run: 0), then the artefacts (train's loop body)."""
+    from tqdm import tqdm
+
+    cfg = run.cfg
     if state is not None:
-        restore_training_state(state, ls.rng, run.judge, run.bank, run.rollouts, run.rl_tool,
+        restore_training_state(state, ls.rng, run.judge, run.bank, run.rollout_engine, run.rl_tool,
                                ls.monitor, run.order)
         ls.pending = ReflectionBatch.from_dict(state["pending"])
         ls.samples = list(state["samples"])
         ls.logger.reset(state["metrics"])
         run.bank.save(os.path.join(cfg.run_dir, "bank.jsonl"))  # the bank file follows the checkpoint
-        start = int(state["step"])
         log.info("resumed from %s at step %d", ckpt_path, start)
     stop_at = min(cfg.steps, start + cfg.checkpoint.stop_after) if cfg.checkpoint.stop_after else cfg.steps
     last_ckpt = ckpt_path
@@ -568,7 +584,7 @@ def save_checkpoint(run: Run, ls: LoopState, done: int) -> str:
     """The whole training state after `done` steps (checkpoint.save_checkpoint); its path."""
     cfg = run.cfg
     st = training_state(done, cfg, run.policy, ls.rng, run.judge, run.bank, ls.pending, ls.logger,
-                        ls.samples, run.rollouts, run.rl_tool, ls.monitor, ls.reference, run.order)
+                        ls.samples, run.rollout_engine, run.rl_tool, ls.monitor, ls.reference, run.order)
     return ckpt_mod.save_checkpoint(cfg.run_dir, done, run.policy, run.tok, st,
                                     keep=cfg.checkpoint.keep, meta={"config": asdict(cfg)},
                                     extra=run.policy.save_state)
@@ -627,8 +643,7 @@ def finish(run: Run, ls: LoopState, ev: HeldOut, sft_info: dict, timings: dict, 
 
     ckpt_mod.save_dir_atomic(save_final, os.path.join(cfg.run_dir, "final"))
     summary = {"sft": sft_info, "timings": timings}
-    if hasattr(run.judge, "close"):
-        run.judge.close()
+    run.judge.close()
     run.sampler.close()
     if ev.enabled:
         t0 = time.perf_counter()
@@ -642,6 +657,13 @@ def finish(run: Run, ls: LoopState, ev: HeldOut, sft_info: dict, timings: dict, 
     plot_rewards(ls.logger.rows, os.path.join(cfg.run_dir, "reward_curves.png"),
                  ev.curve.rows if ev.curve is not None else None)
     timings["total_s"] = time.perf_counter() - t_start
+    try:  # peak resident memory of this process so far (Linux reports KiB, macOS bytes)
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        timings["peak_rss_mb"] = rss / (1024 * 1024 if sys.platform == "darwin" else 1024)
+    except ImportError:  # Windows: no getrusage
+        pass
     ckpt_mod.atomic_write_json(os.path.join(cfg.run_dir, "eval.json"), summary)
     return summary
 
@@ -737,6 +759,10 @@ def _argument_parser() -> argparse.ArgumentParser:
                          "end)")
     ap.add_argument("--no-progress", action="store_true",
                     help="no progress bars (default: shown)")
+    ap.add_argument("--report-to", metavar="BACKENDS",
+                    help="also log the metrics to tensorboard (run_dir/tensorboard) and / or wandb "
+                         "(offline unless $WANDB_MODE is set), comma-separated (config report_to; "
+                         "default: metrics.jsonl only)")
     ap.add_argument("--list-config", action=_ListConfig, nargs=0,
                     help="print every config key with its default (toy, and full where it differs) "
                          "and its meaning, then exit")
@@ -796,6 +822,8 @@ def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
         cfg.arm = a.arm
     if a.no_progress:
         cfg.progress = False
+    if a.report_to is not None:
+        cfg.report_to = [x.strip() for x in a.report_to.split(",") if x.strip()]
     if a.eval_every is not None:
         cfg.eval.every = a.eval_every
     cfg.dry_run = bool(a.dry_run)

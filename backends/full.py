@@ -903,11 +903,7 @@ def _key_envs(cfg) -> list[tuple[str, str]]:
     """(purpose, environment variable NAME) pairs the configured backends read their keys from."""
     out = []
     if cfg.judge.backend in ("gemini", "openai"):
-        try:
-            from backends.judge_http import DEFAULT_KEY_ENVS
-        except ImportError:  # requests missing: the names are fixed anyway
-            DEFAULT_KEY_ENVS = {"gemini": "GEMINI_API_KEY", "openai": "OPENAI_API_KEY"}
-        out.append((f"judge ({cfg.judge.backend})", DEFAULT_KEY_ENVS[cfg.judge.backend]))
+        out.append((f"judge ({cfg.judge.backend})", cfg.judge.key_env))
     if cfg.search.backend == "serper":
         out.append(("search (google_search, Serper)", "SERPER_API_KEY"))
     return out

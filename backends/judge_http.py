@@ -57,7 +57,7 @@ Deviations from the paper
 
 Usage (full mode; see docs/http_judge.md for a self-hosted vLLM server):
     export GEMINI_API_KEY=...
-    judge = HTTPJudge(HTTPJudgeConfig(backend="gemini", model="gemini-2.5-flash"))
+    judge = HTTPJudge(JudgeConfig(backend="gemini", model="gemini-2.5-flash"))
     result = judge.judge_group(query, rollouts, step)     # judge.JudgeResult, R (n, 4)
 """
 from __future__ import annotations
@@ -72,77 +72,28 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from backends.http import DiskCache, cache_key, make_session, transport_retries
-from judge import BUFFER_CAPS, EvolvingJudge, JudgeResult, ReflectionScore, Rubric
+from judge import (DEFAULT_BASE_URLS, EvolvingJudge, JudgeConfig, JudgeResult, ReflectionScore,
+                   Rubric)
 from scaffold import STAGES, Rollout, parse_response
 
 log = logging.getLogger("rubricem.judge_http")
 
-DEFAULT_BASE_URLS = {"gemini": "https://generativelanguage.googleapis.com/v1beta",
-                     "openai": "https://api.openai.com/v1"}
-DEFAULT_KEY_ENVS = {"gemini": "GEMINI_API_KEY", "openai": "OPENAI_API_KEY"}
 
-
-@dataclass
-class HTTPJudgeConfig:
-    """Where and how to call the judge model. Holds the *name* of the key's environment variable,
-    never the key. All times in seconds; prices in USD per 1000 tokens."""
-
-    backend: str = "gemini"
-    """"gemini" (generateContent REST API) or "openai" (chat completions: OpenAI, vLLM, SGLang)."""
-    model: str = "gemini-2.5-flash"
-    """Model id. Not in the paper beyond "Gemini Flash" (deviation 5)."""
-    base_url: str = ""
-    """API root without a trailing slash; "" = the backend's public endpoint (DEFAULT_BASE_URLS)."""
-    api_key_env: str = ""
-    """Environment variable holding the key; "" = GEMINI_API_KEY / OPENAI_API_KEY. Optional for openai."""
-    timeout_s: float = 120.0
-    """Connect and read timeout of one request; a read timeout is re-asked (counts as a retry)."""
-    max_retries: int = 3
-    """Bound on transport retries (429/5xx/connect) and, separately, on re-asks (timeout/invalid)."""
-    backoff_s: float = 1.0
-    """Base of the exponential backoff: waits backoff_s * 2^(attempt-1), capped at backoff_max_s."""
-    backoff_max_s: float = 30.0
-    concurrency: int = 8
-    """Maximum parallel requests of this judge (thread pool + semaphore)."""
-    cache_dir: str = ".cache/rubricem/judge"
-    """Disk cache of validated replies; "" disables it."""
-    prompt_version: str = "v1"
-    price_per_1k_input: float = 0.0003  # gemini-2.5-flash list price, $0.30 / 1M input tokens
-    price_per_1k_output: float = 0.0025  # $2.50 / 1M output tokens (thinking tokens included)
-    temperature: float = 0.0
-    """Judge sampling temperature; 0 keeps rewards as reproducible as the API allows (our choice)."""
-    max_output_tokens: int = 0
-    """0 = the server's default."""
-    gemini_schema_field: str = "responseSchema"
-    """"responseSchema" (OpenAPI subset) or "responseJsonSchema" (JSON Schema) in generationConfig."""
-    openai_response_format: str = "json_schema"
-    """"json_schema" (strict structured output) or "json_object" for servers without schema support."""
-    max_text_chars: int = 40000
-    """Each untrusted block (one stage of a response, one candidate) is cut to this many characters."""
-
-    def __post_init__(self) -> None:
-        if self.backend not in DEFAULT_BASE_URLS:
-            raise ValueError(f"judge backend must be 'gemini' or 'openai', got {self.backend!r}")
-        if self.gemini_schema_field not in ("responseSchema", "responseJsonSchema"):
-            raise ValueError("gemini_schema_field must be 'responseSchema' or 'responseJsonSchema'")
-        if self.openai_response_format not in ("json_schema", "json_object"):
-            raise ValueError("openai_response_format must be 'json_schema' or 'json_object'")
-        if self.max_retries < 0 or self.concurrency < 1 or self.timeout_s <= 0:
-            raise ValueError("need max_retries >= 0, concurrency >= 1 and timeout_s > 0")
-
-    @property
-    def url_root(self) -> str:
-        return (self.base_url or DEFAULT_BASE_URLS[self.backend]).rstrip("/")
-
-    @property
-    def key_env(self) -> str:
-        return self.api_key_env or DEFAULT_KEY_ENVS[self.backend]
+def check_http_config(c: JudgeConfig) -> None:
+    """Raise ValueError naming the field when a judge configuration cannot drive HTTPJudge."""
+    if c.backend not in DEFAULT_BASE_URLS:
+        raise ValueError(f"judge.backend must be 'gemini' or 'openai' for the HTTP judge, got {c.backend!r}")
+    if c.gemini_schema_field not in ("responseSchema", "responseJsonSchema"):
+        raise ValueError("judge.gemini_schema_field must be 'responseSchema' or 'responseJsonSchema'")
+    if c.openai_response_format not in ("json_schema", "json_object"):
+        raise ValueError("judge.openai_response_format must be 'json_schema' or 'json_object'")
+    if c.max_retries < 0 or c.concurrency < 1 or c.timeout_s <= 0:
+        raise ValueError("judge: need max_retries >= 0, concurrency >= 1 and timeout_s > 0")
 
 
 class JudgeCallError(RuntimeError):
@@ -413,9 +364,14 @@ class HTTPJudge(EvolvingJudge):
     Thread-safe; `close()` (or a `with` block) releases the thread pool and connections.
     """
 
-    def __init__(self, config: HTTPJudgeConfig | None = None, caps: Sequence[int] = BUFFER_CAPS):
-        super().__init__(caps)
-        self.config = config or HTTPJudgeConfig()
+    concurrent_groups = True  # its calls wait on the network: judge.judge_all runs groups in threads
+
+    def __init__(self, config: JudgeConfig | None = None, caps: Sequence[int] | None = None):
+        """config: the run config's judge section (judge.JudgeConfig; default: Gemini Flash);
+        caps: the rubric-buffer caps (default config.caps). Raises ValueError (check_http_config)."""
+        self.config = config or JudgeConfig(backend="gemini")
+        check_http_config(self.config)
+        super().__init__(caps if caps is not None else self.config.caps)
         self.cache = DiskCache(self.config.cache_dir)
         self.meter = _Meter(self.config.price_per_1k_input, self.config.price_per_1k_output)
         self._sem = threading.BoundedSemaphore(self.config.concurrency)

@@ -25,44 +25,24 @@ Deviations from the paper
 
 Usage:
     export SERPER_API_KEY=...
-    tools = {"google_search": SerperSearchTool(SerperConfig(k=5))}   # scaffold.RolloutEngine(tools=...)
+    tools = {"google_search": SerperSearchTool(SearchConfig(backend="serper", k=5))}   # scaffold.RolloutEngine(tools=...)
 """
 from __future__ import annotations
 
 import logging
 import os
 import threading
-from dataclasses import dataclass
 
 from backends.http import DiskCache, cache_key, make_session, transport_retries
-from scaffold import SearchResult
+from scaffold import SearchConfig, SearchResult
 
 log = logging.getLogger("rubricem.search_http")
 
 
-@dataclass
-class SerperConfig:
-    """Search API settings. Holds the *name* of the key's environment variable, never the key."""
-
-    base_url: str = "https://google.serper.dev"
-    """API root without a trailing slash (tests point it at a loopback server)."""
-    api_key_env: str = "SERPER_API_KEY"
-    k: int = 5
-    """Results per query ("num"); the paper does not fix it, 5 snippets keep tool outputs short."""
-    timeout_s: float = 15.0
-    max_retries: int = 3
-    """Bound per kind (connect errors, read timeouts, 429/5xx statuses) before SearchError."""
-    backoff_s: float = 0.5
-    """Backoff base: waits backoff_s * 2^(retry-1), capped at backoff_max_s (the first retry is
-    immediate in urllib3 2)."""
-    backoff_max_s: float = 8.0
-    cache_dir: str = ".cache/rubricem/search"
-    """Disk cache of result lists; "" disables it."""
-    max_snippet_chars: int = 1000
-
-    def __post_init__(self) -> None:
-        if self.k < 1 or self.max_retries < 0 or self.timeout_s <= 0:
-            raise ValueError("need k >= 1, max_retries >= 0 and timeout_s > 0")
+def check_search_config(c: SearchConfig) -> None:
+    """Raise ValueError naming the field when a search configuration cannot drive SerperSearchTool."""
+    if c.k < 1 or c.max_retries < 0 or c.timeout_s <= 0:
+        raise ValueError("search: need k >= 1, max_retries >= 0 and timeout_s > 0")
 
 
 class SearchError(RuntimeError):
@@ -74,8 +54,11 @@ class SerperSearchTool:
 
     name = "google_search"
 
-    def __init__(self, config: SerperConfig | None = None):
-        self.config = config or SerperConfig()
+    def __init__(self, config: SearchConfig | None = None):
+        """config: the run config's search section (scaffold.SearchConfig; default: Serper's public
+        endpoint, no disk cache). Raises ValueError (check_search_config)."""
+        self.config = config or SearchConfig(backend="serper")
+        check_search_config(self.config)
         self.cache = DiskCache(self.config.cache_dir)
         self._local = threading.local()
         self._lock = threading.Lock()

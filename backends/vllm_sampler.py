@@ -23,7 +23,7 @@ calls `sync_weights(trainer.iter_full_params())` after each update; see docs/vll
 
 Deviations from the paper
 1. The paper does not say how rollout weights are refreshed; we reload them in place after every
-   optimizer step through vLLM's layer-wise reload (`vllm_sync_ext.py`), so rollouts are always
+   optimizer step through vLLM's layer-wise reload (`backends/vllm_sync_ext.py`), so rollouts are always
    on-policy (no staleness), at the cost of one sync per step.
 2. `n` rollouts per prompt are n copies of the prompt (as `RolloutEngine` passes them), each its own
    request with its own seed; vLLM's prefix cache shares their prompt KV. vLLM's `SamplingParams.n`

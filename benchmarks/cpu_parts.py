@@ -3,7 +3,7 @@
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
 Sampling (§3.1): one token draw over (32, 8192) probabilities with torch.multinomial (HF generate's
 draw) and with kv_sampler.draw_inverse_cdf, next to one lm-head projection of 32 rows. Update (§3.3,
-train.policy_update's work on 32 sequences of 28 prompt + 128 response tokens): the reference
+policy.policy_update's work on 32 sequences of 28 prompt + 128 response tokens): the reference
 forward (policy.batch_logprobs), the policy forward (policy.token_logprobs with gradient, with and
 without its lm-head recompute) and the backward of the SS-GRPO loss, AdamW's step. Token advantages
 of a toy step (one ss_grpo.token_advantages call per rollout, as the loop, against one call). CPU

@@ -4,8 +4,8 @@ that answers every call after a fixed latency L.
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
 Step 4 of Algorithm 1 (§3.4): for each of the step's P query groups of n rollouts, one rubric-proposal
 call over the group, then one scoring call per rollout (judge_http.HTTPJudge; scoring calls of one
-group run in parallel, at most judge.concurrency at a time). The training loop (train._train_loop)
-judges the groups one after another, so with n <= concurrency a step's judge phase takes about
+group run in parallel, at most judge.concurrency at a time). Judged one group after another, with
+n <= concurrency a step's judge phase takes about
 
     sequential groups:  P * (L + ceil(n / C) * L)            (2 P L for n <= C)
 
@@ -13,10 +13,11 @@ while groups judged concurrently (same concurrency bound C on requests in flight
 
     concurrent groups:  ceil(P / C) * L + ceil(P * n / C) * L
 
-This script measures both against tests/loopback.py's fake Gemini server: "sequential" is the loop's
-order (judge_group per group, in turn); "concurrent" runs the groups' judge_group calls in threads
-(HTTPJudge is thread-safe; the C-request bound still holds), i.e. what cross-group concurrency in the
-loop would give. Local HTTP overhead is a few ms per call; everything else is the server's sleep.
+This script measures both against tests/loopback.py's fake Gemini server, through the training
+loop's own function (judge.judge_all, which train.judge_groups calls): "concurrent" is what the loop
+does with the HTTP judge (HTTPJudge.concurrent_groups: the groups' judge_group calls in threads, the
+C-request bound still holding), "sequential" the same call with concurrent_groups switched off (one
+group after another). Local HTTP overhead is a few ms per call; the rest is the server's sleep.
 
 Run (seconds; no model, no CPU-heavy work):
     python benchmarks/judge_phase.py                          # P 8, n 8, C 8, L 0.05 0.1 0.2 0.4
@@ -32,7 +33,6 @@ import os
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -65,23 +65,20 @@ def groups(P: int, n: int):
 
 def phase(server, latency: float, P: int, n: int, C: int, concurrent: bool) -> tuple[float, int]:
     """(seconds, requests) of one judge phase over P fresh groups."""
-    from backends.judge_http import HTTPJudge, HTTPJudgeConfig
+    from backends.judge_http import HTTPJudge
+    from judge import JudgeConfig, judge_all
 
     server.rule = lambda req: {"sleep": latency}
     before = len(server.requests)
     with tempfile.TemporaryDirectory() as d:
-        cfg = HTTPJudgeConfig(backend="gemini", model=server.model, base_url=server.url,
+        cfg = JudgeConfig(backend="gemini", model=server.model, base_url=server.url,
                               timeout_s=max(30.0, 10 * latency), max_retries=0, concurrency=C,
                               cache_dir=os.path.join(d, "cache"))
         with HTTPJudge(cfg) as judge:
             gs = groups(P, n)
+            judge.concurrent_groups = concurrent
             t0 = time.perf_counter()
-            if concurrent:
-                with ThreadPoolExecutor(max_workers=P) as ex:
-                    list(ex.map(lambda g: judge.judge_group(g[0], g[1], 0), gs))
-            else:
-                for q, ros in gs:  # train._train_loop's order: one group after another
-                    judge.judge_group(q, ros, 0)
+            judge_all(judge, [q for q, _ in gs], [ros for _, ros in gs], 0)
             dt = time.perf_counter() - t0
     return dt, len(server.requests) - before
 

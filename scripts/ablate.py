@@ -16,7 +16,7 @@ What one grid does
        with the same --set overrides for all. Every arm of a seed loads the same cached SFT warm start
        (its cache key holds the world, teacher, SFT and model settings and the seed, not the arm),
        draws the same data order (DataOrder is seeded by the seed alone) and is evaluated on the same
-       held-out questions with the same sampling seed (train.evaluate); the script checks that the SFT
+       held-out questions with the same sampling seed (evaluate.evaluate_heldout); the script checks that the SFT
        start (warm-start key and step-0 evaluation) is the same for every arm of a seed.
     2. Memory reuse (memory_eval.py) of the rubricem and baseline_rl runs, as subprocesses; an arm
        without a bank of its own reads the same seed's rubricem bank in pass 1.

@@ -49,6 +49,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ("plan", "research", "review", "answer")
 BEGIN, END = "<!-- reproduce:begin -->", "<!-- reproduce:end -->"
+# README.md's quick-start results come from the same runs, between these markers.
+README_BEGIN, README_END = "<!-- reproduce-readme:begin -->", "<!-- reproduce-readme:end -->"
 QUICK = ["--steps", "6", "--set", "eval.n_questions=32"]
 
 
@@ -182,11 +184,16 @@ def seed_row(seed: int, d: dict) -> dict:
             "sft_recall": e0["fact_recall"], "rl_recall": e1["fact_recall"],
             "wf_min": min(wf) if wf else float("nan"), "steps": len(rows),
             "cold_s": None if cached else total,
-            "cached_s": total if cached else (total - sft_s if total is not None else None)}
+            "cached_s": total if cached else (total - sft_s if total is not None else None),
+            "rss_mb": t.get("peak_rss_mb")}
 
 
 def _fmt_s(x) -> str:
     return "-" if x is None else f"{x / 60:.1f} min"
+
+
+def _fmt_mb(x) -> str:
+    return "-" if x is None else f"{x / 1024:.2f} GB"
 
 
 def machine() -> str:
@@ -234,22 +241,24 @@ def results_markdown(seeds, summ, commands, extra, smooth_w, threads) -> str:
     wf_min = min(r["wf_min"] for r in R)
     colds = [r["cold_s"] for r in R if r["cold_s"] is not None]
     cacheds = [r["cached_s"] for r in R if r["cached_s"] is not None]
+    rss = [r["rss_mb"] for r in R if r.get("rss_mb") is not None]
     L = [BEGIN, "## Results", "",
          f"Written by `scripts/reproduce.py` on {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.",
          f"Machine: {machine()}; torch threads: {threads}; git commit: {git_commit()}.", "",
          "| seed | SFT answer | RL answer | gain | SFT mean-stage | RL mean-stage | fact recall SFT -> RL "
-         "| well_formed min | wall cold | wall cached |",
-         "|---|---|---|---|---|---|---|---|---|---|"]
+         "| well_formed min | wall cold | wall cached | peak RSS |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in R:
         L.append(f"| {r['seed']} | {r['sft_answer']:.3f} | {r['rl_answer']:.3f} | {r['gain']:+.3f} | "
                  f"{r['sft_score']:.3f} | {r['rl_score']:.3f} | {r['sft_recall']:.3f} -> "
                  f"{r['rl_recall']:.3f} | {r['wf_min']:.2f} | {_fmt_s(r['cold_s'])} | "
-                 f"{_fmt_s(r['cached_s'])} |")
+                 f"{_fmt_s(r['cached_s'])} | {_fmt_mb(r['rss_mb'])} |")
     L.append(f"| mean | {m('sft_answer'):.3f} | {m('rl_answer'):.3f} | {g[0]:+.3f} "
              f"[{g[1]:+.3f}, {g[2]:+.3f}] | {m('sft_score'):.3f} | {m('rl_score'):.3f} | "
              f"{m('sft_recall'):.3f} -> {m('rl_recall'):.3f} | {wf_min:.2f} | "
              f"{_fmt_s(float(np.mean(colds)) if colds else None)} | "
-             f"{_fmt_s(float(np.mean(cacheds)) if cacheds else None)} |")
+             f"{_fmt_s(float(np.mean(cacheds)) if cacheds else None)} | "
+             f"{_fmt_mb(max(rss) if rss else None)} |")
     L += ["",
           f"- Held-out answer-score gain (RL - SFT): {g[0]:+.3f}, 95 % CI [{g[1]:+.3f}, {g[2]:+.3f}]; "
           f"mean-stage-score gain {gs[0]:+.3f} [{gs[1]:+.3f}, {gs[2]:+.3f}]; fact-recall gain "
@@ -261,7 +270,9 @@ def results_markdown(seeds, summ, commands, extra, smooth_w, threads) -> str:
           f"quarter minus first quarter of {summ['T']} steps = {summ['curve_gain']:+.3f}.",
           f"- Lowest rollout/well_formed at any step of any seed: {wf_min:.2f}.",
           "- Wall time cold: SFT warm start trained in the run; cached: the same run minus the SFT "
-          "data and training time it reported (measured when the warm start was loaded from cache).",
+          "data and training time it reported (measured when the warm start was loaded from cache). "
+          "Peak RSS: the training process's maximum resident memory (getrusage; the mean row "
+          "shows the largest).",
           "",
           "Targets: gain >= +0.15 with the CI above 0; well_formed >= 0.8 at every step; curve "
           "last-quarter minus first-quarter >= +0.1; wall time <= 8 min cold and <= 5 min cached. "
@@ -281,13 +292,74 @@ def results_markdown(seeds, summ, commands, extra, smooth_w, threads) -> str:
     return "\n".join(L) + "\n"
 
 
-def write_results(path: str, section: str) -> None:
-    """Replace the text between the reproduce markers of `path` (or append the section)."""
+def console_summary(run_dir: str) -> list[str]:
+    """The end-of-run summary train.py printed (from "run dir:" to "total time"), read from the
+    seed's reproduce.log; [] when the log has none."""
+    path = os.path.join(run_dir, "reproduce.log")
+    lines = open(path).read().splitlines() if os.path.exists(path) else []
+    starts = [i for i, line in enumerate(lines) if line.startswith("run dir: ")]
+    if not starts:
+        return []
+    out = []
+    for line in lines[starts[-1]:]:
+        out.append(line)
+        if line.startswith("total time"):
+            break
+    return out
+
+
+def readme_markdown(seeds, summ, data, out: str) -> str:
+    """README.md's quick-start results: wall times, seed 0's console summary, the per-seed table and
+    its intervals (the same runs as docs/results.md)."""
+    R = summ["rows"]
+    m = lambda k: float(np.mean([r[k] for r in R]))  # noqa: E731
+    g, gs = summ["answer_gain"], summ["score_gain"]
+    colds = [r["cold_s"] for r in R if r["cold_s"] is not None]
+    cacheds = [r["cached_s"] for r in R if r["cached_s"] is not None]
+    rss = [r["rss_mb"] for r in R if r.get("rss_mb") is not None]
+    sft = data[seeds[0]]["eval"].get("sft", {})
+    sft_s = sft.get("train_seconds", 0.0) + sft.get("data_seconds", 0.0)
+    wall = (f"**Expected wall time** (this machine: {machine()}; `threads=1`, the default; other jobs "
+            "may have shared the cores): the SFT warm start takes "
+            f"{_fmt_s(sft_s)} (teacher data and SFT, measured once, then cached in `.cache/rubricem`); "
+            "a run with the warm start cached takes "
+            + (f"{_fmt_s(min(cacheds))}-{_fmt_s(max(cacheds))}" if cacheds else "(not measured)")
+            + (f", cold {_fmt_s(max(colds))}" if colds else "")
+            + (f"; peak memory {_fmt_mb(max(rss))}" if rss else "") + ". "
+            f"The run ends with a summary like this (seed {seeds[0]}; `[lo, hi]` is a 95 % bootstrap "
+            "interval over the held-out questions):")
+    L = [README_BEGIN, wall, "", "```", *console_summary(os.path.join(out, f"seed{seeds[0]}")), "```",
+         "", "Held-out toy scores (64 held-out questions x 2 samples at temperature 1.0, static judge "
+         "rubrics; `python scripts/reproduce.py`, which runs the seeds and writes this table, the "
+         "bootstrap intervals and the figure to docs/results.md and here):", "",
+         "| seed | SFT score | RL score | SFT answer | RL answer | answer gain | fact recall SFT -> RL "
+         "| lowest well_formed |", "|---|---|---|---|---|---|---|---|"]
+    for r in R:
+        L.append(f"| {r['seed']} | {r['sft_score']:.3f} | {r['rl_score']:.3f} | {r['sft_answer']:.3f} | "
+                 f"{r['rl_answer']:.3f} | {r['gain']:+.3f} | {r['sft_recall']:.3f} -> {r['rl_recall']:.3f} "
+                 f"| {r['wf_min']:.2f} |")
+    L.append(f"| mean | {m('sft_score'):.3f} | {m('rl_score'):.3f} | {m('sft_answer'):.3f} | "
+             f"{m('rl_answer'):.3f} | {g[0]:+.3f} [{g[1]:+.3f}, {g[2]:+.3f}] | {m('sft_recall'):.3f} -> "
+             f"{m('rl_recall'):.3f} | {min(r['wf_min'] for r in R):.2f} |")
+    L += ["", f"`[lo, hi]`: 95 % bootstrap interval over seeds x questions; the mean-stage score gains "
+          f"{gs[0]:+.3f} [{gs[1]:+.3f}, {gs[2]:+.3f}]; the training answer curve (`score/answer`, "
+          f"{summ['T']} steps) moves {summ['curve_gain']:+.3f} from its first to its last quarter.",
+          README_END]
+    return "\n".join(L) + "\n"
+
+
+def write_results(path: str, section: str, begin: str = BEGIN, end: str = END,
+                  append: bool = True) -> None:
+    """Replace the text between the markers `begin` / `end` of `path` (a section that starts with
+    `begin` and ends with `end`); without the markers, append the section (append=False: leave the
+    file alone)."""
     old = open(path).read() if os.path.exists(path) else "# Results\n\n"
-    if BEGIN in old and END in old:
-        new = old[: old.index(BEGIN)] + section.rstrip("\n") + old[old.index(END) + len(END):]
-    else:
+    if begin in old and end in old:
+        new = old[: old.index(begin)] + section.rstrip("\n") + old[old.index(end) + len(end):]
+    elif append:
         new = old.rstrip("\n") + "\n\n" + section
+    else:
+        return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as fh:
@@ -340,6 +412,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "reproduce"))
     ap.add_argument("--results", default=os.path.join(ROOT, "docs", "results.md"))
     ap.add_argument("--figure", default=os.path.join(ROOT, "docs", "reward_curves.png"))
+    ap.add_argument("--readme", default=os.path.join(ROOT, "README.md"),
+                    help="README whose quick-start results (between the reproduce-readme markers) "
+                         "are rewritten; a file without the markers is left alone")
     ap.add_argument("--smooth", type=int, default=6,
                     help="trailing moving-average window (steps); 6 = one curriculum window (2K)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -357,6 +432,9 @@ def main(argv=None) -> int:
     summ = summarise(a.seeds, data, a.smooth)
     shown = (["--quick"] if a.quick else []) + [x for kv in a.set for x in ("--set", kv)]
     write_results(a.results, results_markdown(a.seeds, summ, commands, shown, a.smooth, threads))
+    if not a.quick and not a.set:  # the README shows the default run only
+        write_results(a.readme, readme_markdown(a.seeds, summ, data, a.out), README_BEGIN,
+                      README_END, append=False)
     plot(a.seeds, data, summ, a.figure, a.smooth)
     g = summ["answer_gain"]
     print(f"held-out answer gain {g[0]:+.3f} [{g[1]:+.3f}, {g[2]:+.3f}]; curve last-first quarter "

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 pytest.importorskip("requests", reason="the HTTP judge needs the `full` extra (requests, urllib3)")
 
 import evaluate as ev
-from backends.judge_http import HTTPJudge, HTTPJudgeConfig
+from backends.judge_http import HTTPJudge
+from judge import JudgeConfig
 from loopback import TEST_KEY, FakeServer
 
 
@@ -30,7 +31,7 @@ def make_judge(server: FakeServer, **kw) -> HTTPJudge:
     base = dict(backend=server.kind, model=server.model, base_url=server.url, timeout_s=5.0,
                 max_retries=3, backoff_s=0.001, backoff_max_s=0.002, concurrency=4, cache_dir="")
     base.update(kw)
-    return HTTPJudge(HTTPJudgeConfig(**base))
+    return HTTPJudge(JudgeConfig(**base))
 
 
 def write_jsonl(path, rows):

@@ -197,7 +197,7 @@ def _reference_steps(init_dir):
     out = []
     for j in range(MINIBATCHES):
         # policy.plan_update without a shuffle: optimizer step j takes sequences j, j + M, ... (as
-        # train.policy_update's order[j::M]), dealt to the ranks round-robin.
+        # policy.policy_update's order[j::M]), dealt to the ranks round-robin.
         mb = everything[j::MINIBATCHES]
         ids, att, mask, adv = policy.pad_rows(batch, mb, pad)
         L = ids.shape[1]
@@ -253,7 +253,7 @@ def test_zero3_checkpoint_loads_with_plain_transformers(zero3_run):
 
 
 # ----------------------------------------------------------------------------------------------------
-# plan_update: the ranks' optimizer steps are exactly train.policy_update's (no DeepSpeed needed)
+# plan_update: the ranks' optimizer steps are exactly policy.policy_update's (no DeepSpeed needed)
 
 
 from hypothesis import given, strategies as st  # noqa: E402
@@ -269,7 +269,7 @@ def test_plan_update_deals_policy_update_minibatches_to_ranks(n, world, minibatc
                         adv=[[0.0, 0.0] for _ in range(n)], kind=["task"] * n)
     rng_a, rng_b = random.Random(seed), random.Random(seed)
     shards, plans = policy.plan_update(batch, world, minibatches, micro, rng_a)
-    # train.policy_update: shuffle once, optimizer step j takes order[j::M]
+    # policy.policy_update: shuffle once, optimizer step j takes order[j::M]
     order = list(range(n))
     rng_b.shuffle(order)
     M = max(1, min(minibatches, n))

@@ -694,3 +694,58 @@ def test_static_stage_scores_of_training_rollouts_are_buffer_independent_sec3_4(
         np.testing.assert_allclose(evaluate.static_stage_scores(judge, queries, ros, n), want)
     assert 0.0 < want[ANSWER] < 1.0
     assert evaluate.static_stage_scores(EvolvingJudge(), queries, ros, n) is None
+
+
+# ----------------------------------------------------------------------------------------------------
+# judge.judge_all: a step's groups, concurrently for a judge whose calls wait on the network
+
+
+class _RecordingJudge:
+    """judge_group records (event, query, occurrence) and waits at a barrier of `parties` threads:
+    groups judged one after another never reach it (BrokenBarrierError after the timeout)."""
+
+    def __init__(self, concurrent: bool, parties: int):
+        import threading
+
+        self.concurrent_groups = concurrent
+        self.barrier = threading.Barrier(parties, timeout=20) if parties > 1 else None
+        self.events, self.lock = [], threading.Lock()
+
+    def judge_group(self, query, rollouts, step):
+        with self.lock:
+            self.events.append(("start", query.query, rollouts[0]))
+        if self.barrier is not None:
+            self.barrier.wait()
+        with self.lock:
+            self.events.append(("end", query.query, rollouts[0]))
+        return (query.query, rollouts[0], step)
+
+
+def test_s34_judge_all_judges_distinct_queries_concurrently_in_query_order():
+    from judge import judge_all
+
+    qs = [Query(f"question {i}", [{"description": "d"}]) for i in range(4)]
+    j = _RecordingJudge(concurrent=True, parties=4)  # all 4 groups must be in judge_group at once
+    out = judge_all(j, qs, [[i] for i in range(4)], 7)
+    assert out == [(f"question {i}", i, 7) for i in range(4)]
+
+
+def test_s34_judge_all_keeps_groups_of_one_query_in_order():
+    from judge import judge_all
+
+    a, b = Query("question a", [{"description": "d"}]), Query("question b", [{"description": "d"}])
+    j = _RecordingJudge(concurrent=True, parties=2)  # wave 1: a#0 with b; wave 2: a#1 alone...
+    j.barrier = None  # ...so no barrier here: only the order is checked
+    out = judge_all(j, [a, b, a], [[0], [1], [2]], 0)
+    assert out == [("question a", 0, 0), ("question b", 1, 0), ("question a", 2, 0)]
+    ev = j.events
+    assert ev.index(("end", "question a", 0)) < ev.index(("start", "question a", 2))
+
+
+def test_s34_judge_all_is_sequential_for_a_judge_without_concurrent_groups():
+    from judge import judge_all
+
+    qs = [Query(f"question {i}", [{"description": "d"}]) for i in range(3)]
+    j = _RecordingJudge(concurrent=False, parties=1)
+    judge_all(j, qs, [[i] for i in range(3)], 0)
+    assert [e[0] for e in j.events] == ["start", "end"] * 3

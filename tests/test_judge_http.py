@@ -1,4 +1,4 @@
-"""HTTP judge (judge_http.py, §3.4 full mode) against loopback fake Gemini / OpenAI servers.
+"""HTTP judge (backends/judge_http.py, §3.4 full mode) against loopback fake Gemini / OpenAI servers.
 
 No request leaves 127.0.0.1; backoff is 0.01 s so the file runs in a few seconds.
 """
@@ -24,7 +24,8 @@ import scaffold
 from toy import sft
 from judge import BUFFER_CAPS, JudgeResult
 from toy.judge import ToyJudge
-from backends.judge_http import TRUNCATED_NOTE, HTTPJudge, HTTPJudgeConfig, JudgeCallError
+from backends.judge_http import TRUNCATED_NOTE, HTTPJudge, JudgeCallError
+from judge import JudgeConfig
 from loopback import TEST_KEY, FakeServer
 from scaffold import ANSWER, STAGES, Rollout, ToolCall, parse_response
 from toy.world import BM25SearchTool, WorldConfig, make_world
@@ -59,7 +60,7 @@ def make_judge(server: FakeServer, tmp_path=None, **kw) -> HTTPJudge:
                 max_retries=2, backoff_s=0.01, backoff_max_s=0.02, concurrency=4,
                 cache_dir=str(tmp_path / "cache") if tmp_path is not None else "")
     base.update(kw)
-    return HTTPJudge(HTTPJudgeConfig(**base))
+    return HTTPJudge(JudgeConfig(**base))
 
 
 @pytest.fixture
@@ -337,7 +338,7 @@ def test_s34_connection_refused_gives_nan(key):
     with FakeServer("gemini") as s:
         url = s.url
     q = fake_query()
-    j = HTTPJudge(HTTPJudgeConfig(model="gemini-test", base_url=url, max_retries=1, backoff_s=0.01,
+    j = HTTPJudge(JudgeConfig(backend="gemini", model="gemini-test", base_url=url, max_retries=1, backoff_s=0.01,
                                   timeout_s=1.0, cache_dir=""))
     with j:
         S = j.score_rubrics(q, [fake_rollout(q, GOOD)], init_rubrics(j, q))
@@ -619,7 +620,7 @@ def test_s34_http_scoring_equals_toy_judge_on_loopback(gemini):
                                     for i, v in zip(ids, s)]}}
 
     gemini.rule = serve_toy
-    cfg = HTTPJudgeConfig(model="gemini-test", base_url=gemini.url, backoff_s=0.01, cache_dir="")
+    cfg = JudgeConfig(backend="gemini", model="gemini-test", base_url=gemini.url, backoff_s=0.01, cache_dir="")
     with PoolJudge(cfg) as hj:
         for step in range(2):
             a, b = toy.judge_group(q, ros, step), hj.judge_group(q, ros, step)
@@ -627,3 +628,24 @@ def test_s34_http_scoring_equals_toy_judge_on_loopback(gemini):
             assert a.justifications == b.justifications and a.stats == b.stats
         assert toy.state_dict()["buffers"] == hj.state_dict()["buffers"]
     assert np.nanstd(a.R, axis=0).max() > 0  # the group is not degenerate
+
+
+def test_s34_http_groups_judged_concurrently_equal_one_by_one(gemini, tmp_path):
+    """judge.judge_all with the HTTP judge (concurrent_groups): the same R, buffers and counters as
+    judging the groups one after another (the loopback server's replies depend on the request only)."""
+    from judge import judge_all
+
+    qs = [Query(f"Write a short report on Kuvebro{i}: its habitat.",
+                [{"title": "fact", "description": "States the habitat.", "weight": 1.0}])
+          for i in range(4)]
+    groups = [[fake_rollout(q, t) for t in (GOOD, PARTIAL, POOR)] for q in qs]
+    with make_judge(gemini) as seq, make_judge(gemini) as con:
+        seq.concurrent_groups = False
+        assert con.concurrent_groups
+        a, b = judge_all(seq, qs, groups, 0), judge_all(con, qs, groups, 0)
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x.R, y.R)
+        sa, sb = seq.state_dict(), con.state_dict()
+        ma, mb = sa.pop("http_meter"), sb.pop("http_meter")  # it also holds wall-clock latencies
+        assert sa == sb  # buffers and counters
+        assert all(ma[k] == mb[k] for k in ("calls", "requests", "failures", "retries"))

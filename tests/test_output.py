@@ -169,3 +169,57 @@ def test_list_config_prints_every_key_with_its_default_and_doc(capsys):
         assert head.startswith(f"{key} = {json.dumps(value)}"), head
         assert doc.startswith("    ") and doc.strip(), f"{key} has no documentation"
     assert '(full: 1400)' in blocks["steps"] and "PAPER" in blocks["rollout.n"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Opt-in metric backends (--report-to): TensorBoard and W&B (offline) next to metrics.jsonl
+
+
+@pytest.mark.slow
+def test_report_to_tensorboard_and_wandb_log_what_metrics_jsonl_logs(tmp_path, toy_cache):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    import glob
+    import subprocess
+    import sys
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    code = ("import sys, os\nsys.path.insert(0, os.path.join(os.getcwd(), 'tests'))\n"
+            "import train\nfrom runfix import fast_args\n"
+            f"sys.exit(train.main(fast_args({str(run)!r}, {str(toy_cache)!r}, 2, "
+            "'--report-to', 'tensorboard,wandb')))\n")
+    env = {**os.environ, "WANDB_SILENT": "true", "WANDB_MODE": "offline"}
+    env.pop("WANDB_API_KEY", None)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    ea = EventAccumulator(str(run / "tensorboard"))
+    ea.Reload()
+    got = {e.step: e.value for e in ea.Scalars("reward/answer")}
+    assert got == pytest.approx({row["step"]: row["reward/answer"] for row in rows}, rel=1e-6)
+    assert "time/step_s" in ea.Tags()["scalars"] and "judge/missing" in ea.Tags()["scalars"]
+    (wb,) = glob.glob(str(run / "wandb" / "offline-run-*" / "*.wandb"))  # offline: no network used
+    blob = open(wb, "rb").read()
+    assert b"reward/answer" in blob and b"loss/total" in blob
+
+
+def test_report_to_refuses_unknown_or_missing_backends(monkeypatch):
+    import importlib.util
+
+    import settings
+
+    cfg = settings.toy_preset()
+    cfg.report_to = ["mlflow"]
+    with pytest.raises(ValueError, match="unknown backend 'mlflow'"):
+        settings.validate_config(cfg)
+    cfg.report_to = ["wandb"]
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else find(n, *a))
+    with pytest.raises(ValueError, match="pip install wandb"):
+        settings.validate_config(cfg)
+    assert train.parse_args(["--toy", "--report-to", "tensorboard, wandb"]).report_to == [
+        "tensorboard", "wandb"]

@@ -169,12 +169,12 @@ def _run(cmd, cwd, cache_dir) -> subprocess.CompletedProcess:
     if script != "evaluate.py":
         return subprocess.run(argv, cwd=cwd, env=_env(), capture_output=True, text=True,
                               timeout=TIMEOUT_S)
-    from backends.judge_http import HTTPJudgeConfig
+    from judge import JudgeConfig
     from loopback import TEST_KEY, FakeServer
 
     a = cmd.argv
-    kind = a[a.index("--judge") + 1] if "--judge" in a else HTTPJudgeConfig().backend
-    model = a[a.index("--judge-model") + 1] if "--judge-model" in a else HTTPJudgeConfig().model
+    kind = a[a.index("--judge") + 1] if "--judge" in a else JudgeConfig(backend="gemini").backend
+    model = a[a.index("--judge-model") + 1] if "--judge-model" in a else JudgeConfig().model
     with FakeServer(kind, model=model) as srv:
         if cmd.argv[2] == "healthbench":
             srv.rule = lambda req: {"json": {"explanation": "checked", "criteria_met":

@@ -63,6 +63,23 @@ def test_reproduce_runs_seed_writes_results_and_is_resumable(tmp_path):
     assert reproduce.main(args) == 0
     assert os.path.getmtime(out / "seed0" / "eval.json") == mtime
     assert res.read_text().count(reproduce.BEGIN) == 1
+    # README's quick-start block from the same run: replaced between its markers, nothing else
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{reproduce.README_BEGIN}\nold numbers\n{reproduce.README_END}\noutro\n")
+    data = {0: reproduce.load_seed(str(out / "seed0"))}
+    summ = reproduce.summarise([0], data, 6)
+    block = reproduce.readme_markdown([0], summ, data, str(out))
+    reproduce.write_results(str(readme), block, reproduce.README_BEGIN, reproduce.README_END,
+                            append=False)
+    new = readme.read_text()
+    assert new.startswith("intro\n") and new.endswith("outro\n") and "old numbers" not in new
+    assert f"{gain:+.3f}" in next(l for l in new.splitlines() if l.startswith("| 0 |"))
+    assert "run dir: " in new and "total time" in new  # seed 0's console summary
+    plain = tmp_path / "plain.md"
+    plain.write_text("no markers\n")
+    reproduce.write_results(str(plain), block, reproduce.README_BEGIN, reproduce.README_END,
+                            append=False)
+    assert plain.read_text() == "no markers\n"
 
 
 def test_curve_prefers_the_static_score_and_falls_back_to_reward():

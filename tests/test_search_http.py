@@ -1,4 +1,4 @@
-"""Serper-compatible `google_search` (search_http.py, the §3.1 tool environment in full mode) against a
+"""Serper-compatible `google_search` (backends/search_http.py, the §3.1 tool environment in full mode) against a
 loopback fake server. No request leaves 127.0.0.1."""
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ pytest.importorskip("requests", reason="the HTTP backends need the `full` extra 
 
 import scaffold
 from loopback import TEST_KEY, FakeServer
-from backends.search_http import SearchError, SerperConfig, SerperSearchTool
+from backends.search_http import SearchError, SerperSearchTool
+from scaffold import SearchConfig
 from scaffold import SearchResult
 
 
@@ -25,7 +26,7 @@ def tool_for(server, tmp_path=None, **kw) -> SerperSearchTool:
     base = dict(base_url=server.url, k=3, timeout_s=2.0, max_retries=2, backoff_s=0.01,
                 backoff_max_s=0.02, cache_dir=str(tmp_path / "search") if tmp_path is not None else "")
     base.update(kw)
-    return SerperSearchTool(SerperConfig(**base))
+    return SerperSearchTool(SearchConfig(**{"backend": "serper", **base}))
 
 
 def test_s31_request_format_and_header(serper):

@@ -1,4 +1,4 @@
-"""Tests of the SFT warm start (sft.py, appendix): the scripted teacher, the paper's four SFT filters,
+"""Tests of the SFT warm start (toy/sft.py, appendix): the scripted teacher, the paper's four SFT filters,
 masked example encoding (prompt and <tool_output> spans get no loss, §3.3), and the warm-start cache."""
 import json
 

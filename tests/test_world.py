@@ -1,4 +1,4 @@
-"""Tests of the toy research world (world.py): the environment T of §3.1 in toy mode, its DR Tulu row
+"""Tests of the toy research world (toy/world.py): the environment T of §3.1 in toy mode, its DR Tulu row
 schema and loader, the BM25 `google_search` tool, and the distractors that make research necessary."""
 import copy
 import json

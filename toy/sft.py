@@ -65,14 +65,22 @@ Segment = tuple[bool, str]  # (is_env, text): policy-written text or environment
 class TeacherConfig:
     """Imperfection rates of the scripted teacher (our values; the paper's teacher is an LLM)."""
 
-    p_skip: float = 0.15  # an asked fact is never searched nor answered
-    p_vague: float = 0.10  # a query without the entity name
-    p_uncited: float = 0.15  # an answer sentence without its citation
-    p_distractor: float = 0.30  # when a distractor snippet is retrieved, its value is copied
-    p_no_negative: float = 0.30  # the plan's rubrics omit the negative constraint
-    p_tool_fail: float = 0.05  # the teacher's tool call fails (an error output); it retries
-    p_defect: float = 0.02  # per kind: truncated answer, invalid call, missing review block
-    p_memory: float = 0.30  # share of prompts with retrieved memory items
+    p_skip: float = 0.15
+    """an asked fact is never searched nor answered"""
+    p_vague: float = 0.10
+    """a query without the entity name"""
+    p_uncited: float = 0.15
+    """an answer sentence without its citation"""
+    p_distractor: float = 0.30
+    """when a distractor snippet is retrieved, its value is copied"""
+    p_no_negative: float = 0.30
+    """the plan's rubrics omit the negative constraint"""
+    p_tool_fail: float = 0.05
+    """the teacher's tool call fails (an error output); it retries"""
+    p_defect: float = 0.02
+    """per kind: truncated answer, invalid call, missing review block"""
+    p_memory: float = 0.30
+    """share of prompts with retrieved memory items"""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -322,15 +330,24 @@ def encode_examples(tok, examples: Sequence[tuple[list, Sequence[Segment]]]):
 class SFTConfig:
     """SFT hyperparameters (toy values are ours, sized for ~4 min on 2 cores)."""
 
-    n_trajectories: int = 8000  # teacher trajectories kept after the SFT filters
-    n_reflections: int = 1200  # reflection examples (the reflection meta-policy's warm start)
-    steps: int = 1000  # optimizer steps
-    batch_size: int = 16  # sequences per optimizer step
-    lr: float = 2e-3  # peak learning rate (linear warm-up, then cosine to 10 %)
-    warmup: int = 30  # warm-up steps
-    weight_decay: float = 0.1  # AdamW weight decay
-    grad_clip: float = 1.0  # max global gradient norm
-    seed: int = 0  # seed of the teacher data, the tokenizer and the model initialisation
+    n_trajectories: int = 8000
+    """teacher trajectories kept after the SFT filters"""
+    n_reflections: int = 1200
+    """reflection examples (the reflection meta-policy's warm start)"""
+    steps: int = 1000
+    """optimizer steps"""
+    batch_size: int = 16
+    """sequences per optimizer step"""
+    lr: float = 2e-3
+    """peak learning rate (linear warm-up, then cosine to 10 %)"""
+    warmup: int = 30
+    """warm-up steps"""
+    weight_decay: float = 0.1
+    """AdamW weight decay"""
+    grad_clip: float = 1.0
+    """max global gradient norm"""
+    seed: int = 0
+    """seed of the teacher data, the tokenizer and the model initialisation"""
 
 
 def build_sft_data(world: World, tool, tok_system: str, cfg: SFTConfig, tcfg: TeacherConfig,

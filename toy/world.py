@@ -114,14 +114,22 @@ class WorldConfig:
     """Size and difficulty of the toy world. Defaults follow ../notes measurements (>= 1000 train
     entities make name copying learnable); all values are ours, the paper has no toy world."""
 
-    seed: int = 0  # seed of the generated world (names, facts, documents, questions)
-    n_train_entities: int = 1000  # entities whose questions train the policy
-    n_heldout_entities: int = 120  # entities kept for the held-out evaluation (disjoint)
-    p_missing: float = 0.10  # (entity, aspect) pairs with no document at all
-    p_outdated: float = 0.15  # pairs with an extra "old record" carrying a wrong value
-    p_lookalike: float = 0.30  # entities with a look-alike entity that has its own documents
-    p_compare: float = 0.20  # share of comparison questions
-    questions_per_entity: int = 3  # research questions generated per entity
+    seed: int = 0
+    """seed of the generated world (names, facts, documents, questions)"""
+    n_train_entities: int = 1000
+    """entities whose questions train the policy"""
+    n_heldout_entities: int = 120
+    """entities kept for the held-out evaluation (disjoint)"""
+    p_missing: float = 0.10
+    """(entity, aspect) pairs with no document at all"""
+    p_outdated: float = 0.15
+    """pairs with an extra "old record" carrying a wrong value"""
+    p_lookalike: float = 0.30
+    """entities with a look-alike entity that has its own documents"""
+    p_compare: float = 0.20
+    """share of comparison questions"""
+    questions_per_entity: int = 3
+    """research questions generated per entity"""
 
 
 @dataclass
