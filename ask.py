@@ -98,7 +98,8 @@ def ask(model_dir: str, question: str | None = None, samples: int = 1, temperatu
     model.eval()
     sampler = build.build_sampler(cfg, model, tok)
     engine = RolloutEngine(sampler, tok, {tool.name: tool}, cfg.rollout.max_response_tokens,
-                           cfg.rollout.max_tool_calls, system_prompt, temp)
+                           cfg.rollout.max_tool_calls, system_prompt, temp,
+                           scaffold=cfg.rollout.scaffold)  # the run's scaffold (parser)
     torch.manual_seed(seed)
     rollouts = engine.run([q], n=samples, bank_items=[items])
     return {"question": q.query, "system": system_prompt, "system_source": source,

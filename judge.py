@@ -161,6 +161,8 @@ class EvolvingJudge:
     """
 
     caps: tuple[int, ...] = BUFFER_CAPS
+    stages: tuple[int, ...] = tuple(range(len(STAGES)))  # the stages this judge grades; the others'
+    # cells of R are NaN, not applicable (the toy judge on the unstructured scaffold: Answer only)
     concurrent_groups: bool = False  # judge_all may judge different queries' groups in threads
     # (a backend whose calls wait on the network sets it; the toy judge computes, so it stays False)
 
@@ -214,7 +216,8 @@ class EvolvingJudge:
         stats = {"proposed": sum(len(f) for f in fresh), "pruned": self._prune_step(buf, merged, step)}
         self.count("proposed", stats["proposed"])
         self.count("pruned", stats["pruned"])
-        stats["missing"] = int(np.isnan(R).sum())
+        # missing = judge failures in the stages this judge grades (not the not-applicable ones)
+        stats["missing"] = int(np.isnan(R[:, list(self.stages)]).sum())
         stats["buffer_sizes"] = [len(b) for b in buf]
         return JudgeResult(R, just, active, stats)
 

@@ -116,6 +116,9 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
     cfg = settings.config_from_dict(json.load(open(cfg_path)))
     if cfg.judge.backend != "toy":
         raise ValueError("memory_reuse scores with the toy judge's static rubrics: it needs a toy run")
+    if cfg.rollout.scaffold != "structured":
+        raise ValueError(f"memory_reuse needs the structured scaffold (reflections, <memory> prompts); "
+                         f"{run_dir} used rollout.scaffold = {cfg.rollout.scaffold!r}")
     n_q = cfg.eval.n_questions if n_questions is None else n_questions
     n_s = cfg.eval.samples if samples is None else samples
     if threads is not None:

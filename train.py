@@ -438,7 +438,7 @@ def step_metrics(run: Run, out: StepOut, before: dict) -> dict:
         m[f"adv/{s}"] = float(np.mean(vals)) if vals else 0.0
         m[f"adv_abs/{s}"] = float(np.mean(np.abs(vals))) if vals else 0.0
         m[f"judge/buffer_{s}"] = float(np.mean([res.stats["buffer_sizes"][k] for res in results]))
-    m["judge/missing"] = int(np.isnan(R).sum())
+    m["judge/missing"] = int(sum(res.stats["missing"] for res in results))
     m["judge/proposed"] = int(sum(res.stats["proposed"] for res in results))
     m["judge/pruned"] = int(sum(res.stats["pruned"] for res in results))
     http = run.judge.stats() if before["http"] is not None else None
@@ -672,7 +672,8 @@ def checked_judge_result(res: Any, n: int, step: int = 0, query: str = "") -> tu
     """A group's judge result as the loop may use it, and whether it had to be replaced.
 
     The loop reads R (n, 4) float64 stage scores in [0,1] or NaN (§3.4), justifications[i][k] for
-    i < n, k < 4, rubrics[k] for k < 4 and stats["proposed"], ["pruned"], ["buffer_sizes"] (4 ints).
+    i < n, k < 4, rubrics[k] for k < 4 and stats["proposed"], ["pruned"], ["missing"],
+    ["buffer_sizes"] (4 ints).
     A result with any of these missing or wrong-shaped (e.g. R of shape (1, 4) for n = 2, which
     numpy would broadcast to every rollout, or the wrong stage count) is not trained on: it becomes
     a result with every cell missing (NaN; SS-GRPO gives those cells advantage 0, ss_grpo.py
@@ -689,8 +690,9 @@ def checked_judge_result(res: Any, n: int, step: int = 0, query: str = "") -> tu
             why = f"justifications are not {n} x {K}"
         elif len(res.rubrics) != K:
             why = f"rubrics are not {K} lists, one per stage"
-        elif len(st["buffer_sizes"]) != K or not all(np.isscalar(st[k]) for k in ("proposed", "pruned")):
-            why = "stats lack proposed / pruned / buffer_sizes"
+        elif len(st["buffer_sizes"]) != K or not all(np.isscalar(st[k])
+                                                       for k in ("proposed", "pruned", "missing")):
+            why = "stats lack proposed / pruned / missing / buffer_sizes"
         else:
             return res, False
     except Exception as e:  # not even readable: no R, a ragged array, stats that are not a dict, ...
@@ -836,7 +838,10 @@ def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
             raise ValueError(f"--faults expects JUDGE_RATE[,TOOL_RATE], got {a.faults!r}")
         cfg.faults.judge_rate = rates[0]
         cfg.faults.tool_rate = rates[1] if len(rates) > 1 else 0.0
-    return apply_overrides(cfg, a.set), a.resume
+    cfg = apply_overrides(cfg, a.set)
+    if cfg.rollout.scaffold != "structured" and not a.run_dir and not a.resume:
+        cfg.run_dir += f"-{cfg.rollout.scaffold}"  # its own run, beside the structured one
+    return cfg, a.resume
 
 
 class _ListConfig(argparse.Action):

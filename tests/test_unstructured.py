@@ -272,3 +272,14 @@ def test_unstructured_two_step_toy_run_writes_an_answer_score_fig6(tmp_path, toy
     rows = [json.loads(line) for line in open(rd / "metrics.jsonl")]
     assert len(rows) == 2 and all(r["score/plan"] is None and r["reward/plan"] is None for r in rows)
     assert all(r["score/answer"] is not None for r in rows)
+    # judge/missing counts judge failures only, not the three not-applicable cells per rollout
+    assert all(r["judge/missing"] == 0 for r in rows)
+
+
+def test_unstructured_run_gets_its_own_default_run_dir_fig6():
+    cfg = train.parse_args(["--toy", "--arm", "baseline_rl", "--set", 'rollout.scaffold="unstructured"'])
+    assert cfg.run_dir == "runs/toy-baseline_rl-unstructured"
+    assert train.parse_args(["--toy", "--arm", "baseline_rl"]).run_dir == "runs/toy-baseline_rl"
+    explicit = train.parse_args(["--toy", "--arm", "baseline_rl", "--run-dir", "x", "--set",
+                                 'rollout.scaffold="unstructured"'])
+    assert explicit.run_dir == "x"

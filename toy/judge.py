@@ -19,8 +19,9 @@ The unstructured scaffold (the scaffold ablation, Fig. 6a-c; `ToyJudge(..., scaf
 has no plan, research notes or review to grade: its pool holds the Answer stage's checks only, so
 its Answer score is computed from the same answer rubrics (the data row's initial rubrics plus the
 proposed answer checks) as the structured scaffold's, and its Plan, Research and Review cells are
-NaN (not applicable: no rubric scores them) in R and in `evaluate`. Training counts these NaN cells
-in judge/missing (3 per rollout); they never reach the advantage, which is the terminal Answer score.
+NaN (not applicable: no rubric scores them) in R and in `evaluate`. judge/missing counts only
+failures of the graded stages (`stages`); the not-applicable cells never reach the advantage,
+which is the terminal Answer score.
 
 Deviations from the paper
 1. Toy rubric proposal picks from a finite pool of checks derived from ground truth, ranked by d_r;
