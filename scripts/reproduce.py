@@ -323,7 +323,7 @@ def readme_markdown(seeds, summ, data, out: str) -> str:
             "may have shared the cores): the SFT warm start takes "
             f"{_fmt_s(sft_s)} (teacher data and SFT, measured once, then cached in `.cache/rubricem`); "
             "a run with the warm start cached takes "
-            + (f"{_fmt_s(min(cacheds))}-{_fmt_s(max(cacheds))}" if cacheds else "(not measured)")
+            + (f"{min(cacheds) / 60:.1f}-{_fmt_s(max(cacheds))}" if cacheds else "(not measured)")
             + (f", cold {_fmt_s(max(colds))}" if colds else "")
             + (f"; peak memory {_fmt_mb(max(rss))}" if rss else "") + ". "
             f"The run ends with a summary like this (seed {seeds[0]}; `[lo, hi]` is a 95 % bootstrap "
