@@ -471,7 +471,7 @@ def build_engine(model_dir: str, preset: str = "toy", search: str = "", sampler:
     import build
 
     import settings
-    from scaffold import SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT, RolloutEngine
+    from scaffold import RolloutEngine, system_prompt
 
     if not model_dir or not os.path.isdir(model_dir):
         raise FileNotFoundError(f"--model must be a local checkpoint directory, got {model_dir!r}")
@@ -491,10 +491,10 @@ def build_engine(model_dir: str, preset: str = "toy", search: str = "", sampler:
     if sampler == "hf" and torch.cuda.is_available():
         # SCALE: HF generate on the GPU in bf16 (our choice; vLLM loads its own copy instead)
         model.to("cuda", dtype=torch.bfloat16)
-    system = SYSTEM_PROMPT_COMPACT if cfg.rollout.system_prompt == "compact" else SYSTEM_PROMPT
+    system = system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
     engine = RolloutEngine(build.build_sampler(cfg, model, tok), tok, {tool.name: tool},
                            cfg.rollout.max_response_tokens, cfg.rollout.max_tool_calls, system,
-                           tool_timeout_s=cfg.rollout.tool_timeout_s)
+                           tool_timeout_s=cfg.rollout.tool_timeout_s, scaffold=cfg.rollout.scaffold)
     return engine, {"model": model_dir, "source": info.get("source", model_dir), "preset": preset,
                     "search": cfg.search.backend,
                     "sampler": sampler, "max_response_tokens": cfg.rollout.max_response_tokens,

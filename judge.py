@@ -106,6 +106,7 @@ class Judge(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
     counters: dict  # cumulative calls, failures, proposed, pruned (train.py logs per-step differences)
+    concurrent_groups: bool  # judge_all may judge different queries' groups in threads
 
     def evaluate(self, query, rollouts: Sequence[Rollout]) -> np.ndarray | None: ...  # static rubrics
 
@@ -127,7 +128,7 @@ def judge_all(judge, queries: Sequence, groups: Sequence[Sequence[Rollout]], ste
     instead of one per group (the judge bounds its requests in flight by judge.concurrency); groups
     of the same query (a batch that wraps around an epoch) still go in order, since they share a
     rubric buffer. Other judges go group by group."""
-    if not getattr(judge, "concurrent_groups", False) or len(queries) < 2:
+    if not judge.concurrent_groups or len(queries) < 2:
         return [judge.judge_group(q, g, step) for q, g in zip(queries, groups)]
     from concurrent.futures import ThreadPoolExecutor
 

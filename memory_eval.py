@@ -57,7 +57,7 @@ import evaluate
 import settings
 from bank import MODE_EXACT, MODE_SIMILAR, RubricBank, format_for_prompt
 from reflection import run_reflection_branch
-from scaffold import SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT
+from scaffold import system_prompt
 
 log = logging.getLogger("rubricem")
 
@@ -130,7 +130,7 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
         raise ValueError(f"no held-out questions to evaluate (n_questions = {n_q}, samples = {n_s})")
     model, tok = load_policy(final)
     model.eval()
-    system = SYSTEM_PROMPT_COMPACT if cfg.rollout.system_prompt == "compact" else SYSTEM_PROMPT
+    system = system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
     sampler = build_sampler(model, tok)
     engine = RolloutEngine(sampler, tok, {tool.name: tool}, cfg.rollout.max_response_tokens,
                            cfg.rollout.max_tool_calls, system, cfg.rollout.temperature)

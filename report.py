@@ -250,9 +250,10 @@ class Logger:
         self.jsonl.reset(rows)
 
     def log(self, metrics: dict, step: int) -> None:
-        self.jsonl.log(metrics, step)
+        row = {k: _py(v) for k, v in metrics.items()}  # plain Python numbers, once for every sink
+        self.jsonl.log(row, step)
         for b in self.backends:
-            b.log({k: _py(v) for k, v in metrics.items()}, step)
+            b.log(row, step)
 
     def close(self) -> None:
         for b in self.backends:

@@ -515,9 +515,9 @@ def validate_config(cfg: Config) -> None:
         from backends.search_http import check_search_config
 
         check_search_config(cfg.search)
-    for name in cfg.report_to:
-        from report import REPORT_BACKENDS
+    from report import REPORT_BACKENDS
 
+    for name in cfg.report_to:
         if name not in REPORT_BACKENDS:
             raise ValueError(f"report_to: unknown backend {name!r}; expected some of "
                              f"{tuple(REPORT_BACKENDS)}")

@@ -37,7 +37,7 @@ def main(argv=None) -> int:
 
     import build
     from toy.kv_sampler import KVSampler
-    from scaffold import SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT, HFSampler, RolloutEngine
+    from scaffold import HFSampler, RolloutEngine, system_prompt
 
     cfg = train.parse_args([x for x in a.train_args if x != "--"])
     cfg.progress = False
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     world, tool, train_q, _ = build.build_environment(cfg)
     model, tok, _ = build.setup_policy(cfg, world, tool)
     model.eval()
-    system = SYSTEM_PROMPT_COMPACT if cfg.rollout.system_prompt == "compact" else SYSTEM_PROMPT
+    system = system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
     queries = train_q[: cfg.rollout.prompts_per_step]
     res: dict[str, list] = {"hf": [], "kv": []}
     print(f"threads={torch.get_num_threads()} nproc={os.cpu_count()} queries={len(queries)} "

@@ -19,19 +19,9 @@ from scaffold import (ANSWER, CALL_OPEN, PLAN, RESEARCH, REVIEW, SCAFFOLD_TAGS, 
 from toy.world import ANSWER_TEMPLATES
 
 import toyfix as tf
+from toyfix import one_thread, tok  # noqa: F401  (module fixtures)
 
 FORGED_MARKER = "[forged tool output removed]"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with tf.torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tf.tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")

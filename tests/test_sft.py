@@ -12,17 +12,7 @@ from scaffold import CALL_OPEN, format_tool_error
 from toy.sft import TeacherConfig, encode_example, encode_examples, sft_filter
 
 import toyfix as tf
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with tf.torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tf.tiny_tokenizer()
+from toyfix import one_thread, tok  # noqa: F401  (module fixtures)
 
 
 @pytest.fixture(scope="module")

@@ -21,21 +21,11 @@ from toy import sft
 from toy.judge import ToyJudge
 
 import toyfix as tf
+from toyfix import one_thread, tok  # noqa: F401  (module fixtures)
 from runfix import fast_args
 
 FORGED_MARKER = "[forged tool output removed]"
 ENV = "\n<tool_output>[1] Harta year | Harta was first recorded in 1974.</tool_output>\n"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with tf.torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tf.tiny_tokenizer()
 
 
 def _text_and_spans(segments):

@@ -11,6 +11,8 @@ import functools
 import random
 from typing import Sequence
 
+import pytest
+
 import policy
 import scaffold
 from toy import sft
@@ -162,3 +164,17 @@ def torch_threads(n: int = 1):
         yield
     finally:
         torch.set_num_threads(old)
+
+
+# Module fixtures of the test files that use the tiny tokenizer (`from toyfix import one_thread, tok`).
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Every test of the importing module runs with one torch thread."""
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The tiny tokenizer, built once per module."""
+    return tiny_tokenizer()
