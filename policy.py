@@ -16,10 +16,22 @@ Functions
   in chunks of the sequence so the (tokens x vocab) fp32 logits are never materialised at once.
 - `disable_dropout(model)`: every dropout probability to 0, so the old (eval-mode) and new
   (train-mode) log-probs of the SS-GRPO update come from the same function.
+- `plan_update` / `policy_update` (§3.3): the SS-GRPO update of one batch, written once for every
+  policy engine (the `PolicyEngine` protocol: one process here, `TorchEngine`; ZeRO-3 ranks in
+  backends/full.py). Old log-probs log pi_theta_old are fixed before the first optimizer step, then
+  per optimizer step
+      L = agg(-min(rho A, clip(rho, 1 - eta, 1 + eta) A)) + beta * agg(k3),
+      rho = exp(log pi_theta - log pi_theta_old),   k3 = exp(log pi_ref - log pi_theta) - (log pi_ref - log pi_theta) - 1
+  with the optimizer step's global normalisers (ss_grpo.ss_grpo_loss, ss_grpo.aggregate).
 
 Deviations from the paper
 1. Toy mode trains a tiny model from scratch (SFT warm start, toy/sft.py) instead of starting from a
    pretrained Qwen3-8B: nothing may be downloaded here.
+2. A batch may take several optimizer steps (`minibatches`, PPO-style; train.py deviation 2); with
+   one step, pi_theta_old = pi_theta and log pi_theta_old is the loss forward's own detached output
+   (rho = 1 exactly) instead of a second forward.
+3. Not in the paper: a minibatch without a loss-masked token is skipped, and an optimizer step whose
+   gradient norm is not finite is not applied (both counted in the metrics).
 """
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """What train.py prints for a person reading the run: the progress-bar legend, the SFT filter counts,
-the held-out results with 95 % confidence intervals, and the list of artefacts in the run dir.
+the held-out results with 95 % confidence intervals, and the list of artefacts in the run dir; and
+where its metrics go: `Logger` (metrics.jsonl always, TensorBoard / W&B when asked for) and the
+reward-curve figure.
 
 Not part of the paper's method. The confidence intervals are percentile bootstrap intervals over
 held-out questions (the unit that is sampled; each question's samples are averaged first), and the
