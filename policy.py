@@ -21,7 +21,8 @@ Functions
   backends/full.py). Old log-probs log pi_theta_old are fixed before the first optimizer step, then
   per optimizer step
       L = agg(-min(rho A, clip(rho, 1 - eta, 1 + eta) A)) + beta * agg(k3),
-      rho = exp(log pi_theta - log pi_theta_old),   k3 = exp(log pi_ref - log pi_theta) - (log pi_ref - log pi_theta) - 1
+      rho = exp(log pi_theta - log pi_theta_old),
+      k3 = exp(d) - d - 1,  d = log pi_ref - log pi_theta
   with the optimizer step's global normalisers (ss_grpo.ss_grpo_loss, ss_grpo.aggregate).
 
 Deviations from the paper
