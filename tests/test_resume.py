@@ -7,9 +7,9 @@ on load, pruned to `keep`; configuration errors name the field. The full 10-tria
 scripts/kill_resume_trials.py."""
 import contextlib
 import os
+import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -92,29 +92,41 @@ def test_stop_after_n_then_resume_equals_uninterrupted_2n_run_alg1(tmp_path, toy
         ckpt_mod.verify_checkpoint(p)
 
 
+# python -c KILL_MID_STEP STEP ARGS...: train.py ARGS, SIGKILLed by itself right after the judge
+# call of step STEP (0-based).
+KILL_MID_STEP = """
+import os, signal, sys
+import train
+kill_step, judge_groups = int(sys.argv[1]), train.judge_groups
+def judge_then_die(run, queries, rollouts, step, m):
+    out = judge_groups(run, queries, rollouts, step, m)
+    if step == kill_step:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return out
+train.judge_groups = judge_then_die
+sys.exit(train.main(sys.argv[2:]))
+"""
+KILL_STEP = 2
+
+
 @pytest.mark.slow
 def test_sigkill_mid_step_then_resume_equals_uninterrupted_run_under_faults_alg1(tmp_path, toy_cache,
                                                                                  references):
-    from kill_resume_trials import check_disk, compare, train_cmd
+    from kill_resume_trials import check_disk, compare
 
     ref_dir, ref = references(*FAULTS)
     assert sum(r["judge/retries"] for r in ref["metrics"]) > 0
     d = tmp_path / "run"
-    first = d / "checkpoints" / "step-000001"
-    proc = subprocess.Popen(train_cmd(fast_args(d, toy_cache, STEPS, *FAULTS)), cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        t_end = time.time() + 120
-        while not first.exists() and proc.poll() is None and time.time() < t_end:
-            time.sleep(0.05)
-        assert first.exists(), "the run wrote no checkpoint"
-        time.sleep(0.4)  # somewhere inside the next step (a step takes about a second)
-    finally:
-        proc.kill()
-        proc.wait()
+    # The run SIGKILLs itself in the middle of step index 2: after the judge has scored the groups
+    # (rubric buffers, judge RNG and the fault schedule have moved on), before the update and the
+    # checkpoint. A kill placed by the wall clock instead misses the step on a fast machine.
+    proc = subprocess.run([sys.executable, "-c", KILL_MID_STEP, str(KILL_STEP),
+                           *fast_args(d, toy_cache, STEPS, *FAULTS)], cwd=ROOT,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+    assert proc.returncode == -signal.SIGKILL
     assert check_disk(str(d)) == []
-    latest = ckpt_mod.find_latest(str(d))
-    assert latest is not None and ckpt_mod.list_checkpoints(d)[-1][0] < STEPS
+    assert [s for s, _ in ckpt_mod.list_checkpoints(d)] == [1, 2]  # steps 0, 1 done; 2 was not
+    assert len(metric_rows(d)) == KILL_STEP
     assert train.main(fast_args(d, toy_cache, STEPS, *FAULTS, "--resume", "latest")) == 0
     assert compare(ref, run_fingerprint(d)) == []
 
