@@ -467,10 +467,15 @@ def build_engine(model_dir: str, preset: str = "toy", search: str = "", sampler:
     """(RolloutEngine, info) for a checkpoint directory, built with train.py's public builders
     (build_environment for the search tool, setup_policy, build_sampler). preset "toy" (compact
     system prompt, BM25 over the toy world) or "full" (full prompt, Serper, PAPER response budget);
-    search "" keeps the preset's tool ("toy" | "serper"). The toy path runs offline on CPU."""
+    search "" keeps the preset's tool ("toy" | "serper"). The toy path runs offline on CPU.
+    The scaffold (structured or unstructured, with its parser) and the system prompt are the ones the
+    checkpoint was trained under, read from its run card (runcard.read_run_card); a directory without
+    one gets the structured scaffold and the preset's prompt. Raises FileNotFoundError (no such
+    directory), ValueError (an unreadable run card)."""
     import build
 
     import settings
+    from runcard import read_run_card
     from scaffold import RolloutEngine, system_prompt
 
     if not model_dir or not os.path.isdir(model_dir):
@@ -485,13 +490,17 @@ def build_engine(model_dir: str, preset: str = "toy", search: str = "", sampler:
         cfg.rollout.max_response_tokens = max_response_tokens
     if max_tool_calls:
         cfg.rollout.max_tool_calls = max_tool_calls
+    card, _ = read_run_card(model_dir)
+    trained = (card or {}).get("config", {}).get("rollout", {})
+    cfg.rollout.scaffold = trained.get("scaffold", cfg.rollout.scaffold)
     world, tool, _, _ = build.build_environment(cfg)
     model, tok, info = build.setup_policy(cfg, world, tool)
     model.eval()
     if sampler == "hf" and torch.cuda.is_available():
         # SCALE: HF generate on the GPU in bf16 (our choice; vLLM loads its own copy instead)
         model.to("cuda", dtype=torch.bfloat16)
-    system = system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
+    system = (card or {}).get("system_prompt") or system_prompt(cfg.rollout.scaffold,
+                                                               cfg.rollout.system_prompt)
     engine = RolloutEngine(build.build_sampler(cfg, model, tok), tok, {tool.name: tool},
                            cfg.rollout.max_response_tokens, cfg.rollout.max_tool_calls, system,
                            tool_timeout_s=cfg.rollout.tool_timeout_s, scaffold=cfg.rollout.scaffold)
@@ -499,7 +508,7 @@ def build_engine(model_dir: str, preset: str = "toy", search: str = "", sampler:
                     "search": cfg.search.backend,
                     "sampler": sampler, "max_response_tokens": cfg.rollout.max_response_tokens,
                     "max_tool_calls": cfg.rollout.max_tool_calls,
-                    "system_prompt": cfg.rollout.system_prompt}
+                    "system_prompt": system, "scaffold": cfg.rollout.scaffold}
 
 
 # ----------------------------------------------------------------------------------------------------

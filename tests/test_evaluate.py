@@ -6,6 +6,7 @@ No request leaves 127.0.0.1; nothing is downloaded.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -547,6 +548,30 @@ def test_cli_checkpoint_path_offline_with_toy_search(tmp_path, key):
     assert [g["id"] for g in gen] == ["s1", "s2"]
     md = (tmp_path / "out" / "report.md").read_text()
     assert md.startswith("# researchrubrics: 80.0") and "Paper (RubricEM-8B): 50.3" in md
+
+
+def test_build_engine_uses_the_scaffold_and_prompt_of_the_checkpoints_run_card(tmp_path):
+    import policy
+    import runcard
+    import settings
+    import toyfix
+    from scaffold import SYSTEM_PROMPT_COMPACT
+
+    tok = toyfix.tiny_tokenizer()
+    model = policy.build_tiny_qwen3(tok, "XS", seed=0)
+    plain, trained = tmp_path / "plain", tmp_path / "unstructured"
+    for d in (plain, trained):
+        model.save_pretrained(d)
+        tok.save_pretrained(d)
+    cfg = settings.toy_preset()
+    cfg.rollout.scaffold = "unstructured"
+    runcard.save_with_run_card(str(trained), tok, dataclasses.asdict(cfg), "Think, search, answer.")
+    engine, info = ev.build_engine(str(trained), "toy", cache_dir=str(tmp_path / "cache"))
+    assert engine.scaffold == "unstructured" and info["scaffold"] == "unstructured"
+    assert engine.system_prompt == info["system_prompt"] == "Think, search, answer."
+    # no run card: the structured scaffold and the preset's prompt
+    engine, info = ev.build_engine(str(plain), "toy", cache_dir=str(tmp_path / "cache"))
+    assert engine.scaffold == "structured" and engine.system_prompt == SYSTEM_PROMPT_COMPACT
 
 
 def test_cli_help_documents_every_benchmark(capsys):
