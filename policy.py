@@ -181,6 +181,9 @@ def _chunk_logprobs(head, h: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
     return lp.gather(-1, nxt[..., None]).squeeze(-1)
 
 
+RECOMPUTE_ABOVE_BYTES = 256 * 2**20  # token_logprobs: keep a smaller log-softmax for the backward
+
+
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    chunk_size: int = 1024, recompute: bool | None = None) -> torch.Tensor:
     """log pi_theta(x_{t+1} | x_{<=t}) for every position, memory-bounded.
@@ -193,10 +196,12 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     log-probs).
 
     recompute: with gradient, autograd would keep every chunk's (B, c, V) log-softmax for the
-    backward, i.e. the full B * L * V again; recompute=True (the default whenever gradients are
-    recorded) keeps only each chunk's inputs and recomputes its projection in the backward
-    (torch.utils.checkpoint), for one extra vocabulary projection per chunk.
-    benchmarks/logprob_memory.py measures both.
+    backward, i.e. the full B * L * V again; recompute=True keeps only each chunk's inputs and
+    recomputes its projection in the backward (torch.utils.checkpoint), for one extra vocabulary
+    projection per chunk (about 10 % of a toy update). None (the default): recompute when gradients
+    are recorded and the kept log-softmax would exceed RECOMPUTE_ABOVE_BYTES (256 MiB; always at
+    the paper's scale, never for a toy micro-batch). The values are the same either way.
+    benchmarks/logprob_memory.py measures the memory of both.
     """
     from torch.utils.checkpoint import checkpoint
 
@@ -208,7 +213,9 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                   position_ids=position_ids).last_hidden_state  # (B, L, H)
     head = model.get_output_embeddings()
     if recompute is None:
-        recompute = torch.is_grad_enabled() and hidden.requires_grad
+        kept_bytes = B * (L - 1) * head.weight.shape[0] * 4  # float32 (B, L - 1, V) log-softmax
+        recompute = (torch.is_grad_enabled() and hidden.requires_grad
+                     and kept_bytes > RECOMPUTE_ABOVE_BYTES)
     pieces = [torch.zeros(B, 1, dtype=torch.float32, device=input_ids.device)]
     for s in range(0, L - 1, chunk_size):
         e = min(s + chunk_size, L - 1)

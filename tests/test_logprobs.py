@@ -104,10 +104,13 @@ def _saved_numel(fn) -> int:
     return total[0]
 
 
-def test_recompute_saves_no_tokens_by_vocab_tensor_for_the_backward(model):
+def test_recompute_saves_no_tokens_by_vocab_tensor_for_the_backward(model, monkeypatch):
     ids, att = batch([40, 40], left=False, seed=4)
     B, L = ids.shape
     keep = _saved_numel(lambda: policy.token_logprobs(model, ids, att, 8, recompute=False))
+    # the default keeps a log-softmax under RECOMPUTE_ABOVE_BYTES (this one is 2 * 39 * V floats)
+    assert _saved_numel(lambda: policy.token_logprobs(model, ids, att, 8)) == keep
+    monkeypatch.setattr(policy, "RECOMPUTE_ABOVE_BYTES", B * (L - 1) * V * 4 - 1)
     auto = _saved_numel(lambda: policy.token_logprobs(model, ids, att, 8))  # grad on: recompute
     # Without recomputation the log-softmax of every chunk is kept: >= B * (L - 1) * V elements.
     assert keep >= B * (L - 1) * V
