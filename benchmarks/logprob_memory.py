@@ -10,8 +10,8 @@ Variants (each in a fresh subprocess, so every peak is its own)
     naive            model(...).logits -> log_softmax over (B, L, V) -> gather
     chunked          policy.token_logprobs(model, ids, att, chunk, recompute=False): chunks, but
                      with gradient autograd keeps every chunk's log-softmax for the backward
-    chunked_recompute  policy.token_logprobs(model, ids, att, chunk), the training default: with
-                     gradient each chunk is wrapped in torch.utils.checkpoint and the backward
+    chunked_recompute  policy.token_logprobs(model, ids, att, chunk, recompute=True), the training
+                     default whenever the kept log-softmax would exceed 256 MiB: with gradient each chunk is wrapped in torch.utils.checkpoint and the backward
                      recomputes its logits (without gradient it equals "chunked")
 each with mode "nograd" (old / reference log-probs) and "grad" (forward + backward of the
 SS-GRPO-like sum_t w_t log pi_t). Memory: CPU = peak RSS (getrusage ru_maxrss) minus the RSS after
@@ -74,7 +74,7 @@ def worker(a) -> None:
     w = torch.randn(a.batch, a.seq_len, generator=g).to(a.device)  # advantage-like token weights
     fn = {"naive": lambda: naive_logprobs(model, ids, att),
           "chunked": lambda: token_logprobs(model, ids, att, a.chunk, recompute=False),
-          "chunked_recompute": lambda: token_logprobs(model, ids, att, a.chunk)}[a.variant]
+          "chunked_recompute": lambda: token_logprobs(model, ids, att, a.chunk, recompute=True)}[a.variant]
     cuda = a.device.startswith("cuda")
     if cuda:
         torch.cuda.synchronize()
