@@ -749,3 +749,37 @@ def test_s34_judge_all_is_sequential_for_a_judge_without_concurrent_groups():
     j = _RecordingJudge(concurrent=False, parties=1)
     judge_all(j, qs, [[i] for i in range(3)], 0)
     assert [e[0] for e in j.events] == ["start", "end"] * 3
+
+
+def test_fact_outcomes_name_what_became_of_each_asked_fact(world):
+    from toy.judge import FACT_OUTCOMES
+    from toy.world import ANSWER_TEMPLATES
+
+    q = _query_with(lambda q: sum(f["doc_id"] is not None for f in q.facts) >= 2)
+    f, g = [f for f in q.facts if f["doc_id"] is not None][:2]
+    judge, plan = ToyJudge(world), _teacher_plan(q)
+    say = lambda f, v, cite="": ANSWER_TEMPLATES[f["aspect"]].format(name=f["entity"], value=v) + cite + "."
+
+    def outcome(searches, answer):  # answer(handle) -> the answer's sentences
+        def write(handle):
+            return (["noted"] * len(searches), "<review><rubrics_review>r</rubrics_review><writing_plan>"
+                    "w</writing_plan></review>\n", "<answer>" + " ".join(answer(handle)) + "</answer>")
+        ro = _handmade(q, plan, searches, write)
+        out = judge.fact_outcomes(q, ro)
+        assert set(out) == {sft.fact_key(h) for h in q.facts} and set(out.values()) <= set(FACT_OUTCOMES)
+        return out[sft.fact_key(f)], out[sft.fact_key(g)]
+
+    both = [sft.fact_key(f), sft.fact_key(g)]
+    assert outcome(both, lambda h: [say(f, f["value"], f" [{h[f['doc_id']]}]"), say(g, g["value"])]) == \
+        ("stated, cited", "stated, uncited")
+    # searched (the documents came back) but not stated; nothing searched
+    assert outcome(both, lambda h: [])[0] == "not stated, document found"
+    assert outcome([], lambda h: []) == ("not stated, no search named it",) * 2
+    # two values for f; a value for g that no snippet gives
+    assert outcome(both, lambda h: [say(f, f["value"]), say(f, g["value"] + "x"), say(g, "zzz")]) == \
+        ("several values", "wrong value, in no snippet")
+
+    def copied_wrong(h):  # f stated with the value of another document this rollout retrieved
+        other = next(world.doc(d).value for d in h if world.doc(d).value != f["value"])
+        return [say(f, other)]
+    assert outcome(both, copied_wrong)[0] == "wrong value, in a retrieved snippet"

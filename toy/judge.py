@@ -149,6 +149,12 @@ _STAGE_WORDS = {PLAN: re.compile(r"\bplan\b", re.I),
                 RESEARCH: re.compile(r"\b(?:re)?search|\bquer(?:y|ies)\b", re.I),
                 REVIEW: re.compile(r"\breview\b", re.I),
                 ANSWER: re.compile(r"\banswer\b|\bclaims?\b", re.I)}
+FACT_OUTCOMES = ("stated, cited", "stated, uncited", "several values",
+                 "wrong value, in a retrieved snippet", "wrong value, in no snippet",
+                 "not stated, document found", "not stated, searched, document not returned",
+                 "not stated, no search named it",
+                 "unknown, said so", "unknown, stated a value", "unknown, not stated")
+
 _LESSONS = {
     "search": ("search every", "search each", "every asked", "each asked", "one search per",
                "full name"),
@@ -314,6 +320,42 @@ class ToyJudge(EvolvingJudge):
             return 0.0
         ctx = self._context(query, ro)  # parse evidence and claims once per rollout
         return float(np.mean([self._check(("ans_fact", k), ctx, by_key) >= 0.5 for k in by_key]))
+
+    def fact_outcomes(self, query, ro: Rollout) -> dict[str, str]:
+        """What became of each asked fact in rollout `ro` (a diagnosis, not a score; not in the
+        paper): {"Entity aspect": outcome}, outcome one of FACT_OUTCOMES. For a fact with a document:
+        "stated, cited" / "stated, uncited" (the `ans_fact` check gives 1 / 0.5); "several values";
+        "wrong value, in a retrieved snippet" (copied from a wrong document: an old record or a
+        look-alike); "wrong value, in no snippet" (mis-copied or made up); not stated (or said to be
+        unknown although a document gives it): "not stated, document found" (some call returned its true
+        document), "not stated, searched, document not returned" (a search named the entity and the
+        aspect, whole words: ToyJudge._searched), "not stated, no search named it" (none did: the
+        fact was skipped, or the name was mis-copied into the query).
+        For a fact no document gives: "unknown, said so" / "unknown, stated a value" / "unknown,
+        not stated". Never raises on a malformed rollout (its answer states nothing)."""
+        c = self._context(query, ro)
+        snippet_values = {d.value for d in c["docs"].values()}
+        out = {}
+        for key, f in c["facts"].items():
+            values = {cl["value"] for cl in self._claims_of(c, f)}
+            if f["doc_id"] is None:
+                out[key] = ("unknown, not stated" if not values else "unknown, said so"
+                            if values == {None} else "unknown, stated a value")
+            elif len(values) > 1:
+                out[key] = "several values"
+            elif not values or values == {None}:
+                if (f["entity"], f["aspect"]) in c["found"]:
+                    out[key] = "not stated, document found"
+                elif self._searched(c, f["entity"], f["aspect"]):
+                    out[key] = "not stated, searched, document not returned"
+                else:
+                    out[key] = "not stated, no search named it"
+            elif values == {f["value"]}:
+                out[key] = "stated, cited" if self._c_ans_fact(c, f) == 1.0 else "stated, uncited"
+            else:
+                out[key] = ("wrong value, in a retrieved snippet" if values & snippet_values
+                            else "wrong value, in no snippet")
+        return out
 
     def _check(self, check: tuple, c: dict, facts: dict) -> float:
         """Score in [0,1] of one check spec on one rollout's context; NaN for an unknown kind. A

@@ -1,0 +1,145 @@
+"""Where a toy run's held-out answer score is lost, before and after RL.
+
+RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
+Not a section of the paper: a diagnosis of the toy demonstration (docs/results.md). For each run
+directory it re-samples the run's own held-out evaluation (the same questions, samples, temperature
+and seed as train.py's `HeldOut`, so the rollouts are those behind eval.json) from the SFT start and
+from the final policy, and prints two tables:
+
+    1. the answer-stage score's loss by rubric kind: for each static Answer rubric, weight x (1 - score)
+       over the stage's total weight, averaged over rollouts; the kinds add up to 1 - answer score.
+       "fact" is the row's per-fact rubrics (ans_fact: 1 cited, 0.5 uncited, 0 otherwise),
+       "unsupported" the row's "no unsupported claims", the rest the judge's pool (ans:cited,
+       ans:nodistractor, ans:closed);
+    2. what became of each asked fact (toy.judge.ToyJudge.fact_outcomes), as shares of all asked facts.
+
+Launch (after a toy run; reuses its cached SFT warm start):
+    python scripts/answer_breakdown.py runs/reproduce/seed0 runs/reproduce/seed1 runs/reproduce/seed2
+
+With several run directories the tables give the mean over them. Exits 1 if a directory is not a
+finished toy run (config.json and final/ are needed).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+PHASES = ("SFT start", "after RL")
+
+
+def answer_loss(judge, q, rollouts) -> dict[str, float]:
+    """Mean over `rollouts` of each Answer-rubric kind's share of the answer-stage loss."""
+    from scaffold import ANSWER
+
+    rubrics = judge.pool(q) + judge.initial_rubrics(q)
+    S = np.nan_to_num(judge.score_rubrics(q, rollouts, rubrics))  # (n, R)
+    cols = [j for j, r in enumerate(rubrics) if r.stage == ANSWER]
+    total = sum(rubrics[j].weight for j in cols)
+    out: dict[str, float] = collections.defaultdict(float)
+    for j in cols:
+        r = rubrics[j]
+        kind = r.rid if r.rid.startswith("ans:") else (
+            "unsupported" if r.check and r.check[0] == "ans_supported" else "fact")
+        # share of the stage's loss: w_j (1 - s_j) / sum_j w_j, mean over rollouts
+        out[kind] += float(((1.0 - S[:, j]) * r.weight / total).mean())
+    return dict(out)
+
+
+def breakdown(run_dir: str) -> dict:
+    """{phase: {"answer": mean answer score, "loss": {kind: share}, "facts": {outcome: share},
+    "eval_json_answer": the run's own figure}} for one finished toy run."""
+    import build
+    import settings
+    from scaffold import HFSampler, RolloutEngine
+    from transformers import AutoModelForCausalLM
+
+    with open(os.path.join(run_dir, "config.json")) as fh:
+        cfg = settings.config_from_dict(json.load(fh))
+    with open(os.path.join(run_dir, "eval.json")) as fh:
+        ev = json.load(fh)
+    cfg.progress = False
+    torch.set_num_threads(cfg.threads)
+    world, tool, _, held_q = build.build_environment(cfg)[:4]
+    judge = build.build_judge(cfg, world)
+    sft_model, tok, _ = build.setup_policy(cfg, world, tool)
+    final = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "final"))
+    qs, n = held_q[: cfg.eval.n_questions], cfg.eval.samples
+    system = run_system(cfg)
+    out = {}
+    for phase, model, key in zip(PHASES, (sft_model, final), ("eval_sft", "eval_rl")):
+        model.eval()
+        eng = RolloutEngine(HFSampler(model, tok), tok, {tool.name: tool}, cfg.rollout.max_response_tokens,
+                            cfg.rollout.max_tool_calls, system, scaffold=cfg.rollout.scaffold)
+        torch.manual_seed(cfg.seed + 12345)  # train.HeldOut.evaluate's seed
+        ro = eng.run(list(qs), n=n, temperature=cfg.eval.temperature)
+        loss: dict[str, float] = collections.defaultdict(float)
+        facts: collections.Counter = collections.Counter()
+        for gi, q in enumerate(qs):
+            for k, v in answer_loss(judge, q, ro[gi * n:(gi + 1) * n]).items():
+                loss[k] += v / len(qs)
+            for r in ro[gi * n:(gi + 1) * n]:
+                facts.update(judge.fact_outcomes(q, r).values())
+        total = sum(facts.values())
+        out[phase] = {"answer": 1.0 - sum(loss.values()), "loss": dict(loss),
+                      "facts": {k: v / total for k, v in facts.items()},
+                      "eval_json_answer": ev.get(key, {}).get("answer")}
+    return out
+
+
+def run_system(cfg) -> str:
+    from scaffold import system_prompt
+
+    return system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
+
+
+def mean_over(results: list[dict], phase: str, part: str) -> dict[str, float]:
+    keys = sorted({k for r in results for k in r[phase][part]})
+    return {k: float(np.mean([r[phase][part].get(k, 0.0) for r in results])) for k in keys}
+
+
+def main(argv=None) -> int:
+    from toy.judge import FACT_OUTCOMES
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("run_dirs", nargs="+", help="finished toy run directories (config.json, final/)")
+    a = ap.parse_args(argv)
+    for d in a.run_dirs:
+        if not (os.path.isfile(os.path.join(d, "config.json")) and os.path.isdir(os.path.join(d, "final"))):
+            print(f"{d}: not a finished toy run (needs config.json and final/)", file=sys.stderr)
+            return 1
+    results = []
+    for d in a.run_dirs:
+        r = breakdown(d)
+        for phase in PHASES:
+            own = r[phase]["eval_json_answer"]
+            print(f"{d}: {phase}: answer {r[phase]['answer']:.3f} (the run's eval.json: "
+                  f"{'-' if own is None else f'{own:.3f}'})")
+        results.append(r)
+    print(f"\nAnswer-score loss by rubric kind (share of the answer stage; mean over {len(results)} run(s))\n")
+    print("| rubric kind | " + " | ".join(PHASES) + " |\n|---|---|---|")
+    loss = {p: mean_over(results, p, "loss") for p in PHASES}
+    kinds = sorted(set(loss[PHASES[0]]) | set(loss[PHASES[1]]), key=lambda k: -loss[PHASES[0]].get(k, 0))
+    for k in kinds:
+        print(f"| {k} | " + " | ".join(f"{loss[p].get(k, 0.0):.3f}" for p in PHASES) + " |")
+    print("| answer score (1 - sum) | " + " | ".join(
+        f"{np.mean([r[p]['answer'] for r in results]):.3f}" for p in PHASES) + " |")
+    print(f"\nWhat became of each asked fact (share of asked facts; mean over {len(results)} run(s))\n")
+    print("| outcome | " + " | ".join(PHASES) + " |\n|---|---|---|")
+    facts = {p: mean_over(results, p, "facts") for p in PHASES}
+    for k in FACT_OUTCOMES:
+        if any(facts[p].get(k) for p in PHASES):
+            print(f"| {k} | " + " | ".join(f"{facts[p].get(k, 0.0):.3f}" for p in PHASES) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
