@@ -774,7 +774,9 @@ def test_fact_outcomes_name_what_became_of_each_asked_fact(world):
         ("stated, cited", "stated, uncited")
     # searched (the documents came back) but not stated; nothing searched
     assert outcome(both, lambda h: [])[0] == "not stated, document found"
-    assert outcome([], lambda h: []) == ("not stated, no search named it",) * 2
+    assert outcome([], lambda h: []) == ("not stated, not searched",) * 2
+    other = next(e for e in sorted(world.entities) if e not in {h["entity"] for h in q.facts})
+    assert outcome([f"{other} {f['aspect']}"], lambda h: [])[0] == "not stated, name mis-copied into the search"
     # two values for f; a value for g that no snippet gives
     assert outcome(both, lambda h: [say(f, f["value"]), say(f, g["value"] + "x"), say(g, "zzz")]) == \
         ("several values", "wrong value, in no snippet")

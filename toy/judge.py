@@ -152,7 +152,7 @@ _STAGE_WORDS = {PLAN: re.compile(r"\bplan\b", re.I),
 FACT_OUTCOMES = ("stated, cited", "stated, uncited", "several values",
                  "wrong value, in a retrieved snippet", "wrong value, in no snippet",
                  "not stated, document found", "not stated, searched, document not returned",
-                 "not stated, no search named it",
+                 "not stated, name mis-copied into the search", "not stated, not searched",
                  "unknown, said so", "unknown, stated a value", "unknown, not stated")
 
 _LESSONS = {
@@ -329,12 +329,14 @@ class ToyJudge(EvolvingJudge):
         look-alike); "wrong value, in no snippet" (mis-copied or made up); not stated (or said to be
         unknown although a document gives it): "not stated, document found" (some call returned its true
         document), "not stated, searched, document not returned" (a search named the entity and the
-        aspect, whole words: ToyJudge._searched), "not stated, no search named it" (none did: the
-        fact was skipped, or the name was mis-copied into the query).
+        aspect, whole words: ToyJudge._searched), "not stated, name mis-copied into the search" (none
+        did, but a search named the aspect and no asked entity), "not stated, not searched".
         For a fact no document gives: "unknown, said so" / "unknown, stated a value" / "unknown,
         not stated". Never raises on a malformed rollout (its answer states nothing)."""
         c = self._context(query, ro)
         snippet_values = {d.value for d in c["docs"].values()}
+        asked = {f["entity"].lower() for f in c["facts"].values()}
+        searched = [set(_QWORD.findall(cl.query.lower())) for cl in c["calls"] if not cl.error]
         out = {}
         for key, f in c["facts"].items():
             values = {cl["value"] for cl in self._claims_of(c, f)}
@@ -348,8 +350,10 @@ class ToyJudge(EvolvingJudge):
                     out[key] = "not stated, document found"
                 elif self._searched(c, f["entity"], f["aspect"]):
                     out[key] = "not stated, searched, document not returned"
+                elif any(f["aspect"] in words and not words & asked for words in searched):
+                    out[key] = "not stated, name mis-copied into the search"
                 else:
-                    out[key] = "not stated, no search named it"
+                    out[key] = "not stated, not searched"
             elif values == {f["value"]}:
                 out[key] = "stated, cited" if self._c_ans_fact(c, f) == 1.0 else "stated, uncited"
             else:
