@@ -16,7 +16,8 @@ from the final policy, and prints two tables:
 Launch (after a toy run; reuses its cached SFT warm start):
     python scripts/answer_breakdown.py runs/reproduce/seed0 runs/reproduce/seed1 runs/reproduce/seed2
 
-With several run directories the tables give the mean over them. Exits 1 if a directory is not a
+With several run directories the tables give the mean over them. --temperature T samples the same
+questions with the same seed at another temperature (then there is no eval.json figure to match). Exits 1 if a directory is not a
 finished toy run (config.json and final/ are needed).
 """
 from __future__ import annotations
@@ -54,9 +55,10 @@ def answer_loss(judge, q, rollouts) -> dict[str, float]:
     return dict(out)
 
 
-def breakdown(run_dir: str) -> dict:
+def breakdown(run_dir: str, temperature: float | None = None) -> dict:
     """{phase: {"answer": mean answer score, "loss": {kind: share}, "facts": {outcome: share},
-    "eval_json_answer": the run's own figure}} for one finished toy run."""
+    "eval_json_answer": the run's own figure (None at another temperature)}} for one finished toy
+    run, sampled at the run's evaluation temperature or at `temperature`."""
     import build
     import settings
     from scaffold import HFSampler, RolloutEngine
@@ -73,6 +75,8 @@ def breakdown(run_dir: str) -> dict:
     sft_model, tok, _ = build.setup_policy(cfg, world, tool)
     final = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "final"))
     qs, n = held_q[: cfg.eval.n_questions], cfg.eval.samples
+    own = temperature is None or temperature == cfg.eval.temperature
+    temp = cfg.eval.temperature if temperature is None else temperature
     system = run_system(cfg)
     out = {}
     for phase, model, key in zip(PHASES, (sft_model, final), ("eval_sft", "eval_rl")):
@@ -80,7 +84,7 @@ def breakdown(run_dir: str) -> dict:
         eng = RolloutEngine(HFSampler(model, tok), tok, {tool.name: tool}, cfg.rollout.max_response_tokens,
                             cfg.rollout.max_tool_calls, system, scaffold=cfg.rollout.scaffold)
         torch.manual_seed(cfg.seed + 12345)  # train.HeldOut.evaluate's seed
-        ro = eng.run(list(qs), n=n, temperature=cfg.eval.temperature)
+        ro = eng.run(list(qs), n=n, temperature=temp)
         loss: dict[str, float] = collections.defaultdict(float)
         facts: collections.Counter = collections.Counter()
         for gi, q in enumerate(qs):
@@ -91,7 +95,7 @@ def breakdown(run_dir: str) -> dict:
         total = sum(facts.values())
         out[phase] = {"answer": 1.0 - sum(loss.values()), "loss": dict(loss),
                       "facts": {k: v / total for k, v in facts.items()},
-                      "eval_json_answer": ev.get(key, {}).get("answer")}
+                      "eval_json_answer": ev.get(key, {}).get("answer") if own else None}
     return out
 
 
@@ -111,6 +115,8 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dirs", nargs="+", help="finished toy run directories (config.json, final/)")
+    ap.add_argument("--temperature", type=float, help="sample at this temperature instead of the "
+                    "run's eval.temperature (the same questions and seed)")
     a = ap.parse_args(argv)
     for d in a.run_dirs:
         if not (os.path.isfile(os.path.join(d, "config.json")) and os.path.isdir(os.path.join(d, "final"))):
@@ -118,7 +124,7 @@ def main(argv=None) -> int:
             return 1
     results = []
     for d in a.run_dirs:
-        r = breakdown(d)
+        r = breakdown(d, a.temperature)
         for phase in PHASES:
             own = r[phase]["eval_json_answer"]
             print(f"{d}: {phase}: answer {r[phase]['answer']:.3f} (the run's eval.json: "

@@ -27,6 +27,8 @@ def test_breakdown_reproduces_the_runs_own_held_out_answer_score(tmp_path, toy_c
         assert r[phase]["answer"] == pytest.approx(ev[key]["answer"], abs=1e-9)
         assert r[phase]["answer"] == pytest.approx(1.0 - sum(r[phase]["loss"].values()))
         assert sum(r[phase]["facts"].values()) == pytest.approx(1.0)
+    cold = ab.breakdown(str(d), temperature=0.3)  # another temperature: no eval.json figure to match
+    assert all(cold[p]["eval_json_answer"] is None for p in ab.PHASES)
     assert ab.main([str(d)]) == 0
     out = capsys.readouterr().out
     assert "| rubric kind | SFT start | after RL |" in out and "| outcome |" in out
