@@ -535,4 +535,22 @@ def warm_start(world: World, tool, system: str, cfg: SFTConfig, tcfg: TeacherCon
         shutil.rmtree(tmp, ignore_errors=True)
     else:
         os.replace(tmp, path)  # atomic: a half-written warm start is never picked up
+    del examples, encoded, texts
+    release_heap()
     return model, tok, info, path
+
+
+def release_heap() -> None:
+    """Give the memory freed after the SFT data and training back to the operating system: a
+    garbage collection, then glibc's malloc_trim (a no-op where the C library has none). Without it
+    the process keeps about 600 MB of freed heap through the RL phase, and a cold toy run peaks
+    about 0.3 GiB above a run with the warm start cached (not part of the paper's method)."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass
