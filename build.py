@@ -127,13 +127,14 @@ def eval_settings(cfg: Config) -> dict:
             "temperature": cfg.eval.temperature}
 
 
-def heldout_engines(cfg: Config, policy, model, tok, tool, system: str):
+def heldout_engines(cfg: Config, ref_model, model, tok, tool, system: str):
     """(SFT-start engine, current-policy engine) for the held-out evaluation: rollout engines over
-    pi_ref (policy.ref_model) and pi_theta (`model`, the weights the torch engine trains) with the
-    clean search tool, so evaluation measures the policy whatever faults training saw."""
+    pi_ref (`ref_model`, the engine's frozen SFT start) and pi_theta (`model`, the weights the torch
+    engine trains) with the clean search tool, so evaluation measures the policy whatever faults
+    training saw."""
     from scaffold import HFSampler, RolloutEngine
 
-    ref_engine = RolloutEngine(HFSampler(policy.ref_model, tok), tok, {tool.name: tool},
+    ref_engine = RolloutEngine(HFSampler(ref_model, tok), tok, {tool.name: tool},
                                cfg.rollout.max_response_tokens, cfg.rollout.max_tool_calls, system,
                                scaffold=cfg.rollout.scaffold)
     cur_engine = RolloutEngine(HFSampler(model, tok), tok, {tool.name: tool},

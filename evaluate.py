@@ -1154,6 +1154,20 @@ def static_scores(judge, queries: Sequence, rollouts: Sequence, n: int) -> np.nd
 # Held-out evaluation of a toy run (the toy judge's static rubric set; train.py, memory_eval.py)
 
 
+def heldout_seed(cfg) -> int:
+    """The sampling seed of a run's held-out evaluation (settings.Config `cfg`): the same for the SFT
+    start, every curve point and the end, and for memory_eval's pass 1 and answer_breakdown.py."""
+    return cfg.seed + 12345
+
+
+def sample_heldout(engine, queries: Sequence, samples: int, temperature: float, seed: int,
+                   bank_items: Sequence[Sequence[str]] | None = None) -> list:
+    """The held-out rollouts (query-major, `samples` per query) behind `evaluate_heldout`: torch's
+    global RNG reseeded with `seed`, then one batched `engine.run`."""
+    torch.manual_seed(seed)
+    return engine.run(list(queries), n=samples, temperature=temperature, bank_items=bank_items)
+
+
 def evaluate_heldout(engine, judge, queries: Sequence, samples: int, temperature: float, seed: int,
              bank_items: Sequence[Sequence[str]] | None = None) -> dict:
     """Held-out score with the judge's static rubric set (judge.py, deviation 3): mean of the four
@@ -1163,8 +1177,7 @@ def evaluate_heldout(engine, judge, queries: Sequence, samples: int, temperature
     answer score and fact recall of each query (lists of len(queries), each the mean over its
     samples). bank_items: per query, the bank reflections placed in its prompt (§3.5; default none).
     Deterministic per seed; reseeds torch's global RNG (wrap in `preserved_rng` inside a run)."""
-    torch.manual_seed(seed)
-    ro = engine.run(list(queries), n=samples, temperature=temperature, bank_items=bank_items)
+    ro = sample_heldout(engine, queries, samples, temperature, seed, bank_items)
     return heldout_scores(judge, queries, ro, samples)
 
 

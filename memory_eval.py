@@ -143,11 +143,11 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
     bank_path = bank_path or os.path.join(run_dir, "bank.jsonl")
     bank = RubricBank.load(bank_path, missing_ok=True, strict=False, retriever=retriever,
                            max_chars=cfg.bank.max_chars)
-    seeds = {"pass1": cfg.seed + 12345, "pass2": cfg.seed + 12346}  # pass 1 = the final evaluation's
+    seed = evaluate.heldout_seed(cfg)
+    seeds = {"pass1": seed, "pass2": seed + 1}  # pass 1 = the final evaluation's
 
     def run_pass(name: str, items: list[list[str]] | None) -> tuple[dict, list]:
-        torch.manual_seed(seeds[name])
-        ro = engine.run(list(qs), n=n_s, temperature=cfg.eval.temperature, bank_items=items)
+        ro = evaluate.sample_heldout(engine, qs, n_s, cfg.eval.temperature, seeds[name], items)
         return evaluate.heldout_scores(judge, qs, ro, n_s), ro
 
     out: dict = {"run_dir": run_dir, "bank": bank_path, "bank_size": len(bank), "n_questions": len(qs),

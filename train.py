@@ -82,7 +82,7 @@ from bank import curriculum
 from data import DataOrder
 from bank import format_for_prompt
 from build import Run, build_environment, build_run, eval_settings, heldout_engines, setup_policy
-from evaluate import EvalCurve, evaluate_heldout, preserved_rng, static_stage_scores
+from evaluate import EvalCurve, evaluate_heldout, heldout_seed, preserved_rng, static_stage_scores
 from faults import JUDGE_KINDS, TOOL_KINDS
 from judge import JudgeResult, judge_all
 from policy import TorchEngine, UpdateBatch
@@ -609,14 +609,14 @@ class HeldOut:
             os.remove(path)  # an earlier run's, in this run dir
         self.ref_engine = self.cur_engine = None
         if self.enabled:
-            self.ref_engine, self.cur_engine = heldout_engines(cfg, run.policy, run.model, run.tok,
-                                                               run.tool, run.system)
+            self.ref_engine, self.cur_engine = heldout_engines(cfg, run.policy.ref_model, run.model,
+                                                               run.tok, run.tool, run.system)
         timings["curve_eval_s"] = 0.0
 
     def evaluate(self, sft: bool = False) -> dict:
         cfg = self.run.cfg
         return evaluate_heldout(self.ref_engine if sft else self.cur_engine, self.run.clean_judge,
-                                self.qs, cfg.eval.samples, cfg.eval.temperature, cfg.seed + 12345)
+                                self.qs, cfg.eval.samples, cfg.eval.temperature, heldout_seed(cfg))
 
     def point(self, done: int, sft: bool = False) -> None:
         """A point of eval_curve.jsonl after `done` steps (sft: the SFT start, once)."""

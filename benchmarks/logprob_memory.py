@@ -11,8 +11,9 @@ Variants (each in a fresh subprocess, so every peak is its own)
     chunked          policy.token_logprobs(model, ids, att, chunk, recompute=False): chunks, but
                      with gradient autograd keeps every chunk's log-softmax for the backward
     chunked_recompute  policy.token_logprobs(model, ids, att, chunk, recompute=True), the training
-                     default whenever the kept log-softmax would exceed 256 MiB: with gradient each chunk is wrapped in torch.utils.checkpoint and the backward
-                     recomputes its logits (without gradient it equals "chunked")
+                     default whenever the kept log-softmax would exceed 256 MiB: with gradient
+                     each chunk is wrapped in torch.utils.checkpoint and the backward recomputes
+                     its logits (without gradient it equals "chunked")
 each with mode "nograd" (old / reference log-probs) and "grad" (forward + backward of the
 SS-GRPO-like sum_t w_t log pi_t). Memory: CPU = peak RSS (getrusage ru_maxrss) minus the RSS after
 the model and inputs exist; GPU = torch.cuda.max_memory_allocated minus the allocation before the

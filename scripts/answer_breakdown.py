@@ -17,8 +17,8 @@ Launch (after a toy run; reuses its cached SFT warm start):
     python scripts/answer_breakdown.py runs/reproduce/seed0 runs/reproduce/seed1 runs/reproduce/seed2
 
 With several run directories the tables give the mean over them. --temperature T samples the same
-questions with the same seed at another temperature (then there is no eval.json figure to match). Exits 1 if a directory is not a
-finished toy run (config.json and final/ are needed).
+questions with the same seed at another temperature (then there is no eval.json figure to match).
+Exits 1 if a directory is not a finished toy run (config.json and final/ are needed).
 """
 from __future__ import annotations
 
@@ -60,8 +60,9 @@ def breakdown(run_dir: str, temperature: float | None = None) -> dict:
     "eval_json_answer": the run's own figure (None at another temperature)}} for one finished toy
     run, sampled at the run's evaluation temperature or at `temperature`."""
     import build
+    import evaluate
     import settings
-    from scaffold import HFSampler, RolloutEngine
+    from scaffold import system_prompt
     from transformers import AutoModelForCausalLM
 
     with open(os.path.join(run_dir, "config.json")) as fh:
@@ -77,14 +78,13 @@ def breakdown(run_dir: str, temperature: float | None = None) -> dict:
     qs, n = held_q[: cfg.eval.n_questions], cfg.eval.samples
     own = temperature is None or temperature == cfg.eval.temperature
     temp = cfg.eval.temperature if temperature is None else temperature
-    system = run_system(cfg)
+    final.eval()
+    # the engines and the seed of train.HeldOut
+    engines = build.heldout_engines(cfg, sft_model, final, tok, tool,
+                                    system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt))
     out = {}
-    for phase, model, key in zip(PHASES, (sft_model, final), ("eval_sft", "eval_rl")):
-        model.eval()
-        eng = RolloutEngine(HFSampler(model, tok), tok, {tool.name: tool}, cfg.rollout.max_response_tokens,
-                            cfg.rollout.max_tool_calls, system, scaffold=cfg.rollout.scaffold)
-        torch.manual_seed(cfg.seed + 12345)  # train.HeldOut.evaluate's seed
-        ro = eng.run(list(qs), n=n, temperature=temp)
+    for phase, eng, key in zip(PHASES, engines, ("eval_sft", "eval_rl")):
+        ro = evaluate.sample_heldout(eng, qs, n, temp, evaluate.heldout_seed(cfg))
         loss: dict[str, float] = collections.defaultdict(float)
         facts: collections.Counter = collections.Counter()
         for gi, q in enumerate(qs):
@@ -97,12 +97,6 @@ def breakdown(run_dir: str, temperature: float | None = None) -> dict:
                       "facts": {k: v / total for k, v in facts.items()},
                       "eval_json_answer": ev.get(key, {}).get("answer") if own else None}
     return out
-
-
-def run_system(cfg) -> str:
-    from scaffold import system_prompt
-
-    return system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
 
 
 def mean_over(results: list[dict], phase: str, part: str) -> dict[str, float]:

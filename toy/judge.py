@@ -326,10 +326,10 @@ class ToyJudge(EvolvingJudge):
         paper): {"Entity aspect": outcome}, outcome one of FACT_OUTCOMES. For a fact with a document:
         "stated, cited" / "stated, uncited" (the `ans_fact` check gives 1 / 0.5); "several values";
         "wrong value, in a retrieved snippet" (copied from a wrong document: an old record or a
-        look-alike); "wrong value, in no snippet" (mis-copied or made up); not stated (or said to be
-        unknown although a document gives it): "not stated, document found" (some call returned its true
-        document), "not stated, searched, document not returned" (a search named the entity and the
-        aspect, whole words: ToyJudge._searched), "not stated, name mis-copied into the search" (none
+        look-alike); "wrong value, in no snippet" (mis-copied or made up); not stated (or said to
+        be unknown although a document gives it): "not stated, document found" (some call returned
+        its true document), "not stated, searched, document not returned" (a search named the
+        entity and the aspect, whole words: ToyJudge._searched), "not stated, name mis-copied into the search" (none
         did, but a search named the aspect and no asked entity), "not stated, not searched".
         For a fact no document gives: "unknown, said so" / "unknown, stated a value" / "unknown,
         not stated". Never raises on a malformed rollout (its answer states nothing)."""
