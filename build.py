@@ -34,7 +34,7 @@ def setup_policy(cfg: Config, world, tool):
     # every generator it uses, so runs with different --seed share one cached SFT policy.
     model, tok, info, path = warm_start(world, tool, system, cfg.sft, cfg.teacher, cfg.model_size,
                                         cfg.vocab_size, cfg.cache_dir, progress=cfg.progress,
-                                        scaffold=cfg.rollout.scaffold)
+                                        scaffold=cfg.rollout.scaffold, precision=cfg.precision)
     info["source"] = path
     return model, tok, info
 
@@ -99,9 +99,9 @@ def build_sampler(cfg: Config, model, tok):
     if cfg.sampler == "kv":
         from toy.kv_sampler import KVSampler
 
-        return KVSampler(model, tok)
+        return KVSampler(model, tok, precision=cfg.precision)
     if cfg.sampler != "vllm":
-        return HFSampler(model, tok)
+        return HFSampler(model, tok, precision=cfg.precision)
     from backends.vllm_sampler import VLLMSampler  # SCALE: vLLM only when asked for
 
     # SCALE: on GPU the fraction of GPU memory for weights + KV cache; on CPU vLLM reads the same
@@ -134,10 +134,10 @@ def heldout_engines(cfg: Config, ref_model, model, tok, tool, system: str):
     training saw."""
     from scaffold import HFSampler, RolloutEngine
 
-    ref_engine = RolloutEngine(HFSampler(ref_model, tok), tok, {tool.name: tool},
+    ref_engine = RolloutEngine(HFSampler(ref_model, tok, precision=cfg.precision), tok, {tool.name: tool},
                                cfg.rollout.max_response_tokens, cfg.rollout.max_tool_calls, system,
                                scaffold=cfg.rollout.scaffold)
-    cur_engine = RolloutEngine(HFSampler(model, tok), tok, {tool.name: tool},
+    cur_engine = RolloutEngine(HFSampler(model, tok, precision=cfg.precision), tok, {tool.name: tool},
                                cfg.rollout.max_response_tokens, cfg.rollout.max_tool_calls, system,
                                cfg.rollout.temperature, scaffold=cfg.rollout.scaffold)
     return ref_engine, cur_engine

@@ -64,11 +64,12 @@ log = logging.getLogger("rubricem")
 PASSES = (("pass1", MODE_SIMILAR), ("pass2", MODE_EXACT))
 
 
-def build_sampler(model, tok):
-    """The sampler every pass and the reflection step use (HF generate over the policy)."""
+def build_sampler(model, tok, precision: str = "fp32"):
+    """The sampler every pass and the reflection step use (HF generate over the policy, under the
+    run's precision)."""
     from scaffold import HFSampler
 
-    return HFSampler(model, tok)
+    return HFSampler(model, tok, precision=precision)
 
 
 def retrieve_items(bank: RubricBank, queries: Sequence, mode: str, k: int) -> list[list[str]]:
@@ -131,7 +132,7 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
     model, tok = load_policy(final)
     model.eval()
     system = system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
-    sampler = build_sampler(model, tok)
+    sampler = build_sampler(model, tok, cfg.precision)
     engine = RolloutEngine(sampler, tok, {tool.name: tool}, cfg.rollout.max_response_tokens,
                            cfg.rollout.max_tool_calls, system, cfg.rollout.temperature)
     judge = build.build_judge(cfg, world)  # fresh: held-out questions have no rubric buffers

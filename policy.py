@@ -46,7 +46,7 @@ from typing import Iterable, Protocol, Sequence
 
 import torch
 
-from scaffold import SCAFFOLD_TAGS
+from scaffold import SCAFFOLD_TAGS, autocast
 
 log = logging.getLogger("rubricem")
 
@@ -57,6 +57,10 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+def _device_type(model) -> str:
+    dev = getattr(model, "device", None)
+    return dev.type if isinstance(dev, torch.device) else "cpu"
+
 
 # Named toy sizes. "S" matches the measured de-risk model (0.5 M parameters at vocab ~1k).
 SIZES = {
@@ -520,12 +524,20 @@ class TorchEngine:
 
     model: pi_theta, also the weights the HF / KV sampler generates with; ref_model: the frozen pi_ref
     (default: a copy of the starting policy); opt: the optimizer (default: AdamW at cfg.lr).
-    cfg: ss_grpo.SSGRPOConfig. Dropout is disabled in the model (disable_dropout)."""
+    cfg: ss_grpo.SSGRPOConfig. precision: the forwards' `autocast` ("fp32" | "bf16"; ValueError
+    otherwise). Dropout is disabled in the model (disable_dropout)."""
 
     world_size = 1
 
-    def __init__(self, model, cfg, ref_model=None, opt=None):
+    def __init__(self, model, cfg, ref_model=None, opt=None, precision: str = "fp32"):
         self.model, self.cfg = model, cfg
+        autocast(precision)  # ValueError for an unknown precision, before any work
+        self.precision = precision
+        # bf16: forwards see lengths rounded up to a multiple of 64. Few distinct tensor sizes let
+        # the C allocator reuse freed blocks: with exact lengths the resident heap of bf16 updates
+        # grew from 1.4 to 2.7 GB over 12 toy updates (float32: flat); rounded, it stays flat. The
+        # float32 path keeps exact lengths, so its results are unchanged.
+        self.pad_multiple = 64 if precision == "bf16" else 1
         if disable_dropout(model):  # old (eval) and new (train) log-probs must be the same function
             log.info("dropout disabled for RL (policy.disable_dropout)")
         if ref_model is None:
@@ -540,11 +552,22 @@ class TorchEngine:
     # the calls of policy_update (PolicyEngine documents each) ---------------------------------------
     def logprobs(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
         """(B, L) float32 log pi_theta of each next token (policy.token_logprobs on `model`)."""
-        return token_logprobs(self.model, ids, att)
+        return self._forward(self.model, ids, att)
 
     def ref_logprobs(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
         """(B, L) float32 log pi_ref of each next token (`ref_model`, frozen)."""
-        return token_logprobs(self.ref_model, ids, att)
+        return self._forward(self.ref_model, ids, att)
+
+    def _forward(self, model, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """token_logprobs under the engine's precision, right-padded to pad_multiple (attention 0
+        on the padding, which no real position attends to) and cut back to (B, L)."""
+        L = ids.shape[1]
+        extra = -L % self.pad_multiple
+        if extra:
+            ids = torch.nn.functional.pad(ids, (0, extra), value=0)
+            att = torch.nn.functional.pad(att, (0, extra), value=0)
+        with autocast(self.precision, _device_type(model)):
+            return token_logprobs(model, ids, att)[:, :L]
 
     def backward(self, loss: torch.Tensor, boundary: bool) -> None:
         """loss.backward(); the first call of an optimizer step clears the previous gradients."""

@@ -412,16 +412,42 @@ class Sampler(Protocol):
     def close(self) -> None: ...
 
 
+PRECISIONS = ("fp32", "bf16")
+
+
+def autocast(precision: str, device_type: str = "cpu"):
+    """The context the toy model's forward passes run under (SFT, rollouts, the update's log-probs).
+
+    precision: "fp32" (no autocast: every op in float32) | "bf16" (torch.autocast: matrix products
+    and attention in bfloat16 with float32 accumulation; weights, optimizer state, norms, softmax,
+    log-probs and the loss stay float32; on CPUs with AVX512-BF16 the products run 3-5x faster).
+    device_type: "cpu" | "cuda". Wrap forwards only: the backward then follows each forward op's
+    dtype. Raises ValueError for another precision.
+    """
+    import contextlib
+
+    import torch
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch.bfloat16)
+
+
 class HFSampler:
     """`Sampler` over a Hugging Face causal LM's `generate` (batched, left padding, top_k=0, top_p=1).
 
     Stops each sequence at the first of `stop_token_ids` (ids) or `stop_strings` (text, for tokenizers
     that spell tags out). Randomness comes from torch's global RNG (seed it for determinism).
+    precision: the forwards' `autocast` ("fp32" | "bf16"; ValueError otherwise).
     """
 
     def __init__(self, model, tokenizer, stop_strings: Sequence[str] = ("</call_tool>",),
-                 batch_size: int = 64):
+                 batch_size: int = 64, precision: str = "fp32"):
         self.model, self.tok, self.batch_size = model, tokenizer, batch_size
+        autocast(precision)  # ValueError for an unknown precision
+        self.precision = precision  # the forwards' policy.autocast ("fp32" | "bf16")
         self.stop_strings = tuple(stop_strings)
         ids = {tokenizer.eos_token_id}
         im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -478,7 +504,7 @@ class HFSampler:
                 kw.update(stop_strings=list(self._string_stops), tokenizer=self.tok)
             # the model's device: CPU in toy mode, rank 0's GPU in full mode (stand-ins may have none)
             dev = getattr(self.model, "device", None) or torch.device("cpu")
-            with torch.no_grad():
+            with torch.no_grad(), autocast(self.precision, getattr(dev, "type", "cpu")):
                 gen = self.model.generate(input_ids=inp.to(dev), attention_mask=att.to(dev),
                                           **kw)[:, L:].cpu()
             for r, i in enumerate(idx):

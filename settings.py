@@ -352,6 +352,11 @@ class Config:
     """ours: torch intra-op threads. The toy model (hidden 128) gains little from a second thread,
     and on a busy CPU two spinning threads slowed SFT ~10x (6.8 s vs 0.4-0.7 s per step measured
     on a shared 2-core machine); numbers are deterministic per seed and thread count"""
+    precision: str = "fp32"
+    """ours: the toy model's forward passes (SFT warm start, rollouts, the update's log-probs, the
+    held-out evaluation): "fp32" | "bf16" (torch autocast: matrix products in bfloat16, weights,
+    optimizer state, softmax and loss in float32; scaffold.autocast). Engine "torch" only: ZeRO-3
+    sets its own with full.bf16"""
     progress: bool = True
     """progress bars (--no-progress turns them off)"""
     report_to: list = field(default_factory=list)
@@ -490,6 +495,7 @@ def validate_config(cfg: Config) -> None:
     if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c < float("inf"):
         raise ValueError(f"reflection.loss_coef must be a finite number >= 0, got {c!r}")
     for name, allowed in (("engine", ("torch", "zero3")), ("sampler", ("hf", "kv", "vllm")),
+                          ("precision", ("fp32", "bf16")),
                           ("judge.backend", ("toy", "gemini", "openai")),
                           ("search.backend", ("toy", "serper")), ("bank.retriever", ("bm25", "dense"))):
         if _field(cfg, name) not in allowed:
@@ -501,6 +507,9 @@ def validate_config(cfg: Config) -> None:
     if cfg.engine == "zero3" and not cfg.model:
         raise ValueError("engine 'zero3' loads the policy on every rank from --model (a local Hugging "
                          "Face directory, e.g. an SFT checkpoint or a toy run's final/)")
+    if cfg.engine == "zero3" and cfg.precision != "fp32":
+        raise ValueError("precision applies to engine 'torch'; ZeRO-3 takes its precision from "
+                         "full.bf16")
     if cfg.sampler == "vllm" and not cfg.model:
         raise ValueError("sampler 'vllm' loads its engine from --model (a local Hugging Face directory)")
     if cfg.faults.judge_rate > 0 and cfg.judge.backend != "toy":

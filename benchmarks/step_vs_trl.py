@@ -27,9 +27,13 @@ and cpu_util = CPU seconds / wall seconds; steps with cpu_util < 0.8 x threads w
 over all timed steps) change much less under contention, so their ratio is printed too. The first
 step of each side is warm-up.
 
+--precision bf16 runs the project side's forwards under bfloat16 autocast (settings `precision`);
+--trl-precision bf16 gives TRL's GRPOConfig bf16=True (the harness itself runs float32).
+
 Run (2 CPU cores, about 1 minute per step pair):
     python benchmarks/step_vs_trl.py                          # project side only (no trl)
     /work/venv-trl/bin/python benchmarks/step_vs_trl.py --sampler kv,hf --steps 8
+    /work/venv-trl/bin/python benchmarks/step_vs_trl.py --precision bf16 --trl-precision bf16
 Last line:
     STEP_VS_TRL project_step_s=<median> trl_step_s=<median> ratio=<project/trl>
 """
@@ -64,6 +68,11 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-completion-length", type=int, default=128)
     p.add_argument("--no-trl", action="store_true", help="time the project side only")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
+                   help="the project side's forwards (settings `precision`: bf16 = bfloat16 autocast)")
+    p.add_argument("--trl-precision", default="fp32", choices=("fp32", "bf16"),
+                   help="TRL's GRPOConfig: fp32 = the harness as written (bf16=False); bf16 = "
+                        "GRPOConfig(bf16=True), transformers' bfloat16 autocast on CPU")
     return p.parse_args(argv)
 
 
@@ -138,11 +147,11 @@ class ProjectSide:
         self.name, self.model, self.ref, self.opt, self.tok, self.h, self.a = \
             name, model, ref_model, opt, tok, h, a
         cls = {"kv": kv_sampler.KVSampler, "hf": scaffold.HFSampler}[name]
-        self.sampler = cls(model, tok, stop_strings=())  # eos only, as TRL
+        self.sampler = cls(model, tok, stop_strings=(), precision=a.precision)  # eos only, as TRL
         self.cfg = ss_grpo.SSGRPOConfig(minibatches=1, micro_batch=32, beta=h.ARGS.beta,
                                         lr=h.ARGS.learning_rate, eta=0.2,
                                         agg="seq_mean_token_mean", grad_clip=1.0)
-        self.engine = policy.TorchEngine(model, self.cfg, ref_model, opt)
+        self.engine = policy.TorchEngine(model, self.cfg, ref_model, opt, precision=a.precision)
         self.rng = random.Random(a.seed)
         self.rows: list[dict] = []
 
@@ -264,6 +273,15 @@ def main(argv=None) -> int:
                 run_sides(uniq, tg)
 
         h.target_word_reward, h.StepTimer = recording_reward, AlternatingTimer
+        if a.trl_precision == "bf16":
+            class BF16Config(h.GRPOConfig):
+                """The harness's GRPOConfig with bf16=True (its printed trainer line shows it)."""
+
+                def __post_init__(self):
+                    self.bf16 = True
+                    super().__post_init__()
+
+            h.GRPOConfig = BF16Config
         h.main(h.ARGS)  # prints the harness's own lines, hashes included
         for r in trl_rows:
             r["update_s"] = r["rest_s"] + r["reward_s"]
@@ -281,13 +299,13 @@ def main(argv=None) -> int:
     res = {}
     for s in sides:
         res[s.name] = m = medians(s.rows, threads)
-        print(f"  project[{s.name}{'+two-pass' if a.two_pass else ''}] step_s={m['step_s']:.3f} "
+        print(f"  project[{s.name}{'+two-pass' if a.two_pass else ''}, {a.precision}] step_s={m['step_s']:.3f} "
               f"gen_s={m['gen_s']:.3f} update_s={m['update_s']:.3f} tokens={m['tokens']:.0f} "
               f"cpu_s={m['cpu_s_all']:.3f} (gen {m['gen_cpu_s']:.3f} update {m['update_cpu_s']:.3f}) "
               f"quiet_steps={m['n_quiet']}/{m['n_timed']}{' CONTENDED' if m['contended'] else ''}")
     trl = medians(trl_rows, threads) if trl_rows else None
     if trl:
-        print(f"  trl step_s={trl['step_s']:.3f} gen_s={trl['gen_s']:.3f} update_s={trl['update_s']:.3f} "
+        print(f"  trl[{a.trl_precision}] step_s={trl['step_s']:.3f} gen_s={trl['gen_s']:.3f} update_s={trl['update_s']:.3f} "
               f"tokens={trl['tokens']:.0f} cpu_s={trl['cpu_s_all']:.3f} "
               f"quiet_steps={trl['n_quiet']}/{trl['n_timed']}"
               f"{' CONTENDED' if trl['contended'] else ''}")

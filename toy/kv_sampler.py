@@ -39,7 +39,7 @@ from typing import Sequence
 
 import torch
 
-from scaffold import HFSampler
+from scaffold import HFSampler, autocast
 
 
 DRAWS = ("cdf", "multinomial")
@@ -68,12 +68,13 @@ class KVSampler(HFSampler):
     torch.multinomial costs several lm-head projections per step on CPU at an 8k vocabulary) or
     "multinomial" (torch.multinomial, HF generate's draw: the same tokens as generate for the same
     seed until a row stops). Randomness comes from torch's global RNG (seed it for determinism).
-    Raises ValueError for another draw.
+    precision: the forwards' `scaffold.autocast` ("fp32" | "bf16"). Raises ValueError for another
+    draw or precision.
     """
 
     def __init__(self, model, tokenizer, stop_strings: Sequence[str] = ("</call_tool>",),
-                 batch_size: int = 64, draw: str = "cdf"):
-        super().__init__(model, tokenizer, stop_strings, batch_size)
+                 batch_size: int = 64, draw: str = "cdf", precision: str = "fp32"):
+        super().__init__(model, tokenizer, stop_strings, batch_size, precision)
         if draw not in DRAWS:
             raise ValueError(f"draw must be one of {DRAWS}, got {draw!r}")
         self.draw = draw
@@ -134,7 +135,9 @@ class KVSampler(HFSampler):
         kw = {self._cache_kw: cache, "use_cache": True}
         if self._keep_kw:
             kw["logits_to_keep"] = 1
-        logits = model(input_ids=ids, attention_mask=att, position_ids=pos, **kw).logits[:, -1]
+        cast = autocast(self.precision, dev.type)
+        with cast:
+            logits = model(input_ids=ids, attention_mask=att, position_ids=pos, **kw).logits[:, -1]
         stop_ids = self._stop_ids.to(dev)
         limit = torch.tensor(limits, dtype=torch.long, device=dev)
         rows = torch.arange(B, device=dev)  # batch row -> original row
@@ -162,8 +165,9 @@ class KVSampler(HFSampler):
                 rows, tok, att, nxt_pos = rows[keep], tok[keep], att[keep], nxt_pos[keep]
                 cache.batch_select_indices(keep)
             att = torch.cat([att, att.new_ones((att.shape[0], 1))], dim=1)
-            logits = model(input_ids=tok[:, None], attention_mask=att, position_ids=nxt_pos,
-                           **kw).logits[:, -1]
+            with cast:
+                logits = model(input_ids=tok[:, None], attention_mask=att, position_ids=nxt_pos,
+                               **kw).logits[:, -1]
             nxt_pos = nxt_pos + 1
         out: list[list[int]] = [[] for _ in range(B)]
         lps: list[list[float]] | None = [[] for _ in range(B)] if return_logprobs else None

@@ -391,12 +391,18 @@ def build_sft_data(world: World, tool, tok_system: str, cfg: SFTConfig, tcfg: Te
 
 
 def train_sft(model, tok, encoded: list[tuple[list[int], list[int]]], cfg: SFTConfig,
-              progress: bool = True) -> dict:
+              progress: bool = True, precision: str = "fp32") -> dict:
     """Masked next-token SFT. encoded: (ids, mask) pairs. Returns {"loss", "steps", "seconds"}.
 
     Batches are length-bucketed (sorted by length in chunks of 50 batches) and right-padded.
+    precision: the forward's `scaffold.autocast` ("fp32" | "bf16"; ValueError otherwise); the loss,
+    gradients, weights and AdamW state are float32 either way.
     """
     from tqdm import tqdm
+
+    from scaffold import autocast
+
+    cast = autocast(precision)
 
     g = torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
@@ -425,6 +431,8 @@ def train_sft(model, tok, encoded: list[tuple[list[int], list[int]]], cfg: SFTCo
                 break
             idx = batches[bi]
             L = max(len(encoded[i][0]) for i in idx)
+            if precision == "bf16":  # few distinct sizes keep the heap flat (TorchEngine.pad_multiple)
+                L = -(-L // 64) * 64
             x = torch.full((len(idx), L), pad, dtype=torch.long)
             m = torch.zeros((len(idx), L), dtype=torch.float32)
             att = torch.zeros((len(idx), L), dtype=torch.long)
@@ -433,10 +441,15 @@ def train_sft(model, tok, encoded: list[tuple[list[int], list[int]]], cfg: SFTCo
                 x[r, : len(ids)] = torch.tensor(ids)
                 m[r, : len(ids)] = torch.tensor(mk, dtype=torch.float32)
                 att[r, : len(ids)] = 1
-            hidden = model.get_decoder()(input_ids=x, attention_mask=att).last_hidden_state
             sel = m[:, 1:] > 0  # (B, L-1): predict token t+1 from position t where it is trained
-            # The vocabulary projection runs only on trained positions (~15% faster per step).
-            logits = model.get_output_embeddings()(hidden[:, :-1][sel]).float()  # (N_mask, V)
+            with cast:
+                hidden = model.get_decoder()(input_ids=x, attention_mask=att).last_hidden_state
+                # The vocabulary projection runs only on trained positions (~15% faster per step).
+                h = hidden[:, :-1][sel]  # (N_mask, H)
+                n = h.shape[0]
+                if precision == "bf16":  # N_mask rounded up to a multiple of 256 rows, as L above
+                    h = torch.nn.functional.pad(h, (0, 0, 0, -n % 256))
+                logits = model.get_output_embeddings()(h).float()[:n]  # (N_mask, V)
             # SFT loss = sum_t mask_t * (-log pi(x_t | x_<t)) / sum_t mask_t  (tool outputs masked)
             loss = torch.nn.functional.cross_entropy(logits, x[:, 1:][sel])
             for grp in opt.param_groups:
@@ -482,17 +495,20 @@ def warm_start_key(world_config, system: str, cfg: SFTConfig, tcfg: TeacherConfi
 
 def warm_start(world: World, tool, system: str, cfg: SFTConfig, tcfg: TeacherConfig, size: str,
                vocab_size: int, cache_dir: str, progress: bool = True, extra_key: dict | None = None,
-               scaffold: str = "structured"):
+               scaffold: str = "structured", precision: str = "fp32"):
     """Build (or load from cache) the SFT policy of a scaffold ("structured" | "unstructured").
     Returns (model, tokenizer, info dict, path).
 
-    The cache key (`warm_start_key`) covers the world, teacher, SFT and model configuration and the
-    scaffold; a second run with the same configuration loads `cache_dir/sft-<key>`
-    (save_pretrained format) and skips training.
+    The cache key (`warm_start_key`) covers the world, teacher, SFT and model configuration, the
+    scaffold and the training precision (`train_sft`; "fp32" leaves the key as it was before the
+    option existed); a second run with the same configuration loads `cache_dir/sft-<key>`
+    (save_pretrained format) and skips training. The weights are float32 either way.
     """
     import policy
     from toy.world import SYLLABLES
 
+    if precision != "fp32":
+        extra_key = {**(extra_key or {}), "precision": precision}
     key = warm_start_key(world.config, system, cfg, tcfg, size, vocab_size, scaffold, extra_key)
     path = os.path.join(cache_dir, f"sft-{key}")
     info_path = os.path.join(path, "sft_info.json")
@@ -514,12 +530,12 @@ def warm_start(world: World, tool, system: str, cfg: SFTConfig, tcfg: TeacherCon
     encoded = encode_examples(tok, examples)
     model = policy.build_tiny_qwen3(tok, size, seed=cfg.seed)
     torch.manual_seed(cfg.seed)
-    res = train_sft(model, tok, encoded, cfg, progress)
+    res = train_sft(model, tok, encoded, cfg, progress, precision)
     info = {"filter": stats, "examples": len(encoded), "data_seconds": round(t_data, 2),
             "train_seconds": round(res["seconds"], 2), "final_loss": res["loss"],
             "steps": res["steps"], "params": sum(p.numel() for p in model.parameters()),
             "mean_tokens": sum(len(e[0]) for e in encoded) / len(encoded), "key": key,
-            "cached": False}
+            "precision": precision, "cached": False}
     from report import format_filter_counts
 
     log.info("SFT filters: %s", format_filter_counts(stats))
