@@ -134,10 +134,11 @@ def heldout_engines(cfg: Config, ref_model, model, tok, tool, system: str):
     training saw."""
     from scaffold import HFSampler, RolloutEngine
 
-    ref_engine = RolloutEngine(HFSampler(ref_model, tok, precision=cfg.precision), tok, {tool.name: tool},
+    p = cfg.precision
+    ref_engine = RolloutEngine(HFSampler(ref_model, tok, precision=p), tok, {tool.name: tool},
                                cfg.rollout.max_response_tokens, cfg.rollout.max_tool_calls, system,
                                scaffold=cfg.rollout.scaffold)
-    cur_engine = RolloutEngine(HFSampler(model, tok, precision=cfg.precision), tok, {tool.name: tool},
+    cur_engine = RolloutEngine(HFSampler(model, tok, precision=p), tok, {tool.name: tool},
                                cfg.rollout.max_response_tokens, cfg.rollout.max_tool_calls, system,
                                cfg.rollout.temperature, scaffold=cfg.rollout.scaffold)
     return ref_engine, cur_engine

@@ -57,7 +57,10 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
 def _device_type(model) -> str:
+    """"cpu" | "cuda": the device type of a model's weights (autocast needs it)."""
     dev = getattr(model, "device", None)
     return dev.type if isinstance(dev, torch.device) else "cpu"
 
@@ -534,9 +537,9 @@ class TorchEngine:
         autocast(precision)  # ValueError for an unknown precision, before any work
         self.precision = precision
         # bf16: forwards see lengths rounded up to a multiple of 64. Few distinct tensor sizes let
-        # the C allocator reuse freed blocks: with exact lengths the resident heap of bf16 updates
-        # grew from 1.4 to 2.7 GB over 12 toy updates (float32: flat); rounded, it stays flat. The
-        # float32 path keeps exact lengths, so its results are unchanged.
+        # the C allocator reuse freed blocks: with exact lengths the resident heap of a bf16 run
+        # grew update after update (float32's did not); rounded, it levels off. The float32 path
+        # keeps exact lengths, so its results are unchanged (docs/performance.md section 5).
         self.pad_multiple = 64 if precision == "bf16" else 1
         if disable_dropout(model):  # old (eval) and new (train) log-probs must be the same function
             log.info("dropout disabled for RL (policy.disable_dropout)")

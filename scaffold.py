@@ -447,7 +447,7 @@ class HFSampler:
                  batch_size: int = 64, precision: str = "fp32"):
         self.model, self.tok, self.batch_size = model, tokenizer, batch_size
         autocast(precision)  # ValueError for an unknown precision
-        self.precision = precision  # the forwards' policy.autocast ("fp32" | "bf16")
+        self.precision = precision  # the forwards' autocast ("fp32" | "bf16")
         self.stop_strings = tuple(stop_strings)
         ids = {tokenizer.eos_token_id}
         im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")

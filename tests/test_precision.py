@@ -15,17 +15,8 @@ from settings import toy_preset, validate_config
 from ss_grpo import SSGRPOConfig
 from toy import sft
 from toy.kv_sampler import KVSampler
+from test_kv_sampler import model, prompt  # noqa: F401  (the XS model fixture, a chat prompt)
 from toyfix import one_thread, tok  # noqa: F401  (module fixtures)
-
-
-@pytest.fixture(scope="module")
-def model(tok):
-    return policy.build_tiny_qwen3(tok, "XS", seed=0).eval()
-
-
-def prompt(tok):
-    return tf.encode(tok, "<|im_start|>user\nResearch Harta and report its year.<|im_end|>\n"
-                          "<|im_start|>assistant\n")
 
 
 def test_autocast_rejects_an_unknown_precision():
