@@ -46,7 +46,7 @@ from typing import Iterable, Protocol, Sequence
 
 import torch
 
-from scaffold import SCAFFOLD_TAGS, autocast
+from scaffold import SCAFFOLD_TAGS, autocast, pad_multiple
 
 log = logging.getLogger("rubricem")
 
@@ -536,11 +536,7 @@ class TorchEngine:
         self.model, self.cfg = model, cfg
         autocast(precision)  # ValueError for an unknown precision, before any work
         self.precision = precision
-        # bf16: forwards see lengths rounded up to a multiple of 64. Few distinct tensor sizes let
-        # the C allocator reuse freed blocks: with exact lengths the resident heap of a bf16 run
-        # grew update after update (float32's did not); rounded, it levels off. The float32 path
-        # keeps exact lengths, so its results are unchanged (docs/performance.md section 5).
-        self.pad_multiple = 64 if precision == "bf16" else 1
+        self.pad_multiple = pad_multiple(precision)  # forwards see lengths rounded up to this
         if disable_dropout(model):  # old (eval) and new (train) log-probs must be the same function
             log.info("dropout disabled for RL (policy.disable_dropout)")
         if ref_model is None:

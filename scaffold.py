@@ -35,6 +35,9 @@ What the functions compute
 - `parse_unstructured(text, env_spans)`: the same for the unstructured scaffold; never raises.
 - `stage_of_chars` / `assign_stage_ids`: the stage id of every character / token.
 - `RolloutEngine.run`: batched multi-turn generation through a `Sampler`, token-in/token-out.
+- `autocast(precision)` / `pad_multiple(precision)`: the context of the toy model's forwards (float32,
+  or bfloat16 autocast) and the length multiple its padded batches round up to (samplers, the torch
+  engine and the SFT warm start use both).
 
 How the parser places text it cannot place (documented rule, tested by fuzzing)
 Stage boundaries are the *first* occurrence of each opening marker:
@@ -67,6 +70,10 @@ Deviations from the paper
    each case the rollout goes on to Review and Answer within its token budget (`RolloutEngine`).
 4. The unstructured scaffold's tags and prompt are ours (think / call / answer, as a ReAct agent
    writes them); the paper compares against an unstructured scaffold without giving its format.
+5. Not in the paper: `precision = "bf16"` runs the toy model's forwards under bfloat16 autocast
+   (weights, optimizer state, log-probs and loss stay float32); the default is float32. The paper
+   names bf16 for its SFT (appendix); full mode's ZeRO-3 engine has its own `full.bf16` setting,
+   to which `precision` does not apply.
 """
 from __future__ import annotations
 
@@ -433,6 +440,15 @@ def autocast(precision: str, device_type: str = "cpu"):
     if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type, dtype=torch.bfloat16)
+
+
+def pad_multiple(precision: str) -> int:
+    """Padded batch lengths under `precision` are multiples of this: 64 for "bf16", 1 (exact) for
+    "fp32". Few distinct tensor sizes let the C allocator reuse freed blocks: with exact lengths the
+    resident heap of a bf16 run grew update after update (float32's did not); rounded, it levels
+    off. Right padding that no real position attends to changes no value; float32 keeps exact
+    lengths, so its results are as before (docs/performance.md section 5)."""
+    return 64 if precision == "bf16" else 1
 
 
 class HFSampler:

@@ -69,7 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--max-completion-length", type=int, default=128)
     p.add_argument("--no-trl", action="store_true", help="time the project side only")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
-                   help="the project side's forwards (settings `precision`: bf16 = bfloat16 autocast)")
+                   help="the project side's forwards (settings `precision`: bf16 = bfloat16 "
+                        "autocast)")
     p.add_argument("--trl-precision", default="fp32", choices=("fp32", "bf16"),
                    help="TRL's GRPOConfig: fp32 = the harness as written (bf16=False); bf16 = "
                         "GRPOConfig(bf16=True), transformers' bfloat16 autocast on CPU")
@@ -300,13 +301,15 @@ def main(argv=None) -> int:
     for s in sides:
         res[s.name] = m = medians(s.rows, threads)
         print(f"  project[{s.name}{'+two-pass' if a.two_pass else ''}, {a.precision}] "
-              f"step_s={m['step_s']:.3f} gen_s={m['gen_s']:.3f} update_s={m['update_s']:.3f} tokens={m['tokens']:.0f} "
+              f"step_s={m['step_s']:.3f} gen_s={m['gen_s']:.3f} update_s={m['update_s']:.3f} "
+              f"tokens={m['tokens']:.0f} "
               f"cpu_s={m['cpu_s_all']:.3f} (gen {m['gen_cpu_s']:.3f} update {m['update_cpu_s']:.3f}) "
               f"quiet_steps={m['n_quiet']}/{m['n_timed']}{' CONTENDED' if m['contended'] else ''}")
     trl = medians(trl_rows, threads) if trl_rows else None
     if trl:
         print(f"  trl[{a.trl_precision}] step_s={trl['step_s']:.3f} gen_s={trl['gen_s']:.3f} "
-              f"update_s={trl['update_s']:.3f} tokens={trl['tokens']:.0f} cpu_s={trl['cpu_s_all']:.3f} "
+              f"update_s={trl['update_s']:.3f} tokens={trl['tokens']:.0f} "
+              f"cpu_s={trl['cpu_s_all']:.3f} "
               f"quiet_steps={trl['n_quiet']}/{trl['n_timed']}"
               f"{' CONTENDED' if trl['contended'] else ''}")
         for n, m in res.items():

@@ -45,7 +45,8 @@ def test_bf16_update_keeps_float32_weights_and_optimizer_state(tok):
     eng = policy.TorchEngine(m, SSGRPOConfig(), precision="bf16")
     p = prompt(tok)
     batch = policy.UpdateBatch(ids=[p, p[2:]], mask=[[0] * 5 + [1] * (len(p) - 5)] * 2,
-                               adv=[[0.0] * 5 + [1.0] * (len(p) - 5), [0.0] * 5 + [-1.0] * (len(p) - 7)],
+                               adv=[[0.0] * 5 + [1.0] * (len(p) - 5),
+                                    [0.0] * 5 + [-1.0] * (len(p) - 7)],
                                kind=["task", "task"])
     batch.mask[1] = batch.mask[1][: len(p) - 2]
     before = [q.detach().clone() for q in m.parameters()]

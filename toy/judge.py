@@ -329,8 +329,9 @@ class ToyJudge(EvolvingJudge):
         look-alike); "wrong value, in no snippet" (mis-copied or made up); not stated (or said to
         be unknown although a document gives it): "not stated, document found" (some call returned
         its true document), "not stated, searched, document not returned" (a search named the
-        entity and the aspect, whole words: ToyJudge._searched), "not stated, name mis-copied into the search" (none
-        did, but a search named the aspect and no asked entity), "not stated, not searched".
+        entity and the aspect, whole words: ToyJudge._searched), "not stated, name mis-copied into
+        the search" (none did, but a search named the aspect and no asked entity), "not stated, not
+        searched".
         For a fact no document gives: "unknown, said so" / "unknown, stated a value" / "unknown,
         not stated". Never raises on a malformed rollout (its answer states nothing)."""
         c = self._context(query, ro)

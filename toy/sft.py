@@ -400,9 +400,9 @@ def train_sft(model, tok, encoded: list[tuple[list[int], list[int]]], cfg: SFTCo
     """
     from tqdm import tqdm
 
-    from scaffold import autocast
+    from scaffold import autocast, pad_multiple
 
-    cast = autocast(precision)
+    cast, mult = autocast(precision), pad_multiple(precision)
 
     g = torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
@@ -430,9 +430,7 @@ def train_sft(model, tok, encoded: list[tuple[list[int], list[int]]], cfg: SFTCo
             if step >= cfg.steps:
                 break
             idx = batches[bi]
-            L = max(len(encoded[i][0]) for i in idx)
-            if precision == "bf16":  # few distinct sizes keep the heap flat (TorchEngine.pad_multiple)
-                L = -(-L // 64) * 64
+            L = -(-max(len(encoded[i][0]) for i in idx) // mult) * mult  # rounded up (bf16 only)
             x = torch.full((len(idx), L), pad, dtype=torch.long)
             m = torch.zeros((len(idx), L), dtype=torch.float32)
             att = torch.zeros((len(idx), L), dtype=torch.long)
@@ -447,8 +445,8 @@ def train_sft(model, tok, encoded: list[tuple[list[int], list[int]]], cfg: SFTCo
                 # The vocabulary projection runs only on trained positions (~15% faster per step).
                 h = hidden[:, :-1][sel]  # (N_mask, H)
                 n = h.shape[0]
-                if precision == "bf16":  # N_mask rounded up to a multiple of 256 rows, as L above
-                    h = torch.nn.functional.pad(h, (0, 0, 0, -n % 256))
+                if mult > 1:  # bf16: N_mask rounded up to a multiple of 4 * mult rows, as L above
+                    h = torch.nn.functional.pad(h, (0, 0, 0, -n % (4 * mult)))
                 logits = model.get_output_embeddings()(h).float()[:n]  # (N_mask, V)
             # SFT loss = sum_t mask_t * (-log pi(x_t | x_<t)) / sum_t mask_t  (tool outputs masked)
             loss = torch.nn.functional.cross_entropy(logits, x[:, 1:][sel])
