@@ -99,9 +99,9 @@ def build_sampler(cfg: Config, model, tok):
     if cfg.sampler == "kv":
         from toy.kv_sampler import KVSampler
 
-        return KVSampler(model, tok, precision=cfg.precision)
+        return KVSampler(model, tok, precision=cfg.precision, threads=cfg.sample_threads)
     if cfg.sampler != "vllm":
-        return HFSampler(model, tok, precision=cfg.precision)
+        return HFSampler(model, tok, precision=cfg.precision, threads=cfg.sample_threads)
     from backends.vllm_sampler import VLLMSampler  # SCALE: vLLM only when asked for
 
     # SCALE: on GPU the fraction of GPU memory for weights + KV cache; on CPU vLLM reads the same
@@ -134,13 +134,14 @@ def heldout_engines(cfg: Config, ref_model, model, tok, tool, system: str):
     training saw."""
     from scaffold import HFSampler, RolloutEngine
 
-    p = cfg.precision
-    ref_engine = RolloutEngine(HFSampler(ref_model, tok, precision=p), tok, {tool.name: tool},
-                               cfg.rollout.max_response_tokens, cfg.rollout.max_tool_calls, system,
+    p, t = cfg.precision, cfg.sample_threads
+    ref_engine = RolloutEngine(HFSampler(ref_model, tok, precision=p, threads=t), tok,
+                               {tool.name: tool}, cfg.rollout.max_response_tokens,
+                               cfg.rollout.max_tool_calls, system, scaffold=cfg.rollout.scaffold)
+    cur_engine = RolloutEngine(HFSampler(model, tok, precision=p, threads=t), tok,
+                               {tool.name: tool}, cfg.rollout.max_response_tokens,
+                               cfg.rollout.max_tool_calls, system, cfg.rollout.temperature,
                                scaffold=cfg.rollout.scaffold)
-    cur_engine = RolloutEngine(HFSampler(model, tok, precision=p), tok, {tool.name: tool},
-                               cfg.rollout.max_response_tokens, cfg.rollout.max_tool_calls, system,
-                               cfg.rollout.temperature, scaffold=cfg.rollout.scaffold)
     return ref_engine, cur_engine
 
 

@@ -64,12 +64,12 @@ log = logging.getLogger("rubricem")
 PASSES = (("pass1", MODE_SIMILAR), ("pass2", MODE_EXACT))
 
 
-def build_sampler(model, tok, precision: str = "fp32"):
+def build_sampler(model, tok, precision: str = "fp32", threads: int = 0):
     """The sampler every pass and the reflection step use (HF generate over the policy, under the
-    run's precision)."""
+    run's precision and sampling threads)."""
     from scaffold import HFSampler
 
-    return HFSampler(model, tok, precision=precision)
+    return HFSampler(model, tok, precision=precision, threads=threads)
 
 
 def retrieve_items(bank: RubricBank, queries: Sequence, mode: str, k: int) -> list[list[str]]:
@@ -122,8 +122,8 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
                          f"{run_dir} used rollout.scaffold = {cfg.rollout.scaffold!r}")
     n_q = cfg.eval.n_questions if n_questions is None else n_questions
     n_s = cfg.eval.samples if samples is None else samples
-    if threads is not None:
-        cfg.threads = threads
+    if threads is not None:  # every pass samples: the override sets the sampling threads too
+        cfg.threads = cfg.sample_threads = threads
     torch.set_num_threads(cfg.threads)
     world, tool, _, held_q = build.build_environment(cfg)
     qs = held_q[:n_q]
@@ -132,7 +132,7 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
     model, tok = load_policy(final)
     model.eval()
     system = system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
-    sampler = build_sampler(model, tok, cfg.precision)
+    sampler = build_sampler(model, tok, cfg.precision, cfg.sample_threads)
     engine = RolloutEngine(sampler, tok, {tool.name: tool}, cfg.rollout.max_response_tokens,
                            cfg.rollout.max_tool_calls, system, cfg.rollout.temperature)
     judge = build.build_judge(cfg, world)  # fresh: held-out questions have no rubric buffers
@@ -211,7 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--n-questions", type=int,
                     help="held-out questions (default: the run's eval.n_questions)")
     ap.add_argument("--samples", type=int, help="samples per question (default: the run's eval.samples)")
-    ap.add_argument("--threads", type=int, help="torch threads (default: the run's)")
+    ap.add_argument("--threads", type=int,
+                    help="torch threads (default: the run's threads and sample_threads)")
     ap.add_argument("--out", help="output JSON (default RUN_DIR/memory.json)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")

@@ -451,19 +451,43 @@ def pad_multiple(precision: str) -> int:
     return 64 if precision == "bf16" else 1
 
 
+def intra_op_threads(n: int):
+    """A context with torch's intra-op thread count set to n (n >= 1), restored on exit; n = 0 or the
+    current count changes nothing. The samplers decode under it (settings `sample_threads`)."""
+    import contextlib
+
+    import torch
+
+    old = torch.get_num_threads()
+    if not n or n == old:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _ctx():
+        torch.set_num_threads(n)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(old)
+
+    return _ctx()
+
+
 class HFSampler:
     """`Sampler` over a Hugging Face causal LM's `generate` (batched, left padding, top_k=0, top_p=1).
 
     Stops each sequence at the first of `stop_token_ids` (ids) or `stop_strings` (text, for tokenizers
     that spell tags out). Randomness comes from torch's global RNG (seed it for determinism).
-    precision: the forwards' `autocast` ("fp32" | "bf16"; ValueError otherwise).
+    precision: the forwards' `autocast` ("fp32" | "bf16"; ValueError otherwise). threads: torch
+    intra-op threads while generating (`intra_op_threads`; 0 = leave the process's count).
     """
 
     def __init__(self, model, tokenizer, stop_strings: Sequence[str] = ("</call_tool>",),
-                 batch_size: int = 64, precision: str = "fp32"):
+                 batch_size: int = 64, precision: str = "fp32", threads: int = 0):
         self.model, self.tok, self.batch_size = model, tokenizer, batch_size
         autocast(precision)  # ValueError for an unknown precision
         self.precision = precision  # the forwards' autocast ("fp32" | "bf16")
+        self.threads = threads  # intra-op threads while generating (0 = unchanged)
         self.stop_strings = tuple(stop_strings)
         ids = {tokenizer.eos_token_id}
         im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -491,6 +515,10 @@ class HFSampler:
         """No-op: nothing to release."""
 
     def generate(self, prompts, max_new_tokens, temperature):
+        with intra_op_threads(self.threads):
+            return self._generate(prompts, max_new_tokens, temperature)
+
+    def _generate(self, prompts, max_new_tokens, temperature):
         import torch
 
         out: list[list[int]] = [None] * len(prompts)  # type: ignore[list-item]

@@ -348,10 +348,18 @@ class Config:
     """toy byte-level BPE vocabulary size (tokenizer trained on the toy world)"""
     cache_dir: str = ".cache/rubricem"
     """SFT warm-start cache; HTTP judge and search caches"""
-    threads: int = 1
-    """ours: torch intra-op threads. The toy model (hidden 128) gains little from a second thread,
-    and on a busy CPU two spinning threads slowed SFT ~10x (6.8 s vs 0.4-0.7 s per step measured
-    on a shared 2-core machine); numbers are deterministic per seed and thread count"""
+    threads: int = 2
+    """ours: torch intra-op threads for training (SFT warm start, the policy and reflection updates).
+    On a 2-core machine they run 1.3-1.6x faster on 2 threads than on 1 (docs/performance.md
+    section 6). train.py sets OMP_WAIT_POLICY=PASSIVE unless the environment sets it: idle threads
+    sleep instead of spinning, so beside another CPU-bound process 2 threads are about as fast as 1
+    (spinning, they took 2x as long). Results are deterministic per seed and thread counts"""
+    sample_threads: int = 1
+    """ours: torch intra-op threads while the toy samplers decode (rollouts, reflections, held-out
+    evaluation; HFSampler / KVSampler); 0 = `threads`. A decode step is many small ops: with the
+    passive wait policy 2 sampling threads took 127 s of a run's rollouts against 70 s on one. The
+    sampled tokens then do not depend on `threads` (seed 0's metrics, bank and final weights are
+    the same with threads 1 and 2)"""
     precision: str = "fp32"
     """ours: the toy model's forward passes (SFT warm start, rollouts, the update's log-probs, the
     held-out evaluation): "fp32" | "bf16" (torch autocast: matrix products in bfloat16, weights,
@@ -494,6 +502,10 @@ def validate_config(cfg: Config) -> None:
     c = cfg.reflection.loss_coef
     if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c < float("inf"):
         raise ValueError(f"reflection.loss_coef must be a finite number >= 0, got {c!r}")
+    for name, lo in (("threads", 1), ("sample_threads", 0)):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
     for name, allowed in (("engine", ("torch", "zero3")), ("sampler", ("hf", "kv", "vllm")),
                           ("precision", ("fp32", "bf16")),
                           ("judge.backend", ("toy", "gemini", "openai")),
@@ -623,7 +635,8 @@ def config_from_dict(d: dict, cls=None, prefix: str = ""):
 
 # Fields a resumed run may change: where and how long it runs, not what it computes. The tool
 # limits are wall-clock safety nets and the failure thresholds only decide when to stop.
-RESUME_MAY_CHANGE = ("steps", "run_dir", "progress", "report_to", "threads", "cache_dir", "checkpoint.",
+RESUME_MAY_CHANGE = ("steps", "run_dir", "progress", "report_to", "threads", "sample_threads",
+                     "cache_dir", "checkpoint.",
                      "eval.", "rollout.tool_timeout_s", "rollout.deadline_s", "judge.max_failure_rate",
                      "judge.max_failure_steps", "judge.base_url", "judge.api_key_env",
                      "judge.concurrency", "judge.timeout_s", "judge.backoff", "judge.cache_dir",

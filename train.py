@@ -72,6 +72,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
+# Before torch loads its OpenMP runtime: idle intra-op threads sleep instead of spinning, so the toy
+# run's 2 training threads (settings.threads) do not fight another busy process for the cores. An
+# OMP_WAIT_POLICY set in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import numpy as np
 import torch
 

@@ -308,9 +308,17 @@ def console_summary(run_dir: str) -> list[str]:
     return out
 
 
-def readme_markdown(seeds, summ, data, out: str) -> str:
+def thread_counts(config: dict) -> str:
+    """A run's torch threads in words, from its config.json: "2 for training, 1 for sampling" (runs
+    from before `sample_threads` existed sampled on `threads`)."""
+    t = config.get("threads")
+    return f"{t} for training, {config.get('sample_threads', 0) or t} for sampling"
+
+
+def readme_markdown(seeds, summ, data, out: str, threads: str) -> str:
     """README.md's quick-start results: wall times, seed 0's console summary, the per-seed table and
-    its intervals (the same runs as docs/results.md)."""
+    its intervals (the same runs as docs/results.md). threads: the runs' torch threads, in words
+    (`thread_counts`)."""
     R = summ["rows"]
     m = lambda k: float(np.mean([r[k] for r in R]))  # noqa: E731
     g, gs = summ["answer_gain"], summ["score_gain"]
@@ -319,8 +327,8 @@ def readme_markdown(seeds, summ, data, out: str) -> str:
     rss = [r["rss_mb"] for r in R if r.get("rss_mb") is not None]
     sft = data[seeds[0]]["eval"].get("sft", {})
     sft_s = sft.get("train_seconds", 0.0) + sft.get("data_seconds", 0.0)
-    wall = (f"**Expected wall time** (this machine: {machine()}; `threads=1`, the default; other jobs "
-            "may have shared the cores): the SFT warm start takes "
+    wall = (f"**Expected wall time** (this machine: {machine()}; torch threads: {threads}, the "
+            "defaults; other jobs may have shared the cores): the SFT warm start takes "
             f"{_fmt_s(sft_s)} (teacher data and SFT, measured once, then cached in `.cache/rubricem`); "
             "a run with the warm start cached takes "
             + (f"{min(cacheds) / 60:.1f}-{_fmt_s(max(cacheds))}" if cacheds else "(not measured)")
@@ -428,12 +436,12 @@ def main(argv=None) -> int:
         commands.append((s, info["command"]))
         data[s] = load_seed(info["run_dir"])
     with open(os.path.join(a.out, f"seed{a.seeds[0]}", "config.json")) as fh:
-        threads = json.load(fh).get("threads")
+        threads = thread_counts(json.load(fh))
     summ = summarise(a.seeds, data, a.smooth)
     shown = (["--quick"] if a.quick else []) + [x for kv in a.set for x in ("--set", kv)]
     write_results(a.results, results_markdown(a.seeds, summ, commands, shown, a.smooth, threads))
     if not a.quick and not a.set:  # the README shows the default run only
-        write_results(a.readme, readme_markdown(a.seeds, summ, data, a.out), README_BEGIN,
+        write_results(a.readme, readme_markdown(a.seeds, summ, data, a.out, threads), README_BEGIN,
                       README_END, append=False)
     plot(a.seeds, data, summ, a.figure, a.smooth)
     g = summ["answer_gain"]

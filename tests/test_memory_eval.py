@@ -37,8 +37,8 @@ def test_pass1_similar_then_reflect_then_pass2_exact_fig6d(tmp_path, toy_cache, 
     assert len(bank_mod.RubricBank.load(run / "bank.jsonl")) == 4
     orig = memory_eval.build_sampler  # reflections on held-out trajectories: the valid lesson
     monkeypatch.setattr(memory_eval, "build_sampler",
-                        lambda model, tok, precision="fp32":
-                        ReflectionTextSampler(orig(model, tok, precision), tok, []))
+                        lambda model, tok, precision="fp32", threads=0:
+                        ReflectionTextSampler(orig(model, tok, precision, threads), tok, []))
     seen = []
     retrieve = bank_mod.RubricBank.retrieve
     monkeypatch.setattr(bank_mod.RubricBank, "retrieve",

@@ -68,7 +68,9 @@ def test_reproduce_runs_seed_writes_results_and_is_resumable(tmp_path):
     readme.write_text(f"intro\n{reproduce.README_BEGIN}\nold numbers\n{reproduce.README_END}\noutro\n")
     data = {0: reproduce.load_seed(str(out / "seed0"))}
     summ = reproduce.summarise([0], data, 6)
-    block = reproduce.readme_markdown([0], summ, data, str(out))
+    threads = reproduce.thread_counts(json.load(open(out / "seed0" / "config.json")))
+    assert threads == "2 for training, 1 for sampling"  # the defaults (TINY leaves them)
+    block = reproduce.readme_markdown([0], summ, data, str(out), threads)
     reproduce.write_results(str(readme), block, reproduce.README_BEGIN, reproduce.README_END,
                             append=False)
     new = readme.read_text()

@@ -68,13 +68,13 @@ class KVSampler(HFSampler):
     torch.multinomial costs several lm-head projections per step on CPU at an 8k vocabulary) or
     "multinomial" (torch.multinomial, HF generate's draw: the same tokens as generate for the same
     seed until a row stops). Randomness comes from torch's global RNG (seed it for determinism).
-    precision: the forwards' `scaffold.autocast` ("fp32" | "bf16"). Raises ValueError for another
-    draw or precision.
+    precision: the forwards' `scaffold.autocast` ("fp32" | "bf16"); threads: intra-op threads while
+    generating (0 = unchanged; HFSampler). Raises ValueError for another draw or precision.
     """
 
     def __init__(self, model, tokenizer, stop_strings: Sequence[str] = ("</call_tool>",),
-                 batch_size: int = 64, draw: str = "cdf", precision: str = "fp32"):
-        super().__init__(model, tokenizer, stop_strings, batch_size, precision)
+                 batch_size: int = 64, draw: str = "cdf", precision: str = "fp32", threads: int = 0):
+        super().__init__(model, tokenizer, stop_strings, batch_size, precision, threads)
         if draw not in DRAWS:
             raise ValueError(f"draw must be one of {DRAWS}, got {draw!r}")
         self.draw = draw
@@ -86,8 +86,9 @@ class KVSampler(HFSampler):
         # A stop string is at most this many tokens long (a byte-level token holds >= 1 byte).
         self._tail = max((len(s.encode("utf-8")) for s in self._string_stops), default=0) + 1
 
-    def generate(self, prompts, max_new_tokens, temperature):
-        """Continue each prompt (list of token ids) by at most max_new_tokens[i] sampled ids.
+    def _generate(self, prompts, max_new_tokens, temperature):
+        """Continue each prompt (list of token ids) by at most max_new_tokens[i] sampled ids
+        (HFSampler's `generate` calls this under `scaffold.intra_op_threads(self.threads)`).
 
         temperature: float >= 0 (0 = greedy). Returns one list of new ids per prompt, each ending at
         its first stop (included) or at its budget. Raises ValueError for a negative temperature or
