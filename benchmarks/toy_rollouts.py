@@ -48,14 +48,15 @@ def main(argv=None) -> int:
     system = system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
     queries = train_q[: cfg.rollout.prompts_per_step]
     res: dict[str, list] = {"hf": [], "kv": []}
-    print(f"threads={torch.get_num_threads()} nproc={os.cpu_count()} queries={len(queries)} "
-          f"n={cfg.rollout.n} max_response_tokens={cfg.rollout.max_response_tokens} "
+    print(f"threads={torch.get_num_threads()} sample_threads={cfg.sample_threads} "
+          f"nproc={os.cpu_count()} queries={len(queries)} n={cfg.rollout.n} "
+          f"max_response_tokens={cfg.rollout.max_response_tokens} "
           f"params={sum(p.numel() for p in model.parameters())} vocab={len(tok)}", flush=True)
     for rep in range(a.reps):
         for name, cls in (("hf", HFSampler), ("kv", KVSampler)):
-            engine = RolloutEngine(cls(model, tok), tok, {tool.name: tool},
-                                   cfg.rollout.max_response_tokens, cfg.rollout.max_tool_calls,
-                                   system, cfg.rollout.temperature)
+            engine = RolloutEngine(cls(model, tok, threads=cfg.sample_threads), tok,
+                                   {tool.name: tool}, cfg.rollout.max_response_tokens,
+                                   cfg.rollout.max_tool_calls, system, cfg.rollout.temperature)
             torch.manual_seed(cfg.seed * 7919 + rep)
             c0, t0 = time.process_time(), time.perf_counter()
             ros = engine.run(queries, n=cfg.rollout.n)
