@@ -399,7 +399,8 @@ class Config:
 
 
 def toy_preset() -> Config:
-    """Toy mode: ~16 minutes on a busy 2-core CPU, SFT warm start included (values are ours)."""
+    """Toy mode: about 10 minutes on a 2-core CPU with the SFT warm start, 4-5 once it is cached
+    (docs/results.md; values are ours)."""
     return Config()
 
 

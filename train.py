@@ -743,7 +743,8 @@ def _argument_parser() -> argparse.ArgumentParser:
                                         "README.md has the quick start and the logged metrics.")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--toy", action="store_true", help="toy preset: a tiny policy on CPU in a generated "
-                   "research world, about 13 min on 2 cores (default)")
+                   "research world; on 2 cores about 10 min, 4-5 min once the SFT warm start is cached "
+                   "(default)")
     g.add_argument("--full", action="store_true", help="full preset: the paper's values (ZeRO-3, vLLM, "
                    "Gemini judge, web search; needs --model); default: off")
     ap.add_argument("--steps", type=int, help="RL steps (default: the preset's, toy 24, full 1400); with "

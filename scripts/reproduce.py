@@ -193,7 +193,7 @@ def _fmt_s(x) -> str:
 
 
 def _fmt_mb(x) -> str:
-    return "-" if x is None else f"{x / 1024:.2f} GB"
+    return "-" if x is None else f"{x / 1024:.2f} GiB"  # x: MiB (getrusage's kB / 1024)
 
 
 def machine() -> str:
