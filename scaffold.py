@@ -38,6 +38,7 @@ What the functions compute
 - `autocast(precision)` / `pad_multiple(precision)`: the context of the toy model's forwards (float32,
   or bfloat16 autocast) and the length multiple its padded batches round up to (samplers, the torch
   engine and the SFT warm start use both).
+- `intra_op_threads(n)`: the torch thread count the samplers decode on (settings `sample_threads`).
 
 How the parser places text it cannot place (documented rule, tested by fuzzing)
 Stage boundaries are the *first* occurrence of each opening marker:
