@@ -14,6 +14,9 @@ Functions
 - `load_policy(path)`: model + tokenizer from a local directory (never downloads in toy mode).
 - `token_logprobs(model, input_ids, attention_mask)`: log pi(a_t | h_t) of every next token, computed
   in chunks of the sequence so the (tokens x vocab) fp32 logits are never materialised at once.
+- `pack_rows(batch, idx, pad_id)`: a micro-batch's sequences in rows, those behind one long shared
+  prompt (a reflection group's m candidates) packed into one row with the prompt once; token_logprobs
+  gives each the log-probs of its own row (ours: a speed-up, the same values).
 - `disable_dropout(model)`: every dropout probability to 0, so the old (eval-mode) and new
   (train-mode) log-probs of the SS-GRPO update come from the same function.
 - `plan_update` / `policy_update` (§3.3): the SS-GRPO update of one batch, written once for every
@@ -202,6 +205,14 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     of logits instead of B * L * V. Gradients flow through (use under torch.no_grad() for old/ref
     log-probs).
 
+    attention_mask is 1 on tokens and 0 on padding, or, for a row that packs several sequences
+    behind one shared prompt (`pack_rows`), a segment id per token: 1 on the shared prefix, which
+    comes first, and 2, 3, ... on each sequence's own continuation (0 on padding). A continuation
+    attends to the prefix and to itself only, its positions count on from the prefix, and its first
+    token is predicted from the prefix's last position, so every column holds what the sequence
+    alone would give (tests/test_prefix_sharing.py: equal to 1e-5, gradients too). Packed rows need
+    an attention that takes a 4-D mask ("sdpa" or "eager"; ValueError otherwise).
+
     recompute: with gradient, autograd would keep every chunk's (B, c, V) log-softmax for the
     backward, i.e. the full B * L * V again; recompute=True keeps only each chunk's inputs and
     recomputes its projection in the backward (torch.utils.checkpoint), for one extra vocabulary
@@ -213,11 +224,17 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     from torch.utils.checkpoint import checkpoint
 
     B, L = input_ids.shape
-    # Left-padded batches: positions must count from each row's first real token.
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    packed = attention_mask.numel() > 0 and int(attention_mask.max()) > 1
+    if packed:
+        mask, position_ids, prev = _segment_layout(attention_mask, model)
+    else:
+        # Left-padded batches: positions must count from each row's first real token.
+        mask, position_ids = attention_mask, (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    hidden = base(input_ids=input_ids, attention_mask=attention_mask,
+    hidden = base(input_ids=input_ids, attention_mask=mask,
                   position_ids=position_ids).last_hidden_state  # (B, L, H)
+    if packed:  # column t + 1 is predicted from position prev[t + 1] (t, except at a branch's start)
+        hidden = hidden.gather(1, prev[:, 1:, None].expand(-1, -1, hidden.shape[-1]))
     head = model.get_output_embeddings()
     if recompute is None:
         kept_bytes = B * (L - 1) * head.weight.shape[0] * 4  # float32 (B, L - 1, V) log-softmax
@@ -232,6 +249,31 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         else:
             pieces.append(_chunk_logprobs(head, h, nxt))  # (B, c); its logits are freed here
     return torch.cat(pieces, dim=1)  # (B, L)
+
+
+def _segment_layout(seg: torch.Tensor, model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For segment ids seg (B, L) (token_logprobs): the 4-D attention mask (B, 1, L, L), the
+    position ids (B, L) and each position's predecessor prev (B, L) int64 (the position whose
+    hidden state predicts it). Raises ValueError when the model's attention takes no 4-D mask."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
+    if impl not in ("sdpa", "eager"):
+        raise ValueError(f"prefix-shared rows need 'sdpa' or 'eager' attention, not {impl!r}; "
+                         "set ss_grpo.share_prefix = false")
+    B, L = seg.shape
+    seg = seg.long()
+    ar = torch.arange(L, device=seg.device)
+    key = seg[:, None, :]  # (B, 1, L): the attended token's segment
+    # token a attends to b <= a when b is a token of the shared prefix (1) or of a's own segment
+    allowed = (ar[:, None] >= ar[None, :]) & (key > 0) & ((key == 1) | (key == seg[:, :, None]))
+    # positions: the prefix counts 0..P-1, each continuation counts on from P
+    position_ids = (allowed.sum(-1) - 1).clamp(min=0)
+    start = (seg >= 2) & (seg != torch.nn.functional.pad(seg[:, :-1], (1, 0)))  # a branch's 1st token
+    last_prefix = ((seg == 1).sum(-1, keepdim=True) - 1).clamp(min=0)  # (B, 1)
+    prev = torch.where(start, last_prefix, (ar - 1).clamp(min=0)[None, :].expand(B, L))
+    mask = allowed[:, None]
+    if impl == "eager":  # eager attention adds the mask to the scores
+        mask = torch.zeros(mask.shape, device=seg.device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    return mask, position_ids, prev
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -270,6 +312,119 @@ def pad_rows(batch: UpdateBatch, idx: Sequence[int], pad_id: int):
         mask[r, :n] = torch.tensor(batch.mask[i], dtype=torch.bool)
         adv[r, :n] = torch.tensor(batch.adv[i], dtype=torch.float32)
     return ids, att, mask, adv
+
+
+# Prefix sharing (ours, not in the paper; a speed-up with the same values). A reflection GRPO group
+# is m candidates behind one prompt that holds the whole judged trajectory (about 300 tokens for a
+# candidate of about 25 in toy mode), so most of a reflection update's forward and backward would be
+# the same prompt m times. `pack_rows` puts the sequences of a micro-batch that begin with the same
+# loss-free prompt into one row, the prompt once and each continuation after it, and token_logprobs
+# masks the attention so every continuation sees the prompt and itself only: the same log-probs
+# and gradients as separate rows (to float rounding), for far fewer tokens. A group is packed only
+# when its prompt is at least as long as its continuations on average (SHARE_MIN_RATIO): a task
+# rollout's prompt is short next to its response, and one long packed row would cost more attention
+# than the prompt tokens it saves.
+
+SHARE_MIN_RATIO = 1.0  # pack a group when prompt length >= this x the mean continuation length
+
+
+def _loss_free_prefix(mask: Sequence[int]) -> int:
+    """Number of leading tokens with loss mask 0 (the prompt a sequence may share)."""
+    n = 0
+    for x in mask:
+        if x:
+            break
+        n += 1
+    return n
+
+
+def share_groups(batch: UpdateBatch, idx: Sequence[int],
+                 min_ratio: float = SHARE_MIN_RATIO) -> list[list[int]]:
+    """Partition idx (positions in `batch`) into groups, in order of first appearance: sequences with
+    the same loss-free prefix (ids and length) whose prefix is at least min_ratio x their mean
+    remainder form one group (packed into one row by pack_rows); every other sequence is its own
+    group."""
+    by_key: dict = {}
+    for i in idx:
+        k = _loss_free_prefix(batch.mask[i])
+        key = (k, tuple(batch.ids[i][:k])) if k > 0 else ("alone", i)
+        by_key.setdefault(key, []).append(i)
+    out = []
+    for key, members in by_key.items():
+        k = key[0]
+        rest = sum(len(batch.ids[i]) - k for i in members) / len(members)
+        if len(members) > 1 and k >= min_ratio * rest:
+            out.append(members)
+        else:
+            out.extend([i] for i in members)
+    return out
+
+
+def pack_rows(batch: UpdateBatch, idx: Sequence[int], pad_id: int, share: bool = True):
+    """pad_rows with prefix sharing: (ids, att, loss mask, advantages, layout).
+
+    The four tensors are (B', L') with dtypes int64, int64, bool, float32, one row per group of
+    `share_groups` (share=False: one per sequence, exactly pad_rows' tensors). A packed row holds
+    the shared prefix (att 1) and then each member's remainder (att 2, 3, ...; token_logprobs reads
+    them as segments); padding has att 0. layout[r] lists row r's pieces (i, src, dst, n): tokens
+    src..src+n of sequence i sit at dst..dst+n (the prefix is a piece of every member). Raises
+    ValueError for an empty idx.
+    """
+    if not idx:
+        raise ValueError("pack_rows needs at least one sequence")
+    groups = share_groups(batch, idx) if share else [[i] for i in idx]
+    rows = []  # per row: (ids, segment ids, mask, adv, layout)
+    for g in groups:
+        first = batch.ids[g[0]]
+        if len(g) == 1:
+            n = len(first)
+            rows.append((first, [1] * n, batch.mask[g[0]], batch.adv[g[0]], [(g[0], 0, 0, n)]))
+            continue
+        k = _loss_free_prefix(batch.mask[g[0]])
+        ids, seg, mk, ad = list(first[:k]), [1] * k, [0] * k, list(batch.adv[g[0]][:k])
+        lay = [(i, 0, 0, k) for i in g]
+        for j, i in enumerate(g):
+            n = len(batch.ids[i]) - k
+            lay.append((i, k, len(ids), n))
+            ids += batch.ids[i][k:]
+            seg += [2 + j] * n
+            mk += batch.mask[i][k:]
+            ad += batch.adv[i][k:]
+        rows.append((ids, seg, mk, ad, lay))
+    L, B = max(len(r[0]) for r in rows), len(rows)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    att = torch.zeros((B, L), dtype=torch.long)
+    mask = torch.zeros((B, L), dtype=torch.bool)
+    adv = torch.zeros((B, L), dtype=torch.float32)
+    for r, (i_, s_, m_, a_, _) in enumerate(rows):
+        n = len(i_)
+        ids[r, :n] = torch.tensor(i_)
+        att[r, :n] = torch.tensor(s_)
+        mask[r, :n] = torch.tensor(m_, dtype=torch.bool)
+        adv[r, :n] = torch.tensor(a_, dtype=torch.float32)
+    return ids, att, mask, adv, [r[4] for r in rows]
+
+
+def place(values: list, layout: list, shape) -> torch.Tensor:
+    """(B', L') float32 in pack_rows' layout from per-sequence values (values[i]: (L_i,) tensors,
+    e.g. old or reference log-probs); 0 where no sequence's token sits."""
+    out = torch.zeros(shape)
+    for r, pieces in enumerate(layout):
+        for i, src, dst, n in pieces:
+            out[r, dst : dst + n] = values[i][src : src + n]
+    return out
+
+
+def unpack(rows: torch.Tensor, layout: list, lengths: Sequence[int]) -> dict:
+    """Per-sequence (L_i,) tensors from (B', L') values in pack_rows' layout (the inverse of
+    `place`): {i: tensor}; lengths[i] = L_i."""
+    out: dict = {}
+    for r, pieces in enumerate(layout):
+        for i, src, dst, n in pieces:
+            if i not in out:
+                out[i] = torch.zeros(lengths[i], dtype=rows.dtype)
+            out[i][src : src + n] = rows[r, dst : dst + n]
+    return out
 
 
 @dataclass
@@ -330,27 +485,32 @@ def _padding_pass(pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.no_grad()
 def sequence_logprobs(fn, batch: UpdateBatch, pad_id: int, micro: int, passes: int | None = None,
-                      index: Sequence[int] | None = None) -> list[torch.Tensor]:
+                      index: Sequence[int] | None = None,
+                      share: bool = False) -> list[torch.Tensor]:
     """Per-sequence token log-probs without gradient: a list of len(batch.ids) float32 CPU tensors
     (L_i,), from fn(ids, att) -> (B, L) (an engine's `logprobs` or `ref_logprobs`).
 
     Sequences go through fn `micro` at a time, shortest first (ties by `index`, the sequences'
     positions in the whole batch; default their own order), so each pass pads little; with
+    `share`, sequences with a shared prompt go through together and are packed (pack_rows). With
     `passes`, fn is called exactly that many times (padding passes after this rank's sequences:
     every ZeRO-3 forward is collective). Raises ValueError when `passes` passes of `micro` cannot
     hold every sequence."""
     N = len(batch.ids)
     index = list(index) if index is not None else list(range(N))
     order = sorted(range(N), key=lambda i: (len(batch.ids[i]), index[i]))
+    if share:  # siblings next to each other, groups in order of their shortest member
+        order = [i for g in share_groups(batch, order) for i in g]
     chunks = [order[s : s + micro] for s in range(0, N, micro)]
     if passes is not None and len(chunks) > passes:
         raise ValueError(f"{passes} passes of {micro} cannot score {N} sequences")
     out: list[torch.Tensor] = [None] * N  # type: ignore[list-item]
     for idx in chunks:
-        ids, att, _, _ = pad_rows(batch, idx, pad_id)
+        ids, att, _, _, layout = pack_rows(batch, idx, pad_id, share)
         lp = fn(ids, att).cpu()
-        for r, i in enumerate(idx):
-            out[i] = lp[r, : len(batch.ids[i])].clone()
+        out_rows = unpack(lp, layout, [len(x) for x in batch.ids])
+        for i in idx:
+            out[i] = out_rows[i]
     for _ in range((passes or len(chunks)) - len(chunks)):
         fn(*_padding_pass(pad_id))
     return out
@@ -416,9 +576,10 @@ _STAT_KEYS = ("loss/total", "loss/policy", "kl", "clip_frac")
 
 
 def _minibatch(engine: PolicyEngine, local: UpdateBatch, mb: list, n_micro: int, n_seq: float,
-               n_tok: float, old, ref, cfg, pad_id: int) -> list[float]:
+               n_tok: float, old, ref, cfg, pad_id: int, share: bool = False) -> list[float]:
     """Forward/backward passes of one optimizer step's sequences (this rank's `mb`, in n_micro
-    passes, padding passes when it has fewer); returns the summed loss statistics (_STAT_KEYS)."""
+    passes, padding passes when it has fewer; each pass's sequences packed by prompt when `share`);
+    returns the summed loss statistics (_STAT_KEYS)."""
     import ss_grpo
 
     micro = int(cfg.micro_batch)
@@ -429,13 +590,13 @@ def _minibatch(engine: PolicyEngine, local: UpdateBatch, mb: list, n_micro: int,
         if not idx:  # padding pass: same collectives as the other ranks, zero loss
             engine.backward(engine.logprobs(*_padding_pass(pad_id)).sum() * 0.0, last)
             continue
-        ids, att, mask, adv = pad_rows(local, idx, pad_id)
+        ids, att, mask, adv, layout = pack_rows(local, idx, pad_id, share)
         logp = engine.logprobs(ids, att)  # (B, L) with gradient
         dev = logp.device
         # One optimizer step per batch: pi_theta_old = pi_theta, so log pi_old is this forward's
         # own log-probs, detached (rho = 1 exactly) instead of a second, no-grad forward.
-        old_lp = logp.detach() if old is None else _stack(old, idx, ids.shape).to(dev)
-        ref_lp = _stack(ref, idx, ids.shape).to(dev) if ref is not None else None
+        old_lp = logp.detach() if old is None else place(old, layout, ids.shape).to(dev)
+        ref_lp = place(ref, layout, ids.shape).to(dev) if ref is not None else None
         # L = agg(-min(rho A, clip(rho, 1-eta, 1+eta) A)) + beta * agg(k3)   (§3.3), normalised with
         # the optimizer step's global counts so micro-batches and ranks add up (ss_grpo.aggregate)
         loss, st = ss_grpo.ss_grpo_loss(logp, old_lp, ref_lp, adv.to(dev), mask.to(dev), eta=cfg.eta,
@@ -444,14 +605,6 @@ def _minibatch(engine: PolicyEngine, local: UpdateBatch, mb: list, n_micro: int,
         engine.backward(loss, last)
         acc = [a + float(st[k]) for a, k in zip(acc, _STAT_KEYS)]
     return acc
-
-
-def _stack(rows: list, idx: Sequence[int], shape) -> torch.Tensor:
-    """(B, L) float32: rows[i] (L_i,) for i in idx, right-padded with 0."""
-    out = torch.zeros(shape)
-    for r, i in enumerate(idx):
-        out[r, : len(rows[i])] = rows[i]
-    return out
 
 
 def policy_update(engine: PolicyEngine, local: UpdateBatch, cfg, pad_id: int, plan: UpdatePlan,
@@ -474,18 +627,20 @@ def policy_update(engine: PolicyEngine, local: UpdateBatch, cfg, pad_id: int, pl
     statistics (raw grad_norm included), for the ZeRO-3 self-test. Collective on a multi-rank
     engine: every rank calls it.
     """
+    share = bool(getattr(cfg, "share_prefix", False)) and cfg.agg != "seq_mean_token_mean"
+    index = plan.index or None
     many = len(plan.minibatches) > 1
     old = sequence_logprobs(engine.logprobs, local, pad_id, cfg.micro_batch, plan.score_passes,
-                            plan.index or None) if many else None
+                            index, share) if many else None
     ref = sequence_logprobs(engine.ref_logprobs, local, pad_id, cfg.micro_batch, plan.score_passes,
-                            plan.index or None) if cfg.beta > 0 else None
+                            index, share) if cfg.beta > 0 else None
     engine.train(True)
     done, empty = [], 0  # (stats, grad norm or None) of the optimizer steps taken; steps skipped
     for mb, n_micro, n_seq, n_tok in zip(plan.minibatches, plan.n_micro, plan.n_seq, plan.n_tok):
         if n_tok == 0:  # nothing sampled to learn from, on any rank: no pass, no optimizer step
             empty += 1
             continue
-        acc = _minibatch(engine, local, mb, n_micro, n_seq, n_tok, old, ref, cfg, pad_id)
+        acc = _minibatch(engine, local, mb, n_micro, n_seq, n_tok, old, ref, cfg, pad_id, share)
         gn = engine.step()  # the same global norm on every rank
         if not math.isfinite(gn):
             log.warning("SS-GRPO update: gradient norm %s; optimizer step skipped", gn)

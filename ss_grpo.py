@@ -661,3 +661,7 @@ class SSGRPOConfig:
     """sequences per forward pass (gradient accumulation within a minibatch)"""
     grad_clip: float = 1.0
     """max global gradient norm per optimizer step"""
+    share_prefix: bool = True
+    """ours: pack the sequences of a micro-batch that share a long prompt (a reflection group's m
+    candidates) into one row (policy.pack_rows): the same values, fewer tokens; not with
+    agg = "seq_mean_token_mean", whose per-row means need one sequence per row"""

@@ -1,0 +1,191 @@
+"""Prefix sharing in the SS-GRPO update (policy.pack_rows, token_logprobs' segment rows): sequences
+that begin with the same loss-free prompt (a reflection group's m candidates, §3.4) are packed into
+one row, the prompt once. Every log-prob and every gradient must be what the separate rows give
+(to float rounding), for any grouping; which sequences get packed follows share_groups' rule."""
+import copy
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import policy
+from policy import TorchEngine, UpdateBatch
+from ss_grpo import SSGRPOConfig
+
+V, PAD = 61, 0
+
+
+def tiny_qwen3(seed: int = 0, attn: str | None = None):
+    """A randomly initialised XS Qwen3 (policy.SIZES) over a 61-token vocabulary."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=V, max_position_embeddings=256, tie_word_embeddings=True,
+                      pad_token_id=PAD, **policy.SIZES["XS"])
+    if attn is not None:
+        cfg._attn_implementation = attn
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_qwen3()
+
+
+def grouped_batch(shape: list, seed: int = 0) -> UpdateBatch:
+    """shape: per group (prompt length, [continuation lengths]); continuations are loss-masked
+    except a 2-token environment stretch in the longer ones; advantages vary per token."""
+    g = torch.Generator().manual_seed(seed)
+    b = UpdateBatch()
+    for P, conts in shape:
+        prompt = torch.randint(1, V, (P,), generator=g).tolist()
+        for T in conts:
+            m = [0] * P + [1] * T
+            if T >= 6:
+                m[P + 3: P + 5] = [0, 0]
+            b.ids.append(prompt + torch.randint(1, V, (T,), generator=g).tolist())
+            b.mask.append(m)
+            b.adv.append([x * float(torch.rand(1, generator=g) * 2 - 1) for x in m])
+            b.kind.append("reflection")
+    return b
+
+
+def separate(model, batch: UpdateBatch) -> list:
+    """Each sequence's log-probs from a row of its own."""
+    out = []
+    for ids in batch.ids:
+        x = torch.tensor([ids])
+        out.append(policy.token_logprobs(model, x, torch.ones_like(x))[0])
+    return out
+
+
+groups = st.lists(st.tuples(st.integers(1, 24), st.lists(st.integers(1, 8), min_size=1, max_size=4)),
+                  min_size=1, max_size=4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(groups, st.integers(0, 3))
+def test_packed_rows_give_each_sequences_own_logprobs(model, shape, seed):
+    batch = grouped_batch(shape, seed)
+    idx = list(range(len(batch.ids)))
+    random.Random(seed).shuffle(idx)
+    ids, att, mask, adv, layout = policy.pack_rows(batch, idx, PAD, share=True)
+    with torch.no_grad():
+        got = policy.unpack(policy.token_logprobs(model, ids, att), layout,
+                            [len(x) for x in batch.ids])
+        want = separate(model, batch)
+    assert sorted(got) == sorted(idx)
+    for i in idx:
+        assert got[i].shape == want[i].shape
+        assert float((got[i] - want[i]).abs().max()) < 1e-5
+    # the packed tensors carry every loss-masked token and its advantage exactly once
+    assert int(mask.sum()) == sum(sum(m) for m in batch.mask)
+    assert abs(float(adv[mask].sum()) - sum(sum(a) for a in batch.adv)) < 1e-4
+
+
+def test_a_reflection_group_is_one_row_and_short_prompts_stay_apart():
+    # two groups behind long prompts, one group whose prompt is shorter than its continuations
+    batch = grouped_batch([(20, [3, 4, 5]), (18, [2, 6]), (3, [7, 9])])
+    groups_ = policy.share_groups(batch, range(7))
+    assert groups_ == [[0, 1, 2], [3, 4], [5], [6]]
+    ids, att, *_ = policy.pack_rows(batch, list(range(7)), PAD)
+    assert ids.shape[0] == 4
+    assert att[0].tolist()[:20] == [1] * 20 and set(att[0].tolist()[20:32]) == {2, 3, 4}
+    # same prompt ids but a different loss-free length are not one group
+    b2 = grouped_batch([(10, [2, 2])])
+    b2.mask[1][10] = 0
+    assert policy.share_groups(b2, [0, 1]) == [[0], [1]]
+
+
+def test_without_sharing_pack_rows_is_pad_rows():
+    batch = grouped_batch([(20, [3, 4]), (5, [9])])
+    idx = [2, 0, 1]
+    a = policy.pack_rows(batch, idx, PAD, share=False)
+    for x, y in zip(a[:4], policy.pad_rows(batch, idx, PAD)):
+        assert torch.equal(x, y)
+
+
+def test_eager_attention_packs_too_and_others_are_refused():
+    batch = grouped_batch([(16, [3, 5, 2])])
+    eager = tiny_qwen3(attn="eager")
+    ids, att, _, _, layout = policy.pack_rows(batch, [0, 1, 2], PAD)
+    with torch.no_grad():
+        got = policy.unpack(policy.token_logprobs(eager, ids, att), layout,
+                            [len(x) for x in batch.ids])
+        want = separate(eager, batch)
+    assert max(float((got[i] - want[i]).abs().max()) for i in range(3)) < 1e-5
+    other = tiny_qwen3()
+    other.config._attn_implementation = "flash_attention_2"  # as a model loaded for FlashAttention
+    with pytest.raises(ValueError, match="share_prefix"):
+        policy.token_logprobs(other, ids, att)
+
+
+class RecordingOpt:
+    """Optimizer stand-in: keeps each step's gradients and leaves the weights alone."""
+
+    def __init__(self, params):
+        self.params, self.grads = list(params), []
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        self.grads.append([p.grad.detach().clone() for p in self.params])
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "paper"])
+@pytest.mark.parametrize("minibatches,micro", [(1, 16), (2, 3)])
+def test_update_with_sharing_has_the_unshared_losses_and_gradients(agg, minibatches, micro):
+    batch = grouped_batch([(22, [3, 4, 6, 2]), (19, [5, 1, 7]), (4, [8, 6])], seed=3)
+    ref_model = tiny_qwen3(seed=1)  # a reference unlike the policy: the KL term has a gradient
+    runs = []
+    for share in (False, True):
+        model = tiny_qwen3()
+        cfg = SSGRPOConfig(minibatches=minibatches, micro_batch=micro, agg=agg, beta=0.04,
+                           grad_clip=1e9, share_prefix=share)
+        opt = RecordingOpt(model.parameters())
+        out = TorchEngine(model, cfg, copy.deepcopy(ref_model), opt).update(batch, PAD,
+                                                                           random.Random(0))
+        runs.append((out, opt.grads))
+    (o0, g0), (o1, g1) = runs
+    assert len(g0) == len(g1) == minibatches
+    for k in ("loss/total", "loss/policy", "kl", "clip_frac", "grad_norm"):
+        assert abs(o0[k] - o1[k]) < 1e-5, (k, o0[k], o1[k])
+    worst = max(float((a - b).abs().max()) for s0, s1 in zip(g0, g1) for a, b in zip(s0, s1))
+    assert worst < 1e-5, worst
+    assert max(float(a.abs().max()) for a in g0[0]) > 1e-3  # a real gradient
+
+
+def test_per_sequence_aggregation_is_never_packed(monkeypatch):
+    calls = []
+    real = policy.pack_rows
+    monkeypatch.setattr(policy, "pack_rows", lambda b, i, p, share=True: calls.append(share)
+                        or real(b, i, p, share))
+    batch = grouped_batch([(20, [3, 4])])
+    cfg = SSGRPOConfig(minibatches=2, micro_batch=4, agg="seq_mean_token_mean", beta=0.01)
+    TorchEngine(tiny_qwen3(), cfg).update(batch, PAD, random.Random(0))
+    assert calls and not any(calls)
+    calls.clear()
+    TorchEngine(tiny_qwen3(), SSGRPOConfig(micro_batch=4, beta=0.01)).update(batch, PAD,
+                                                                             random.Random(0))
+    assert calls and all(calls)
+
+
+def test_sequence_logprobs_with_sharing_keeps_the_pass_count(model):
+    batch = grouped_batch([(20, [3, 4, 2]), (17, [5, 1])], seed=2)
+    calls = []
+
+    def fn(ids, att):
+        calls.append(ids.shape[0])
+        return policy.token_logprobs(model, ids, att)
+
+    plain = policy.sequence_logprobs(fn, batch, PAD, 2, 4)
+    n_plain = len(calls)
+    calls.clear()
+    shared = policy.sequence_logprobs(fn, batch, PAD, 2, 4, None, True)
+    assert len(calls) == n_plain == 4  # 3 passes of 2 sequences + 1 padding pass, either way
+    for a, b in zip(plain, shared):
+        assert float((a - b).abs().max()) < 1e-5
