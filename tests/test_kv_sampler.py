@@ -128,6 +128,66 @@ def test_t1_next_token_logprobs_equal_a_full_forward_sec3_1(tok, model):
         assert torch.allclose(torch.tensor(lp), full, atol=1e-5, rtol=0), (lp, full)
 
 
+def test_repeated_prompts_prefill_once_and_sample_from_their_own_distribution_sec3_1(tok, model):
+    """A prompt repeated in the batch (a reflection group's m candidates) is prefilled once; each
+    copy still samples its own continuation, every log-prob a full forward's, and greedy copies
+    equal the prompt decoded alone."""
+    p = prompt(tok)
+    prompts = [p, p[3:], p, p, p[3:]]
+    rows = []
+    hook = model.model.register_forward_hook(lambda m, a, kw, out: rows.append(kw["input_ids"].shape),
+                                             with_kwargs=True)
+    try:
+        torch.manual_seed(4)
+        ids, lps = KVSampler(model, tok).decode(prompts, [30] * 5, 1.0, return_logprobs=True)
+    finally:
+        hook.remove()
+    assert rows[0] == (2, len(p))  # the prefill: two distinct prompts
+    assert len({tuple(x) for x in ids[:1] + ids[2:4]}) > 1  # the copies draw independently
+    for pr, new, lp in zip(prompts, ids, lps):
+        seq = torch.tensor([pr + new])
+        full = policy.token_logprobs(model, seq, torch.ones_like(seq))[0, len(pr):]
+        assert torch.allclose(torch.tensor(lp), full, atol=1e-5, rtol=0)
+    greedy = KVSampler(model, tok).decode(prompts, [20] * 5, 0.0)[0]
+    assert greedy[0] == greedy[2] == greedy[3] == KVSampler(model, tok).decode([p], [20], 0.0)[0][0]
+    assert greedy[1] == greedy[4] == KVSampler(model, tok).decode([p[3:]], [20], 0.0)[0][0]
+
+
+def test_next_turn_reuses_the_kept_keys_and_values_sec3_2(tok, model):
+    """A rollout's next turn (its context so far + a tool output) computes only the new tokens; the
+    next-token log-probs stay a full forward's; after the weights change nothing is reused."""
+    p = prompt(tok)
+    smp = KVSampler(model, tok)
+    torch.manual_seed(5)
+    first = smp.generate([p, p[2:], p[5:]], [12, 12, 12], 1.0)
+    tool_out = tf.encode(tok, "<call_tool>search Harta</call_tool>")
+    nxt = [pr + new + tool_out for pr, new in zip([p, p[2:], p[5:]], first)]
+    fed = []
+    hook = model.model.register_forward_hook(lambda m, a, kw, out: fed.append(kw["input_ids"].shape),
+                                             with_kwargs=True)
+    try:
+        torch.manual_seed(6)
+        ids, lps = smp.decode(nxt, [20, 20, 20], 1.0, return_logprobs=True)
+        # the prefill fed at most the tool output and the last sampled token of each row
+        assert fed[0][1] <= len(tool_out) + 1 < min(len(x) for x in nxt)
+        for pr, new, lp in zip(nxt, ids, lps):
+            seq = torch.tensor([pr + new])
+            full = policy.token_logprobs(model, seq, torch.ones_like(seq))[0, len(pr):]
+            assert torch.allclose(torch.tensor(lp), full, atol=1e-5, rtol=0)
+        second = smp.generate(nxt, [4, 4, 4], 1.0)
+        cont = [nxt[0] + second[0] + tool_out]
+        fed.clear()
+        smp.decode(cont, [2], 1.0)
+        assert fed[0][1] <= len(tool_out) + 1  # the kept context of the second call is reused
+        fed.clear()
+        with torch.no_grad():
+            model.lm_head.weight.mul_(1.0)  # an in-place change (an optimizer step's kind)
+        smp.decode(cont, [2], 1.0)
+        assert fed[0][1] == len(cont[0])  # the whole context again
+    finally:
+        hook.remove()
+
+
 def test_rollout_engine_greedy_tool_loop_same_rollouts_sec3_2(tok, model):
     """Inside the rollout engine (tool calls, environment tokens, several rounds), greedy rollouts
     are the same trajectories with either sampler."""

@@ -8,13 +8,21 @@ Why: on a small model on CPU, Hugging Face `generate` spends much of each decode
 bookkeeping (input preparation, logits processors, stopping criteria) rather than in the model. This
 loop calls the model's forward directly with a `DynamicCache`:
 
-    prefill: one forward over the left-padded prompts (logits of the last position only)
+    prefill: one forward over the left-padded prompts (logits of the last position only; a prompt
+             that appears several times in the batch is prefilled once and its cache copied)
     step t:  sample x_t ~ softmax(logits / T) (argmax when T = 0), write it, then one forward of the
              new tokens (B, 1) against the cache
 
 and drops the rows that have stopped from the batch (and from the cache), so a batch whose
 sequences stop at very different lengths (tool calls, end of turn) stops paying for the finished
 ones.
+
+A multi-turn rollout calls `generate` once per turn with its whole context so far (the Sampler
+interface is token-in/token-out). So that a turn does not re-encode that context, each row's keys
+and values are kept when it stops (the prefix cache, of the last `generate` call only), and a
+prompt that begins with a kept row's tokens reuses them: only the tool output and the next turn's
+markup go through the model. The cache is dropped as soon as the weights change (an optimizer
+step, a load: every parameter's in-place version is checked).
 
 Same contract as HFSampler: left padding, position ids counted from each row's first real token,
 top_k = 0, top_p = 1, batches of `batch_size` prompts sorted by length, stop at the first stop id
@@ -85,6 +93,10 @@ class KVSampler(HFSampler):
         self._stop_ids = torch.tensor(self.stop_token_ids, dtype=torch.long)
         # A stop string is at most this many tokens long (a byte-level token holds >= 1 byte).
         self._tail = max((len(s.encode("utf-8")) for s in self._string_stops), default=0) + 1
+        # The prefix cache: each row's keys / values from the last generate call, by the tokens
+        # they hold, valid while the weights are unchanged (see `_lookup`).
+        self._kept: dict = {}
+        self._kept_weights = None
 
     def _generate(self, prompts, max_new_tokens, temperature):
         """Continue each prompt (list of token ids) by at most max_new_tokens[i] sampled ids
@@ -100,36 +112,56 @@ class KVSampler(HFSampler):
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         out: list[list[int]] = [[] for _ in prompts]
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        kept: dict = {}  # this call's rows, for the next call (a rollout's next turn)
         for s in range(0, len(order), self.batch_size):
             idx = [i for i in order[s: s + self.batch_size] if max_new_tokens[i] > 0]
             if not idx:
                 continue
             gen = self.decode([prompts[i] for i in idx], [int(max_new_tokens[i]) for i in idx],
-                              temperature)[0]
+                              temperature, keep=kept)[0]
             for r, i in enumerate(idx):
                 out[i] = self._cut(gen[r], max_new_tokens[i])
+        self._kept = kept
+        return out
+
+    def _weights(self) -> tuple:
+        """What identifies the current weights: each parameter's storage and in-place version (an
+        optimizer step or a load_state_dict bumps the version)."""
+        return tuple((p.data_ptr(), p._version) for p in self.model.parameters())
+
+    def _lookup(self, prompts: list[list[int]]) -> list:
+        """Per prompt, (n, keys / values) of the longest kept sequence that begins it (n of its
+        tokens are reused, at most len(prompt) - 1 so the last one is computed), or (0, None).
+        Nothing is reused after the weights changed."""
+        if self._kept_weights != self._weights():
+            self._kept = {}
+        if not self._kept:
+            return [(0, None)] * len(prompts)
+        lengths = sorted({len(k) for k in self._kept}, reverse=True)
+        out = []
+        for p in prompts:
+            hit = (0, None)
+            for n in lengths:
+                kv = self._kept.get(tuple(p[:n])) if n <= len(p) else None
+                if kv is not None:
+                    hit = (min(n, len(p) - 1), kv)
+                    break
+            out.append(hit)
         return out
 
     @torch.inference_mode()
     def decode(self, prompts: list[list[int]], limits: list[int], temperature: float,
-               return_logprobs: bool = False) -> tuple[list[list[int]], list[list[float]] | None]:
+               return_logprobs: bool = False,
+               keep: dict | None = None) -> tuple[list[list[int]], list[list[float]] | None]:
         """One batch through the decode loop: (new ids per row, or also their log-probs).
 
         prompts: B non-empty lists of token ids; limits: B budgets >= 1. Row r stops at a stop id, at
         the token that completes a stop string, or after limits[r] tokens. With return_logprobs, the
         second value holds log pi(x_t | h_t) (float, natural log, of the untempered distribution) of
-        every returned token; else None.
+        every returned token; else None. keep: a dict that receives each row's keys / values when it
+        stops (the prefix cache of the next generate call).
         """
         model, dev = self.model, getattr(self.model, "device", None) or torch.device("cpu")
-        B, L = len(prompts), max(len(p) for p in prompts)
-        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
-        att = torch.zeros((B, L), dtype=torch.long)
-        for r, p in enumerate(prompts):  # left padding, as HFSampler
-            ids[r, L - len(p):] = torch.tensor(p, dtype=torch.long)
-            att[r, L - len(p):] = 1
-        ids, att = ids.to(dev), att.to(dev)
-        # positions count from each row's first real token (padding gets 0), as HF generate
-        pos = (att.cumsum(-1) - 1).masked_fill(att == 0, 0)
         from transformers import DynamicCache
 
         cache = DynamicCache(config=model.config)
@@ -137,14 +169,61 @@ class KVSampler(HFSampler):
         if self._keep_kw:
             kw["logits_to_keep"] = 1
         cast = autocast(self.precision, dev.type)
-        with cast:
-            logits = model(input_ids=ids, attention_mask=att, position_ids=pos, **kw).logits[:, -1]
+        B = len(prompts)
+        reuse = self._lookup(prompts)
+        C = max(n for n, _ in reuse)  # the longest reused prefix
+        L = max(len(p) - n for p, (n, _) in zip(prompts, reuse))  # the longest part to compute
+        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
+        att = torch.zeros((B, C + L), dtype=torch.long)
+        pos = torch.zeros((B, L), dtype=torch.long)
+        for r, (p, (n, _)) in enumerate(zip(prompts, reuse)):  # left padding, as HFSampler
+            ids[r, L - len(p) + n:] = torch.tensor(p[n:], dtype=torch.long)
+            att[r, C - n: C] = 1
+            att[r, C + L - len(p) + n:] = 1
+            # positions count from each row's first real token (padding gets 0), as HF generate
+            pos[r, L - len(p) + n:] = torch.arange(n, len(p))
+        ids, att, pos = ids.to(dev), att.to(dev), pos.to(dev)
+        if C:
+            # A rollout's next turn: the keys / values of its context so far come from the prefix
+            # cache (right-aligned in C slots, padding masked); only the tool output and the turn's
+            # markup go through the model.
+            longest = next(kv for n, kv in reuse if n == C)
+            for layer, (k0, v0) in enumerate(longest):
+                k = k0.new_zeros((B, k0.shape[0], C, k0.shape[2]))
+                v = v0.new_zeros((B, v0.shape[0], C, v0.shape[2]))
+                for r, (n, kv) in enumerate(reuse):
+                    if n:
+                        k[r, :, C - n:] = kv[layer][0][:, :n]
+                        v[r, :, C - n:] = kv[layer][1][:, :n]
+                cache.update(k.to(dev), v.to(dev), layer)
+            with cast:
+                logits = model(input_ids=ids, attention_mask=att, position_ids=pos,
+                               **kw).logits[:, -1]
+            uniq = None
+        else:
+            # Identical prompts (a reflection group's m candidates, a rollout group's first turn)
+            # are prefilled once; the cache rows and last logits are copied to every row with them.
+            first: dict = {}
+            inv = [first.setdefault(tuple(p), r) for r, p in enumerate(prompts)]
+            uniq = sorted(set(inv))
+        if uniq is not None and len(uniq) < B:
+            u = torch.tensor(uniq, device=dev)
+            with cast:
+                logits = model(input_ids=ids[u], attention_mask=att[u], position_ids=pos[u],
+                               **kw).logits[:, -1]
+            back = torch.tensor([uniq.index(r) for r in inv], device=dev)
+            cache.batch_select_indices(back)
+            logits = logits[back]
+        elif uniq is not None:
+            with cast:
+                logits = model(input_ids=ids, attention_mask=att, position_ids=pos,
+                               **kw).logits[:, -1]
         stop_ids = self._stop_ids.to(dev)
         limit = torch.tensor(limits, dtype=torch.long, device=dev)
         rows = torch.arange(B, device=dev)  # batch row -> original row
         nxt_pos = pos[:, -1:] + 1
         steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
-        toks: list[list[int]] = [[] for _ in range(B)]  # per row, for the stop-string check
+        toks: list[list[int]] = [[] for _ in range(B)]  # per row, its tokens so far
         for t in range(max(limits)):
             logits = logits.float()
             if temperature > 0:
@@ -157,14 +236,18 @@ class KVSampler(HFSampler):
                 if return_logprobs else None
             steps.append((rows, tok, lp))
             done = torch.isin(tok, stop_ids) | (limit[rows] <= t + 1)
+            for r, x in zip(rows.tolist(), tok.tolist()):
+                toks[r].append(x)
             if self._string_stops:
-                done = done | self._string_stop_hits(rows, tok, toks)
+                done = done | self._string_stop_hits(rows, toks)
             if bool(done.any()):
-                keep = (~done).nonzero().squeeze(1)
-                if keep.numel() == 0:
+                if keep is not None:
+                    self._keep_rows(keep, cache, att, rows, done, prompts, toks)
+                stay = (~done).nonzero().squeeze(1)
+                if stay.numel() == 0:
                     break
-                rows, tok, att, nxt_pos = rows[keep], tok[keep], att[keep], nxt_pos[keep]
-                cache.batch_select_indices(keep)
+                rows, tok, att, nxt_pos = rows[stay], tok[stay], att[stay], nxt_pos[stay]
+                cache.batch_select_indices(stay)
             att = torch.cat([att, att.new_ones((att.shape[0], 1))], dim=1)
             with cast:
                 logits = model(input_ids=tok[:, None], attention_mask=att, position_ids=nxt_pos,
@@ -179,18 +262,28 @@ class KVSampler(HFSampler):
                     lps[r].append(float(lp[j]))
         return out, lps
 
+    def _keep_rows(self, keep: dict, cache, att: torch.Tensor, rows: torch.Tensor,
+                   done: torch.Tensor, prompts: list[list[int]], toks: list[list[int]]) -> None:
+        """Put the keys / values of the rows that stop now into `keep`, by the tokens they hold: the
+        row's prompt and its sampled tokens but the last (sampled, not yet fed to the model)."""
+        for j in done.nonzero().squeeze(1).tolist():
+            r = int(rows[j])
+            real = att[j].bool()
+            keep[tuple(prompts[r] + toks[r][:-1])] = [
+                (lay.keys[j][:, real].clone(), lay.values[j][:, real].clone()) for lay in cache.layers]
+        self._kept_weights = self._weights()
+
     def _draw(self, probs: torch.Tensor) -> torch.Tensor:
         """One token per row from probs (b, V) float32 rows summing to 1: (b,) int64."""
         if self.draw == "multinomial":
             return torch.multinomial(probs, num_samples=1).squeeze(1)
         return draw_inverse_cdf(probs)
 
-    def _string_stop_hits(self, rows: torch.Tensor, tok: torch.Tensor,
-                          toks: list[list[int]]) -> torch.Tensor:
-        """(b,) bool: whether this step's token completes a stop string in its row's text."""
+    def _string_stop_hits(self, rows: torch.Tensor, toks: list[list[int]]) -> torch.Tensor:
+        """(b,) bool: whether this step's token (the last of toks[r]) completes a stop string in its
+        row's text."""
         hit = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
-        for j, (r, x) in enumerate(zip(rows.tolist(), tok.tolist())):
-            toks[r].append(x)
+        for j, r in enumerate(rows.tolist()):
             tail = self.tok.decode(toks[r][-self._tail:], skip_special_tokens=False)
             if any(s in tail for s in self._string_stops):
                 hit[j] = True
