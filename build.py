@@ -90,18 +90,25 @@ def build_judge(cfg: Config, world):
         cfg.judge, cache_dir=cfg.judge.cache_dir or os.path.join(cfg.cache_dir, "judge")))
 
 
-def build_sampler(cfg: Config, model, tok):
-    """The rollout sampler on rank 0: HF generate over `model` ("hf"), the KV-cache decode loop over
-    `model` ("kv", kv_sampler.KVSampler), or vLLM loaded from cfg.model (its weights follow pi_theta
-    through the engine's sync after every update)."""
+def torch_sampler(cfg: Config, model, tok):
+    """A sampler over the in-process `model`: the KV-cache decode loop (kv_sampler.KVSampler) when
+    cfg.sampler is "kv", else HF generate (scaffold.HFSampler), with cfg's precision and
+    sample_threads."""
     from scaffold import HFSampler
 
     if cfg.sampler == "kv":
         from toy.kv_sampler import KVSampler
 
         return KVSampler(model, tok, precision=cfg.precision, threads=cfg.sample_threads)
+    return HFSampler(model, tok, precision=cfg.precision, threads=cfg.sample_threads)
+
+
+def build_sampler(cfg: Config, model, tok):
+    """The rollout sampler on rank 0: HF generate over `model` ("hf"), the KV-cache decode loop over
+    `model` ("kv", kv_sampler.KVSampler), or vLLM loaded from cfg.model (its weights follow pi_theta
+    through the engine's sync after every update)."""
     if cfg.sampler != "vllm":
-        return HFSampler(model, tok, precision=cfg.precision, threads=cfg.sample_threads)
+        return torch_sampler(cfg, model, tok)
     from backends.vllm_sampler import VLLMSampler  # SCALE: vLLM only when asked for
 
     # SCALE: on GPU the fraction of GPU memory for weights + KV cache; on CPU vLLM reads the same
@@ -131,14 +138,14 @@ def heldout_engines(cfg: Config, ref_model, model, tok, tool, system: str):
     """(SFT-start engine, current-policy engine) for the held-out evaluation: rollout engines over
     pi_ref (`ref_model`, the engine's frozen SFT start) and pi_theta (`model`, the weights the torch
     engine trains) with the clean search tool, so evaluation measures the policy whatever faults
-    training saw."""
-    from scaffold import HFSampler, RolloutEngine
+    training saw. Both sample with `torch_sampler` (the KV-cache loop under the toy default
+    sampler = "kv", else HF generate; with "vllm" too, since these weights are in this process)."""
+    from scaffold import RolloutEngine
 
-    p, t = cfg.precision, cfg.sample_threads
-    ref_engine = RolloutEngine(HFSampler(ref_model, tok, precision=p, threads=t), tok,
+    ref_engine = RolloutEngine(torch_sampler(cfg, ref_model, tok), tok,
                                {tool.name: tool}, cfg.rollout.max_response_tokens,
                                cfg.rollout.max_tool_calls, system, scaffold=cfg.rollout.scaffold)
-    cur_engine = RolloutEngine(HFSampler(model, tok, precision=p, threads=t), tok,
+    cur_engine = RolloutEngine(torch_sampler(cfg, model, tok), tok,
                                {tool.name: tool}, cfg.rollout.max_response_tokens,
                                cfg.rollout.max_tool_calls, system, cfg.rollout.temperature,
                                scaffold=cfg.rollout.scaffold)

@@ -79,6 +79,16 @@ def test_build_passes_sample_threads_to_every_toy_sampler(tok, model):
     assert [e.sampler.threads for e in engines] == [3, 3]
 
 
+@pytest.mark.parametrize("name,want", [("kv", "KVSampler"), ("hf", "HFSampler"),
+                                       ("vllm", "HFSampler")])
+def test_heldout_evaluation_samples_with_the_toy_sampler(tok, model, name, want):
+    cfg = settings.toy_preset()
+    cfg.sampler = name
+    engines = build.heldout_engines(cfg, model, model, tok, type("T", (), {"name": "search"})(), "")
+    assert [type(e.sampler).__name__ for e in engines] == [want, want]
+    assert [e.sampler.model for e in engines] == [model, model]
+
+
 @pytest.mark.parametrize("field,value", [("threads", 0), ("threads", True), ("threads", 1.5),
                                          ("sample_threads", -1)])
 def test_thread_settings_are_validated(field, value):
