@@ -399,7 +399,7 @@ class Config:
 
 
 def toy_preset() -> Config:
-    """Toy mode: about 10 minutes on a 2-core CPU with the SFT warm start, 4-5 once it is cached
+    """Toy mode: about 5 minutes on a 2-core CPU with the SFT warm start, 2-3 once it is cached
     (docs/results.md; values are ours)."""
     return Config()
 
