@@ -272,7 +272,8 @@ def _segment_layout(seg: torch.Tensor, model) -> tuple[torch.Tensor, torch.Tenso
     prev = torch.where(start, last_prefix, (ar - 1).clamp(min=0)[None, :].expand(B, L))
     mask = allowed[:, None]
     if impl == "eager":  # eager attention adds the mask to the scores
-        mask = torch.zeros(mask.shape, device=seg.device).masked_fill(~mask, torch.finfo(torch.float32).min)
+        mask = torch.zeros(mask.shape, device=seg.device).masked_fill(
+            ~mask, torch.finfo(torch.float32).min)
     return mask, position_ids, prev
 
 
@@ -298,20 +299,9 @@ class UpdateBatch:
 
 def pad_rows(batch: UpdateBatch, idx: Sequence[int], pad_id: int):
     """Right-pad sequences idx of an UpdateBatch: (ids, attention, loss mask, advantages), each (B, L)
-    with dtypes int64, int64, bool, float32 (B = len(idx), L = the longest of them)."""
-    L = max(len(batch.ids[i]) for i in idx)
-    B = len(idx)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    att = torch.zeros((B, L), dtype=torch.long)
-    mask = torch.zeros((B, L), dtype=torch.bool)
-    adv = torch.zeros((B, L), dtype=torch.float32)
-    for r, i in enumerate(idx):
-        n = len(batch.ids[i])
-        ids[r, :n] = torch.tensor(batch.ids[i])
-        att[r, :n] = 1
-        mask[r, :n] = torch.tensor(batch.mask[i], dtype=torch.bool)
-        adv[r, :n] = torch.tensor(batch.adv[i], dtype=torch.float32)
-    return ids, att, mask, adv
+    with dtypes int64, int64, bool, float32 (B = len(idx), L = the longest of them); pack_rows
+    without sharing."""
+    return pack_rows(batch, idx, pad_id, share=False)[:4]
 
 
 # Prefix sharing (ours, not in the paper; a speed-up with the same values). A reflection GRPO group

@@ -99,12 +99,20 @@ def test_a_reflection_group_is_one_row_and_short_prompts_stay_apart():
     assert policy.share_groups(b2, [0, 1]) == [[0], [1]]
 
 
-def test_without_sharing_pack_rows_is_pad_rows():
+def test_without_sharing_every_sequence_is_its_own_right_padded_row():
     batch = grouped_batch([(20, [3, 4]), (5, [9])])
     idx = [2, 0, 1]
-    a = policy.pack_rows(batch, idx, PAD, share=False)
-    for x, y in zip(a[:4], policy.pad_rows(batch, idx, PAD)):
-        assert torch.equal(x, y)
+    ids, att, mask, adv, layout = policy.pack_rows(batch, idx, PAD, share=False)
+    L = max(len(batch.ids[i]) for i in idx)
+    assert ids.shape == att.shape == mask.shape == adv.shape == (3, L)
+    for r, i in enumerate(idx):
+        n = len(batch.ids[i])
+        assert ids[r].tolist() == batch.ids[i] + [PAD] * (L - n)
+        assert att[r].tolist() == [1] * n + [0] * (L - n)
+        assert mask[r].tolist() == [bool(x) for x in batch.mask[i]] + [False] * (L - n)
+        assert torch.equal(adv[r, :n], torch.tensor(batch.adv[i])) and not adv[r, n:].any()
+        assert layout[r] == [(i, 0, 0, n)]
+    assert all(torch.equal(x, y) for x, y in zip(policy.pad_rows(batch, idx, PAD), (ids, att, mask, adv)))
 
 
 def test_eager_attention_packs_too_and_others_are_refused():

@@ -67,6 +67,14 @@ def draw_inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(c, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
+def _layer_tensors(cache) -> list:
+    """[(keys, values)] per layer of a DynamicCache, each (B, kv heads, length, head dim)
+    (transformers >= 4.56 keeps them in `cache.layers`, earlier versions in two lists)."""
+    if hasattr(cache, "layers"):
+        return [(lay.keys, lay.values) for lay in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache))
+
+
 class KVSampler(HFSampler):
     """`Sampler` over a causal LM's forward with a key/value cache (see the module docstring).
 
@@ -270,7 +278,7 @@ class KVSampler(HFSampler):
             r = int(rows[j])
             real = att[j].bool()
             keep[tuple(prompts[r] + toks[r][:-1])] = [
-                (lay.keys[j][:, real].clone(), lay.values[j][:, real].clone()) for lay in cache.layers]
+                (k[j][:, real].clone(), v[j][:, real].clone()) for k, v in _layer_tensors(cache)]
         self._kept_weights = self._weights()
 
     def _draw(self, probs: torch.Tensor) -> torch.Tensor:
