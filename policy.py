@@ -495,10 +495,11 @@ def sequence_logprobs(fn, batch: UpdateBatch, pad_id: int, micro: int, passes: i
     if passes is not None and len(chunks) > passes:
         raise ValueError(f"{passes} passes of {micro} cannot score {N} sequences")
     out: list[torch.Tensor] = [None] * N  # type: ignore[list-item]
+    lengths = [len(x) for x in batch.ids]
     for idx in chunks:
         ids, att, _, _, layout = pack_rows(batch, idx, pad_id, share)
         lp = fn(ids, att).cpu()
-        out_rows = unpack(lp, layout, [len(x) for x in batch.ids])
+        out_rows = unpack(lp, layout, lengths)
         for i in idx:
             out[i] = out_rows[i]
     for _ in range((passes or len(chunks)) - len(chunks)):

@@ -129,7 +129,7 @@ class KVSampler(HFSampler):
                               temperature, keep=kept)[0]
             for r, i in enumerate(idx):
                 out[i] = self._cut(gen[r], max_new_tokens[i])
-        self._kept = kept
+        self._kept, self._kept_weights = kept, self._weights()
         return out
 
     def _weights(self) -> tuple:
@@ -207,25 +207,22 @@ class KVSampler(HFSampler):
             with cast:
                 logits = model(input_ids=ids, attention_mask=att, position_ids=pos,
                                **kw).logits[:, -1]
-            uniq = None
         else:
             # Identical prompts (a reflection group's m candidates, a rollout group's first turn)
             # are prefilled once; the cache rows and last logits are copied to every row with them.
             first: dict = {}
-            inv = [first.setdefault(tuple(p), r) for r, p in enumerate(prompts)]
-            uniq = sorted(set(inv))
-        if uniq is not None and len(uniq) < B:
-            u = torch.tensor(uniq, device=dev)
-            with cast:
-                logits = model(input_ids=ids[u], attention_mask=att[u], position_ids=pos[u],
-                               **kw).logits[:, -1]
-            back = torch.tensor([uniq.index(r) for r in inv], device=dev)
-            cache.batch_select_indices(back)
-            logits = logits[back]
-        elif uniq is not None:
-            with cast:
-                logits = model(input_ids=ids, attention_mask=att, position_ids=pos,
-                               **kw).logits[:, -1]
+            back = [first.setdefault(tuple(p), len(first)) for p in prompts]  # row -> distinct j
+            if len(first) < B:
+                u = torch.tensor([back.index(j) for j in range(len(first))], device=dev)
+                with cast:
+                    logits = model(input_ids=ids[u], attention_mask=att[u], position_ids=pos[u],
+                                   **kw).logits[:, -1]
+                cache.batch_select_indices(torch.tensor(back, device=dev))
+                logits = logits[back]
+            else:
+                with cast:
+                    logits = model(input_ids=ids, attention_mask=att, position_ids=pos,
+                                   **kw).logits[:, -1]
         stop_ids = self._stop_ids.to(dev)
         limit = torch.tensor(limits, dtype=torch.long, device=dev)
         rows = torch.arange(B, device=dev)  # batch row -> original row
@@ -279,7 +276,6 @@ class KVSampler(HFSampler):
             real = att[j].bool()
             keep[tuple(prompts[r] + toks[r][:-1])] = [
                 (k[j][:, real].clone(), v[j][:, real].clone()) for k, v in _layer_tensors(cache)]
-        self._kept_weights = self._weights()
 
     def _draw(self, probs: torch.Tensor) -> torch.Tensor:
         """One token per row from probs (b, V) float32 rows summing to 1: (b,) int64."""
