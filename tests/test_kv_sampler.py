@@ -244,3 +244,37 @@ def test_inverse_cdf_draw_has_the_distribution_frequencies_sec3_1():
     assert float((big.cumsum(-1).double() - exact).abs().max()) < 1e-6
     with pytest.raises(ValueError):
         KVSampler(policy.build_tiny_qwen3(tf.tiny_tokenizer(), "XS"), tf.tiny_tokenizer(), draw="x")
+
+
+def test_growing_cache_gives_dynamic_cache_floats_bit_for_bit_sec3_1(tok, model, monkeypatch):
+    """new_cache's in-place layers hold the numbers transformers' DynamicCache holds: the same
+    draws and the same log-probs, bit for bit, through a deduplicated prefill (row copies), rows
+    stopping at different steps (row selection), capacity growth and a next turn from the prefix
+    cache."""
+    from transformers import DynamicCache
+
+    from toy import kv_sampler
+
+    p = prompt(tok)
+    tool_out = tf.encode(tok, "<call_tool>search Harta</call_tool>")
+
+    def two_turns():
+        smp = KVSampler(model, tok)
+        torch.manual_seed(11)
+        kept: dict = {}
+        ids, lps = smp.decode([p, p, p[4:], p], [40, 7, 90, 25], 1.0, return_logprobs=True,
+                              keep=kept)  # budgets past the first capacity (prompt + 64)
+        smp._kept, smp._kept_weights = kept, smp._weights()  # as generate stores them
+        nxt = [x + y + tool_out for x, y in zip([p, p, p[4:], p], ids)]
+        ids2, lps2 = smp.decode(nxt, [30, 30, 30, 30], 1.0, return_logprobs=True)
+        return ids, lps, ids2, lps2, smp
+
+    grown = two_turns()
+    assert grown[4]._kept  # the second turn could reuse kept rows
+    layers = {type(lay).__name__ for lay in kv_sampler.new_cache(model.config).layers}
+    assert layers == {"GrowingLayer"}
+    monkeypatch.setattr(kv_sampler, "new_cache", lambda config: DynamicCache(config=config))
+    plain = two_turns()
+    assert grown[0] == plain[0] and grown[2] == plain[2]  # the same draws
+    assert grown[1] == plain[1] and grown[3] == plain[3]  # the same log-probs, bit for bit
+    assert len({len(x) for x in grown[0]}) > 1  # rows stopped at different steps

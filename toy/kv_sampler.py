@@ -6,7 +6,9 @@ Implements the sampling step of §3.1 (a_t ~ pi_theta(. | h_t), temperature 1.0 
 
 Why: on a small model on CPU, Hugging Face `generate` spends much of each decode step in per-step
 bookkeeping (input preparation, logits processors, stopping criteria) rather than in the model. This
-loop calls the model's forward directly with a `DynamicCache`:
+loop calls the model's forward directly with a `DynamicCache` whose layers grow in place
+(`new_cache`: a decode step writes its new keys and values into spare capacity instead of
+concatenating the whole cache again):
 
     prefill: one forward over the left-padded prompts (logits of the last position only; a prompt
              that appears several times in the batch is prefilled once and its cache copied)
@@ -42,6 +44,7 @@ Deviations from HFSampler (not in the paper)
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Sequence
 
@@ -65,6 +68,76 @@ def draw_inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
     # Eq.: x = min{i : c_i > u * c_V},  u ~ U[0, 1)
     u = torch.rand((probs.shape[0], 1), dtype=c.dtype, device=c.device) * c[:, -1:]
     return torch.searchsorted(c, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _growing_layer_class():
+    """`GrowingLayer`, a transformers `DynamicLayer` (transformers >= 4.56) whose keys and values
+    live in a buffer with spare capacity, or None on older transformers (plain DynamicCache)."""
+    try:
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:
+        return None
+
+    class GrowingLayer(DynamicLayer):
+        """One layer's keys / values (B, kv heads, n, head dim) as views of a buffer of capacity
+        >= n. DynamicLayer concatenates the whole cache with each new token, i.e. copies it once
+        per decode step and layer; here a step writes its (B, kv heads, 1, head dim) slice in place
+        and the buffer grows by doubling (amortised O(1) copies per token). `keys` / `values` hold
+        the same numbers as DynamicLayer's, so every forward gives the same floats."""
+
+        def lazy_initialization(self, key_states, value_states) -> None:
+            super().lazy_initialization(key_states, value_states)
+            self._k = self._v = None
+            self._n = 0
+
+        def _views(self) -> None:
+            self.keys, self.values = self._k[:, :, : self._n], self._v[:, :, : self._n]
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            n = self._n + key_states.shape[-2]
+            if self._k is None or n > self._k.shape[-2]:
+                cap = max(2 * n, n + 64)  # room for the next tokens without another copy
+                k = key_states.new_empty(key_states.shape[:2] + (cap,) + key_states.shape[3:])
+                v = value_states.new_empty(value_states.shape[:2] + (cap,) + value_states.shape[3:])
+                if self._n:
+                    k[:, :, : self._n] = self._k[:, :, : self._n]
+                    v[:, :, : self._n] = self._v[:, :, : self._n]
+                self._k, self._v = k, v
+            self._k[:, :, self._n: n] = key_states
+            self._v[:, :, self._n: n] = value_states
+            self._n = n
+            self._views()
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self._n if self.is_initialized else 0
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if self.get_seq_length() > 0:
+                self._k, self._v = self._k[indices], self._v[indices]
+                self._views()
+
+        def crop(self, tokens_to_remove: int) -> None:
+            raise NotImplementedError("GrowingLayer: the decode loop never crops its cache")
+
+    return GrowingLayer
+
+
+def new_cache(config):
+    """A DynamicCache for `config` whose full-attention layers grow in place (`_growing_layer_class`;
+    other layer types, e.g. sliding windows, keep transformers' own)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    growing = _growing_layer_class()
+    if growing is not None and hasattr(cache, "layers"):
+        from transformers.cache_utils import DynamicLayer
+
+        cache.layers = [growing() if type(lay) is DynamicLayer else lay for lay in cache.layers]
+    return cache
 
 
 def _layer_tensors(cache) -> list:
@@ -170,9 +243,7 @@ class KVSampler(HFSampler):
         stops (the prefix cache of the next generate call).
         """
         model, dev = self.model, getattr(self.model, "device", None) or torch.device("cpu")
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=model.config)
+        cache = new_cache(model.config)
         kw = {self._cache_kw: cache, "use_cache": True}
         if self._keep_kw:
             kw["logits_to_keep"] = 1
