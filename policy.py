@@ -13,7 +13,8 @@ Functions
 - `build_tiny_qwen3(tokenizer, size)`: a randomly initialised Qwen3 of a named size.
 - `load_policy(path)`: model + tokenizer from a local directory (never downloads in toy mode).
 - `token_logprobs(model, input_ids, attention_mask)`: log pi(a_t | h_t) of every next token, computed
-  in chunks of the sequence so the (tokens x vocab) fp32 logits are never materialised at once.
+  in chunks of the sequence so the (tokens x vocab) fp32 logits are never materialised at once;
+  with a loss mask, the vocabulary projection runs only where the log-probs are used.
 - `pack_rows(batch, idx, pad_id)`: a micro-batch's sequences in rows, those behind one long shared
   prompt (a reflection group's m candidates) packed into one row with the prompt once; token_logprobs
   gives each the log-probs of its own row (ours: a speed-up, the same values).
@@ -31,9 +32,10 @@ Functions
 Deviations from the paper
 1. Toy mode trains a tiny model from scratch (SFT warm start, toy/sft.py) instead of starting from a
    pretrained Qwen3-8B: nothing may be downloaded here.
-2. A batch may take several optimizer steps (`minibatches`, PPO-style; train.py deviation 2); with
-   one step, pi_theta_old = pi_theta and log pi_theta_old is the loss forward's own detached output
-   (rho = 1 exactly) instead of a second forward.
+2. A batch may take several optimizer steps (`minibatches`, PPO-style; train.py deviation 2). The
+   first step runs before theta moves, so for its sequences pi_theta_old = pi_theta and log
+   pi_theta_old is the loss forward's own detached output (rho = 1 exactly) instead of a second
+   forward; only the later steps' sequences get a no-grad old pass (none with one step).
 3. Not in the paper: a minibatch without a loss-masked token is skipped, and an optimizer step whose
    gradient norm is not finite is not applied (both counted in the metrics).
 """
@@ -195,7 +197,8 @@ RECOMPUTE_ABOVE_BYTES = 256 * 2**20  # token_logprobs: keep a smaller log-softma
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   chunk_size: int = 1024, recompute: bool | None = None) -> torch.Tensor:
+                   chunk_size: int = 1024, recompute: bool | None = None,
+                   loss_mask: torch.Tensor | None = None) -> torch.Tensor:
     """log pi_theta(x_{t+1} | x_{<=t}) for every position, memory-bounded.
 
     input_ids, attention_mask: (B, L) int64. Returns (B, L) float32 where column t holds the
@@ -220,6 +223,13 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     are recorded and the kept log-softmax would exceed RECOMPUTE_ABOVE_BYTES (256 MiB; always at
     the paper's scale, never for a toy micro-batch). The values are the same either way.
     benchmarks/logprob_memory.py measures the memory of both.
+
+    loss_mask: optional (B, L) bool / {0, 1}, 1 where a column's log-prob is used (the loss-masked
+    tokens of an update). Then the vocabulary projection and log-softmax run on those positions
+    only (N of them, in chunks of chunk_size * B rows; prompts, tool outputs and padding skip the
+    head, as TRL's `logits_to_keep` skips prompts) and every other column is 0. The used columns
+    equal the full computation's to float rounding (tests/test_logprobs.py). The head is called at
+    least once even when N = 0, so every ZeRO-3 rank runs the same collectives.
     """
     from torch.utils.checkpoint import checkpoint
 
@@ -236,6 +246,8 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     if packed:  # column t + 1 is predicted from position prev[t + 1] (t, except at a branch's start)
         hidden = hidden.gather(1, prev[:, 1:, None].expand(-1, -1, hidden.shape[-1]))
     head = model.get_output_embeddings()
+    if loss_mask is not None:
+        return _masked_logprobs(head, hidden, input_ids, loss_mask, chunk_size * B, recompute)
     if recompute is None:
         kept_bytes = B * (L - 1) * head.weight.shape[0] * 4  # float32 (B, L - 1, V) log-softmax
         recompute = (torch.is_grad_enabled() and hidden.requires_grad
@@ -249,6 +261,32 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         else:
             pieces.append(_chunk_logprobs(head, h, nxt))  # (B, c); its logits are freed here
     return torch.cat(pieces, dim=1)  # (B, L)
+
+
+def _masked_logprobs(head, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                     rows: int, recompute: bool | None) -> torch.Tensor:
+    """token_logprobs' loss_mask path: (B, L) float32, column t + 1 from hidden[:, t] (in a packed
+    row, from its predecessor: token_logprobs has gathered those) where loss_mask[:, t + 1] is
+    set, 0 elsewhere; `rows` positions per head call."""
+    from torch.utils.checkpoint import checkpoint
+
+    B, L = input_ids.shape
+    sel = loss_mask[:, 1:].bool()  # (B, L - 1): the columns whose log-prob is used
+    h, nxt = hidden[:, : L - 1][sel], input_ids[:, 1:][sel]  # (N, H), (N,)
+    N = h.shape[0]
+    if recompute is None:  # as token_logprobs: keep at most RECOMPUTE_ABOVE_BYTES of log-softmax
+        recompute = (torch.is_grad_enabled() and h.requires_grad
+                     and N * head.weight.shape[0] * 4 > RECOMPUTE_ABOVE_BYTES)
+    pieces = []
+    for s in range(0, max(N, 1), max(1, rows)):  # N = 0: one call on 0 rows (collective-safe)
+        if recompute:  # SCALE: the backward rebuilds this chunk's logits instead of storing them
+            pieces.append(checkpoint(_chunk_logprobs, head, h[s: s + rows], nxt[s: s + rows],
+                                     use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(head, h[s: s + rows], nxt[s: s + rows]))  # (n,)
+    lp = torch.cat(pieces)  # (N,)
+    out = lp.new_zeros((B, L - 1)).masked_scatter(sel, lp)  # (B, L - 1), differentiable in lp
+    return torch.cat([lp.new_zeros((B, 1)), out], dim=1)  # (B, L)
 
 
 def _segment_layout(seg: torch.Tensor, model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -427,8 +465,10 @@ class UpdatePlan:
     n_micro: list  # per optimizer step, forward/backward passes (same on every rank)
     n_seq: list  # per optimizer step, the global number of sequences (loss normaliser)
     n_tok: list  # per optimizer step, the global number of loss-masked tokens (loss normaliser)
-    score_passes: int  # no-grad forward passes for the old (and reference) log-probs
+    score_passes: int  # no-grad forward passes for the reference log-probs (every sequence)
     index: list = field(default_factory=list)  # shard position -> index in the whole batch
+    old_passes: int | None = None  # no-grad passes for the old log-probs (the sequences of optimizer
+    # steps 1, 2, ...: step 0 runs before theta moves and uses its own forward); None: score_passes
 
 
 def plan_update(batch: UpdateBatch, world_size: int, minibatches: int, micro: int,
@@ -454,6 +494,7 @@ def plan_update(batch: UpdateBatch, world_size: int, minibatches: int, micro: in
     sel = [[mb[r::world_size] for mb in mbs] for r in range(world_size)]
     n_micro = [max(1, max(ceil(len(sel[r][j])) for r in range(world_size))) for j in range(M)]
     score = max(1, max(ceil(sum(len(p) for p in sel[r])) for r in range(world_size)))
+    old = max(ceil(sum(len(p) for p in sel[r][1:])) for r in range(world_size))
     n_seq = [float(len(mb)) for mb in mbs]
     n_tok = [float(sum(sum(batch.mask[i]) for i in mb)) for mb in mbs]
     for r in range(world_size):
@@ -464,7 +505,7 @@ def plan_update(batch: UpdateBatch, world_size: int, minibatches: int, micro: in
         for part in sel[r]:
             local.append(list(range(pos, pos + len(part))))
             pos += len(part)
-        plans.append(UpdatePlan(local, list(n_micro), list(n_seq), list(n_tok), score, flat))
+        plans.append(UpdatePlan(local, list(n_micro), list(n_seq), list(n_tok), score, flat, old))
     return shards, plans
 
 
@@ -478,7 +519,8 @@ def sequence_logprobs(fn, batch: UpdateBatch, pad_id: int, micro: int, passes: i
                       index: Sequence[int] | None = None,
                       share: bool = False) -> list[torch.Tensor]:
     """Per-sequence token log-probs without gradient: a list of len(batch.ids) float32 CPU tensors
-    (L_i,), from fn(ids, att) -> (B, L) (an engine's `logprobs` or `ref_logprobs`).
+    (L_i,), from fn(ids, att, mask) -> (B, L) (an engine's `logprobs` or `ref_logprobs`; mask: the
+    rows' loss masks, so the engine may skip the head elsewhere: those columns are then 0).
 
     Sequences go through fn `micro` at a time, shortest first (ties by `index`, the sequences'
     positions in the whole batch; default their own order), so each pass pads little; with
@@ -497,8 +539,8 @@ def sequence_logprobs(fn, batch: UpdateBatch, pad_id: int, micro: int, passes: i
     out: list[torch.Tensor] = [None] * N  # type: ignore[list-item]
     lengths = [len(x) for x in batch.ids]
     for idx in chunks:
-        ids, att, _, _, layout = pack_rows(batch, idx, pad_id, share)
-        lp = fn(ids, att).cpu()
+        ids, att, mask, _, layout = pack_rows(batch, idx, pad_id, share)
+        lp = fn(ids, att, mask).cpu()
         out_rows = unpack(lp, layout, lengths)
         for i in idx:
             out[i] = out_rows[i]
@@ -510,7 +552,8 @@ def sequence_logprobs(fn, batch: UpdateBatch, pad_id: int, micro: int, passes: i
 def batch_logprobs(model, batch: UpdateBatch, pad_id: int, micro: int) -> list[torch.Tensor]:
     """Per-sequence token log-probs (len L_i float32 tensors) of a plain HF model, without gradient
     (`sequence_logprobs` over `token_logprobs`)."""
-    return sequence_logprobs(lambda ids, att: token_logprobs(model, ids, att), batch, pad_id, micro)
+    return sequence_logprobs(lambda ids, att, mask: token_logprobs(model, ids, att), batch, pad_id,
+                             micro)
 
 
 class PolicyEngine(Protocol):
@@ -520,11 +563,14 @@ class PolicyEngine(Protocol):
 
     world_size: int
 
-    def logprobs(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+    def logprobs(self, ids: torch.Tensor, att: torch.Tensor,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B, L) int64 ids and attention -> (B, L) float32 log pi_theta of each next token (column 0
-        is 0), with gradient unless under torch.no_grad()."""
+        is 0), with gradient unless under torch.no_grad(). mask: optional (B, L) bool loss mask;
+        columns outside it may be 0 (token_logprobs' loss_mask)."""
 
-    def ref_logprobs(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+    def ref_logprobs(self, ids: torch.Tensor, att: torch.Tensor,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
         """The same under the frozen reference pi_ref (no gradient); called only when beta > 0."""
 
     def backward(self, loss: torch.Tensor, boundary: bool) -> None:
@@ -582,7 +628,7 @@ def _minibatch(engine: PolicyEngine, local: UpdateBatch, mb: list, n_micro: int,
             engine.backward(engine.logprobs(*_padding_pass(pad_id)).sum() * 0.0, last)
             continue
         ids, att, mask, adv, layout = pack_rows(local, idx, pad_id, share)
-        logp = engine.logprobs(ids, att)  # (B, L) with gradient
+        logp = engine.logprobs(ids, att, mask)  # (B, L) with gradient, 0 outside the loss mask
         dev = logp.device
         # One optimizer step per batch: pi_theta_old = pi_theta, so log pi_old is this forward's
         # own log-probs, detached (rho = 1 exactly) instead of a second, no-grad forward.
@@ -604,9 +650,11 @@ def policy_update(engine: PolicyEngine, local: UpdateBatch, cfg, pad_id: int, pl
     (from `plan_update`; one process: the whole batch, world_size 1). cfg: ss_grpo.SSGRPOConfig.
 
     Old log-probs (and pi_ref's when beta > 0) are computed once, before the first optimizer step
-    moves theta; with a single optimizer step per batch the policy has not moved when its loss is
-    computed, so pi_theta_old = pi_theta and the old log-probs come with the loss's own forward.
-    Then one optimizer step per plan.minibatches entry, each normalised with the plan's global counts.
+    moves theta. The first optimizer step's sequences need no separate old pass: theta has not
+    moved when their loss is computed, so pi_theta_old = pi_theta and their old log-probs are the
+    loss forward's own, detached (rho = 1 exactly); only the sequences of later optimizer steps go
+    through the no-grad old pass (none with one optimizer step per batch). Then one optimizer step
+    per plan.minibatches entry, each normalised with the plan's global counts.
 
     Returns the means over optimizer steps of "loss/total", "loss/policy", "kl", "clip_frac" and
     "grad_norm" (pre-clip global L2 norm), {} for an empty batch. Not in the paper: a minibatch without a single
@@ -620,18 +668,18 @@ def policy_update(engine: PolicyEngine, local: UpdateBatch, cfg, pad_id: int, pl
     """
     share = bool(getattr(cfg, "share_prefix", False)) and cfg.agg != "seq_mean_token_mean"
     index = plan.index or None
-    many = len(plan.minibatches) > 1
-    old = sequence_logprobs(engine.logprobs, local, pad_id, cfg.micro_batch, plan.score_passes,
-                            index, share) if many else None
+    old = _later_old_logprobs(engine, local, plan, cfg, pad_id, share)
     ref = sequence_logprobs(engine.ref_logprobs, local, pad_id, cfg.micro_batch, plan.score_passes,
                             index, share) if cfg.beta > 0 else None
     engine.train(True)
     done, empty = [], 0  # (stats, grad norm or None) of the optimizer steps taken; steps skipped
-    for mb, n_micro, n_seq, n_tok in zip(plan.minibatches, plan.n_micro, plan.n_seq, plan.n_tok):
+    for j, (mb, n_micro, n_seq, n_tok) in enumerate(zip(plan.minibatches, plan.n_micro, plan.n_seq,
+                                                        plan.n_tok)):
         if n_tok == 0:  # nothing sampled to learn from, on any rank: no pass, no optimizer step
             empty += 1
             continue
-        acc = _minibatch(engine, local, mb, n_micro, n_seq, n_tok, old, ref, cfg, pad_id, share)
+        acc = _minibatch(engine, local, mb, n_micro, n_seq, n_tok, old if j else None, ref, cfg,
+                         pad_id, share)
         gn = engine.step()  # the same global norm on every rank
         if not math.isfinite(gn):
             log.warning("SS-GRPO update: gradient norm %s; optimizer step skipped", gn)
@@ -643,6 +691,25 @@ def policy_update(engine: PolicyEngine, local: UpdateBatch, cfg, pad_id: int, pl
         log.warning("SS-GRPO update: %d of %d minibatches have no loss-masked token; skipped",
                     empty, len(plan.minibatches))
     return _update_stats(done, empty)
+
+
+def _later_old_logprobs(engine: PolicyEngine, local: UpdateBatch, plan: UpdatePlan, cfg, pad_id: int,
+                        share: bool) -> list | None:
+    """log pi_theta_old of the sequences of optimizer steps 1, 2, ... (before any step moves theta):
+    a list over this rank's shard with None for step 0's sequences; None with one optimizer step.
+    Runs plan.old_passes no-grad passes (the same count on every rank)."""
+    if len(plan.minibatches) < 2:
+        return None
+    later = sorted(i for mb in plan.minibatches[1:] for i in mb)  # shard positions
+    sub = UpdateBatch([local.ids[i] for i in later], [local.mask[i] for i in later],
+                      [local.adv[i] for i in later], [local.kind[i] for i in later])
+    index = [plan.index[i] for i in later] if plan.index else later
+    passes = plan.score_passes if plan.old_passes is None else plan.old_passes
+    scored = sequence_logprobs(engine.logprobs, sub, pad_id, cfg.micro_batch, passes, index, share)
+    old: list = [None] * len(local.ids)
+    for i, lp in zip(later, scored):
+        old[i] = lp
+    return old
 
 
 def _update_stats(done: list, empty: int) -> dict:
@@ -695,15 +762,19 @@ class TorchEngine:
         self._fresh = True  # the next backward starts a new optimizer step: gradients are cleared
 
     # the calls of policy_update (PolicyEngine documents each) ---------------------------------------
-    def logprobs(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
-        """(B, L) float32 log pi_theta of each next token (policy.token_logprobs on `model`)."""
-        return self._forward(self.model, ids, att)
+    def logprobs(self, ids: torch.Tensor, att: torch.Tensor,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, L) float32 log pi_theta of each next token (policy.token_logprobs on `model`; with a
+        loss mask, 0 outside it)."""
+        return self._forward(self.model, ids, att, mask)
 
-    def ref_logprobs(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+    def ref_logprobs(self, ids: torch.Tensor, att: torch.Tensor,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B, L) float32 log pi_ref of each next token (`ref_model`, frozen)."""
-        return self._forward(self.ref_model, ids, att)
+        return self._forward(self.ref_model, ids, att, mask)
 
-    def _forward(self, model, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+    def _forward(self, model, ids: torch.Tensor, att: torch.Tensor,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """token_logprobs under the engine's precision, right-padded to pad_multiple (attention 0
         on the padding, which no real position attends to) and cut back to (B, L)."""
         L = ids.shape[1]
@@ -711,8 +782,9 @@ class TorchEngine:
         if extra:
             ids = torch.nn.functional.pad(ids, (0, extra), value=0)
             att = torch.nn.functional.pad(att, (0, extra), value=0)
+            mask = torch.nn.functional.pad(mask, (0, extra), value=0) if mask is not None else None
         with autocast(self.precision, _device_type(model)):
-            return token_logprobs(model, ids, att)[:, :L]
+            return token_logprobs(model, ids, att, loss_mask=mask)[:, :L]
 
     def backward(self, loss: torch.Tensor, boundary: bool) -> None:
         """loss.backward(); the first call of an optimizer step clears the previous gradients."""

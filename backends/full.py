@@ -385,10 +385,11 @@ class _LogProbModule(torch.nn.Module):
         self.lm = lm
         self.chunk_size = chunk_size
 
-    def forward(self, input_ids, attention_mask):
+    def forward(self, input_ids, attention_mask, loss_mask=None):
         from policy import token_logprobs
 
-        return token_logprobs(self.lm, input_ids, attention_mask, self.chunk_size)
+        return token_logprobs(self.lm, input_ids, attention_mask, self.chunk_size,
+                              loss_mask=loss_mask)
 
 
 def _load_lm(path: str, ds: dict, dtype: torch.dtype):
@@ -463,13 +464,16 @@ class ZeRO3Policy:
     def train(self, mode: bool = True) -> None:
         self.engine.train(mode)
 
-    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 loss_mask: torch.Tensor | None = None) -> torch.Tensor:
         """log pi_theta of every next token (policy.token_logprobs through the engine).
 
-        input_ids, attention_mask: (B, L) int64 on any device. Returns (B, L) float32 on the engine's
-        device (column 0 is 0). With gradient unless called under torch.no_grad().
+        input_ids, attention_mask: (B, L) int64 on any device; loss_mask: optional (B, L) bool, the
+        columns that are used (the head runs only there; the others are 0). Returns (B, L) float32
+        on the engine's device (column 0 is 0). With gradient unless called under torch.no_grad().
         """
-        return self.engine(input_ids.to(self.device), attention_mask.to(self.device)).float()
+        mask = loss_mask.to(self.device) if loss_mask is not None else None
+        return self.engine(input_ids.to(self.device), attention_mask.to(self.device), mask).float()
 
     def backward(self, loss: torch.Tensor, boundary: bool) -> None:
         """Accumulate gradients of `loss`, a 0-dim tensor normalised with the *global* normalisers
@@ -603,10 +607,13 @@ class FrozenReference:
         return cls(lm, ds_config, chunk_size=chunk_size, _keep_alive=keep)
 
     @torch.no_grad()
-    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """(B, L) float32 log pi_ref of every next token (column 0 is 0), no gradient."""
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, L) float32 log pi_ref of every next token (column 0 is 0; with loss_mask, 0 outside
+        it), no gradient."""
         dev = self.engine.device
-        return self.engine(input_ids.to(dev), attention_mask.to(dev)).float()
+        mask = loss_mask.to(dev) if loss_mask is not None else None
+        return self.engine(input_ids.to(dev), attention_mask.to(dev), mask).float()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -649,11 +656,13 @@ class ZeRO3Engine:
         self.closed = False
 
     # the five calls of policy.policy_update (the one SS-GRPO update of both engines) -------------
-    def logprobs(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
-        return self.policy.logprobs(ids, att)
+    def logprobs(self, ids: torch.Tensor, att: torch.Tensor,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.policy.logprobs(ids, att, mask)
 
-    def ref_logprobs(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
-        return self.ref.logprobs(ids, att)
+    def ref_logprobs(self, ids: torch.Tensor, att: torch.Tensor,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.ref.logprobs(ids, att, mask)
 
     def backward(self, loss: torch.Tensor, boundary: bool) -> None:
         self.policy.backward(loss, boundary)

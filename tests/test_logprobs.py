@@ -120,3 +120,53 @@ def test_recompute_saves_no_tokens_by_vocab_tensor_for_the_backward(model, monke
     with torch.no_grad():
         assert torch.equal(policy.token_logprobs(model, ids, att, 8),
                            policy.token_logprobs(model, ids, att, 8, recompute=True))
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("chunk", [1, 4, 1024])
+def test_loss_mask_projects_only_the_used_columns(model, chunk, recompute, monkeypatch):
+    """With loss_mask the head runs on the masked columns only: those equal the full pass (values
+    and gradients of an advantage-weighted sum), every other column is 0, and the head sees exactly
+    N rows (at least one call, on 0 rows, when nothing is masked)."""
+    ids, att = batch([17, 12, 6], left=False, seed=5)
+    g = torch.Generator().manual_seed(6)
+    lm = (torch.rand(ids.shape, generator=g) < 0.5) & valid(att)
+    w = torch.randn(ids.shape, generator=g) * lm
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[0]))
+    try:
+        model.zero_grad(set_to_none=True)
+        got = policy.token_logprobs(model, ids, att, chunk, recompute=recompute, loss_mask=lm)
+        (got * w).sum().backward()
+        g_mask = {n: p.grad.clone() for n, p in model.named_parameters()}
+        assert sum(seen[: -(-int(lm.sum()) // (chunk * 3))]) == int(lm.sum())
+        seen.clear()
+        with torch.no_grad():
+            none = policy.token_logprobs(model, ids, att, chunk, loss_mask=torch.zeros_like(lm))
+        assert seen == [0] and not none.any()
+    finally:
+        hook.remove()
+    model.zero_grad(set_to_none=True)
+    full = policy.token_logprobs(model, ids, att, chunk)
+    (full * w).sum().backward()
+    assert torch.allclose(got[lm], full[lm], atol=1e-6, rtol=0)
+    assert not got[~lm].any()
+    for n, p in model.named_parameters():
+        assert torch.allclose(g_mask[n], p.grad, atol=1e-6, rtol=1e-4), n
+
+
+def test_loss_mask_on_packed_rows(model):
+    """A prefix-shared row (segment ids) with a loss mask: each continuation's masked columns are
+    its own sequence's log-probs."""
+    g = torch.Generator().manual_seed(7)
+    prefix, a, b = (torch.randint(0, V, (n,), generator=g) for n in (9, 5, 4))
+    ids = torch.cat([prefix, a, b])[None]
+    seg = torch.tensor([[1] * 9 + [2] * 5 + [3] * 4])
+    lm = seg >= 2
+    with torch.no_grad():
+        got = policy.token_logprobs(model, ids, seg, loss_mask=lm)[0]
+        for cont, start in ((a, 9), (b, 14)):
+            x = torch.cat([prefix, cont])[None]
+            alone = policy.token_logprobs(model, x, torch.ones_like(x))[0, 9:]
+            assert torch.allclose(got[start: start + len(cont)], alone, atol=1e-5, rtol=0)
+    assert not got[:9].any()

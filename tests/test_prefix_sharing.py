@@ -186,7 +186,7 @@ def test_sequence_logprobs_with_sharing_keeps_the_pass_count(model):
     batch = grouped_batch([(20, [3, 4, 2]), (17, [5, 1])], seed=2)
     calls = []
 
-    def fn(ids, att):
+    def fn(ids, att, mask=None):
         calls.append(ids.shape[0])
         return policy.token_logprobs(model, ids, att)
 

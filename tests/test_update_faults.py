@@ -12,6 +12,7 @@ engine (tests/zero3_update_check.py, one CPU rank).
 """
 import copy
 import importlib.util
+import math
 import json
 import os
 import random
@@ -87,11 +88,11 @@ class OneProcessPolicy:
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)
 
-    def logprobs(self, ids, att):
-        return token_logprobs(self.model, ids, att)
+    def logprobs(self, ids, att, mask=None):
+        return token_logprobs(self.model, ids, att, loss_mask=mask)
 
-    def ref_logprobs(self, ids, att):
-        return token_logprobs(self.ref, ids, att)
+    def ref_logprobs(self, ids, att, mask=None):
+        return token_logprobs(self.ref, ids, att, loss_mask=mask)
 
     def backward(self, loss, boundary: bool) -> None:
         loss.backward()
@@ -174,25 +175,29 @@ def test_s33_batch_without_any_token_leaves_the_policy_alone(engine):
 # A gradient norm that overflows fp32
 
 
-def stale_old_logprobs(monkeypatch, model, shift: float, only=None) -> None:
+def stale_old_logprobs(monkeypatch, model, shift: float, only=None, which="logprobs") -> None:
     """Make the old log-probs of `model` `shift` nats below its current ones (a sampler far behind
-    the policy): rho = exp(shift) on every response token (only: the batch indices affected, default
-    all); the reference stays untouched."""
+    the policy): rho = exp(shift) on every response token of the sequences that have an old pass
+    (only: the batch indices affected, default all); the reference stays untouched. With
+    which="ref_logprobs" the reference log-probs are `shift` nats *above* instead:
+    k3 = exp(d) - d - 1 with d = shift, on every step."""
     scored = policy.sequence_logprobs
+    sign = -1.0 if which == "logprobs" else 1.0
 
     def sequence_logprobs(fn, batch, *a):
         out = scored(fn, batch, *a)
         index = a[3] if len(a) > 3 and a[3] is not None else list(range(len(out)))
-        if fn.__func__.__name__ == "logprobs" and fn.__self__.model is model:
-            return [x - shift if only is None or index[p] in only else x for p, x in enumerate(out)]
+        if fn.__func__.__name__ == which and fn.__self__.model is model:
+            return [x + sign * shift if only is None or index[p] in only else x
+                    for p, x in enumerate(out)]
         return out
 
     monkeypatch.setattr(policy, "sequence_logprobs", sequence_logprobs)
 
 
-@pytest.mark.parametrize("shift", [45.0, 80.0])
+@pytest.mark.parametrize("shift", [60.0, 75.0])
 @pytest.mark.parametrize("engine", ["torch", "zero3"])
-def test_s33_overflowing_ratio_skips_the_step_and_counts_it(monkeypatch, engine, shift):
+def test_s33_overflowing_kl_term_skips_the_step_and_counts_it(monkeypatch, engine, shift):
     cfg = SSGRPOConfig(minibatches=2, micro_batch=2, lr=1e-3)
     model = tiny_qwen3()
     # One healthy update first, so AdamW carries momentum that a zero-gradient step would still apply.
@@ -202,7 +207,8 @@ def test_s33_overflowing_ratio_skips_the_step_and_counts_it(monkeypatch, engine,
     else:
         pol = zero3_update(model, make_batch(6, seed=1), cfg)[1]
     w0 = weights(model)
-    stale_old_logprobs(monkeypatch, model, shift)
+    # pi_ref far above pi_theta: k3 = exp(shift) - shift - 1 overflows on every optimizer step
+    stale_old_logprobs(monkeypatch, model, shift, which="ref_logprobs")
     if engine == "torch":
         out = torch_update(model, make_batch(6), cfg, opt=opt)
     else:
@@ -214,6 +220,28 @@ def test_s33_overflowing_ratio_skips_the_step_and_counts_it(monkeypatch, engine,
     assert all(torch.isfinite(v).all() for v in weights(model).values())
     assert same(weights(model), w0)  # no step at all, not even on momentum
     assert out["loss/total"] > 1e15  # the cause stays visible in the log
+
+
+@pytest.mark.parametrize("engine", ["torch", "zero3"])
+def test_s33_first_step_has_no_old_pass_so_stale_old_logprobs_skip_only_later_steps(monkeypatch,
+                                                                                    engine):
+    """Optimizer step 0 runs before theta moves: its old log-probs are its own forward's (rho = 1
+    exactly), so only the later steps' sequences go through the old pass, and only those steps can
+    overflow."""
+    cfg = SSGRPOConfig(minibatches=2, micro_batch=2, lr=1e-3)
+    model = tiny_qwen3()
+    w0 = weights(model)
+    stale_old_logprobs(monkeypatch, model, 80.0)
+    if engine == "torch":
+        out = torch_update(model, make_batch(6), cfg)
+    else:
+        out, pol = zero3_update(model, make_batch(6), cfg)
+        assert [math.isfinite(s["grad_norm"]) for s in out["per_step"]] == [True, False]
+        assert pol.steps == 1
+    assert out["update/nonfinite_grad_steps"] == 1
+    assert 0 < out["grad_norm"] < 1e6  # step 0's norm
+    assert not same(weights(model), w0)
+    assert all(torch.isfinite(v).all() for v in weights(model).values())
 
 
 def test_s33_overflow_in_one_minibatch_keeps_the_other_step(monkeypatch):
@@ -292,6 +320,7 @@ def test_s33_zero3_engine_on_policy_with_dropout_and_skips_overflowing_steps(tmp
     log_rho, clip = res["seen"][0]  # first minibatch of the first update: on-policy
     assert log_rho < 1e-6 and clip == 0.0, res["seen"]
     over = res["overflow"]
-    assert over["update/nonfinite_grad_steps"] == 2 and "grad_norm" not in over
-    assert res["skipped_steps"] == 2  # DeepSpeed discarded both steps...
-    assert res["finite"] and res["unchanged"]  # ...so the weights are exactly the first update's
+    # the first optimizer step has no old pass (rho = 1 exactly): only the second one overflows
+    assert over["update/nonfinite_grad_steps"] == 1 and 0 < over["grad_norm"] < 1e6
+    assert res["skipped_steps"] == 1  # DeepSpeed discarded that step
+    assert res["finite"] and not res["unchanged"]  # the first step was applied

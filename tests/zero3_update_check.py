@@ -4,9 +4,10 @@ one CPU rank (a plain process becomes rank 0 of 1, full.init_distributed).
 usage: python tests/zero3_update_check.py MODEL_DIR OUT_JSON
 MODEL_DIR: a tiny Qwen3 with attention_dropout > 0. Two updates of two optimizer steps each on one
 batch: (1) as is, recording max |log rho| and the clip fraction of every loss call; (2) with the
-old log-probs 60 nats below the current ones (rho = e^60: the fp32 gradient norm overflows).
-Writes the stats of both, whether the weights after (2) are finite and equal to those after (1),
-the dropout settings of the engine's model and DeepSpeed's skipped-step count.
+old log-probs 60 nats below the current ones (rho = e^60 on the second optimizer step, whose
+sequences have an old pass: its fp32 gradient norm overflows; the first step is on-policy by
+construction). Writes the stats of both, whether the weights after (2) are finite and equal to
+those after (1), the dropout settings of the engine's model and DeepSpeed's skipped-step count.
 """
 import json
 import os
