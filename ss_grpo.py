@@ -351,6 +351,39 @@ def token_advantages(A: torch.Tensor, stage_ids: torch.Tensor, mask: torch.Tenso
     return torch.where(m & (stage_ids >= 0), gathered, zero)
 
 
+def skipped_stage_credit(adv: torch.Tensor, A: torch.Tensor, stage_ids: torch.Tensor,
+                         mask: torch.Tensor, has_stage: Sequence[bool]) -> torch.Tensor:
+    """Not in the paper (option `ss_grpo.skipped_stage_credit`): a rollout that skips stage k (no
+    block B_{i,k}, e.g. <answer> written where <review> was due) has an advantage A[i,k] that no
+    token carries under §3.3's rule, so nothing discourages the skip itself. This gives A[i,k] of
+    the first skipped stage to the token that skipped it: the first loss-masked token of the next
+    stage block present (for a structured rollout, the tag that opened that block).
+
+    Args:
+        adv: (T,) float per-token advantages of one rollout (token_advantages' row).
+        A: (K,) float its stage advantages. stage_ids: (T,) int64, -1 outside the response.
+        mask: (T,) {0, 1} loss mask. has_stage: K bools (ParsedResponse.has_stage).
+    Returns:
+        (T,) a copy of adv, changed at one position at most (none when no stage is skipped before
+        a present one). Raises ValueError when the lengths of has_stage and A differ.
+    """
+    if len(has_stage) != A.shape[0]:
+        raise ValueError(f"has_stage has {len(has_stage)} entries for {A.shape[0]} stages")
+    out = adv.clone()
+    for k, present in enumerate(has_stage):
+        if present:
+            continue
+        later = [j for j in range(k + 1, len(has_stage)) if has_stage[j]]
+        if not later:
+            break
+        hit = ((stage_ids == later[0]) & (mask > 0)).nonzero()
+        if hit.numel():
+            # A_tok[i, t*] = A[i, k], t* = the first token of the next block present
+            out[int(hit[0])] = A[k]
+        break
+    return out
+
+
 # ----------------------------------------------------------------------------- per-token terms
 def _bool_mask(mask: torch.Tensor) -> torch.Tensor:
     """(n, T) bool view of a {0, 1} mask; rejects other values."""
@@ -665,3 +698,6 @@ class SSGRPOConfig:
     """ours: pack the sequences of a micro-batch that share a long prompt (a reflection group's m
     candidates) into one row (policy.pack_rows): the same values, fewer tokens; not with
     agg = "seq_mean_token_mean", whose per-row means need one sequence per row"""
+    skipped_stage_credit: bool = False
+    """ours, off by default (not in the paper): a rollout that skips a stage gives that stage's
+    advantage to the token that skipped it (skipped_stage_credit; docs/results.md)"""

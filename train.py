@@ -350,7 +350,7 @@ def rl_step(run: Run, step: int, pending: ReflectionBatch, rng: random.Random, m
     with timed(m, "time/update_s"):
         A, am = ss_grpo.task_advantages(R, n, cfg.ss_grpo, run.arm.advantage)  # Alg. 1 step 5
         m.update(am)
-        batch = update_batch(rollouts, A)
+        batch = update_batch(rollouts, A, cfg.ss_grpo.skipped_stage_credit)
         m.update(run.policy.update(batch, run.tok.pad_token_id, rng))  # Alg. 1 step 6
     with timed(m, "time/sync_s"):
         run.policy.sync(run.sampler)  # pi_theta changed: the sampler's weights follow
@@ -403,16 +403,21 @@ def judge_groups(run: Run, queries: list, rollouts: list, step: int, m: dict):
     return R, results, judged
 
 
-def update_batch(rollouts: list, A: torch.Tensor) -> UpdateBatch:
+def update_batch(rollouts: list, A: torch.Tensor, skip_credit: bool = False) -> UpdateBatch:
     """The task sequences of the update: prompt + response ids, the loss mask (sampled tokens only)
-    and each token's advantage A[i, stage of the token] (ss_grpo.token_advantages, §3.3)."""
+    and each token's advantage A[i, stage of the token] (ss_grpo.token_advantages, §3.3); with
+    skip_credit, a skipped stage's advantage goes to the token that skipped it
+    (ss_grpo.skipped_stage_credit, not in the paper)."""
     ub = UpdateBatch()
     for i, r in enumerate(rollouts):
         ub.ids.append(r.prompt_ids + r.response_ids)
         ub.mask.append([0] * len(r.prompt_ids) + r.loss_mask)
         st = torch.tensor([-1] * len(r.prompt_ids) + r.stage_ids)[None]
         mk = torch.tensor(ub.mask[-1])[None]
-        ub.adv.append(ss_grpo.token_advantages(A[i:i + 1], st, mk)[0].tolist())
+        adv = ss_grpo.token_advantages(A[i:i + 1], st, mk)[0]
+        if skip_credit and r.parsed is not None and r.parsed.scaffold == "structured":
+            adv = ss_grpo.skipped_stage_credit(adv, A[i], st[0], mk[0], r.parsed.has_stage)
+        ub.adv.append(adv.tolist())
         ub.kind.append("task")
     return ub
 

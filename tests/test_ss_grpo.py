@@ -361,6 +361,49 @@ def test_token_advantages_rejects_bad_inputs():
         S.token_advantages(A, torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 4))
 
 
+def test_skipped_stage_credit_moves_a_skipped_stages_advantage_to_the_skipping_token():
+    """Option ss_grpo.skipped_stage_credit (ours): a rollout without a Review block gives A_review to
+    the first loss-masked Answer token (the <answer> tag written where <review> was due); nothing
+    else changes, and a rollout with every stage, or none after the skipped one, is untouched."""
+    A = torch.tensor([0.3, -0.2, -0.9, 0.1])
+    st_ids = torch.tensor([-1, -1, 0, 0, 1, 1, 1, 3, 3, 3])  # prompt, plan, research, answer
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1, 1, 1])  # a tool-output token in research
+    adv = S.token_advantages(A[None], st_ids[None], mask[None])[0]
+    got = S.skipped_stage_credit(adv, A, st_ids, mask, (True, True, False, True))
+    want = adv.clone()
+    want[7] = -0.9
+    assert torch.equal(got, want) and adv[7] == 0.1  # adv itself is not modified
+    assert torch.equal(S.skipped_stage_credit(adv, A, st_ids, mask, (True,) * 4), adv)
+    assert torch.equal(S.skipped_stage_credit(adv, A, st_ids, mask, (True, True, False, False)), adv)
+    # the first skipped stage counts: research and review missing -> A_research on the answer tag
+    st2 = torch.tensor([-1, 0, 0, 3, 3])
+    m2 = torch.tensor([0, 1, 1, 0, 1])  # the answer's first token is masked: the next one gets it
+    adv2 = S.token_advantages(A[None], st2[None], m2[None])[0]
+    got2 = S.skipped_stage_credit(adv2, A, st2, m2, (True, False, False, True))
+    assert got2.tolist() == pytest.approx([0, 0.3, 0.3, 0, -0.2])
+    with pytest.raises(ValueError, match="stages"):
+        S.skipped_stage_credit(adv, A, st_ids, mask, (True, True, True))
+
+
+def test_update_batch_applies_skipped_stage_credit_only_when_asked():
+    """train.update_batch: the option off gives §3.3's token advantages; on, the <answer> token of a
+    rollout that skipped its review carries A_review."""
+    import scaffold
+    import train
+
+    text = "<structured_plan>p</structured_plan><state_evaluation>s</state_evaluation><answer>a</answer>"
+    parsed = scaffold.parse_response(text)
+    assert parsed.has_stage == (True, True, False, True)
+    r = scaffold.Rollout(query=None, bank_items=[], prompt_ids=[5, 6],
+                         response_ids=[1, 2, 3, 4], loss_mask=[1, 1, 1, 1],
+                         stage_ids=[0, 1, 3, 3], text=text, parsed=parsed)
+    A = torch.tensor([[0.5, 0.2, -0.7, 0.05]])
+    off = train.update_batch([r], A).adv[0]
+    on = train.update_batch([r], A, skip_credit=True).adv[0]
+    assert off == pytest.approx([0, 0, 0.5, 0.2, 0.05, 0.05])
+    assert on == pytest.approx([0, 0, 0.5, 0.2, -0.7, 0.05])
+
+
 # ----------------------------------------------------------------------------- Eq. clip, Eq. L
 def agg_weights(mask, mode):
     """d aggregate / d per_token[i, t] for each mode (batch normalisers)."""
