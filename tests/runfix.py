@@ -8,6 +8,7 @@ thread (tiny matrices on a shared 2-core machine run faster on one), a checkpoin
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 
@@ -16,6 +17,17 @@ from test_smoke import tiny_args
 FAST = ["--set", "sft.steps=2", "--set", "sft.n_trajectories=40", "--set", "sft.n_reflections=4",
         "--set", "rollout.max_response_tokens=48", "--set", "rollout.n=2", "--set", "reflection.m=2",
         "--set", "eval.n_questions=1", "--set", "threads=1", "--set", "checkpoint.every=1"]
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_script(name: str):
+    """scripts/NAME.py imported as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def fast_args(run_dir, cache_dir, steps: int, *extra: str) -> list[str]:

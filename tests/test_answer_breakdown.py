@@ -1,20 +1,14 @@
 """scripts/answer_breakdown.py: it re-samples a finished toy run's own held-out evaluation (its
 answer figures equal eval.json's), its loss shares add up to 1 - answer score, and the fact
 outcomes are shares of all asked facts."""
-import importlib.util
 import json
-import os
 
 import pytest
 
 import train
-from runfix import fast_args
+from runfix import fast_args, load_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("answer_breakdown",
-                                               os.path.join(ROOT, "scripts", "answer_breakdown.py"))
-ab = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ab)
+ab = load_script("answer_breakdown")
 
 
 @pytest.mark.slow

@@ -1,15 +1,14 @@
 """scripts/reproduce.py: seeds of the toy run, resumable, results table with bootstrap intervals, figure."""
-import importlib.util
 import json
 import os
 
 import numpy as np
 import pytest
 
+from runfix import load_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("reproduce", os.path.join(ROOT, "scripts", "reproduce.py"))
-reproduce = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(reproduce)
+reproduce = load_script("reproduce")
 
 TINY = ["steps=2", "world.n_train_entities=40", "world.n_heldout_entities=8", "sft.steps=10",
         "sft.n_trajectories=200", "sft.n_reflections=20", "sft.batch_size=8", 'model_size="XS"',
