@@ -399,8 +399,8 @@ class Config:
 
 
 def toy_preset() -> Config:
-    """Toy mode: about 5 minutes on a 2-core CPU with the SFT warm start, 2-3 once it is cached
-    (docs/results.md; values are ours)."""
+    """Toy mode: 5-8 minutes on a 2-core CPU with the SFT warm start (the machine's speed varies
+    between sittings), 2-3 once it is cached (docs/results.md; values are ours)."""
     return Config()
 
 

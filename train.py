@@ -748,7 +748,7 @@ def _argument_parser() -> argparse.ArgumentParser:
                                         "README.md has the quick start and the logged metrics.")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--toy", action="store_true", help="toy preset: a tiny policy on CPU in a generated "
-                   "research world; on 2 cores about 5 min, 2-3 min once the SFT warm start is cached "
+                   "research world; on 2 cores 5-8 min, about 3 min once the SFT warm start is cached "
                    "(default)")
     g.add_argument("--full", action="store_true", help="full preset: the paper's values (ZeRO-3, vLLM, "
                    "Gemini judge, web search; needs --model); default: off")

@@ -182,7 +182,7 @@ def seed_row(seed: int, d: dict) -> dict:
     return {"seed": seed, "sft_answer": e0["answer"], "rl_answer": e1["answer"],
             "gain": e1["answer"] - e0["answer"], "sft_score": e0["score"], "rl_score": e1["score"],
             "sft_recall": e0["fact_recall"], "rl_recall": e1["fact_recall"],
-            "wf_min": min(wf) if wf else float("nan"), "steps": len(rows),
+            "wf_min": min(wf) if wf else float("nan"), "wf": wf, "steps": len(rows),
             "cold_s": None if cached else total,
             "cached_s": total if cached else (total - sft_s if total is not None else None),
             "rss_mb": t.get("peak_rss_mb")}
@@ -239,6 +239,7 @@ def results_markdown(seeds, summ, commands, extra, smooth_w, threads) -> str:
     m = lambda k: float(np.mean([r[k] for r in R]))  # noqa: E731
     g, gs, gr = summ["answer_gain"], summ["score_gain"], summ["recall_gain"]
     wf_min = min(r["wf_min"] for r in R)
+    all_wf = [w for r in R for w in r.get("wf", [])]
     colds = [r["cold_s"] for r in R if r["cold_s"] is not None]
     cacheds = [r["cached_s"] for r in R if r["cached_s"] is not None]
     rss = [r["rss_mb"] for r in R if r.get("rss_mb") is not None]
@@ -268,7 +269,9 @@ def results_markdown(seeds, summ, commands, extra, smooth_w, threads) -> str:
           f"- Training answer-stage score (static rubric set, `score/answer`), mean over seeds, "
           f"{smooth_w}-step trailing average: last "
           f"quarter minus first quarter of {summ['T']} steps = {summ['curve_gain']:+.3f}.",
-          f"- Lowest rollout/well_formed at any step of any seed: {wf_min:.2f}.",
+          f"- Lowest rollout/well_formed at any step of any seed: {wf_min:.2f}; its mean over "
+          f"all steps and seeds {np.mean(all_wf):.3f}; steps below 0.8: "
+          f"{sum(w < 0.8 for w in all_wf)} of {len(all_wf)}.",
           "- Wall time cold: SFT warm start trained in the run; cached: the same run minus the SFT "
           "data and training time it reported (measured when the warm start was loaded from cache). "
           "Peak RSS: the training process's maximum resident memory (getrusage; the mean row "

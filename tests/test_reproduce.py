@@ -56,6 +56,9 @@ def test_reproduce_runs_seed_writes_results_and_is_resumable(tmp_path):
     row = next(l for l in text.splitlines() if l.startswith("| 0 |"))
     gain = ev["eval_rl"]["answer"] - ev["eval_sft"]["answer"]
     assert f"{gain:+.3f}" in row
+    wf = [json.loads(x)["rollout/well_formed"] for x in open(out / "seed0" / "metrics.jsonl")]
+    assert (f"its mean over all steps and seeds {sum(wf) / len(wf):.3f}; steps below 0.8: "
+            f"{sum(w < 0.8 for w in wf)} of {len(wf)}.") in text
     assert fig.stat().st_size > 1000
     # a finished seed is not rerun; the section is replaced, not appended
     mtime = os.path.getmtime(out / "seed0" / "eval.json")
