@@ -630,8 +630,9 @@ def _minibatch(engine: PolicyEngine, local: UpdateBatch, mb: list, n_micro: int,
         ids, att, mask, adv, layout = pack_rows(local, idx, pad_id, share)
         logp = engine.logprobs(ids, att, mask)  # (B, L) with gradient, 0 outside the loss mask
         dev = logp.device
-        # One optimizer step per batch: pi_theta_old = pi_theta, so log pi_old is this forward's
-        # own log-probs, detached (rho = 1 exactly) instead of a second, no-grad forward.
+        # The first optimizer step of a batch (old is None): theta has not moved, pi_theta_old =
+        # pi_theta, so log pi_old is this forward's own log-probs, detached (rho = 1 exactly)
+        # instead of a second, no-grad forward.
         old_lp = logp.detach() if old is None else place(old, layout, ids.shape).to(dev)
         ref_lp = place(ref, layout, ids.shape).to(dev) if ref is not None else None
         # L = agg(-min(rho A, clip(rho, 1-eta, 1+eta) A)) + beta * agg(k3)   (§3.3), normalised with
