@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+import policy
 import reflection
 import scaffold
 from toy import sft
@@ -226,8 +227,12 @@ def test_warm_start_trains_once_then_loads_from_cache_appendix(tmp_path, monkeyp
     cfg = sft.SFTConfig(n_trajectories=6, n_reflections=2, steps=2, batch_size=4, warmup=1, seed=0)
     tcfg = TeacherConfig()
     args = (world, tf.tiny_tool(), tf.SYSTEM, cfg, tcfg, "XS", 300, str(tmp_path))
+    loads, load = [], policy.load_policy
+    monkeypatch.setattr(policy, "load_policy", lambda p, *a, **k: (loads.append(p), load(p, *a, **k))[1])
     m1, tok1, info1, path1 = sft.warm_start(*args, progress=False)
     assert info1["cached"] is False and info1["steps"] == 2
+    # the run that trained continues from the saved copy, as a run that finds it cached does
+    assert loads == [path1]
     assert info1["filter"]["kept"] == 6 and info1["examples"] == 6 + 2
     with open(f"{path1}/sft_info.json") as fh:
         assert json.load(fh)["key"] == info1["key"]
@@ -239,6 +244,7 @@ def test_warm_start_trains_once_then_loads_from_cache_appendix(tmp_path, monkeyp
     monkeypatch.setattr(sft, "build_sft_data", boom)
     m2, tok2, info2, path2 = sft.warm_start(*args, progress=False)
     assert info2["cached"] is True and path2 == path1 and info2["key"] == info1["key"]
+    assert loads == [path1, path1] and type(tok2) is type(tok1)
     assert tok2.get_vocab() == tok1.get_vocab()
     sd1, sd2 = m1.state_dict(), m2.state_dict()
     assert sd1.keys() == sd2.keys()

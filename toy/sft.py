@@ -549,8 +549,12 @@ def warm_start(world: World, tool, system: str, cfg: SFTConfig, tcfg: TeacherCon
         shutil.rmtree(tmp, ignore_errors=True)
     else:
         os.replace(tmp, path)  # atomic: a half-written warm start is never picked up
-    del examples, encoded, texts
+    del examples, encoded, texts, model
     release_heap()
+    # The run continues from the saved copy, exactly as a later run that finds it in the cache: the
+    # trained objects in memory and the loaded ones hold the same numbers, but not in the same
+    # memory, and a run from one drifted from a run from the other after a few RL steps.
+    model, tok = policy.load_policy(path)
     return model, tok, info, path
 
 
