@@ -231,8 +231,6 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     equal the full computation's to float rounding (tests/test_logprobs.py). The head is called at
     least once even when N = 0, so every ZeRO-3 rank runs the same collectives.
     """
-    from torch.utils.checkpoint import checkpoint
-
     B, L = input_ids.shape
     packed = attention_mask.numel() > 0 and int(attention_mask.max()) > 1
     if packed:
@@ -249,18 +247,29 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     if loss_mask is not None:
         return _masked_logprobs(head, hidden, input_ids, loss_mask, chunk_size * B, recompute)
     if recompute is None:
-        kept_bytes = B * (L - 1) * head.weight.shape[0] * 4  # float32 (B, L - 1, V) log-softmax
-        recompute = (torch.is_grad_enabled() and hidden.requires_grad
-                     and kept_bytes > RECOMPUTE_ABOVE_BYTES)
+        recompute = _recompute_head(head, hidden, B * (L - 1))
     pieces = [torch.zeros(B, 1, dtype=torch.float32, device=input_ids.device)]
     for s in range(0, L - 1, chunk_size):
         e = min(s + chunk_size, L - 1)
-        h, nxt = hidden[:, s:e], input_ids[:, s + 1 : e + 1]
-        if recompute:  # SCALE: the backward rebuilds this chunk's logits instead of storing them
-            pieces.append(checkpoint(_chunk_logprobs, head, h, nxt, use_reentrant=False))
-        else:
-            pieces.append(_chunk_logprobs(head, h, nxt))  # (B, c); its logits are freed here
+        # (B, c); without recompute its logits are freed here
+        pieces.append(_project(head, hidden[:, s:e], input_ids[:, s + 1 : e + 1], recompute))
     return torch.cat(pieces, dim=1)  # (B, L)
+
+
+def _recompute_head(head, hidden: torch.Tensor, positions: int) -> bool:
+    """token_logprobs' default for `recompute`: gradients are recorded and the float32 log-softmax
+    of `positions` positions (positions x V x 4 bytes) would exceed RECOMPUTE_ABOVE_BYTES."""
+    return (torch.is_grad_enabled() and hidden.requires_grad
+            and positions * head.weight.shape[0] * 4 > RECOMPUTE_ABOVE_BYTES)
+
+
+def _project(head, h: torch.Tensor, nxt: torch.Tensor, recompute: bool) -> torch.Tensor:
+    """_chunk_logprobs of one chunk, under torch.utils.checkpoint when `recompute`."""
+    from torch.utils.checkpoint import checkpoint
+
+    if recompute:  # SCALE: the backward rebuilds this chunk's logits instead of storing them
+        return checkpoint(_chunk_logprobs, head, h, nxt, use_reentrant=False)
+    return _chunk_logprobs(head, h, nxt)
 
 
 def _masked_logprobs(head, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
@@ -268,23 +277,15 @@ def _masked_logprobs(head, hidden: torch.Tensor, input_ids: torch.Tensor, loss_m
     """token_logprobs' loss_mask path: (B, L) float32, column t + 1 from hidden[:, t] (in a packed
     row, from its predecessor: token_logprobs has gathered those) where loss_mask[:, t + 1] is
     set, 0 elsewhere; `rows` positions per head call."""
-    from torch.utils.checkpoint import checkpoint
-
     B, L = input_ids.shape
     sel = loss_mask[:, 1:].bool()  # (B, L - 1): the columns whose log-prob is used
     h, nxt = hidden[:, : L - 1][sel], input_ids[:, 1:][sel]  # (N, H), (N,)
     N = h.shape[0]
-    if recompute is None:  # as token_logprobs: keep at most RECOMPUTE_ABOVE_BYTES of log-softmax
-        recompute = (torch.is_grad_enabled() and h.requires_grad
-                     and N * head.weight.shape[0] * 4 > RECOMPUTE_ABOVE_BYTES)
-    pieces = []
-    for s in range(0, max(N, 1), max(1, rows)):  # N = 0: one call on 0 rows (collective-safe)
-        if recompute:  # SCALE: the backward rebuilds this chunk's logits instead of storing them
-            pieces.append(checkpoint(_chunk_logprobs, head, h[s: s + rows], nxt[s: s + rows],
-                                     use_reentrant=False))
-        else:
-            pieces.append(_chunk_logprobs(head, h[s: s + rows], nxt[s: s + rows]))  # (n,)
-    lp = torch.cat(pieces)  # (N,)
+    if recompute is None:
+        recompute = _recompute_head(head, h, N)
+    # N = 0: one call on 0 rows (collective-safe)
+    lp = torch.cat([_project(head, h[s: s + rows], nxt[s: s + rows], recompute)
+                    for s in range(0, max(N, 1), max(1, rows))])  # (N,)
     out = lp.new_zeros((B, L - 1)).masked_scatter(sel, lp)  # (B, L - 1), differentiable in lp
     return torch.cat([lp.new_zeros((B, 1)), out], dim=1)  # (B, L)
 

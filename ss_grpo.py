@@ -19,6 +19,7 @@ Equations and the function computing each
     Eq. G = R Lambda^T, G[i,k] = sum_{j>=k} Lambda[k,j] R[i,j]         stage_returns
     Eq. A[i,k] = (G[i,k] - mean_i' G[i',k]) / (Std_i' G[i',k] + eps)   group_advantages(_batched)
     Eq. A_tok[i,t] = A[i,k] for t in B_{i,k}                            token_advantages
+    (ours, option) A_tok[i,t*] = A[i,k] for the token t* that skipped k  skipped_stage_credit
     Eq. -min(rho A, clip(rho, 1-eta, 1+eta) A)                          clipped_surrogate
     Eq. k3 = exp(ref - logp) - (ref - logp) - 1                         kl_k3
     Eq. L = -(1/n) sum_i sum_k sum_{t in B_ik} min(...) + beta D_KL     ss_grpo_loss (+ aggregate)
@@ -53,6 +54,9 @@ Deviations from the paper
     6. Masked tokens (tool output, template glue, prompt, padding) are removed with torch.where on
        the inputs as well as the outputs, so garbage (NaN/inf) log-probs under the mask give exactly
        zero loss and zero gradient; the paper only says tool-output tokens get no gradient.
+    7. Option, off by default (`SSGRPOConfig.skipped_stage_credit`): a rollout that skips a stage
+       gives that stage's advantage to the token that skipped it (skipped_stage_credit,
+       A_tok[i, t*] = A[i, k]); under the paper's rule no token carries a skipped stage's A[i, k].
 """
 from __future__ import annotations
 
@@ -351,13 +355,34 @@ def token_advantages(A: torch.Tensor, stage_ids: torch.Tensor, mask: torch.Tenso
     return torch.where(m & (stage_ids >= 0), gathered, zero)
 
 
+def skipping_token(stage_ids: torch.Tensor, mask: torch.Tensor,
+                   has_stage: Sequence[bool]) -> tuple[int, int, int] | None:
+    """The token that skipped a stage, for one rollout: (k, j, t) with k the first stage without a
+    block, j the next stage whose block is present and t the index of that block's first
+    loss-masked token (the tag written where stage k's was due), or None when no stage is missing
+    before a present one or that block has no loss-masked token.
+
+    stage_ids: (T,) int64, -1 outside the response; mask: (T,) {0, 1}; has_stage: K bools
+    (ParsedResponse.has_stage). Not in the paper (see skipped_stage_credit).
+    """
+    for k, present in enumerate(has_stage):
+        if present:
+            continue
+        later = [j for j in range(k + 1, len(has_stage)) if has_stage[j]]
+        if not later:
+            return None
+        hit = ((stage_ids == later[0]) & (mask > 0)).nonzero()
+        return (k, later[0], int(hit[0])) if hit.numel() else None
+    return None
+
+
 def skipped_stage_credit(adv: torch.Tensor, A: torch.Tensor, stage_ids: torch.Tensor,
                          mask: torch.Tensor, has_stage: Sequence[bool]) -> torch.Tensor:
-    """Not in the paper (option `ss_grpo.skipped_stage_credit`): a rollout that skips stage k (no
-    block B_{i,k}, e.g. <answer> written where <review> was due) has an advantage A[i,k] that no
-    token carries under §3.3's rule, so nothing discourages the skip itself. This gives A[i,k] of
-    the first skipped stage to the token that skipped it: the first loss-masked token of the next
-    stage block present (for a structured rollout, the tag that opened that block).
+    """Not in the paper (option `ss_grpo.skipped_stage_credit`, deviation 7): a rollout that skips
+    stage k (no block B_{i,k}, e.g. <answer> written where <review> was due) has an advantage A[i,k]
+    that no token carries under §3.3's rule, so nothing discourages the skip itself. This gives
+    A[i,k] of the first skipped stage to the token that skipped it (`skipping_token`: the first
+    loss-masked token of the next stage block present).
 
     Args:
         adv: (T,) float per-token advantages of one rollout (token_advantages' row).
@@ -370,17 +395,11 @@ def skipped_stage_credit(adv: torch.Tensor, A: torch.Tensor, stage_ids: torch.Te
     if len(has_stage) != A.shape[0]:
         raise ValueError(f"has_stage has {len(has_stage)} entries for {A.shape[0]} stages")
     out = adv.clone()
-    for k, present in enumerate(has_stage):
-        if present:
-            continue
-        later = [j for j in range(k + 1, len(has_stage)) if has_stage[j]]
-        if not later:
-            break
-        hit = ((stage_ids == later[0]) & (mask > 0)).nonzero()
-        if hit.numel():
-            # A_tok[i, t*] = A[i, k], t* = the first token of the next block present
-            out[int(hit[0])] = A[k]
-        break
+    skip = skipping_token(stage_ids, mask, has_stage)
+    if skip is not None:
+        k, _, t = skip
+        # A_tok[i, t*] = A[i, k], t* = the first token of the next block present
+        out[t] = A[k]
     return out
 
 

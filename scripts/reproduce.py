@@ -239,7 +239,7 @@ def results_markdown(seeds, summ, commands, extra, smooth_w, threads) -> str:
     m = lambda k: float(np.mean([r[k] for r in R]))  # noqa: E731
     g, gs, gr = summ["answer_gain"], summ["score_gain"], summ["recall_gain"]
     wf_min = min(r["wf_min"] for r in R)
-    all_wf = [w for r in R for w in r.get("wf", [])]
+    all_wf = [w for r in R for w in r["wf"]]
     colds = [r["cold_s"] for r in R if r["cold_s"] is not None]
     cacheds = [r["cached_s"] for r in R if r["cached_s"] is not None]
     rss = [r["rss_mb"] for r in R if r.get("rss_mb") is not None]

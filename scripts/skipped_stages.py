@@ -35,18 +35,22 @@ STAGES = ("plan", "research", "review", "answer")
 
 def record(rollouts, A, R) -> list[dict]:
     """One dict per rollout of a step (see the module docstring)."""
+    import torch
+
+    import ss_grpo
+
     rows = []
     for i, r in enumerate(rollouts):
         p = r.parsed
         tok = [sum(1 for s, m in zip(r.stage_ids, r.loss_mask) if s == k and m) for k in range(4)]
         row = {"wf": bool(p.well_formed), "has": list(p.has_stage), "R": [float(x) for x in R[i]],
                "A": [float(x) for x in A[i]], "tok": tok, "skip": None}
-        miss = [k for k in range(4) if not p.has_stage[k]]
-        later = [j for j in range(miss[0] + 1, 4) if p.has_stage[j]] if miss else []
-        if later and any(s == later[0] and m for s, m in zip(r.stage_ids, r.loss_mask)):
-            # the first token of the next block present: it made the skip
-            row["skip"] = {"stage": miss[0], "opens": later[0], "A_token": float(A[i, later[0]]),
-                           "A_skipped": float(A[i, miss[0]])}
+        skip = ss_grpo.skipping_token(torch.tensor(r.stage_ids), torch.tensor(r.loss_mask),
+                                      p.has_stage)
+        if skip is not None:  # (skipped stage, the block whose first token made the skip, token)
+            k, j, _ = skip
+            row["skip"] = {"stage": k, "opens": j, "A_token": float(A[i, j]),
+                           "A_skipped": float(A[i, k])}
         rows.append(row)
     return rows
 
