@@ -18,6 +18,13 @@ Launch (after a toy run; reuses its cached SFT warm start):
 
 With several run directories the tables give the mean over them. --temperature T samples the same
 questions with the same seed at another temperature (then there is no eval.json figure to match).
+
+--sweep T1 T2 ... prints, instead of the two tables, the held-out answer score, mean-stage score,
+fact recall and well_formed of the SFT start and the final policy sampled at each temperature
+(0 = greedy; same questions and seed), e.g. how much of the answer score a sharper SFT start has
+before any RL:
+    python scripts/answer_breakdown.py runs/reproduce/seed0 ... --sweep 1 0.7 0.5 0.3 0
+
 Exits 1 if a directory is not a finished toy run (config.json and final/ are needed).
 """
 from __future__ import annotations
@@ -55,10 +62,13 @@ def answer_loss(judge, q, rollouts) -> dict[str, float]:
     return dict(out)
 
 
-def breakdown(run_dir: str, temperature: float | None = None) -> dict:
-    """{phase: {"answer": mean answer score, "loss": {kind: share}, "facts": {outcome: share},
-    "eval_json_answer": the run's own figure (None at another temperature)}} for one finished toy
-    run, sampled at the run's evaluation temperature or at `temperature`."""
+def heldout_rollouts(run_dir: str, temperatures) -> tuple:
+    """(judge, held-out questions, samples per question, eval.json, the run's eval.temperature,
+    {T: {phase: rollouts}}) for one
+    finished toy run: its held-out evaluation re-sampled from the SFT start and from the final
+    policy at each temperature in `temperatures` (None = the run's eval.temperature), with the
+    engines and seed of train.HeldOut, so at the run's own temperature the rollouts are those behind
+    eval.json. Rollouts are query-major, `samples` per question."""
     import build
     import evaluate
     import settings
@@ -75,22 +85,33 @@ def breakdown(run_dir: str, temperature: float | None = None) -> dict:
     judge = build.build_judge(cfg, world)
     sft_model, tok, _ = build.setup_policy(cfg, world, tool)
     final = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "final"))
-    qs, n = held_q[: cfg.eval.n_questions], cfg.eval.samples
-    own = temperature is None or temperature == cfg.eval.temperature
-    temp = cfg.eval.temperature if temperature is None else temperature
     final.eval()
+    qs, n = held_q[: cfg.eval.n_questions], cfg.eval.samples
     # the engines and the seed of train.HeldOut
     engines = build.heldout_engines(cfg, sft_model, final, tok, tool,
                                     system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt))
+    ro = {T: {phase: evaluate.sample_heldout(eng, qs, n, cfg.eval.temperature if T is None else T,
+                                             evaluate.heldout_seed(cfg))
+              for phase, eng in zip(PHASES, engines)}
+          for T in temperatures}
+    return judge, qs, n, ev, cfg.eval.temperature, ro
+
+
+def breakdown(run_dir: str, temperature: float | None = None) -> dict:
+    """{phase: {"answer": mean answer score, "loss": {kind: share}, "facts": {outcome: share},
+    "eval_json_answer": the run's own figure (None at another temperature)}} for one finished toy
+    run, sampled at the run's evaluation temperature or at `temperature`."""
+    judge, qs, n, ev, own_t, ro = heldout_rollouts(run_dir, [temperature])
+    own = temperature is None or temperature == own_t
     out = {}
-    for phase, eng, key in zip(PHASES, engines, ("eval_sft", "eval_rl")):
-        ro = evaluate.sample_heldout(eng, qs, n, temp, evaluate.heldout_seed(cfg))
+    for phase, key in zip(PHASES, ("eval_sft", "eval_rl")):
         loss: dict[str, float] = collections.defaultdict(float)
         facts: collections.Counter = collections.Counter()
         for gi, q in enumerate(qs):
-            for k, v in answer_loss(judge, q, ro[gi * n:(gi + 1) * n]).items():
+            group = ro[temperature][phase][gi * n:(gi + 1) * n]
+            for k, v in answer_loss(judge, q, group).items():
                 loss[k] += v / len(qs)
-            for r in ro[gi * n:(gi + 1) * n]:
+            for r in group:
                 facts.update(judge.fact_outcomes(q, r).values())
         total = sum(facts.values())
         out[phase] = {"answer": 1.0 - sum(loss.values()), "loss": dict(loss),
@@ -99,9 +120,45 @@ def breakdown(run_dir: str, temperature: float | None = None) -> dict:
     return out
 
 
+SWEEP_KEYS = ("answer", "score", "fact_recall", "well_formed")
+
+
+def sweep(run_dir: str, temperatures) -> dict:
+    """{T: {phase: {"answer", "score" (mean-stage), "fact_recall", "well_formed"}}} for one finished
+    toy run: `evaluate.heldout_scores` (the static rubric set of eval.json) of its held-out
+    questions sampled at each temperature T >= 0 (0 = greedy) from the SFT start and the final
+    policy. At the run's own eval.temperature the figures are eval.json's."""
+    import evaluate
+
+    judge, qs, n, _, _, ro = heldout_rollouts(run_dir, temperatures)
+    return {T: {phase: {k: evaluate.heldout_scores(judge, qs, ro[T][phase], n)[k] for k in SWEEP_KEYS}
+                for phase in PHASES} for T in temperatures}
+
+
 def mean_over(results: list[dict], phase: str, part: str) -> dict[str, float]:
     keys = sorted({k for r in results for k in r[phase][part]})
     return {k: float(np.mean([r[phase][part].get(k, 0.0) for r in results])) for k in keys}
+
+
+def print_sweep(results: list[dict], run_dirs, temperatures) -> int:
+    """Print `sweep`'s figures: one row per temperature, means over the runs, and each run's
+    answer scores."""
+    m = {T: {p: {k: float(np.mean([r[T][p][k] for r in results])) for k in SWEEP_KEYS}
+             for p in PHASES} for T in temperatures}
+    print(f"Held-out scores by sampling temperature (mean over {len(results)} run(s))\n")
+    print("| T | answer SFT | answer RL | RL - SFT | mean-stage SFT | mean-stage RL "
+          "| fact recall SFT | fact recall RL | well_formed SFT | well_formed RL |")
+    print("|---|" + "---|" * 9)
+    for T in temperatures:
+        s_, r_ = m[T][PHASES[0]], m[T][PHASES[1]]
+        print(f"| {T:g} | {s_['answer']:.3f} | {r_['answer']:.3f} | {r_['answer'] - s_['answer']:+.3f} "
+              f"| {s_['score']:.3f} | {r_['score']:.3f} | {s_['fact_recall']:.3f} | {r_['fact_recall']:.3f} "
+              f"| {s_['well_formed']:.2f} | {r_['well_formed']:.2f} |")
+    print("\nAnswer score per run (SFT -> RL):")
+    for d, r in zip(run_dirs, results):
+        print(f"  {d}: " + ", ".join(f"T={T:g} {r[T][PHASES[0]]['answer']:.3f} -> "
+                                      f"{r[T][PHASES[1]]['answer']:.3f}" for T in temperatures))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -111,11 +168,19 @@ def main(argv=None) -> int:
     ap.add_argument("run_dirs", nargs="+", help="finished toy run directories (config.json, final/)")
     ap.add_argument("--temperature", type=float, help="sample at this temperature instead of the "
                     "run's eval.temperature (the same questions and seed)")
+    ap.add_argument("--sweep", type=float, nargs="+", metavar="T",
+                    help="instead of the two tables: the held-out scores of the SFT start and the "
+                    "final policy sampled at each temperature T (0 = greedy)")
     a = ap.parse_args(argv)
     for d in a.run_dirs:
         if not (os.path.isfile(os.path.join(d, "config.json")) and os.path.isdir(os.path.join(d, "final"))):
             print(f"{d}: not a finished toy run (needs config.json and final/)", file=sys.stderr)
             return 1
+    if a.sweep:
+        if min(a.sweep) < 0:
+            print(f"--sweep: temperatures must be >= 0, got {a.sweep}", file=sys.stderr)
+            return 1
+        return print_sweep([sweep(d, a.sweep) for d in a.run_dirs], a.run_dirs, a.sweep)
     results = []
     for d in a.run_dirs:
         r = breakdown(d, a.temperature)
