@@ -157,6 +157,30 @@ def test_a_run_without_a_held_out_curve_is_left_out_by_name(tmp_path):
     assert (tmp_path / "results.jsonl").read_text() == ""
 
 
+def test_format_table_counts_the_steps_below_the_floor_over_every_seed(tmp_path):
+    def run(arm, seed, wfs, finished=True):
+        rd = tmp_path / f"{arm}-seed{seed}"
+        os.makedirs(rd)
+        rows = [{"step": i, "rollout/well_formed": w} for i, w in enumerate(wfs)] + [{"eval": 1}]
+        (rd / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        if finished:
+            (rd / "eval.json").write_text("{}")
+
+    run("rubricem", 0, [0.9, 0.55, 0.79])
+    run("rubricem", 1, [0.8, 1.0])
+    run("ss_grpo", 0, [0.95, 0.85])
+    run("ss_grpo", 1, [0.1, 0.1], finished=False)  # not finished: left out
+    fmt = ablate.format_stats(str(tmp_path), ["rubricem", "ss_grpo", "meta_policy"], [0, 1])
+    assert set(fmt) == {"rubricem", "ss_grpo"}
+    assert fmt["rubricem"] == {"seeds": 2, "steps": 5, "lowest": 0.55,
+                               "mean": pytest.approx((0.9 + 0.55 + 0.79 + 0.8 + 1.0) / 5), "below": 2}
+    assert fmt["ss_grpo"]["seeds"] == 1 and fmt["ss_grpo"]["below"] == 0
+    meta = dict(command="c", commit="x", date="d", machine="m", threads="2", grid="g")
+    doc = ablate.render([], {}, [], ablate.ARM_ORDER, meta, fmt)
+    assert "| `rubricem` | RubricEM | 2 | 0.55 | 0.808 | 2 of 5 |" in doc
+    assert "## Format during RL" not in ablate.render([], {}, [], ablate.ARM_ORDER, meta)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The scaffold ablation (Fig. 6a-c, --scaffold)
 
