@@ -27,6 +27,12 @@ and cpu_util = CPU seconds / wall seconds; steps with cpu_util < 0.8 x threads w
 over all timed steps) change much less under contention, so their ratio is printed too. The first
 step of each side is warm-up.
 
+--profile adds one more project step (left out of the medians) whose update runs under
+torch.profiler, and prints how much of it is matrix products (matmul, attention, forward and
+backward): TRL's update computes the same products at the same shapes (reference forward, policy
+forward and backward), so at a given precision the median generate time plus that figure is about
+the lowest step time this update could reach, and its ratio to TRL's step the lowest ratio.
+
 --precision bf16 runs the project side's forwards under bfloat16 autocast (settings `precision`);
 --trl-precision bf16 gives TRL's GRPOConfig bf16=True (the harness itself runs float32).
 
@@ -68,6 +74,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-completion-length", type=int, default=128)
     p.add_argument("--no-trl", action="store_true", help="time the project side only")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, one more project step whose update runs under "
+                        "torch.profiler (left out of the medians): its time in matrix products")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
                    help="the project side's forwards (settings `precision`: bf16 = bfloat16 "
                         "autocast)")
@@ -156,8 +165,10 @@ class ProjectSide:
         self.rng = random.Random(a.seed)
         self.rows: list[dict] = []
 
-    def step(self, prompts: list, targets: list) -> dict:
-        """One step on unique prompts (chat messages) with their target words."""
+    def step(self, prompts: list, targets: list, profile: bool = False) -> dict:
+        """One step on unique prompts (chat messages) with their target words; `profile`: the
+        update runs under torch.profiler, the row gets "matmul_s" / "profiled_update_s" and is not
+        appended to the timed rows."""
         import torch
 
         import policy
@@ -184,17 +195,43 @@ class ProjectSide:
             ub.kind.append("task")
         if self.a.two_pass:
             policy.batch_logprobs(self.model, ub, self.tok.pad_token_id, self.cfg.micro_batch)
-        st = self.engine.update(ub, self.tok.pad_token_id, self.rng)
+        if profile:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                t_u = time.perf_counter()
+                st = self.engine.update(ub, self.tok.pad_token_id, self.rng)
+                t_u = time.perf_counter() - t_u
+        else:
+            st = self.engine.update(ub, self.tok.pad_token_id, self.rng)
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         row = {"step_s": dt, "gen_s": t_gen, "update_s": dt - t_gen, "cpu_s": cpu,
                "gen_cpu_s": c_gen, "update_cpu_s": cpu - c_gen,
                "tokens": sum(len(c) for c in new), "cpu_util": cpu / dt,
                "load1": os.getloadavg()[0], "loss": st.get("loss/total", float("nan"))}
+        if profile:
+            row.update(matmul_time(prof), profiled_update_s=t_u)
+            return row
         self.rows.append(row)
         print(f"[{self.name:>4} step {len(self.rows) - 1:>2}] step_s={dt:.3f} gen_s={t_gen:.3f} "
               f"update_s={row['update_s']:.3f} tokens={row['tokens']} cpu_s={cpu:.3f} "
               f"(gen {c_gen:.3f}) cpu_util={row['cpu_util']:.2f} load1={row['load1']:.2f}", flush=True)
         return row
+
+
+# Matrix products and attention (whose time is its two matrix products), forward and backward: the
+# FLOP-bound part of an update. Both sides of the comparison compute them at the same shapes.
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+              "aten::_scaled_dot_product_flash_attention_for_cpu",
+              "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def matmul_time(prof) -> dict:
+    """{"matmul_s": self CPU seconds of the MATMUL_OPS, "ops_s": self CPU seconds of all ops} of a
+    finished torch.profiler run (wall time of each op on the thread that launched it; intra-op
+    worker threads are inside it). The profiler's own overhead lands mostly on the many small ops,
+    so matmul_s / ops_s understates the matrix products' share."""
+    ev = prof.key_averages()
+    mm = sum(e.self_cpu_time_total for e in ev if e.key in MATMUL_OPS) / 1e6
+    return {"matmul_s": mm, "ops_s": sum(e.self_cpu_time_total for e in ev) / 1e6}
 
 
 def medians(rows: list[dict], threads: int,
@@ -319,6 +356,23 @@ def main(argv=None) -> int:
     if any(m["contended"] for m in res.values()) or (trl and trl["contended"]):
         print("WARNING: every timed step of some side was contended (cpu_util < 0.8 x threads); "
               "its figures are not a clean measurement", file=sys.stderr)
+    if a.profile:
+        # One more step on the first prompts: its update under the profiler (not timed above).
+        data = h.build_dataset(a.seed, lexicon, h.ARGS.num_prompts)
+        data = [data[i] for i in range(h.ARGS.prompts_per_step)]  # rows (a list or a datasets.Dataset)
+        s0 = sides[0]
+        torch.manual_seed(a.seed * 7919 + 10_000)
+        r = s0.step([d["prompt"] for d in data], [d["targets"] for d in data], profile=True)
+        m = res[names[0]]
+        # matrix products alone: what an update of the same FLOPs needs at least; with the median
+        # generate time, the lowest step time (and ratio) this update could reach at this precision
+        floor = m["gen_s"] + r["matmul_s"]
+        print(f"  profiled update[{s0.name}, {a.precision}]: {r['profiled_update_s']:.3f} s wall, "
+              f"matrix products {r['matmul_s']:.3f} s of {r['ops_s']:.3f} s op time "
+              f"({r['matmul_s'] / r['ops_s']:.0%}); median generate + matrix products = {floor:.3f} s"
+              + (f" = {floor / trl['step_s']:.3f} x TRL's step" if trl else ""))
+        print(f"UPDATE_PROFILE matmul_s={r['matmul_s']:.3f} ops_s={r['ops_s']:.3f} "
+              f"profiled_update_s={r['profiled_update_s']:.3f} floor_step_s={floor:.3f}", flush=True)
     p = res[names[0]]["step_s"]
     t = trl["step_s"] if trl else float("nan")
     print(f"STEP_VS_TRL project_step_s={p:.3f} trl_step_s={t:.3f} ratio={p / t:.3f}", flush=True)
