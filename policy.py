@@ -42,6 +42,7 @@ Deviations from the paper
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 import random
@@ -186,10 +187,14 @@ def disable_dropout(model) -> int:
     return changed
 
 
-def _chunk_logprobs(head, h: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
-    """(B, c) float32 log-probs of the next tokens `nxt` (B, c) from hidden states h (B, c, H)."""
-    # log pi(x_{t+1} | x_{<=t}) = log_softmax(logits_t)[x_{t+1}]
-    lp = torch.log_softmax(head(h).float(), dim=-1)  # (B, c, V)
+def _chunk_logprobs(head, h: torch.Tensor, nxt: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """(B, c) float32 log-probs of the next tokens `nxt` (B, c) from hidden states h (B, c, H), of
+    the distribution softmax(logits / temperature)."""
+    logits = head(h).float()  # (B, c, V)
+    if temperature != 1.0:
+        logits = logits / temperature
+    # log pi_T(x_{t+1} | x_{<=t}) = log_softmax(logits_t / T)[x_{t+1}]
+    lp = torch.log_softmax(logits, dim=-1)  # (B, c, V)
     return lp.gather(-1, nxt[..., None]).squeeze(-1)
 
 
@@ -198,7 +203,7 @@ RECOMPUTE_ABOVE_BYTES = 256 * 2**20  # token_logprobs: keep a smaller log-softma
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    chunk_size: int = 1024, recompute: bool | None = None,
-                   loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+                   loss_mask: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
     """log pi_theta(x_{t+1} | x_{<=t}) for every position, memory-bounded.
 
     input_ids, attention_mask: (B, L) int64. Returns (B, L) float32 where column t holds the
@@ -230,7 +235,14 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     head, as TRL's `logits_to_keep` skips prompts) and every other column is 0. The used columns
     equal the full computation's to float rounding (tests/test_logprobs.py). The head is called at
     least once even when N = 0, so every ZeRO-3 rank runs the same collectives.
+
+    temperature: T > 0; the log-probs are those of softmax(logits / T), the distribution a sampler
+    at temperature T draws from (an update of sequences sampled at T scores them under it, as TRL,
+    verl and open-instruct do; T = 1, the default, is the model's own distribution, computed
+    without the division). Raises ValueError for T <= 0 or not finite.
     """
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
     B, L = input_ids.shape
     packed = attention_mask.numel() > 0 and int(attention_mask.max()) > 1
     if packed:
@@ -245,14 +257,16 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         hidden = hidden.gather(1, prev[:, 1:, None].expand(-1, -1, hidden.shape[-1]))
     head = model.get_output_embeddings()
     if loss_mask is not None:
-        return _masked_logprobs(head, hidden, input_ids, loss_mask, chunk_size * B, recompute)
+        return _masked_logprobs(head, hidden, input_ids, loss_mask, chunk_size * B, recompute,
+                                temperature)
     if recompute is None:
         recompute = _recompute_head(head, hidden, B * (L - 1))
     pieces = [torch.zeros(B, 1, dtype=torch.float32, device=input_ids.device)]
     for s in range(0, L - 1, chunk_size):
         e = min(s + chunk_size, L - 1)
         # (B, c); without recompute its logits are freed here
-        pieces.append(_project(head, hidden[:, s:e], input_ids[:, s + 1 : e + 1], recompute))
+        pieces.append(_project(head, hidden[:, s:e], input_ids[:, s + 1 : e + 1], recompute,
+                               temperature))
     return torch.cat(pieces, dim=1)  # (B, L)
 
 
@@ -263,17 +277,18 @@ def _recompute_head(head, hidden: torch.Tensor, positions: int) -> bool:
             and positions * head.weight.shape[0] * 4 > RECOMPUTE_ABOVE_BYTES)
 
 
-def _project(head, h: torch.Tensor, nxt: torch.Tensor, recompute: bool) -> torch.Tensor:
+def _project(head, h: torch.Tensor, nxt: torch.Tensor, recompute: bool,
+             temperature: float = 1.0) -> torch.Tensor:
     """_chunk_logprobs of one chunk, under torch.utils.checkpoint when `recompute`."""
     from torch.utils.checkpoint import checkpoint
 
     if recompute:  # SCALE: the backward rebuilds this chunk's logits instead of storing them
-        return checkpoint(_chunk_logprobs, head, h, nxt, use_reentrant=False)
-    return _chunk_logprobs(head, h, nxt)
+        return checkpoint(_chunk_logprobs, head, h, nxt, temperature, use_reentrant=False)
+    return _chunk_logprobs(head, h, nxt, temperature)
 
 
 def _masked_logprobs(head, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                     rows: int, recompute: bool | None) -> torch.Tensor:
+                     rows: int, recompute: bool | None, temperature: float = 1.0) -> torch.Tensor:
     """token_logprobs' loss_mask path: (B, L) float32, column t + 1 from hidden[:, t] (in a packed
     row, from its predecessor: token_logprobs has gathered those) where loss_mask[:, t + 1] is
     set, 0 elsewhere; `rows` positions per head call."""
@@ -284,7 +299,7 @@ def _masked_logprobs(head, hidden: torch.Tensor, input_ids: torch.Tensor, loss_m
     if recompute is None:
         recompute = _recompute_head(head, h, N)
     # N = 0: one call on 0 rows (collective-safe)
-    lp = torch.cat([_project(head, h[s: s + rows], nxt[s: s + rows], recompute)
+    lp = torch.cat([_project(head, h[s: s + rows], nxt[s: s + rows], recompute, temperature)
                     for s in range(0, max(N, 1), max(1, rows))])  # (N,)
     out = lp.new_zeros((B, L - 1)).masked_scatter(sel, lp)  # (B, L - 1), differentiable in lp
     return torch.cat([lp.new_zeros((B, 1)), out], dim=1)  # (B, L)
@@ -328,12 +343,15 @@ def _segment_layout(seg: torch.Tensor, model) -> tuple[torch.Tensor, torch.Tenso
 @dataclass
 class UpdateBatch:
     """Sequences for one update: ids (prompt + response), loss mask, per-token advantages (lists of
-    equal length per sequence), and each sequence's kind ("task" | "reflection")."""
+    equal length per sequence), each sequence's kind ("task" | "reflection"), and the temperature
+    T > 0 they were sampled at: the update's log-probs (pi_theta, pi_theta_old, pi_ref) are those
+    of softmax(logits / T), the distribution that drew the tokens (token_logprobs)."""
 
     ids: list[list[int]] = field(default_factory=list)
     mask: list[list[int]] = field(default_factory=list)
     adv: list[list[float]] = field(default_factory=list)
     kind: list[str] = field(default_factory=list)
+    temperature: float = 1.0
 
 
 def pad_rows(batch: UpdateBatch, idx: Sequence[int], pad_id: int):
@@ -501,7 +519,8 @@ def plan_update(batch: UpdateBatch, world_size: int, minibatches: int, micro: in
     for r in range(world_size):
         flat = [i for part in sel[r] for i in part]
         shards.append(UpdateBatch([batch.ids[i] for i in flat], [batch.mask[i] for i in flat],
-                                  [batch.adv[i] for i in flat], [batch.kind[i] for i in flat]))
+                                  [batch.adv[i] for i in flat], [batch.kind[i] for i in flat],
+                                  batch.temperature))
         pos, local = 0, []
         for part in sel[r]:
             local.append(list(range(pos, pos + len(part))))
@@ -564,14 +583,15 @@ class PolicyEngine(Protocol):
 
     world_size: int
 
-    def logprobs(self, ids: torch.Tensor, att: torch.Tensor,
-                 mask: torch.Tensor | None = None) -> torch.Tensor:
+    def logprobs(self, ids: torch.Tensor, att: torch.Tensor, mask: torch.Tensor | None = None,
+                 temperature: float = 1.0) -> torch.Tensor:
         """(B, L) int64 ids and attention -> (B, L) float32 log pi_theta of each next token (column 0
         is 0), with gradient unless under torch.no_grad(). mask: optional (B, L) bool loss mask;
-        columns outside it may be 0 (token_logprobs' loss_mask)."""
+        columns outside it may be 0 (token_logprobs' loss_mask). temperature: T > 0, the log-probs
+        of softmax(logits / T) (token_logprobs)."""
 
-    def ref_logprobs(self, ids: torch.Tensor, att: torch.Tensor,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    def ref_logprobs(self, ids: torch.Tensor, att: torch.Tensor, mask: torch.Tensor | None = None,
+                     temperature: float = 1.0) -> torch.Tensor:
         """The same under the frozen reference pi_ref (no gradient); called only when beta > 0."""
 
     def backward(self, loss: torch.Tensor, boundary: bool) -> None:
@@ -629,7 +649,8 @@ def _minibatch(engine: PolicyEngine, local: UpdateBatch, mb: list, n_micro: int,
             engine.backward(engine.logprobs(*_padding_pass(pad_id)).sum() * 0.0, last)
             continue
         ids, att, mask, adv, layout = pack_rows(local, idx, pad_id, share)
-        logp = engine.logprobs(ids, att, mask)  # (B, L) with gradient, 0 outside the loss mask
+        # (B, L) with gradient, 0 outside the loss mask; of the sampling distribution (logits / T)
+        logp = engine.logprobs(ids, att, mask, temperature=local.temperature)
         dev = logp.device
         # The first optimizer step of a batch (old is None): theta has not moved, pi_theta_old =
         # pi_theta, so log pi_old is this forward's own log-probs, detached (rho = 1 exactly)
@@ -671,8 +692,9 @@ def policy_update(engine: PolicyEngine, local: UpdateBatch, cfg, pad_id: int, pl
     share = bool(getattr(cfg, "share_prefix", False)) and cfg.agg != "seq_mean_token_mean"
     index = plan.index or None
     old = _later_old_logprobs(engine, local, plan, cfg, pad_id, share)
-    ref = sequence_logprobs(engine.ref_logprobs, local, pad_id, cfg.micro_batch, plan.score_passes,
-                            index, share) if cfg.beta > 0 else None
+    ref = sequence_logprobs(functools.partial(engine.ref_logprobs, temperature=local.temperature),
+                            local, pad_id, cfg.micro_batch, plan.score_passes, index,
+                            share) if cfg.beta > 0 else None
     engine.train(True)
     done, empty = [], 0  # (stats, grad norm or None) of the optimizer steps taken; steps skipped
     for j, (mb, n_micro, n_seq, n_tok) in enumerate(zip(plan.minibatches, plan.n_micro, plan.n_seq,
@@ -704,10 +726,11 @@ def _later_old_logprobs(engine: PolicyEngine, local: UpdateBatch, plan: UpdatePl
         return None
     later = sorted(i for mb in plan.minibatches[1:] for i in mb)  # shard positions
     sub = UpdateBatch([local.ids[i] for i in later], [local.mask[i] for i in later],
-                      [local.adv[i] for i in later], [local.kind[i] for i in later])
+                      [local.adv[i] for i in later], [local.kind[i] for i in later], local.temperature)
     index = [plan.index[i] for i in later] if plan.index else later
     passes = plan.score_passes if plan.old_passes is None else plan.old_passes
-    scored = sequence_logprobs(engine.logprobs, sub, pad_id, cfg.micro_batch, passes, index, share)
+    scored = sequence_logprobs(functools.partial(engine.logprobs, temperature=local.temperature),
+                               sub, pad_id, cfg.micro_batch, passes, index, share)
     old: list = [None] * len(local.ids)
     for i, lp in zip(later, scored):
         old[i] = lp
@@ -764,19 +787,19 @@ class TorchEngine:
         self._fresh = True  # the next backward starts a new optimizer step: gradients are cleared
 
     # the calls of policy_update (PolicyEngine documents each) ---------------------------------------
-    def logprobs(self, ids: torch.Tensor, att: torch.Tensor,
-                 mask: torch.Tensor | None = None) -> torch.Tensor:
+    def logprobs(self, ids: torch.Tensor, att: torch.Tensor, mask: torch.Tensor | None = None,
+                 temperature: float = 1.0) -> torch.Tensor:
         """(B, L) float32 log pi_theta of each next token (policy.token_logprobs on `model`; with a
-        loss mask, 0 outside it)."""
-        return self._forward(self.model, ids, att, mask)
+        loss mask, 0 outside it; at `temperature`, of softmax(logits / T))."""
+        return self._forward(self.model, ids, att, mask, temperature)
 
-    def ref_logprobs(self, ids: torch.Tensor, att: torch.Tensor,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    def ref_logprobs(self, ids: torch.Tensor, att: torch.Tensor, mask: torch.Tensor | None = None,
+                     temperature: float = 1.0) -> torch.Tensor:
         """(B, L) float32 log pi_ref of each next token (`ref_model`, frozen)."""
-        return self._forward(self.ref_model, ids, att, mask)
+        return self._forward(self.ref_model, ids, att, mask, temperature)
 
     def _forward(self, model, ids: torch.Tensor, att: torch.Tensor,
-                 mask: torch.Tensor | None = None) -> torch.Tensor:
+                 mask: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
         """token_logprobs under the engine's precision, right-padded to pad_multiple (attention 0
         on the padding, which no real position attends to) and cut back to (B, L)."""
         L = ids.shape[1]
@@ -786,7 +809,7 @@ class TorchEngine:
             att = torch.nn.functional.pad(att, (0, extra), value=0)
             mask = torch.nn.functional.pad(mask, (0, extra), value=0) if mask is not None else None
         with autocast(self.precision, _device_type(model)):
-            return token_logprobs(model, ids, att, loss_mask=mask)[:, :L]
+            return token_logprobs(model, ids, att, loss_mask=mask, temperature=temperature)[:, :L]
 
     def backward(self, loss: torch.Tensor, boundary: bool) -> None:
         """loss.backward(); the first call of an optimizer step clears the previous gradients."""

@@ -115,11 +115,13 @@ log = logging.getLogger("rubricem")
 
 
 def apply_reflection_batch(policy, pending: ReflectionBatch, sampler, pad_id: int,
-                           rng: random.Random, coef: float = 1.0) -> dict:
+                           rng: random.Random, coef: float = 1.0, temperature: float = 1.0) -> dict:
     """The deferred reflection update (§3.4, Algorithm 1): one policy update on the previous step's
     reflection GRPO groups (only reflection tokens carry gradient, each with its candidate's
     advantage c * A_j; c = `coef` >= 0, reflection.loss_coef), then the sampler takes the new
-    weights, so the next task rollouts use them.
+    weights, so the next task rollouts use them. temperature: the one the candidates were sampled
+    at (reflection.temperature, 0.7 in the paper); the update's log-probs are those of
+    softmax(logits / T), the distribution that drew them (policy.UpdateBatch).
 
     Not in the paper: c < 1 weights the meta-policy objective below the task objective. The policy
     and the reflection writer share the weights and the optimizer; with c = 1 a reflection update
@@ -133,7 +135,7 @@ def apply_reflection_batch(policy, pending: ReflectionBatch, sampler, pad_id: in
     out: dict[str, Any] = {"update/reflection_seqs": len(pending.sequences)}
     if not pending.sequences:
         return out
-    rb = UpdateBatch()
+    rb = UpdateBatch(temperature=temperature)
     for seq, mk, a in zip(pending.sequences, pending.masks, pending.advantages):
         rb.ids.append(seq)
         rb.mask.append(mk)
@@ -339,7 +341,7 @@ def rl_step(run: Run, step: int, pending: ReflectionBatch, rng: random.Random, m
     cfg, n = run.cfg, run.cfg.rollout.n
     with timed(m, "time/reflection_update_s"):  # Alg. 1: last step's reflection GRPO batch first
         m.update(apply_reflection_batch(run.policy, pending, run.sampler, run.tok.pad_token_id, rng,
-                                        cfg.reflection.loss_coef))
+                                        cfg.reflection.loss_coef, cfg.reflection.temperature))
     b, mode = curriculum(step, cfg.curriculum.K, cfg.curriculum.enabled)  # §3.5 windowed curriculum
     queries = [run.train_q[i] for i in run.order.batch(b)]
     items = retrieve_memory(run, queries, mode, b, m)  # Alg. 1 step 2
@@ -350,7 +352,7 @@ def rl_step(run: Run, step: int, pending: ReflectionBatch, rng: random.Random, m
     with timed(m, "time/update_s"):
         A, am = ss_grpo.task_advantages(R, n, cfg.ss_grpo, run.arm.advantage)  # Alg. 1 step 5
         m.update(am)
-        batch = update_batch(rollouts, A, cfg.ss_grpo.skipped_stage_credit)
+        batch = update_batch(rollouts, A, cfg.ss_grpo.skipped_stage_credit, cfg.rollout.temperature)
         m.update(run.policy.update(batch, run.tok.pad_token_id, rng))  # Alg. 1 step 6
     with timed(m, "time/sync_s"):
         run.policy.sync(run.sampler)  # pi_theta changed: the sampler's weights follow
@@ -403,12 +405,14 @@ def judge_groups(run: Run, queries: list, rollouts: list, step: int, m: dict):
     return R, results, judged
 
 
-def update_batch(rollouts: list, A: torch.Tensor, skip_credit: bool = False) -> UpdateBatch:
+def update_batch(rollouts: list, A: torch.Tensor, skip_credit: bool = False,
+                 temperature: float = 1.0) -> UpdateBatch:
     """The task sequences of the update: prompt + response ids, the loss mask (sampled tokens only)
     and each token's advantage A[i, stage of the token] (ss_grpo.token_advantages, §3.3); with
     skip_credit, a skipped stage's advantage goes to the token that skipped it
-    (ss_grpo.skipped_stage_credit, not in the paper)."""
-    ub = UpdateBatch()
+    (ss_grpo.skipped_stage_credit, not in the paper). temperature: the rollouts' sampling
+    temperature (rollout.temperature, 1.0 in the paper), under which the update scores them."""
+    ub = UpdateBatch(temperature=temperature)
     for i, r in enumerate(rollouts):
         ub.ids.append(r.prompt_ids + r.response_ids)
         ub.mask.append([0] * len(r.prompt_ids) + r.loss_mask)

@@ -385,11 +385,11 @@ class _LogProbModule(torch.nn.Module):
         self.lm = lm
         self.chunk_size = chunk_size
 
-    def forward(self, input_ids, attention_mask, loss_mask=None):
+    def forward(self, input_ids, attention_mask, loss_mask=None, temperature: float = 1.0):
         from policy import token_logprobs
 
         return token_logprobs(self.lm, input_ids, attention_mask, self.chunk_size,
-                              loss_mask=loss_mask)
+                              loss_mask=loss_mask, temperature=temperature)
 
 
 def _load_lm(path: str, ds: dict, dtype: torch.dtype):
@@ -465,15 +465,17 @@ class ZeRO3Policy:
         self.engine.train(mode)
 
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+                 loss_mask: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
         """log pi_theta of every next token (policy.token_logprobs through the engine).
 
         input_ids, attention_mask: (B, L) int64 on any device; loss_mask: optional (B, L) bool, the
-        columns that are used (the head runs only there; the others are 0). Returns (B, L) float32
-        on the engine's device (column 0 is 0). With gradient unless called under torch.no_grad().
+        columns that are used (the head runs only there; the others are 0); temperature: T > 0,
+        the log-probs of softmax(logits / T). Returns (B, L) float32 on the engine's device
+        (column 0 is 0). With gradient unless called under torch.no_grad().
         """
         mask = loss_mask.to(self.device) if loss_mask is not None else None
-        return self.engine(input_ids.to(self.device), attention_mask.to(self.device), mask).float()
+        return self.engine(input_ids.to(self.device), attention_mask.to(self.device), mask,
+                           temperature=temperature).float()
 
     def backward(self, loss: torch.Tensor, boundary: bool) -> None:
         """Accumulate gradients of `loss`, a 0-dim tensor normalised with the *global* normalisers
@@ -608,12 +610,13 @@ class FrozenReference:
 
     @torch.no_grad()
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+                 loss_mask: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
         """(B, L) float32 log pi_ref of every next token (column 0 is 0; with loss_mask, 0 outside
-        it), no gradient."""
+        it; at `temperature`, of softmax(logits / T)), no gradient."""
         dev = self.engine.device
         mask = loss_mask.to(dev) if loss_mask is not None else None
-        return self.engine(input_ids.to(dev), attention_mask.to(dev), mask).float()
+        return self.engine(input_ids.to(dev), attention_mask.to(dev), mask,
+                           temperature=temperature).float()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -656,13 +659,13 @@ class ZeRO3Engine:
         self.closed = False
 
     # the five calls of policy.policy_update (the one SS-GRPO update of both engines) -------------
-    def logprobs(self, ids: torch.Tensor, att: torch.Tensor,
-                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.policy.logprobs(ids, att, mask)
+    def logprobs(self, ids: torch.Tensor, att: torch.Tensor, mask: torch.Tensor | None = None,
+                 temperature: float = 1.0) -> torch.Tensor:
+        return self.policy.logprobs(ids, att, mask, temperature)
 
-    def ref_logprobs(self, ids: torch.Tensor, att: torch.Tensor,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.ref.logprobs(ids, att, mask)
+    def ref_logprobs(self, ids: torch.Tensor, att: torch.Tensor, mask: torch.Tensor | None = None,
+                     temperature: float = 1.0) -> torch.Tensor:
+        return self.ref.logprobs(ids, att, mask, temperature)
 
     def backward(self, loss: torch.Tensor, boundary: bool) -> None:
         self.policy.backward(loss, boundary)

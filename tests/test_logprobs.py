@@ -170,3 +170,36 @@ def test_loss_mask_on_packed_rows(model):
             alone = policy.token_logprobs(model, x, torch.ones_like(x))[0, 9:]
             assert torch.allclose(got[start: start + len(cont)], alone, atol=1e-5, rtol=0)
     assert not got[:9].any()
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["all_columns", "loss_mask"])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_temperature_gives_the_sampling_distributions_log_probs(model, masked, recompute):
+    """temperature T: log_softmax(logits / T) at the token, values and gradients (the distribution a
+    sampler at T draws from); T = 1 is bit-identical to the default; T <= 0 raises."""
+    ids, att = batch([15, 9], left=False, seed=7)
+    lm = valid(att) if masked else None
+    m = valid(att)
+    w = torch.randn(ids.shape, generator=torch.Generator().manual_seed(8)) * m
+    pos = (att.long().cumsum(-1) - 1).clamp(min=0)
+    for T in (0.7, 1.3):
+        model.zero_grad(set_to_none=True)
+        got = policy.token_logprobs(model, ids, att, 4, recompute=recompute, loss_mask=lm,
+                                    temperature=T)
+        (got * w).sum().backward()
+        g_got = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids, attention_mask=att, position_ids=pos).logits.float()
+        lp = torch.log_softmax(logits[:, :-1] / T, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        want = torch.cat([torch.zeros_like(lp[:, :1]), lp], 1)
+        (want * w).sum().backward()
+        assert torch.allclose(got[m], want[m], atol=1e-5, rtol=0), T
+        assert not torch.allclose(got[m], naive(model, ids, att).detach()[m], atol=1e-3)
+        for n, p in model.named_parameters():
+            assert torch.allclose(g_got[n], p.grad, atol=1e-5, rtol=1e-4), (T, n)
+    with torch.no_grad():
+        assert torch.equal(policy.token_logprobs(model, ids, att, 4, loss_mask=lm, temperature=1.0),
+                           policy.token_logprobs(model, ids, att, 4, loss_mask=lm))
+        for bad in (0.0, -1.0, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match="temperature"):
+                policy.token_logprobs(model, ids, att, 4, temperature=bad)

@@ -182,7 +182,9 @@ def test_replayed_batch_finds_each_querys_own_reflection_sec3_5(tmp_path, toy_ca
 def test_deferred_reflection_update_runs_before_the_next_rollouts_alg1(tmp_path, toy_cache,
                                                                        monkeypatch):
     """Algorithm 1: step t's reflection GRPO batch is applied at step t+1 before its task rollouts,
-    as an update of reflection sequences only; the task update holds task sequences only."""
+    as an update of reflection sequences only; the task update holds task sequences only. Each
+    update scores its sequences at the temperature they were sampled at (reflections 0.7, task
+    rollouts 1.0)."""
     events = []
 
     class Log(list):
@@ -192,9 +194,11 @@ def test_deferred_reflection_update_runs_before_the_next_rollouts_alg1(tmp_path,
 
     patch_sampler(monkeypatch, Log())
     update = policy.TorchEngine.update
+    temps = []
 
     def logged(self, batch, pad_id, rng):
         events.append(("update", tuple(sorted(set(batch.kind))), len(batch.ids)))
+        temps.append(batch.temperature)
         return update(self, batch, pad_id, rng)
 
     monkeypatch.setattr(policy.TorchEngine, "update", logged)
@@ -205,6 +209,7 @@ def test_deferred_reflection_update_runs_before_the_next_rollouts_alg1(tmp_path,
     updates = [e for e in events if e[0] == "update"]
     assert updates == [("update", ("task",), P * n), ("update", ("reflection",), P * m),
                        ("update", ("task",), P * n)]
+    assert temps == [1.0, 0.7, 1.0]  # rollout.temperature, reflection.temperature (the paper's)
     # Step 1: the reflection update comes before the first rollout generation of that step.
     i_refl = events.index(("update", ("reflection",), P * m))
     first_refl_gen = next(i for i, e in enumerate(events) if e == ("generate", 0.7))
@@ -236,6 +241,10 @@ def test_reflection_update_advantages_scaled_by_loss_coef_sec3_4():
     for c in (1.0, 0.25, 0.0):
         train.apply_reflection_batch(Policy(), pend, None, 0, random.Random(0), c)
         assert seen[-1] == [[0.0, 0.0, 1.5 * c, 1.5 * c], [0.0, 0.0, -1.5 * c]]
+    temps = []
+    Policy.update = lambda self, batch, pad_id, rng: temps.append(batch.temperature) or {}
+    train.apply_reflection_batch(Policy(), pend, None, 0, random.Random(0), 1.0, 0.7)
+    assert temps == [0.7]
     cfg = settings.toy_preset()
     for bad in (-0.1, float("inf"), float("nan"), True, "1"):
         cfg.reflection.loss_coef = bad

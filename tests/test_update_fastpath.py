@@ -116,3 +116,35 @@ def test_s33_one_step_update_runs_the_policy_once():
     cfg2 = SSGRPOConfig(minibatches=2, micro_batch=16, beta=0.001)
     TorchEngine(model, cfg2, ref_model, opt).update(make_batch(6), PAD, random.Random(0))
     assert len(calls) == 1 + 2
+
+
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_update_scores_the_batch_at_its_sampling_temperature(minibatches):
+    """Every log-prob pass of an update (pi_ref, the old pass, the loss forward) runs at the
+    batch's temperature, shards included; at T != 1 the gradient differs from T = 1's."""
+    calls = []
+
+    class Recording(TorchEngine):
+        def logprobs(self, ids, att, mask=None, temperature=1.0):
+            calls.append(("theta", temperature))
+            return super().logprobs(ids, att, mask, temperature)
+
+        def ref_logprobs(self, ids, att, mask=None, temperature=1.0):
+            calls.append(("ref", temperature))
+            return super().ref_logprobs(ids, att, mask, temperature)
+
+    grads = {}
+    for T in (1.0, 0.7):
+        model = tiny_qwen3()
+        cfg = SSGRPOConfig(minibatches=minibatches, micro_batch=3, beta=0.01, lr=1e-3)
+        eng = Recording(model, cfg, opt=RecordingOpt(model.parameters()))
+        b = make_batch(8)
+        b.temperature = T
+        shards, _ = policy.plan_update(b, 2, minibatches, 3, random.Random(0))
+        assert all(s.temperature == T for s in shards)
+        calls.clear()
+        eng.update(b, PAD, random.Random(0))
+        kinds = {k for k, _ in calls}
+        assert kinds == {"theta", "ref"} and {t for _, t in calls} == {T}, calls
+        grads[T] = eng.opt.grads
+    assert any(not torch.allclose(a, b) for a, b in zip(grads[1.0], grads[0.7]))

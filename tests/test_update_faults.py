@@ -11,6 +11,7 @@ exactly on-policy). The last test repeats the dropout and overflow cases on a re
 engine (tests/zero3_update_check.py, one CPU rank).
 """
 import copy
+import functools
 import importlib.util
 import math
 import json
@@ -88,11 +89,11 @@ class OneProcessPolicy:
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)
 
-    def logprobs(self, ids, att, mask=None):
-        return token_logprobs(self.model, ids, att, loss_mask=mask)
+    def logprobs(self, ids, att, mask=None, temperature=1.0):
+        return token_logprobs(self.model, ids, att, loss_mask=mask, temperature=temperature)
 
-    def ref_logprobs(self, ids, att, mask=None):
-        return token_logprobs(self.ref, ids, att, loss_mask=mask)
+    def ref_logprobs(self, ids, att, mask=None, temperature=1.0):
+        return token_logprobs(self.ref, ids, att, loss_mask=mask, temperature=temperature)
 
     def backward(self, loss, boundary: bool) -> None:
         loss.backward()
@@ -187,7 +188,8 @@ def stale_old_logprobs(monkeypatch, model, shift: float, only=None, which="logpr
     def sequence_logprobs(fn, batch, *a):
         out = scored(fn, batch, *a)
         index = a[3] if len(a) > 3 and a[3] is not None else list(range(len(out)))
-        if fn.__func__.__name__ == which and fn.__self__.model is model:
+        f = fn.func if isinstance(fn, functools.partial) else fn  # the update binds temperature
+        if f.__func__.__name__ == which and f.__self__.model is model:
             return [x + sign * shift if only is None or index[p] in only else x
                     for p, x in enumerate(out)]
         return out
