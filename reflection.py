@@ -25,6 +25,9 @@ exactly reproducible for a fixed seed and gives the same data dependencies.
 Deviations from the paper
 1. The policy does not see scores or rubrics (as in the paper); candidates that fail bank admission
    (bank.validate_reflection) keep their judge score in the GRPO group but are never stored.
+2. The GRPO update scores the candidates under the distribution they were sampled from,
+   softmax(logits / 0.7) (train.apply_reflection_batch, ss_grpo deviation 8); the paper gives the
+   sampling temperature, not the scoring one.
 """
 from __future__ import annotations
 

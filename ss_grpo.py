@@ -57,6 +57,13 @@ Deviations from the paper
     7. Option, off by default (`SSGRPOConfig.skipped_stage_credit`): a rollout that skips a stage
        gives that stage's advantage to the token that skipped it (skipped_stage_credit,
        A_tok[i, t*] = A[i, k]); under the paper's rule no token carries a skipped stage's A[i, k].
+    8. pi_theta, pi_theta_old and pi_ref in rho and k3 are the distributions that drew the tokens:
+       log-probs of softmax(logits / T) at the batch's sampling temperature T
+       (policy.UpdateBatch.temperature), as TRL, verl and open-instruct compute them. Task rollouts
+       are sampled at T = 1 (the paper's; nothing changes); the reflection candidates at T = 0.7
+       (§3.4), and the paper does not say under which distribution their GRPO group is scored.
+       Scored at T = 1, a candidate drawn at 0.7 gets the gradient of a distribution it was not
+       drawn from.
 """
 from __future__ import annotations
 
