@@ -27,7 +27,8 @@ Deviations from the paper
    (bank.validate_reflection) keep their judge score in the GRPO group but are never stored.
 2. The GRPO update scores the candidates under the distribution they were sampled from,
    softmax(logits / 0.7) (train.apply_reflection_batch, ss_grpo deviation 8); the paper gives the
-   sampling temperature, not the scoring one.
+   sampling temperature, not the scoring one. `ReflectionConfig.score_at_temperature = False`
+   scores them at temperature 1 instead.
 """
 from __future__ import annotations
 
@@ -59,6 +60,10 @@ class ReflectionConfig:
     loss_coef: float = 1.0
     """c in L = c * L_reflect for the deferred reflection update (its A_j are scaled by c); the
     paper gives the two objectives no relative weight (c = 1, the full preset)"""
+    score_at_temperature: bool = True
+    """the deferred reflection update scores the candidates under the distribution they were sampled
+    from, softmax(logits / temperature) (ss_grpo deviation 8); False scores them at temperature 1,
+    as this code did before commit 0221060 (the paper does not say)"""
 
 
 @dataclass

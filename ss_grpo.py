@@ -63,7 +63,7 @@ Deviations from the paper
        are sampled at T = 1 (the paper's; nothing changes); the reflection candidates at T = 0.7
        (§3.4), and the paper does not say under which distribution their GRPO group is scored.
        Scored at T = 1, a candidate drawn at 0.7 gets the gradient of a distribution it was not
-       drawn from.
+       drawn from (`reflection.score_at_temperature = false` does that, for comparison).
 """
 from __future__ import annotations
 

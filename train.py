@@ -341,7 +341,9 @@ def rl_step(run: Run, step: int, pending: ReflectionBatch, rng: random.Random, m
     cfg, n = run.cfg, run.cfg.rollout.n
     with timed(m, "time/reflection_update_s"):  # Alg. 1: last step's reflection GRPO batch first
         m.update(apply_reflection_batch(run.policy, pending, run.sampler, run.tok.pad_token_id, rng,
-                                        cfg.reflection.loss_coef, cfg.reflection.temperature))
+                                        cfg.reflection.loss_coef,
+                                        cfg.reflection.temperature
+                                        if cfg.reflection.score_at_temperature else 1.0))
     b, mode = curriculum(step, cfg.curriculum.K, cfg.curriculum.enabled)  # §3.5 windowed curriculum
     queries = [run.train_q[i] for i in run.order.batch(b)]
     items = retrieve_memory(run, queries, mode, b, m)  # Alg. 1 step 2

@@ -179,12 +179,13 @@ def test_replayed_batch_finds_each_querys_own_reflection_sec3_5(tmp_path, toy_ca
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("at_temperature", [True, False])
 def test_deferred_reflection_update_runs_before_the_next_rollouts_alg1(tmp_path, toy_cache,
-                                                                       monkeypatch):
+                                                                       monkeypatch, at_temperature):
     """Algorithm 1: step t's reflection GRPO batch is applied at step t+1 before its task rollouts,
     as an update of reflection sequences only; the task update holds task sequences only. Each
     update scores its sequences at the temperature they were sampled at (reflections 0.7, task
-    rollouts 1.0)."""
+    rollouts 1.0), unless reflection.score_at_temperature is off (then the reflections at 1)."""
     events = []
 
     class Log(list):
@@ -204,12 +205,14 @@ def test_deferred_reflection_update_runs_before_the_next_rollouts_alg1(tmp_path,
     monkeypatch.setattr(policy.TorchEngine, "update", logged)
     run = tmp_path / "run"
     assert train.main(fast_args(run, toy_cache, 2, "--set", "reflection.max_new_tokens=96",
-                                "--set", "eval.n_questions=0")) == 0
+                                "--set", "eval.n_questions=0", "--set",
+                                f"reflection.score_at_temperature={str(at_temperature).lower()}")) == 0
     P, n, m = 2, 2, 2
     updates = [e for e in events if e[0] == "update"]
     assert updates == [("update", ("task",), P * n), ("update", ("reflection",), P * m),
                        ("update", ("task",), P * n)]
-    assert temps == [1.0, 0.7, 1.0]  # rollout.temperature, reflection.temperature (the paper's)
+    # rollout.temperature; reflection.temperature (the paper's 0.7), or 1 with the option off
+    assert temps == [1.0, 0.7 if at_temperature else 1.0, 1.0]
     # Step 1: the reflection update comes before the first rollout generation of that step.
     i_refl = events.index(("update", ("reflection",), P * m))
     first_refl_gen = next(i for i, e in enumerate(events) if e == ("generate", 0.7))
