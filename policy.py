@@ -344,7 +344,7 @@ def _segment_layout(seg: torch.Tensor, model) -> tuple[torch.Tensor, torch.Tenso
 class UpdateBatch:
     """Sequences for one update: ids (prompt + response), loss mask, per-token advantages (lists of
     equal length per sequence), each sequence's kind ("task" | "reflection"), and the temperature
-    T > 0 they were sampled at: the update's log-probs (pi_theta, pi_theta_old, pi_ref) are those
+    T >= 0 they were sampled at: the update's log-probs (pi_theta, pi_theta_old, pi_ref) are those
     of softmax(logits / T), the distribution that drew the tokens (token_logprobs)."""
 
     ids: list[list[int]] = field(default_factory=list)
@@ -352,6 +352,17 @@ class UpdateBatch:
     adv: list[list[float]] = field(default_factory=list)
     kind: list[str] = field(default_factory=list)
     temperature: float = 1.0
+
+    @property
+    def scoring_temperature(self) -> float:
+        """The T the update's log-probs use: the sampling temperature, or 1 for greedy sampling
+        (T = 0 drew from no distribution; its tokens are scored under the model's own)."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+    def select(self, idx: Sequence[int]) -> "UpdateBatch":
+        """The sequences `idx` (in that order) as a batch of their own, at the same temperature."""
+        return UpdateBatch([self.ids[i] for i in idx], [self.mask[i] for i in idx],
+                           [self.adv[i] for i in idx], [self.kind[i] for i in idx], self.temperature)
 
 
 def pad_rows(batch: UpdateBatch, idx: Sequence[int], pad_id: int):
@@ -518,9 +529,7 @@ def plan_update(batch: UpdateBatch, world_size: int, minibatches: int, micro: in
     n_tok = [float(sum(sum(batch.mask[i]) for i in mb)) for mb in mbs]
     for r in range(world_size):
         flat = [i for part in sel[r] for i in part]
-        shards.append(UpdateBatch([batch.ids[i] for i in flat], [batch.mask[i] for i in flat],
-                                  [batch.adv[i] for i in flat], [batch.kind[i] for i in flat],
-                                  batch.temperature))
+        shards.append(batch.select(flat))
         pos, local = 0, []
         for part in sel[r]:
             local.append(list(range(pos, pos + len(part))))
@@ -650,7 +659,7 @@ def _minibatch(engine: PolicyEngine, local: UpdateBatch, mb: list, n_micro: int,
             continue
         ids, att, mask, adv, layout = pack_rows(local, idx, pad_id, share)
         # (B, L) with gradient, 0 outside the loss mask; of the sampling distribution (logits / T)
-        logp = engine.logprobs(ids, att, mask, temperature=local.temperature)
+        logp = engine.logprobs(ids, att, mask, temperature=local.scoring_temperature)
         dev = logp.device
         # The first optimizer step of a batch (old is None): theta has not moved, pi_theta_old =
         # pi_theta, so log pi_old is this forward's own log-probs, detached (rho = 1 exactly)
@@ -692,7 +701,8 @@ def policy_update(engine: PolicyEngine, local: UpdateBatch, cfg, pad_id: int, pl
     share = bool(getattr(cfg, "share_prefix", False)) and cfg.agg != "seq_mean_token_mean"
     index = plan.index or None
     old = _later_old_logprobs(engine, local, plan, cfg, pad_id, share)
-    ref = sequence_logprobs(functools.partial(engine.ref_logprobs, temperature=local.temperature),
+    ref = sequence_logprobs(functools.partial(engine.ref_logprobs,
+                                              temperature=local.scoring_temperature),
                             local, pad_id, cfg.micro_batch, plan.score_passes, index,
                             share) if cfg.beta > 0 else None
     engine.train(True)
@@ -725,11 +735,11 @@ def _later_old_logprobs(engine: PolicyEngine, local: UpdateBatch, plan: UpdatePl
     if len(plan.minibatches) < 2:
         return None
     later = sorted(i for mb in plan.minibatches[1:] for i in mb)  # shard positions
-    sub = UpdateBatch([local.ids[i] for i in later], [local.mask[i] for i in later],
-                      [local.adv[i] for i in later], [local.kind[i] for i in later], local.temperature)
+    sub = local.select(later)
     index = [plan.index[i] for i in later] if plan.index else later
     passes = plan.score_passes if plan.old_passes is None else plan.old_passes
-    scored = sequence_logprobs(functools.partial(engine.logprobs, temperature=local.temperature),
+    scored = sequence_logprobs(functools.partial(engine.logprobs,
+                                                 temperature=local.scoring_temperature),
                                sub, pad_id, cfg.micro_batch, passes, index, share)
     old: list = [None] * len(local.ids)
     for i, lp in zip(later, scored):

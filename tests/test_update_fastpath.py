@@ -148,3 +148,19 @@ def test_update_scores_the_batch_at_its_sampling_temperature(minibatches):
         assert kinds == {"theta", "ref"} and {t for _, t in calls} == {T}, calls
         grads[T] = eng.opt.grads
     assert any(not torch.allclose(a, b) for a, b in zip(grads[1.0], grads[0.7]))
+
+
+def test_greedy_batch_is_scored_under_the_models_own_distribution():
+    """A batch sampled greedily (temperature 0) drew from no tempered distribution: the update
+    scores it at T = 1, with the gradients of a T = 1 batch; select() keeps the temperature."""
+    grads = []
+    for T in (1.0, 0.0):
+        model = tiny_qwen3()
+        cfg = SSGRPOConfig(minibatches=2, micro_batch=3, beta=0.01, lr=1e-3)
+        eng = TorchEngine(model, cfg, opt=RecordingOpt(model.parameters()))
+        b = make_batch(6)
+        b.temperature = T
+        assert b.select([2, 0]).temperature == T and b.select([2, 0]).ids == [b.ids[2], b.ids[0]]
+        eng.update(b, PAD, random.Random(0))
+        grads.append(eng.opt.grads)
+    assert all(torch.equal(a, c) for a, c in zip(*grads))
