@@ -14,7 +14,8 @@ Functions
 - `load_policy(path)`: model + tokenizer from a local directory (never downloads in toy mode).
 - `token_logprobs(model, input_ids, attention_mask)`: log pi(a_t | h_t) of every next token, computed
   in chunks of the sequence so the (tokens x vocab) fp32 logits are never materialised at once;
-  with a loss mask, the vocabulary projection runs only where the log-probs are used.
+  with a loss mask, the vocabulary projection runs only where the log-probs are used; at a
+  temperature T, log pi_T = log_softmax(logits / T)[a_t], the distribution a sampler at T draws from.
 - `pack_rows(batch, idx, pad_id)`: a micro-batch's sequences in rows, those behind one long shared
   prompt (a reflection group's m candidates) packed into one row with the prompt once; token_logprobs
   gives each the log-probs of its own row (ours: a speed-up, the same values).
@@ -38,6 +39,8 @@ Deviations from the paper
    forward; only the later steps' sequences get a no-grad old pass (none with one step).
 3. Not in the paper: a minibatch without a loss-masked token is skipped, and an optimizer step whose
    gradient norm is not finite is not applied (both counted in the metrics).
+4. Every log-prob of an update is taken at the batch's sampling temperature (UpdateBatch
+   .scoring_temperature; 1 for greedy sampling): ss_grpo deviation 8.
 """
 from __future__ import annotations
 
