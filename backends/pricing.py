@@ -67,7 +67,7 @@ def table_prices(model: str) -> Prices | None:
     row = PRICE_TABLE.get(name)
     if row is None:
         return None
-    return Prices(row[0], row[1], f"price table ({PRICE_SOURCE})", row[2] if len(row) > 2 else None)
+    return Prices(row[0], row[1], f"price table checked {PRICES_CHECKED}", row[2] if len(row) > 2 else None)
 
 
 def resolve_prices(model: str, price_in: float = -1.0, price_out: float = -1.0) -> Prices | None:

@@ -202,10 +202,10 @@ def test_search_401_stops_instead_of_a_tool_error():
 
 
 def test_the_client_gives_up_after_max_retries_on_5xx():
-    with FakeServer("openai", key=None) as s:
+    with FakeServer("serper", key=None) as s:
         s.rule = lambda req: {"status": 503, "message": "overloaded"}
         c = HTTPClient("t", max_retries=2, backoff_s=0.01, backoff_max_s=0.01, timeout_s=2)
-        resp, retries, n429, _ = c.post(s.url + "/chat/completions", {}, {})
+        resp, retries, n429, _ = c.post(s.url + "/search", {"q": "a", "num": 1}, {})
         c.close()
     assert resp.status_code == 503 and retries == 2 and n429 == 0 and len(s.requests) == 3
 

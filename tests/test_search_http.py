@@ -10,6 +10,7 @@ pytest.importorskip("requests", reason="the HTTP backends need the `full` extra 
 
 import scaffold
 from loopback import TEST_KEY, FakeServer
+from backends.http import APIStopError
 from backends.search_http import SearchError, SerperSearchTool
 from scaffold import SearchConfig
 from scaffold import SearchResult
@@ -82,10 +83,13 @@ def test_s31_malformed_reply_and_non_retryable_status_raise(serper):
     serper.script.append({"body": "<html>oops</html>"})
     with pytest.raises(SearchError, match="not the expected JSON"):
         t("a")
-    serper.script.append({"status": 403})
-    with pytest.raises(SearchError, match="HTTP 403"):
+    serper.script.append({"status": 400})
+    with pytest.raises(SearchError, match="HTTP 400"):
         t("b")
-    assert len(serper.requests) == 2  # 4xx other than 429 is not retried
+    serper.script.append({"status": 403, "message": "Not enough credits"})
+    with pytest.raises(APIStopError, match="Not enough credits"):  # 401/403/404 stop the run
+        t("c")
+    assert len(serper.requests) == 3  # 4xx other than 429 is not retried
 
 
 def test_s31_missing_key_raises_clearly(serper, monkeypatch):
