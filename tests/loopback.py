@@ -340,7 +340,56 @@ def serve(url_file: str) -> None:
               f"{len(ss.requests)} search requests ({len(ss.errors)} rejected)", flush=True)
 
 
+def schema_reply(req: dict) -> dict:
+    """A reply action for any benchmark grader request (evaluate.py) built from the request's schema:
+    response_format.json_schema when given, else the JSON Schema the prompt states (json_object
+    mode). Values are deterministic in the prompt (a hash), so verdicts differ across items: booleans,
+    numbers in [0, 10], the enum value picked by the hash; arrays get one entry per numbered prompt
+    line ("1. ...")."""
+    prompt = req["body"]["messages"][-1]["content"]
+    schema = (req["body"]["response_format"].get("json_schema") or {}).get("schema")
+    if schema is None:
+        m = re.search(r"JSON Schema \(use exactly these key names\):\n(\{.*\})\n", prompt)
+        if m is None:
+            return {"text": "I cannot tell which format you want."}
+        schema = json.loads(m.group(1))
+    h = int(hashlib.sha1(prompt.encode()).hexdigest()[:8], 16)
+    n_items = len(re.findall(r"^\d+\. ", prompt, re.M)) or 1
+
+    def fill(sc, salt):
+        v = (h >> (salt % 24)) + salt
+        if "enum" in sc:
+            return sc["enum"][v % len(sc["enum"])]
+        t = sc.get("type")
+        if t == "object":
+            return {k: fill(x, salt + i + 1) for i, (k, x) in enumerate(sc["properties"].items())}
+        if t == "array":
+            return [fill(sc["items"], salt + 7 * i) for i in range(n_items)]
+        return {"string": "checked against the text", "number": v % 11, "boolean": v % 3 != 0}.get(t)
+
+    return {"json": fill(schema, 0)}
+
+
+def serve_openai(url_file: str) -> None:
+    """Run an OpenAI-compatible grader server (no key; replies from `schema_reply`, 120 input and
+    40 output tokens each) until killed; write {"openai": url} to url_file once it listens."""
+    import os
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    with FakeServer("openai", key=None, model="local-grader", usage=(120, 40)) as s:
+        s.rule = schema_reply
+        with open(url_file + ".tmp", "w") as fh:
+            json.dump({"openai": s.url}, fh)
+        os.replace(url_file + ".tmp", url_file)
+        signal.sigwait({signal.SIGTERM, signal.SIGINT})
+        print(f"loopback: {len(s.requests)} grader requests ({len(s.errors)} rejected)", flush=True)
+
+
 if __name__ == "__main__":
     import sys
 
-    serve(sys.argv[1])
+    if sys.argv[1] == "--openai":
+        serve_openai(sys.argv[2])
+    else:
+        serve(sys.argv[1])
