@@ -32,7 +32,7 @@ Deviations (from the benchmarks' released graders; the formulas above are theirs
        released grader answers one label per line; ours returns the same five labels as a JSON list
        (our HTTP judge validates JSON replies), one per item, in order.
     2. A call that still fails after judge_http's retry bound (1 + --judge-max-retries attempts,
-       default 4) skips its whole example (counted). The released graders bound attempts differently
+       default 4) skips its whole example (counted, and named in a warning). The released graders bound attempts differently
        (ResearchQA: 3 then skip; RACE: 10 then skip; HealthBench: retries until valid).
     3. RACE matches a judge's criterion name to the task's criteria by exact, then case-insensitive,
        then substring name (either way round); a name that matches nothing gets the dimension's mean
@@ -43,7 +43,27 @@ Deviations (from the benchmarks' released graders; the formulas above are theirs
        original turns. The answer is the text inside <answer>; a rollout without one answers "" and
        is counted (`no_answer_tag`), then graded as is. Greedy decoding unless --gen-temperature.
     5. Responses and rows are matched by the benchmark's id (`prompt_id`, `id`, `id`, `sample_id`);
-       the released RACE script matches by prompt text, which we accept as a fallback.
+       the released RACE script matches by prompt text, which we accept as a fallback. Repeated ids
+       are refused (either file).
+    6. DRB target articles are cleaned of citations and reference lists by the judge before
+       scoring (`clean_drb_answers`), as the released RACE pipeline does by default; the prompt is
+       our own wording. Same semantics: a cleaning shorter than 100 characters is invalid, an
+       article that cannot be cleaned whole is cleaned as two halves cut at a sentence end, and one
+       that still fails is skipped. Default on, because the reference articles the targets are
+       compared with were cleaned the same way; --drb-raw grades raw articles and the report says
+       so. One extra call per article, billed as output tokens about the article's length.
+    7. With --openai-response-format json_object the reply's JSON Schema and an example reply are
+       written into the prompt (judge_http.schema_instruction), since the server sees no schema.
+    8. --limit N draws N rows as simple-evals does (random.Random(0).sample); --limit-first takes
+       the first N.
+
+Stops and exit codes (main): 0 scored; 2 unusable input (one line naming the file, line and field),
+an existing report without --overwrite, or no example scored; 3 an API answered 401/403/404 (its
+message is printed and put in the report, nothing more is sent); 4 more than --max-skip-share
+(default 5 %) of the examples skipped, --deadline included, unless --allow-skips. The report is
+written in every case but 2 for bad input. Judge requests go through backends/http.HTTPClient (proxy
+from the environment, Retry-After, 429 back-off, --judge-rpm / --judge-tpm); costs use
+backends/pricing.py's dated table or --price-in / --price-out, else they are reported as unknown.
 
 Launch (keys only from the environment: GEMINI_API_KEY / OPENAI_API_KEY, SERPER_API_KEY)
     python evaluate.py healthbench --data healthbench.jsonl --responses answers.jsonl
@@ -812,8 +832,8 @@ def run_jobs(judge, jobs: Sequence[Job], concurrency: int, progress: bool = True
                         out[(j.ex, j.key)] = None
                     bar.update(1)
                 bar.set_postfix_str(_running_cost(judge), refresh=False)
-    finally:
-        pool.shutdown(wait=stop is None, cancel_futures=True)
+    finally:  # calls not started are cancelled; those in flight end soon (a 401, or their timeout
+        pool.shutdown(wait=True, cancel_futures=True)  # is cut at the deadline by the client)
     if stop is not None:
         raise stop
     return out
@@ -903,12 +923,10 @@ def _graded(rows, answers, res, keys, out: list, failed: str = "judge call faile
     call keys of that example's judge calls."""
     for e, (r, a) in enumerate(zip(rows, answers)):
         if a is None:
-            log.warning("example %s skipped: no response", r["id"])
             out.append(_skip(r, "no response"))
             continue
         rep = _replies(res, e, keys(r))
         if rep is None:
-            log.warning("example %s skipped: %s", r["id"], failed)
             out.append(_skip(r, failed))
             continue
         yield r, rep
@@ -1128,6 +1146,11 @@ def grade(bench: str, rows: list[dict], answers: list[str | None], judge, concur
             ex["skipped"] = "not graded: the run stopped early"
         elif ex.get("skipped") == "no response" and cleaning and names[e] in cleaning["failed"]:
             ex["skipped"] = "article cleaning failed"
+    skipped = [ex for ex in examples if ex.get("skipped")]
+    for ex in skipped[:50] if stopped is None else ():  # each skip named (a stop says it once)
+        log.warning("example %s skipped: %s", ex["id"], ex["skipped"])
+    if len(skipped) > 50 and stopped is None:
+        log.warning("... and %d more skipped examples (report.json lists them)", len(skipped) - 50)
     return {"summary": summarize(bench, examples, seed), "examples": examples, "calls": len(jobs),
             "stopped": str(stopped) if stopped is not None else None,
             "stop_error": stopped.cause if stopped is not None else None, "cleaning": cleaning}
@@ -1168,8 +1191,8 @@ def write_report(report: dict, out_dir: str) -> tuple[str, str]:
                   "mean criterion weight):", ""] + [f"- task {t}: {n}" for t, n in unmatched] + [""]
     j = report["judge"]
     usd = j.get("judge/usd_total", j.get("judge/cost_usd"))
-    cost = (f"${usd:.4f} ({report.get('price', '')})" if usd is not None else
-            f"cost unknown ({report.get('price', 'no price')})")
+    cost = (f"${usd:.4f} (prices: {report.get('price', '')})" if usd is not None else
+            f"cost unknown: {report.get('price', 'no price').rstrip('.')}")
     lines += [f"Judge: {j.get('judge/calls', 0)} calls, {j.get('judge/requests', 0)} requests, "
               f"{j.get('judge/failures', 0)} failed, {j.get('judge/cache_hits', 0)} cached, "
               f"{j.get('judge/throttled', 0)} throttled (429), {j.get('judge/tokens_in', 0)} input + "

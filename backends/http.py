@@ -18,7 +18,8 @@ What the client does with a request (`HTTPClient.post`), every line `# SCALE:` (
    Retry-After longer than `retry_after_max_s` is not waited out: the answer is returned at once
    (a daily quota would otherwise hang the run for hours).
 4. 401 / 403 / 404 are never retried: `APIStopError` carries the server's own message, and the
-   training loop and evaluate.py stop at once with it (a wrong key, model name or base URL).
+   training loop and evaluate.py stop at once with it (a wrong key, model name or base URL). The
+   client then sends nothing more: every later `post` raises the same error.
 5. Deadline: with `deadline` set (time.monotonic() seconds) no request starts after it and none
    runs past it (`DeadlineExceeded`).
 """
@@ -244,6 +245,7 @@ class HTTPClient:
         self._sessions: list = []
         self._lock = threading.Lock()
         self.status_retries = 0
+        self.stopped: APIStopError | None = None  # after a 401/403/404 nothing more is sent
 
     def session(self):
         s = getattr(self._local, "session", None)
@@ -274,6 +276,8 @@ class HTTPClient:
         """
         retries = throttled = 0
         while True:
+            if self.stopped is not None:  # another call got a 401/403/404: send nothing more
+                raise self.stopped
             left = self._left()
             if left is not None and left <= 0:
                 raise DeadlineExceeded(f"{self.service}: deadline reached")
@@ -289,7 +293,8 @@ class HTTPClient:
             st = resp.status_code
             if st in STOP_STATUSES:
                 self.limiter.release(ticket)
-                raise APIStopError(self.service, st, url.split("?")[0], server_message(resp))
+                self.stopped = APIStopError(self.service, st, url.split("?")[0], server_message(resp))
+                raise self.stopped
             if st not in RETRY_STATUSES:
                 self.limiter.release(ticket)
                 return resp, retries, throttled, ticket

@@ -342,3 +342,13 @@ def test_judge_cost_plan_of_the_full_preset():
     cfg.judge.thinking_budget = 0  # thinking off: fewer output tokens
     cfg.judge.model, cfg.judge.price_in, cfg.judge.price_out = "gemini-2.5-flash", -1.0, -1.0
     assert judge_cost_plan(cfg)["per_step"]["tokens_out"] < plan["per_step"]["tokens_out"]
+
+
+def test_after_a_stop_the_client_sends_nothing_more():
+    with FakeServer("gemini") as s:
+        s.rule = lambda req: {"status": 403, "message": "Permission denied"}
+        with make_judge(s, concurrency=1) as j:
+            for _ in range(3):
+                with pytest.raises(APIStopError, match="Permission denied"):
+                    j.ask("system", "user", schema_scores(["a"]), lambda o: o)
+        assert len(s.requests) == 1
