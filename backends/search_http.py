@@ -46,6 +46,8 @@ def check_search_config(c: SearchConfig) -> None:
     """Raise ValueError naming the field when a search configuration cannot drive SerperSearchTool."""
     if c.k < 1 or c.max_retries < 0 or c.timeout_s <= 0:
         raise ValueError("search: need k >= 1, max_retries >= 0 and timeout_s > 0")
+    if getattr(c, "rpm", 0) < 0:
+        raise ValueError("search.rpm must be >= 0 (0 = no limit)")
 
 
 class SearchError(RuntimeError):
