@@ -1350,8 +1350,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     gen_info: dict = {}
     if not a.responses:
-        engine, gen_info = build_engine(a.model, a.preset, a.search, a.sampler, a.max_response_tokens,
-                                        a.max_tool_calls, a.seed)
+        try:
+            engine, gen_info = build_engine(a.model, a.preset, a.search, a.sampler,
+                                            a.max_response_tokens, a.max_tool_calls, a.seed)
+        except (ValueError, FileNotFoundError) as e:  # no such checkpoint, an unreadable run card
+            log.error("%s", e)
+            return 2
         texts, missing = generate_answers(engine, [policy_query(a.benchmark, r) for r in rows],
                                           a.gen_batch, a.gen_temperature, a.seed, progress)
         answers = list(texts)

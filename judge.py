@@ -360,7 +360,7 @@ class JudgeConfig:
     """The stage judge: its backend, and for the HTTP judge where and how to call the model (one
     config for the training run and for backends/judge_http.HTTPJudge used on its own). Holds the
     *name* of the key's environment variable, never the key. Times in seconds; prices in USD per
-    1000 tokens."""
+    1M tokens."""
 
     backend: str = "toy"
     """"toy" (ToyJudge, the toy world's ground truth) | "gemini" (generateContent REST API) |

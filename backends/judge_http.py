@@ -55,8 +55,10 @@ Deviations from the paper
    SS-GRPO turns into advantage 0 (ss_grpo.py), instead of a score that would be a false signal.
 4. The disk cache replays the judgment of an identical prompt even at temperature > 0: a resumed run
    pays nothing for groups it already judged and gets the same rewards.
-5. "Gemini Flash" has no version in the paper; `gemini-2.5-flash` is our default. Prices are list
-   prices we copied for cost accounting only; check them against the provider's page.
+5. "Gemini Flash" has no version in the paper; `gemini-2.5-flash` is our default. Prices are the
+   dated list prices of backends/pricing.py, for cost accounting and judge.max_usd only; check them
+   against the provider's page. `judge.thinking_budget` (Gemini thinkingConfig.thinkingBudget) is
+   ours: the paper does not say how much the judge thinks.
 6. Proposed rubric weights are clipped to [0.1, 10] (not a reason to re-ask); an empty reflection
    candidate scores 0 on both criteria without a call (there is nothing to judge).
 
