@@ -22,6 +22,14 @@ from judge import JudgeConfig
 from loopback import TEST_KEY, FakeServer
 
 
+@pytest.fixture(autouse=True)
+def _loopback_bypasses_any_proxy(monkeypatch):
+    """The HTTP client honours the environment's proxy (backends/http.py); the loopback servers are
+    local, so a machine with HTTP_PROXY set must still reach them directly."""
+    for v in ("NO_PROXY", "no_proxy"):
+        monkeypatch.setenv(v, "127.0.0.1,localhost")
+
+
 @pytest.fixture
 def key(monkeypatch):
     monkeypatch.setenv("GEMINI_API_KEY", TEST_KEY)

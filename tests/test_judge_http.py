@@ -31,6 +31,14 @@ from scaffold import ANSWER, STAGES, Rollout, ToolCall, parse_response
 from toy.world import BM25SearchTool, WorldConfig, make_world
 from data import Query, load_rows
 
+
+@pytest.fixture(autouse=True)
+def _loopback_bypasses_any_proxy(monkeypatch):
+    """The HTTP client honours the environment's proxy (backends/http.py); the loopback servers are
+    local, so a machine with HTTP_PROXY set must still reach them directly."""
+    for v in ("NO_PROXY", "no_proxy"):
+        monkeypatch.setenv(v, "127.0.0.1,localhost")
+
 GOOD = ("<structured_plan><analysis>Asked: habitat of Kuvebro.</analysis><rubrics>need: Kuvebro "
         "habitat; avoid: look-alike names</rubrics><research_plan>search Kuvebro habitat"
         "</research_plan></structured_plan>\n" + scaffold.CALL_OPEN + "Kuvebro habitat</call_tool>"
