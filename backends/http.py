@@ -13,11 +13,13 @@ What the client does with a request (`HTTPClient.post`), every line `# SCALE:` (
    (estimated before, corrected after) started in any sliding 60 s window (0 = no limit).
 3. Retries: connect errors are retried by urllib3 (at most max_retries, capped exponential backoff).
    429 / 500 / 502 / 503 / 504 are retried by us, at most max_retries times: we wait Retry-After when
-   the server sends one (delta-seconds or an HTTP-date), else backoff_s * 2^attempt capped at
+   the server sends one (delta-seconds or an HTTP-date; or the Gemini API's RetryInfo retryDelay in
+   the error body), else backoff_s * 2^attempt capped at
    backoff_max_s. A 429 pauses *every* request of the client until then, not only this one. A
    Retry-After longer than `retry_after_max_s` is not waited out: the answer is returned at once
    (a daily quota would otherwise hang the run for hours).
-4. 401 / 403 / 404 are never retried: `APIStopError` carries the server's own message, and the
+4. 401 / 403 / 404 (and a 400 that says the API key is invalid, as the Gemini API answers a wrong
+   key) are never retried: `APIStopError` carries the server's own message, and the
    training loop and evaluate.py stop at once with it (a wrong key, model name or base URL). The
    client then sends nothing more: every later `post` raises the same error.
 5. Deadline: with `deadline` set (time.monotonic() seconds) no request starts after it and none
@@ -49,7 +51,7 @@ class APIStopError(RuntimeError):
 
     def __init__(self, service: str, status: int, url: str, message: str):
         self.service, self.status, self.url, self.server_message = service, status, url, message
-        hint = {401: "check the API key", 403: "the key lacks permission for this model or API",
+        hint = {400: "the API key is not valid", 401: "check the API key", 403: "the key lacks permission for this model or API",
                 404: "check the model name and the base URL"}.get(status, "")
         super().__init__(f"{service}: HTTP {status} from {url}: {message or '(no message)'}"
                          + (f" ({hint}; not retried)" if hint else " (not retried)"))
@@ -100,6 +102,35 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     if when is None:
         return None
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+def retry_info_delay(resp) -> float | None:
+    """Seconds from a Google RPC error body's RetryInfo (the Gemini API's 429 RESOURCE_EXHAUSTED
+    carries `error.details[] = {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay":
+    "36s"}` rather than a Retry-After header); None when absent or unreadable."""
+    try:
+        details = resp.json()["error"]["details"]
+        for d in details:
+            if str(d.get("@type", "")).endswith("google.rpc.RetryInfo"):
+                v = str(d.get("retryDelay", "")).strip()
+                sec = float(v[:-1]) if v.endswith("s") else float(v)
+                return sec if math.isfinite(sec) and sec >= 0 else None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return None
+
+
+def is_bad_key(resp) -> bool:
+    """A 400 that says the API key is invalid (the Gemini API answers a wrong key with 400
+    INVALID_ARGUMENT, reason API_KEY_INVALID, not 401): as final as a 401."""
+    if resp.status_code != 400:
+        return False
+    try:
+        err = resp.json()["error"]
+        reasons = {str(d.get("reason", "")) for d in err.get("details", []) if isinstance(d, dict)}
+        return "API_KEY_INVALID" in reasons or "API key not valid" in str(err.get("message", ""))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return False
 
 
 def make_session(max_retries: int, backoff_s: float, backoff_max_s: float, pool: int,
@@ -291,7 +322,7 @@ class HTTPClient:
                 raise
             retries += transport_retries(resp)
             st = resp.status_code
-            if st in STOP_STATUSES:
+            if st in STOP_STATUSES or is_bad_key(resp):
                 self.limiter.release(ticket)
                 self.stopped = APIStopError(self.service, st, url.split("?")[0], server_message(resp))
                 raise self.stopped
@@ -299,6 +330,8 @@ class HTTPClient:
                 self.limiter.release(ticket)
                 return resp, retries, throttled, ticket
             ra = parse_retry_after(resp.headers.get("Retry-After"))
+            if ra is None:
+                ra = retry_info_delay(resp)
             # SCALE: the server's Retry-After when it sends one, else capped exponential backoff
             wait = ra if ra is not None else min(self.backoff_max_s, self.backoff_s * 2 ** retries)
             give_up = retries >= self.max_retries or wait > self.retry_after_max_s

@@ -10,7 +10,8 @@ Each `FakeServer` binds 127.0.0.1 on a free port, speaks its API's wire format, 
 Actions (dicts): {"status": 429} an error status; {"drop": True} close the connection unanswered;
 {"sleep": s} wait s seconds, then the automatic reply; {"text": "..."} this model text; {"json": obj} this object as model text; {"mutate": fn}
 fn(automatic object) as model text; {"body": "..."} this raw HTTP body with status 200. An error
-status may carry {"headers": {...}} (e.g. Retry-After) and {"message": "..."} (the JSON error message).
+status may carry {"headers": {...}} (e.g. Retry-After), {"message": "..."} (the JSON error message) and
+{"details": [...]} (google.rpc details such as RetryInfo).
 Closing shuts every open client connection (a handler waiting for the next request on a kept-alive
 connection ends at once) and waits for the handler threads, a deliberately slow reply included (at most
 its sleep), so no thread of the server outlives its test (tests/conftest.py fails a test that leaves
@@ -134,6 +135,8 @@ class FakeServer:
                     err = {"code": action["status"]}
                     if "message" in action:
                         err["message"] = action["message"]
+                    if "details" in action:  # google.rpc details (RetryInfo, ErrorInfo)
+                        err["details"] = action["details"]
                     return self._send(action["status"], {"error": err}, action.get("headers"))
                 if "body" in action:
                     return self._send(200, action["body"])

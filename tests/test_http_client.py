@@ -352,3 +352,29 @@ def test_after_a_stop_the_client_sends_nothing_more():
                 with pytest.raises(APIStopError, match="Permission denied"):
                     j.ask("system", "user", schema_scores(["a"]), lambda o: o)
         assert len(s.requests) == 1
+
+
+def test_gemini_retry_info_in_the_body_is_waited_out():
+    retry_info = [{"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "1s"}]
+    with FakeServer("gemini") as s:
+        s.script.append({"status": 429, "message": "Resource has been exhausted (e.g. check quota).",
+                         "details": retry_info})
+        with make_judge(s, backoff_s=0.01, backoff_max_s=0.01) as j:
+            t0 = time.perf_counter()
+            assert (score_once(j) >= 0).all()
+            assert time.perf_counter() - t0 >= 0.95 and j.stats()["judge/throttled"] == 1
+
+
+def test_gemini_invalid_key_400_stops_like_a_401():
+    info = [{"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "API_KEY_INVALID",
+             "domain": "googleapis.com"}]
+    with FakeServer("gemini") as s:
+        s.rule = lambda req: {"status": 400, "message": "API key not valid. Please pass a valid API key.",
+                              "details": info}
+        with make_judge(s) as j, pytest.raises(APIStopError, match="API key not valid"):
+            score_once(j)
+    with FakeServer("gemini") as s:  # any other 400 fails the call (NaN), the run goes on
+        s.rule = lambda req: {"status": 400, "message": "Invalid JSON payload received."}
+        with make_judge(s) as j:
+            S = score_once(j)
+        assert (S != S).all() and len(s.requests) == 1
