@@ -13,8 +13,8 @@ What the client does with a request (`HTTPClient.post`), every line `# SCALE:` (
    (estimated before, corrected after) started in any sliding 60 s window (0 = no limit).
 3. Retries: connect errors are retried by urllib3 (at most max_retries, capped exponential backoff).
    429 / 500 / 502 / 503 / 504 are retried by us, at most max_retries times: we wait Retry-After when
-   the server sends one (delta-seconds or an HTTP-date; or the Gemini API's RetryInfo retryDelay in
-   the error body), else backoff_s * 2^attempt capped at
+   the server sends one (delta-seconds or an HTTP-date; `retry-after-ms` first, as OpenAI's own
+   client reads it; or the Gemini API's RetryInfo retryDelay in the error body), else backoff_s * 2^attempt capped at
    backoff_max_s. A 429 pauses *every* request of the client until then, not only this one. A
    Retry-After longer than `retry_after_max_s` is not waited out: the answer is returned at once
    (a daily quota would otherwise hang the run for hours).
@@ -329,7 +329,8 @@ class HTTPClient:
             if st not in RETRY_STATUSES:
                 self.limiter.release(ticket)
                 return resp, retries, throttled, ticket
-            ra = parse_retry_after(resp.headers.get("Retry-After"))
+            ms = parse_retry_after(resp.headers.get("retry-after-ms"))  # OpenAI / Azure, milliseconds
+            ra = ms / 1000 if ms is not None else parse_retry_after(resp.headers.get("Retry-After"))
             if ra is None:
                 ra = retry_info_delay(resp)
             # SCALE: the server's Retry-After when it sends one, else capped exponential backoff

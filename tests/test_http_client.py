@@ -96,11 +96,13 @@ def test_parse_retry_after_seconds_and_http_date():
     assert parse_retry_after(email.utils.formatdate(now - 30, usegmt=True), now=now) == 0.0
 
 
-@pytest.mark.parametrize("form", ["seconds", "http-date"])
+@pytest.mark.parametrize("form", ["seconds", "http-date", "milliseconds"])
 def test_judge_waits_the_retry_after_of_a_429(form):
     with FakeServer("openai") as s:
-        ra = "1" if form == "seconds" else email.utils.formatdate(time.time() + 2, usegmt=True)
-        s.script.append({"status": 429, "headers": {"Retry-After": ra}})
+        headers = {"seconds": {"Retry-After": "1"},
+                   "http-date": {"Retry-After": email.utils.formatdate(time.time() + 2, usegmt=True)},
+                   "milliseconds": {"retry-after-ms": "1000", "Retry-After": "0"}}[form]
+        s.script.append({"status": 429, "headers": headers})
         with make_judge(s, backoff_s=0.01, backoff_max_s=0.01) as j:  # backoff alone: 0.01 s
             t0 = time.perf_counter()
             assert (score_once(j) >= 0).all()
