@@ -1314,6 +1314,8 @@ JUDGE_REPORT_FIELDS = ("backend", "model", "base_url", "temperature", "thinking_
                        "openai_response_format", "gemini_schema_field", "max_output_tokens",
                        "concurrency", "rpm", "tpm", "timeout_s", "max_retries", "backoff_s",
                        "retry_after_max_s", "price_in", "price_out", "prompt_version", "cache_dir")
+BACKEND_ONLY = {"thinking_budget": "gemini", "gemini_schema_field": "gemini",
+                "openai_response_format": "openai"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1383,7 +1385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "language": a.language, "limit": a.limit,
                 "sampling": "first N" if a.limit_first else "random.Random(0).sample",
                 "responses": a.responses or "", "generation": gen_info,
-                "judge": {k: getattr(hc, k) for k in JUDGE_REPORT_FIELDS},
+                "judge": {k: getattr(hc, k) for k in JUDGE_REPORT_FIELDS
+                          if k not in BACKEND_ONLY or BACKEND_ONLY[k] == hc.backend},
                 "ternary": a.ternary, "drb_articles": ("cleaned" if clean else "raw") if a.benchmark == "drb"
                 else None, "bootstrap": {"n": BOOTSTRAP_N, "seed": a.seed},
                 "researchqa_batch": RQA_BATCH, "max_skip_share": a.max_skip_share,
