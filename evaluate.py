@@ -1318,61 +1318,43 @@ BACKEND_ONLY = {"thinking_budget": "gemini", "gemini_schema_field": "gemini",
                 "openai_response_format": "openai"}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: load rows, get answers, grade, write report.json / report.md; prints the score line.
-    Exit codes: 0 scored; 2 bad input (a one-line error naming the file, line and field), an
-    existing report without --overwrite, or no example scored; 3 an API answered 401/403/404 (the
-    report of what was graded is written); 4 more than --max-skip-share of the examples skipped
-    (the deadline included) without --allow-skips."""
-    from backends.judge_http import HTTPJudge
-    from backends.pricing import resolve_prices, unknown_price_message
+def judge_config(a: argparse.Namespace):
+    """The evaluation judge's JudgeConfig from the CLI; raises ValueError for prices given half."""
+    from backends.pricing import resolve_prices
     from judge import JudgeConfig
 
-    a = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    progress, out_dir = not a.no_progress, a.out or os.path.join("runs", "eval", a.benchmark)
-    if os.path.exists(os.path.join(out_dir, "report.json")) and not a.overwrite:
-        log.error("%s already holds a report; pass --overwrite to replace it or --out DIR", out_dir)
-        return 2
-    t0 = time.perf_counter()
-    try:
-        rows = load_rows(a.benchmark, a.data, a.criteria, a.reference, a.limit, a.language,
-                         a.limit_first)
-        if a.responses:
-            answers = match_answers(rows, load_responses(a.responses, BENCHMARKS[a.benchmark]["id_key"]))
-        hc = JudgeConfig(backend=a.judge, model=a.judge_model, base_url=a.judge_base_url,
-                         timeout_s=a.judge_timeout, max_retries=a.judge_max_retries,
-                         backoff_s=a.judge_backoff, concurrency=a.judge_concurrency, rpm=a.judge_rpm,
-                         tpm=a.judge_tpm, cache_dir=a.judge_cache_dir, prompt_version="eval-v1",
-                         price_in=a.price_in, price_out=a.price_out, thinking_budget=a.thinking_budget,
-                         openai_response_format=a.openai_response_format)
-        prices = resolve_prices(hc.model, hc.price_in, hc.price_out)
-    except (ValueError, FileNotFoundError) as e:  # DataError included: one line, no traceback
-        log.error("%s", e)
-        return 2
-    gen_info: dict = {}
-    if not a.responses:
-        try:
-            engine, gen_info = build_engine(a.model, a.preset, a.search, a.sampler,
-                                            a.max_response_tokens, a.max_tool_calls, a.seed)
-        except (ValueError, FileNotFoundError) as e:  # no such checkpoint, an unreadable run card
-            log.error("%s", e)
-            return 2
-        texts, missing = generate_answers(engine, [policy_query(a.benchmark, r) for r in rows],
-                                          a.gen_batch, a.gen_temperature, a.seed, progress)
-        answers = list(texts)
-        gen_info.update(no_answer_tag=missing, temperature=a.gen_temperature, seed=a.seed)
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "responses.jsonl"), "w", encoding="utf-8") as fh:
-            for r, t in zip(rows, texts):
-                fh.write(json.dumps({"id": r["id"], "response": t}, ensure_ascii=False) + "\n")
-    deadline = time.monotonic() + a.deadline if a.deadline > 0 else None
-    clean = a.benchmark == "drb" and not a.drb_raw
-    with HTTPJudge(hc) as judge:
-        judge.client.deadline = deadline  # no request runs past it
-        result = grade(a.benchmark, rows, answers, judge, a.judge_concurrency, a.ternary, a.seed,
-                       progress, deadline, clean)
-        stats = judge.stats()
+    hc = JudgeConfig(backend=a.judge, model=a.judge_model, base_url=a.judge_base_url,
+                     timeout_s=a.judge_timeout, max_retries=a.judge_max_retries,
+                     backoff_s=a.judge_backoff, concurrency=a.judge_concurrency, rpm=a.judge_rpm,
+                     tpm=a.judge_tpm, cache_dir=a.judge_cache_dir, prompt_version="eval-v1",
+                     price_in=a.price_in, price_out=a.price_out, thinking_budget=a.thinking_budget,
+                     openai_response_format=a.openai_response_format)
+    resolve_prices(hc.model, hc.price_in, hc.price_out)
+    return hc
+
+
+def generate(a: argparse.Namespace, rows: list[dict], out_dir: str, progress: bool) -> tuple[list, dict]:
+    """Answers of the --model checkpoint (written to out_dir/responses.jsonl) and the generation
+    settings. Raises ValueError / FileNotFoundError for an unusable checkpoint."""
+    engine, info = build_engine(a.model, a.preset, a.search, a.sampler, a.max_response_tokens,
+                                a.max_tool_calls, a.seed)
+    texts, missing = generate_answers(engine, [policy_query(a.benchmark, r) for r in rows],
+                                      a.gen_batch, a.gen_temperature, a.seed, progress)
+    info.update(no_answer_tag=missing, temperature=a.gen_temperature, seed=a.seed)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "responses.jsonl"), "w", encoding="utf-8") as fh:
+        for r, t in zip(rows, texts):
+            fh.write(json.dumps({"id": r["id"], "response": t}, ensure_ascii=False) + "\n")
+    return list(texts), info
+
+
+def build_report(a: argparse.Namespace, hc, result: dict, stats: dict, gen_info: dict, clean: bool,
+                 wall_s: float) -> dict:
+    """report.json's content: summary, paper scores, judge counters and prices, notes (DRB cleaning,
+    an early stop), the evaluation settings (no training-only fields) and every example."""
+    from backends.pricing import resolve_prices, unknown_price_message
+
+    prices = resolve_prices(hc.model, hc.price_in, hc.price_out)
     notes = []
     if a.benchmark == "drb":
         notes.append("DRB target articles: " + (
@@ -1387,21 +1369,73 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "responses": a.responses or "", "generation": gen_info,
                 "judge": {k: getattr(hc, k) for k in JUDGE_REPORT_FIELDS
                           if k not in BACKEND_ONLY or BACKEND_ONLY[k] == hc.backend},
-                "ternary": a.ternary, "drb_articles": ("cleaned" if clean else "raw") if a.benchmark == "drb"
-                else None, "bootstrap": {"n": BOOTSTRAP_N, "seed": a.seed},
-                "researchqa_batch": RQA_BATCH, "max_skip_share": a.max_skip_share,
-                "deadline_s": a.deadline, "wall_s": round(time.perf_counter() - t0, 2)}
-    report = {"benchmark": a.benchmark, "summary": result["summary"], "paper": {
+                "ternary": a.ternary,
+                "drb_articles": ("cleaned" if clean else "raw") if a.benchmark == "drb" else None,
+                "bootstrap": {"n": BOOTSTRAP_N, "seed": a.seed}, "researchqa_batch": RQA_BATCH,
+                "max_skip_share": a.max_skip_share, "deadline_s": a.deadline, "wall_s": round(wall_s, 2)}
+    return {"benchmark": a.benchmark, "summary": result["summary"], "paper": {
         "RubricEM-8B": PAPER_SCORES[a.benchmark], "averages": PAPER_AVERAGES},
         "judge": stats, "price": prices.source if prices else unknown_price_message(
             hc.model, "--price-in / --price-out"),
         "calls": result["calls"], "stopped": result["stopped"], "cleaning": result["cleaning"],
         "notes": notes, "settings": settings, "examples": result["examples"]}
-    jp, mp = write_report(report, out_dir)
+
+
+def exit_status(a: argparse.Namespace, result: dict) -> int:
+    """main's exit code once the report is written (see main), with the reason logged."""
     s = result["summary"]
-    usd = stats.get("judge/usd_total")
-    cost = f"${usd:.4f}" if usd is not None else "cost unknown"
+    if result["stop_error"] is not None:
+        log.error("%s", result["stopped"])
+        return 3
+    if s["score"] is None:
+        log.error("no example could be scored; the report says why")
+        return 2
     share = s["skipped"]["count"] / max(1, s["n_rows"])
+    if share > a.max_skip_share and not a.allow_skips:
+        log.error("%.1f%% of the examples were skipped, above --max-skip-share %.1f%%; the score "
+                  "leaves them out. Fix the cause or pass --allow-skips", 100 * share,
+                  100 * a.max_skip_share)
+        return 4
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI: load rows, get answers, grade, write report.json / report.md; prints the score line.
+    Exit codes: 0 scored; 2 bad input (a one-line error naming the file, line and field), an
+    existing report without --overwrite, or no example scored; 3 an API answered 401/403/404 (the
+    report of what was graded is written); 4 more than --max-skip-share of the examples skipped
+    (the deadline included) without --allow-skips."""
+    from backends.judge_http import HTTPJudge
+
+    a = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    progress, out_dir = not a.no_progress, a.out or os.path.join("runs", "eval", a.benchmark)
+    if os.path.exists(os.path.join(out_dir, "report.json")) and not a.overwrite:
+        log.error("%s already holds a report; pass --overwrite to replace it or --out DIR", out_dir)
+        return 2
+    t0, gen_info = time.perf_counter(), {}
+    try:  # bad input is one line (DataError names the file, line and field), never a traceback
+        rows = load_rows(a.benchmark, a.data, a.criteria, a.reference, a.limit, a.language,
+                         a.limit_first)
+        hc = judge_config(a)
+        if a.responses:
+            answers = match_answers(rows, load_responses(a.responses, BENCHMARKS[a.benchmark]["id_key"]))
+        else:
+            answers, gen_info = generate(a, rows, out_dir, progress)
+    except (ValueError, FileNotFoundError) as e:
+        log.error("%s", e)
+        return 2
+    deadline = time.monotonic() + a.deadline if a.deadline > 0 else None
+    clean = a.benchmark == "drb" and not a.drb_raw
+    with HTTPJudge(hc) as judge:
+        judge.client.deadline = deadline  # no request runs past it
+        result = grade(a.benchmark, rows, answers, judge, a.judge_concurrency, a.ternary, a.seed,
+                       progress, deadline, clean)
+        stats = judge.stats()
+    report = build_report(a, hc, result, stats, gen_info, clean, time.perf_counter() - t0)
+    jp, mp = write_report(report, out_dir)
+    s, usd = result["summary"], stats.get("judge/usd_total")
+    cost = f"${usd:.4f}" if usd is not None else "cost unknown"
     if s["score"] is None:
         print(f"{a.benchmark}: no example scored (skipped {s['skipped']['count']}; judge {cost}) "
               f"-> {jp}, {mp}")
@@ -1409,18 +1443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{a.benchmark}: {s['score_100']:.1f} (95% CI {100 * s['ci95'][0]:.1f}-"
               f"{100 * s['ci95'][1]:.1f}; n={s['n']}, skipped {s['skipped']['count']}; judge {cost}) "
               f"-> {jp}, {mp}")
-    if result["stop_error"] is not None:
-        log.error("%s", result["stopped"])
-        return 3
-    if s["score"] is None:
-        log.error("no example could be scored; the report says why")
-        return 2
-    if share > a.max_skip_share and not a.allow_skips:
-        log.error("%.1f%% of the examples were skipped, above --max-skip-share %.1f%%; the score "
-                  "leaves them out. Fix the cause or pass --allow-skips", 100 * share,
-                  100 * a.max_skip_share)
-        return 4
-    return 0
+    return exit_status(a, result)
 
 
 if __name__ == "__main__":
