@@ -152,3 +152,11 @@ def test_s31_cache_hit_makes_no_request(serper, tmp_path):
     files = [p for p in (tmp_path / "search").rglob("*") if p.is_file()]
     assert len(files) == 1 and TEST_KEY not in files[0].read_text()
     assert TEST_KEY not in repr(t.config)
+
+
+def test_s31_a_401_from_search_ends_the_rollout_and_the_run(serper):
+    """A wrong search key is not a tool error to write into the trajectory: it stops the run."""
+    serper.rule = lambda req: {"status": 401, "message": "Unauthorized: invalid API key"}
+    with pytest.raises(APIStopError, match="invalid API key"):
+        _tool_step(tool_for(serper), "Kuvebro habitat")
+    assert len(serper.requests) == 1
