@@ -8,8 +8,9 @@ What the client does with a request (`HTTPClient.post`), every line `# SCALE:` (
    environment, as `requests` does by default; ~/.netrc is never read (it would replace our
    Authorization header).
 2. Admission (`RateLimiter`): at most `limit` requests in flight, where `limit` starts at the
-   configured concurrency, halves on every 429 and grows back by one after `limit` successes in a
-   row (additive increase, multiplicative decrease); at most `rpm` requests and `tpm` tokens
+   configured concurrency, halves on a 429 (once per throttling episode: the 429s of requests
+   already in flight during the pause cut no further) and grows back by one after `limit`
+   successes in a row (additive increase, multiplicative decrease); at most `rpm` requests and `tpm` tokens
    (estimated before, corrected after) started in any sliding 60 s window (0 = no limit).
 3. Retries: connect errors are retried by urllib3 (at most max_retries, capped exponential backoff).
    429 / 500 / 502 / 503 / 504 are retried by us, at most max_retries times: we wait Retry-After when
@@ -197,11 +198,13 @@ class RateLimiter:
             waits.append(self._window[-self.rpm][0] + self.window_s - now)
         if self.tpm and self._window:
             used = sum(e[1] for e in self._window)
-            if used + tokens > self.tpm:  # wait for old entries to age out (one oversized request
-                acc = used + tokens - self.tpm  # may start alone in an empty window)
+            # wait until enough old entries age out; a request larger than tpm on its own waits for
+            # an empty window and then starts alone
+            need = used + tokens - self.tpm if tokens <= self.tpm else used
+            if need > 0:
                 for t, n in self._window:
-                    acc -= n
-                    if acc <= 0:
+                    need -= n
+                    if need <= 0:
                         waits.append(t + self.window_s - now)
                         break
         return max(waits)
@@ -232,9 +235,11 @@ class RateLimiter:
             self.in_flight -= 1
             if throttled:
                 self.throttled += 1
-                self.limit = max(1, self.limit // 2)
+                now = time.monotonic()
+                if now >= self.paused_until:  # one cut per throttling episode: the other 429s of
+                    self.limit = max(1, self.limit // 2)  # requests already in flight cut no more
                 self._ok_streak = 0
-                self.paused_until = max(self.paused_until, time.monotonic() + pause_s)
+                self.paused_until = max(self.paused_until, now + pause_s)
             else:
                 self._ok_streak += 1
                 if self._ok_streak >= self.limit and self.limit < self.max_limit:
@@ -246,6 +251,7 @@ class RateLimiter:
         """Correct a started request's token count once the reply's usage is known."""
         with self._cv:
             ticket[1] = int(tokens)
+            self._cv.notify_all()
 
     def stats(self) -> dict:
         with self._cv:

@@ -135,6 +135,12 @@ def test_a_429_pauses_every_request_and_halves_the_concurrency():
         t = lim.acquire()
     lim.release(t)
     assert lim.limit == 5 and lim.stats()["throttled"] == 1
+    # a burst: every request in flight gets a 429; the limit is cut once, not once per answer
+    lim = RateLimiter(32)
+    tickets = [lim.acquire() for _ in range(32)]
+    for t in tickets:
+        lim.release(t, throttled=True, pause_s=0.2)
+    assert lim.limit == 16 and lim.stats()["throttled"] == 32
 
 
 def test_concurrency_never_exceeds_the_limit_under_load():
@@ -163,6 +169,11 @@ def test_requests_and_tokens_per_minute_limits():
     lim.release(t)
     lim.release(lim.acquire(60))
     assert time.monotonic() - t0 < 0.2
+    lim = RateLimiter(8, tpm=100, window_s=0.4)  # a request larger than tpm waits for an empty window
+    lim.release(lim.acquire(10))
+    t0 = time.monotonic()
+    lim.release(lim.acquire(500))
+    assert time.monotonic() - t0 >= 0.38
 
 
 def test_judge_rpm_setting_spaces_the_requests():
