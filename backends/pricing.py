@@ -12,6 +12,10 @@ Equations
     reflection calls = P * reflection.trajectories_per_query   (arms with a reflection branch)
 - Tokens per call are stated assumptions (`PLAN_ASSUMPTIONS`, each overridable), chiefly the mean
   response length as a share of rollout.max_response_tokens.
+- Judge minutes per step: max(waves, rpm floor, tpm floor), where waves = latency * (ceil(P / c) +
+  ceil(P n / c) + reflection calls) with c = judge.concurrency (proposals of all groups run
+  together, then the scorings; reflection calls are made one after another), rpm floor = calls /
+  judge.rpm and tpm floor = tokens / judge.tpm.
 
 A model that is not in the table has an *unknown* cost unless its prices are given (judge.price_in
 and judge.price_out in a training config; --price-in / --price-out in evaluate.py): it is never
@@ -19,6 +23,7 @@ billed at another model's price.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -103,6 +108,7 @@ PLAN_ASSUMPTIONS = {
     "reflection_candidate_tokens": 120,  # one reflection candidate
     "reflection_out_tokens_per_candidate": 60,
     "thinking_tokens": 600,  # per call when thinking is on (Gemini 2.5 dynamic thinking); 0 when off
+    "latency_s": 5.0,  # seconds per judge call (3-10 s seen for long prompts with thinking)
 }
 
 
@@ -122,7 +128,7 @@ def judge_cost_plan(cfg, **assume) -> dict:
     problems: list[str] = []
     if j.backend == "toy":
         zero = {"calls": {"proposal": 0, "scoring": 0, "reflection": 0, "total": 0},
-                "tokens_in": 0, "tokens_out": 0, "usd": 0.0}
+                "tokens_in": 0, "tokens_out": 0, "usd": 0.0, "judge_minutes": 0.0}
         return {"model": "toy", "prices": None, "price_source": "toy judge (no API calls)",
                 "assumptions": a, "per_step": zero, "per_run": dict(zero), "steps": steps,
                 "max_usd": j.max_usd, "problems": problems}
@@ -153,9 +159,16 @@ def judge_cost_plan(cfg, **assume) -> dict:
         usd = None
     else:
         usd = sum(calls[k] * prices.request_cost(int(per[k][0]), int(per[k][1])) for k in per)
-    step = {"calls": calls, "tokens_in": int(tin), "tokens_out": int(tout), "usd": usd}
+    c, lat = max(1, j.concurrency), a["latency_s"]
+    # Eq.: minutes = max(latency * (ceil(P/c) + ceil(P n/c) + reflection calls), calls/rpm, tokens/tpm)
+    waves_min = lat * (math.ceil(P / c) + math.ceil(P * n / c) + refl) / 60
+    minutes = max(waves_min, calls["total"] / j.rpm if j.rpm else 0.0,
+                  (tin + tout) / j.tpm if j.tpm else 0.0)
+    step = {"calls": calls, "tokens_in": int(tin), "tokens_out": int(tout), "usd": usd,
+            "judge_minutes": minutes}
     run = {"calls": {k: v * steps for k, v in calls.items()}, "tokens_in": int(tin) * steps,
-           "tokens_out": int(tout) * steps, "usd": None if usd is None else usd * steps}
+           "tokens_out": int(tout) * steps, "usd": None if usd is None else usd * steps,
+           "judge_minutes": minutes * steps}
     if j.max_usd > 0 and usd is not None and usd * steps > j.max_usd:
         problems.append(f"the estimated bill ${usd * steps:,.0f} exceeds judge.max_usd = "
                         f"${j.max_usd:,.0f}: the run will stop after about {int(j.max_usd // usd)} "
@@ -183,15 +196,17 @@ def format_cost_plan(plan: dict) -> str:
              f"  per step: {s['calls']['total']} calls ({s['calls']['proposal']} proposal, "
              f"{s['calls']['scoring']} scoring, {s['calls']['reflection']} reflection), "
              f"{s['tokens_in'] / 1e6:.2f}M input + {s['tokens_out'] / 1e6:.2f}M output tokens, "
-             f"{usd(s['usd'])}",
+             f"{usd(s['usd'])}, ~{s['judge_minutes']:.1f} min of judge time",
              f"  per run ({plan['steps']} steps): {r['calls']['total']:,} calls, "
              f"{r['tokens_in'] / 1e9:.2f}B input + {r['tokens_out'] / 1e9:.3f}B output tokens, "
-             f"{usd(r['usd'])}"
+             f"{usd(r['usd'])}, ~{r['judge_minutes'] / 60:.0f} h of judge time"
              + (f"; budget judge.max_usd = ${plan['max_usd']:,.0f}" if plan.get("max_usd") else
                 "; no budget cap (judge.max_usd = 0)"),
              "  assumptions: mean response = {:.0%} of rollout.max_response_tokens, {} rubrics per "
-             "scoring call, {} thinking tokens per call (estimates; the run logs judge/usd_total)"
-             .format(plan["assumptions"]["response_share"], plan["assumptions"]["rubrics_scored"],
-                     plan.get("thinking_tokens_per_call", 0))]
+             "scoring call, {} thinking tokens per call, {:g} s per call (estimates; the run logs "
+             "judge/usd_total)".format(plan["assumptions"]["response_share"],
+                                       plan["assumptions"]["rubrics_scored"],
+                                       plan.get("thinking_tokens_per_call", 0),
+                                       plan["assumptions"]["latency_s"])]
     lines += [f"  problem: {x}" for x in plan["problems"]]
     return "\n".join(lines)

@@ -346,6 +346,13 @@ def test_judge_cost_plan_of_the_full_preset():
     assert plan["per_run"]["usd"] == pytest.approx(plan["per_step"]["usd"] * cfg.steps)
     text = format_cost_plan(plan)
     assert "per step: 320 calls" in text and "$" in text
+    # Eq.: minutes = latency * (ceil(P/c) + ceil(P n/c) + reflection calls) / 60 (no rpm / tpm)
+    c = cfg.judge.concurrency
+    waves = -(-P // c) + -(-P * n // c) + P
+    assert plan["per_step"]["judge_minutes"] == pytest.approx(5.0 * waves / 60)
+    cfg.judge.rpm = 10  # 320 calls at 10 per minute: the rpm floor dominates
+    assert judge_cost_plan(cfg)["per_step"]["judge_minutes"] == pytest.approx(32.0)
+    cfg.judge.rpm = 0
     cfg.judge.model = "my-local-judge"
     plan = judge_cost_plan(cfg)
     assert plan["per_step"]["usd"] is None and "unknown" in format_cost_plan(plan)
