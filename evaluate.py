@@ -32,7 +32,7 @@ Deviations (from the benchmarks' released graders; the formulas above are theirs
        released grader answers one label per line; ours returns the same five labels as a JSON list
        (our HTTP judge validates JSON replies), one per item, in order.
     2. A call that still fails after judge_http's retry bound (1 + --judge-max-retries attempts,
-       default 4) skips its whole example (counted). The released graders bound attempts differently
+       default 4) skips its whole example (counted, and named in a warning). The released graders bound attempts differently
        (ResearchQA: 3 then skip; RACE: 10 then skip; HealthBench: retries until valid).
     3. RACE matches a judge's criterion name to the task's criteria by exact, then case-insensitive,
        then substring name (either way round); a name that matches nothing gets the dimension's mean
@@ -43,7 +43,27 @@ Deviations (from the benchmarks' released graders; the formulas above are theirs
        original turns. The answer is the text inside <answer>; a rollout without one answers "" and
        is counted (`no_answer_tag`), then graded as is. Greedy decoding unless --gen-temperature.
     5. Responses and rows are matched by the benchmark's id (`prompt_id`, `id`, `id`, `sample_id`);
-       the released RACE script matches by prompt text, which we accept as a fallback.
+       the released RACE script matches by prompt text, which we accept as a fallback. Repeated ids
+       are refused (either file).
+    6. DRB target articles are cleaned of citations and reference lists by the judge before
+       scoring (`clean_drb_answers`), as the released RACE pipeline does by default; the prompt is
+       our own wording. Same semantics: a cleaning shorter than 100 characters is invalid, an
+       article that cannot be cleaned whole is cleaned as two halves cut at a sentence end, and one
+       that still fails is skipped. Default on, because the reference articles the targets are
+       compared with were cleaned the same way; --drb-raw grades raw articles and the report says
+       so. One extra call per article, billed as output tokens about the article's length.
+    7. With --openai-response-format json_object the reply's JSON Schema and an example reply are
+       written into the prompt (judge_http.schema_instruction), since the server sees no schema.
+    8. --limit N draws N rows as simple-evals does (random.Random(0).sample); --limit-first takes
+       the first N.
+
+Stops and exit codes (main): 0 scored; 2 unusable input (one line naming the file, line and field),
+an existing report without --overwrite, or no example scored; 3 an API answered 401/403/404 (its
+message is printed and put in the report, nothing more is sent); 4 more than --max-skip-share
+(default 5 %) of the examples skipped, --deadline included, unless --allow-skips. The report is
+written in every case but 2 for bad input. Judge requests go through backends/http.HTTPClient (proxy
+from the environment, Retry-After, 429 back-off, --judge-rpm / --judge-tpm); costs use
+backends/pricing.py's dated table or --price-in / --price-out, else they are reported as unknown.
 
 Launch (keys only from the environment: GEMINI_API_KEY / OPENAI_API_KEY, SERPER_API_KEY)
     python evaluate.py healthbench --data healthbench.jsonl --responses answers.jsonl
@@ -252,20 +272,47 @@ def rubric_compliance(weights: Sequence[float], scores: Sequence[float]) -> floa
 # Reading rows in each benchmark's published format
 
 
-def _read(path: str) -> list:
-    """Rows of a local .jsonl / .json / .parquet file (data.read_records); never a hub download."""
+class DataError(ValueError):
+    """Unusable benchmark or responses data: one line naming the file, the line and the field."""
+
+
+def _read(path: str, what: str = "--data (benchmark rows)") -> list:
+    """Rows of a local .jsonl / .json / .parquet file (data.read_records); never a hub download.
+    what: the flag and role of the file, named in the error when it is missing."""
     from data import read_records
 
+    if not path:
+        raise DataError(f"{what}: no file given")
     if not os.path.isfile(os.path.expanduser(path)):
-        raise FileNotFoundError(f"benchmark file not found: {path} (give a local path; nothing is "
+        raise FileNotFoundError(f"{what} file not found: {path} (give a local path; nothing is "
                                 "downloaded)")
-    return read_records(path)
+    try:
+        return read_records(path)
+    except ValueError as e:
+        raise DataError(f"{what}: {e}") from None
+
+
+def _where(path: str, i: int) -> str:
+    """'FILE line N' for a JSONL row (1-based), 'FILE row N' (0-based) for a JSON list / Parquet."""
+    return f"{path} line {i + 1}" if path.lower().endswith(".jsonl") else f"{path} row {i}"
+
+
+def refuse_duplicate_ids(rows: list[dict], path: str) -> list[dict]:
+    """Raise DataError naming the first repeated id (both rows would be graded with one answer)."""
+    seen: dict = {}
+    for i, r in enumerate(rows):
+        if r["id"] in seen:
+            raise DataError(f"{path}: id {r['id']!r} appears twice ({_where(path, seen[r['id']])} "
+                            f"and {_where(path, i)}); ids must be unique")
+        seen[r["id"]] = i
+    return rows
 
 
 def _need(row: Any, key: str, kind, where: str):
     if not isinstance(row, dict) or key not in row or not isinstance(row[key], kind) \
             or isinstance(row[key], bool) and kind is not bool:
-        raise ValueError(f"{where}: field `{key}` missing or not {getattr(kind, '__name__', kind)}")
+        name = getattr(kind, "__name__", None) or " or ".join(k.__name__ for k in kind)
+        raise DataError(f"{where}: field `{key}` missing or not {name}")
     return row[key]
 
 
@@ -275,7 +322,7 @@ def load_healthbench(path: str) -> list[dict]:
     Raises ValueError naming the row and field for a row that does not fit."""
     out = []
     for i, r in enumerate(_read(path)):
-        w = f"{path} row {i}"
+        w = _where(path, i)
         msgs = _need(r, "prompt", list, w)
         if not msgs or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                and isinstance(m.get("content"), str) for m in msgs):
@@ -296,25 +343,39 @@ def load_healthbench(path: str) -> list[dict]:
             raise ValueError(f"{w}: `example_tags` must be a list")
         out.append({"id": str(_need(r, "prompt_id", (str, int), w)), "prompt": msgs, "items": items,
                     "example_tags": [str(t) for t in tags]})
-    return out
+    return refuse_duplicate_ids(out, path)
 
 
 def load_researchqa(path: str) -> list[dict]:
     """ResearchQA rows (JSON list as released, or JSONL): id, general_domain, subdomain, field, query,
-    date, rubric [{rubric_item, type, citation_metadata?}]. Raises ValueError naming row and field."""
+    date, rubric [{rubric_item, type, citation_metadata?}]. An item's type may be a string or a list
+    of strings (the released file has both); it is kept as a sorted list of types. Raises DataError
+    naming the line and field; a repeated id is refused."""
     out = []
     for i, r in enumerate(_read(path)):
-        w = f"{path} row {i}"
+        w = _where(path, i)
         rub = _need(r, "rubric", list, w)
         if not rub:
-            raise ValueError(f"{w}: `rubric` is empty")
+            raise DataError(f"{w}: `rubric` is empty")
         items = [{"item": _need(it, "rubric_item", str, f"{w} rubric {j}"),
-                  "type": str(it.get("type", "")) if isinstance(it, dict) else ""}
+                  "type": _item_types(it.get("type") if isinstance(it, dict) else None,
+                                      f"{w} rubric {j}")}
                  for j, it in enumerate(rub)]
         out.append({"id": str(_need(r, "id", (str, int), w)), "query": _need(r, "query", str, w),
                     "items": items, "general_domain": str(r.get("general_domain", "")),
                     "field": str(r.get("field", ""))})
-    return out
+    return refuse_duplicate_ids(out, path)
+
+
+def _item_types(t: Any, where: str) -> list[str]:
+    """A ResearchQA item type as a sorted list of type names ([] for none)."""
+    if t is None or t == "":
+        return []
+    if isinstance(t, str):
+        return [t]
+    if isinstance(t, list) and all(isinstance(x, str) for x in t):
+        return sorted(set(t))
+    raise DataError(f"{where}: field `type` must be a string or a list of strings, got {t!r:.60}")
 
 
 def load_drb(queries: str, criteria: str, reference: str) -> list[dict]:
@@ -323,14 +384,15 @@ def load_drb(queries: str, criteria: str, reference: str) -> list[dict]:
     [{criterion, explanation, weight}]}}; reference articles {id, prompt, article}. Criteria and
     references join a query by id, else by prompt text. Raises ValueError for a malformed row, a
     query without criteria or reference, or dimension weights that do not sum to 1 (+-1e-3)."""
-    crit_rows, ref_rows = _read(criteria), _read(reference)
+    crit_rows = _read(criteria, "--criteria (DRB criteria.jsonl)")
+    ref_rows = _read(reference, "--reference (DRB reference articles)")
     by = lambda rows: ({str(r.get("id")): r for r in rows if isinstance(r, dict)},  # noqa: E731
                        {r.get("prompt"): r for r in rows if isinstance(r, dict)})
     cid, cprompt = by(crit_rows)
     rid, rprompt = by(ref_rows)
     out = []
-    for i, q in enumerate(_read(queries)):
-        w = f"{queries} row {i}"
+    for i, q in enumerate(_read(queries, "--data (DRB query.jsonl)")):
+        w = _where(queries, i)
         tid, prompt = str(_need(q, "id", (str, int), w)), _need(q, "prompt", str, w)
         c = cid.get(tid) or cprompt.get(prompt)
         ref = rid.get(tid) or rprompt.get(prompt)
@@ -355,7 +417,7 @@ def load_drb(queries: str, criteria: str, reference: str) -> list[dict]:
         out.append({"id": tid, "prompt": prompt, "language": str(q.get("language", "")),
                     "topic": str(q.get("topic", "")), "dim_weights": Wf, "criteria": dims,
                     "reference": _need(ref, "article", str, f"{reference} task {tid}")})
-    return out
+    return refuse_duplicate_ids(out, queries)
 
 
 def load_researchrubrics(path: str) -> list[dict]:
@@ -363,17 +425,17 @@ def load_researchrubrics(path: str) -> list[dict]:
     negative), axis}]. Raises ValueError naming the row and field."""
     out = []
     for i, r in enumerate(_read(path)):
-        w = f"{path} row {i}"
+        w = _where(path, i)
         rub = _need(r, "rubrics", list, w)
         if not rub:
-            raise ValueError(f"{w}: `rubrics` is empty")
+            raise DataError(f"{w}: `rubrics` is empty")
         items = [{"criterion": _need(x, "criterion", str, f"{w} rubric {j}"),
                   "weight": _finite(x.get("weight") if isinstance(x, dict) else None,
                                     f"{w} rubric {j} weight"),
                   "axis": str(x.get("axis", ""))} for j, x in enumerate(rub)]
         out.append({"id": str(_need(r, "sample_id", (str, int), w)), "prompt": _need(r, "prompt", str, w),
                     "domain": str(r.get("domain", "")), "items": items})
-    return out
+    return refuse_duplicate_ids(out, path)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -389,7 +451,7 @@ def _text_of(v: Any, where: str) -> str:
         for k in RESPONSE_TEXT_KEYS:
             if isinstance(v.get(k), str):
                 return v[k]
-    raise ValueError(f"{where}: no response text (one of {', '.join(RESPONSE_TEXT_KEYS)})")
+    raise DataError(f"{where}: no response text (field one of {', '.join(RESPONSE_TEXT_KEYS)})")
 
 
 def load_responses(path: str, id_key: str = "id") -> dict[str, str]:
@@ -398,19 +460,24 @@ def load_responses(path: str, id_key: str = "id") -> dict[str, str]:
     Rows may also carry "prompt" (matched to a task by prompt text when the id is unknown). Raises
     ValueError for a row without an id or text, or a repeated id."""
     p = os.path.expanduser(path)
+    if not os.path.isfile(p):
+        raise FileNotFoundError(f"--responses (answers) file not found: {path}")
     if p.lower().endswith(".json"):
-        with open(p, encoding="utf-8") as fh:
-            obj = json.load(fh)
+        try:
+            with open(p, encoding="utf-8") as fh:
+                obj = json.load(fh)
+        except ValueError as e:
+            raise DataError(f"--responses {path}: not valid JSON ({e})") from None
         if isinstance(obj, dict) and not isinstance(obj.get("data"), list):
             return {str(k): _text_of(v, f"{path} id {k}") for k, v in obj.items()}
     out: dict[str, str] = {}
-    for i, r in enumerate(_read(path)):
-        w = f"{path} row {i}"
+    for i, r in enumerate(_read(path, "--responses (answers)")):
+        w = _where(path, i)
         key = r.get(id_key, r.get("id")) if isinstance(r, dict) else None
         if key is None or isinstance(key, bool):
-            raise ValueError(f"{w}: no `{id_key}` (or `id`)")
+            raise DataError(f"{w}: field `{id_key}` (or `id`) missing")
         if str(key) in out:
-            raise ValueError(f"{w}: repeated id {key!r}")
+            raise DataError(f"{w}: repeated id {key!r}")
         out[str(key)] = _text_of(r, w)
         if isinstance(r.get("prompt"), str):
             out.setdefault("prompt:" + r["prompt"], out[str(key)])
@@ -623,6 +690,77 @@ def validate_rr(obj: Any, ternary: bool) -> dict:
             "explanation": str(obj.get("explanation", ""))[:500]}
 
 
+# DRB article cleaning (the released RACE pipeline's step before scoring; our own wording)
+
+CLEAN_SYSTEM = (
+    "You prepare a research report for grading. Return the report's full text with every citation "
+    "removed: inline citation markers such as [1], [2, 3], [^4] or (Source: ...), footnote marks, the "
+    "reference list or bibliography at the end, and bare URLs used as citations. Change nothing "
+    "else: keep every sentence, heading, table and list as written, in the report's own language, "
+    "without summarising, shortening, correcting or adding anything. " + _DATA_NOTE)
+CLEAN_SCHEMA = _obj({"article": {"type": "string"}})
+CLEAN_MIN_CHARS = 100  # released pipeline: a cleaned article under 100 characters is invalid
+_SENTENCE_END = ".?!\n\u3002\uff1f\uff01"  # . ? ! newline and the CJK full stop, ? and !
+
+
+def validate_clean(obj: Any) -> dict:
+    """{"article": str with at least CLEAN_MIN_CHARS non-space characters}; ValueError otherwise."""
+    a = obj.get("article") if isinstance(obj, dict) else None
+    if not isinstance(a, str) or len(a.strip()) < CLEAN_MIN_CHARS:
+        raise ValueError(f"cleaned article missing or shorter than {CLEAN_MIN_CHARS} characters")
+    return {"article": a}
+
+
+def split_in_two(text: str) -> tuple[str, str]:
+    """The released pipeline's fallback for an article that cannot be cleaned whole: two halves, the
+    cut moved back to just after the last sentence end within 200 characters before the middle."""
+    mid = len(text) // 2
+    for j in range(mid, max(0, mid - 200), -1):
+        if j < len(text) and text[j] in _SENTENCE_END:
+            mid = j + 1
+            break
+    return text[:mid], text[mid:]
+
+
+def _clean_job(e: int, key: Any, text: str, language: str) -> Job:
+    lang = {"zh": "Chinese", "en": "English"}.get(language, "its own language")
+    user = ("Report to clean (keep it in " + lang + "):\n" + fence(text, "report")
+            + "\n\nReturn the cleaned report.")
+    return Job(e, key, CLEAN_SYSTEM, user, CLEAN_SCHEMA, validate_clean)
+
+
+def clean_drb_answers(judge, rows, answers, concurrency: int, progress: bool = True,
+                      deadline: float | None = None) -> tuple[list, dict]:
+    """Target articles with citations and reference lists removed, through the judge client, with
+    the released RACE pipeline's semantics: one call per article; an article that fails after the
+    retry bound is cleaned as two halves (`split_in_two`) joined back; an article still without a
+    valid cleaning (>= 100 characters) is skipped ("article cleaning failed"), as released. Returns
+    (answers, {"cleaned", "halved", "failed": [ids]}); None answers stay None."""
+    names = [r["id"] for r in rows]
+    jobs = [_clean_job(e, "whole", a, rows[e]["language"]) for e, a in enumerate(answers) if a is not None]
+    res = run_jobs(judge, jobs, concurrency, progress, "cleaning drb articles", deadline, names)
+    retry = [e for e, a in enumerate(answers) if a is not None and res.get((e, "whole")) is None]
+    halves = [_clean_job(e, ("half", h), part, rows[e]["language"])
+              for e in retry for h, part in enumerate(split_in_two(answers[e]))]
+    res.update(run_jobs(judge, halves, concurrency, progress, "cleaning (halves)", deadline, names)
+               if halves else {})
+    out, info = list(answers), {"cleaned": 0, "halved": 0, "failed": []}
+    for e, a in enumerate(answers):
+        if a is None:
+            continue
+        whole, parts = res.get((e, "whole")), [res.get((e, ("half", h))) for h in (0, 1)]
+        if whole is not None:
+            out[e], info["cleaned"] = whole["article"], info["cleaned"] + 1
+        elif all(p is not None for p in parts):
+            out[e] = "".join(p["article"] for p in parts)
+            info["cleaned"], info["halved"] = info["cleaned"] + 1, info["halved"] + 1
+        else:
+            out[e] = None
+            info["failed"].append(names[e])
+            log.warning("example %s: article cleaning failed; the task is skipped", names[e])
+    return out, info
+
+
 # ----------------------------------------------------------------------------------------------------
 # Grading: one job per judge call, all run through the HTTP judge with a progress bar
 
@@ -639,27 +777,65 @@ class Job:
     validate: Callable[[Any], Any]
 
 
+class GradingStopped(RuntimeError):
+    """The grading stopped early: an API answered 401/403/404 (`cause`, the server's message) or the
+    overall deadline passed. `results` holds the replies received so far."""
+
+    def __init__(self, message: str, results: dict, cause: Exception | None = None):
+        super().__init__(message)
+        self.results, self.cause = results, cause
+
+
+def _running_cost(judge) -> str:
+    st = judge.stats() if hasattr(judge, "stats") else {}
+    usd = st.get("judge/usd_total")
+    return "cost unknown" if usd is None and "judge/usd_total" in st else f"${usd or 0.0:.4f}"
+
+
 def run_jobs(judge, jobs: Sequence[Job], concurrency: int, progress: bool = True,
-             desc: str = "grading") -> dict:
+             desc: str = "grading", deadline: float | None = None, names: Sequence[str] = ()) -> dict:
     """{(ex, key): validated reply or None (the call failed after the retry bound)}; calls run at most
-    `concurrency` at a time through judge.ask (judge_http.HTTPJudge: retries, cache, cost). An
-    unexpected exception inside one call is logged and makes that call None (its example is skipped);
-    it never stops the other calls."""
+    `concurrency` at a time through judge.ask (judge_http.HTTPJudge: rate limits, retries, cache,
+    cost). The progress bar shows the ETA and the running judge cost. An unexpected exception
+    inside one call is logged with the example's id (`names[ex]`) and makes that call None (its
+    example is skipped). Raises GradingStopped, with the replies so far, on an error that stops the
+    run (`stops_run`: 401/403/404) or when `deadline` (time.monotonic()) passes; calls not started
+    are cancelled."""
+    from concurrent.futures import wait, FIRST_COMPLETED
+
     from tqdm import tqdm
 
     out: dict = {}
-    with ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="eval-judge") as pool, \
-            tqdm(total=len(jobs), desc=desc, disable=not progress) as bar:
-        futs = {pool.submit(judge.ask, j.system, j.user, j.schema, j.validate): j for j in jobs}
-        for f in as_completed(futs):
-            j = futs[f]
-            try:
-                out[(j.ex, j.key)] = f.result()
-            except Exception as e:  # a bug or an odd reply must not lose the other judgments
-                log.warning("judge call for example %d (%s) raised %s: %s", j.ex, j.key,
-                            type(e).__name__, str(e)[:200])
-                out[(j.ex, j.key)] = None
-            bar.update(1)
+    name = lambda e: names[e] if e < len(names) else str(e)  # noqa: E731
+    pool = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="eval-judge")
+    stop: GradingStopped | None = None
+    try:
+        with tqdm(total=len(jobs), desc=desc, disable=not progress) as bar:
+            futs = {pool.submit(judge.ask, j.system, j.user, j.schema, j.validate): j for j in jobs}
+            pending = set(futs)
+            while pending and stop is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    stop = GradingStopped("the --deadline passed; unfinished calls were cancelled", out)
+                    break
+                done, pending = wait(pending, timeout=left, return_when=FIRST_COMPLETED)
+                for f in done:
+                    j = futs[f]
+                    try:
+                        out[(j.ex, j.key)] = f.result()
+                    except Exception as e:  # a bug or an odd reply must not lose the other judgments
+                        if getattr(e, "stops_run", False):
+                            stop = GradingStopped(str(e), out, e)
+                            break
+                        log.warning("example %s: judge call %s raised %s: %s", name(j.ex), j.key,
+                                    type(e).__name__, str(e)[:200])
+                        out[(j.ex, j.key)] = None
+                    bar.update(1)
+                bar.set_postfix_str(_running_cost(judge), refresh=False)
+    finally:  # calls not started are cancelled; those in flight end soon (a 401, or their timeout
+        pool.shutdown(wait=True, cancel_futures=True)  # is cut at the deadline by the client)
+    if stop is not None:
+        raise stop
     return out
 
 
@@ -854,14 +1030,17 @@ def _group(rows: list[dict], keys_of: Callable[[dict], dict], stat, seed: int) -
 
 def summarize(bench: str, examples: list[dict], seed: int = 0, n_resamples: int = BOOTSTRAP_N) -> dict:
     """Benchmark score in [0, 1] (score_100 on the paper's scale), bootstrap std and 95% CI,
-    breakdowns and skipped counts. Raises ValueError when no example could be scored."""
+    breakdowns and skipped counts. When no example could be scored, score, score_100, std and
+    ci95 are None (n = 0) and the breakdown is empty."""
     ok = [r for r in examples if r.get("score") is not None]
     skipped: dict = {}
     for r in examples:
         if r.get("skipped"):
             skipped[r["skipped"]] = skipped.get(r["skipped"], 0) + 1
-    if not ok:
-        raise ValueError(f"{bench}: no example could be scored (skipped: {skipped})")
+    if not ok:  # the report is still written: the skips and the judge's figures say why
+        return {"score": None, "score_100": None, "std": None, "ci95": None, "n": 0,
+                "n_rows": len(examples), "skipped": {"count": len(examples), **skipped},
+                "breakdown": {}}
     stat = clipped_mean if bench == "healthbench" else plain_mean
     vals = [r["score"] for r in ok]
     score = stat(vals)
@@ -873,8 +1052,9 @@ def summarize(bench: str, examples: list[dict], seed: int = 0, n_resamples: int 
     elif bench == "researchqa":
         def by_type(r):
             acc: dict = {}
-            for it in r["items"]:
-                acc.setdefault(it["type"] or "untyped", []).append(it["value"])
+            for it in r["items"]:  # an item of several types counts under each of them
+                for t in it["type"] or ["untyped"]:
+                    acc.setdefault(t, []).append(it["value"])
             return {k: sum(v) / len(v) for k, v in acc.items()}
         breakdown = {"item_type": _group(ok, by_type, stat, seed),
                      "general_domain": _group(ok, lambda r: {r["general_domain"]: r["score"]}, stat, seed)}
@@ -903,9 +1083,11 @@ BENCHMARKS = {
 
 
 def load_rows(bench: str, data: str, criteria: str = "", reference: str = "", limit: int = 0,
-              language: str = "") -> list[dict]:
-    """Rows of `bench` from its files (see the loaders); limit > 0 keeps the first rows; language
-    ("en" / "zh") filters DeepResearch Bench tasks."""
+              language: str = "", first: bool = False) -> list[dict]:
+    """Rows of `bench` from its files (see the loaders); language ("en" / "zh") filters DeepResearch
+    Bench tasks. limit > 0 keeps `limit` rows drawn as simple-evals does
+    (random.Random(0).sample(rows, limit), in the sample's order), or the first `limit` with
+    first=True."""
     if bench not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {bench!r}; choose one of {sorted(BENCHMARKS)}")
     if bench == "drb":
@@ -916,7 +1098,9 @@ def load_rows(bench: str, data: str, criteria: str = "", reference: str = "", li
     else:
         rows = {"healthbench": load_healthbench, "researchqa": load_researchqa,
                 "researchrubrics": load_researchrubrics}[bench](data)
-    return rows[:limit] if limit > 0 else rows
+    if limit <= 0 or limit >= len(rows):
+        return rows
+    return rows[:limit] if first else random.Random(0).sample(rows, limit)
 
 
 def match_answers(rows: list[dict], responses: dict[str, str]) -> list[str | None]:
@@ -931,16 +1115,45 @@ def match_answers(rows: list[dict], responses: dict[str, str]) -> list[str | Non
 
 
 def grade(bench: str, rows: list[dict], answers: list[str | None], judge, concurrency: int = 8,
-          ternary: bool = False, seed: int = 0, progress: bool = True) -> dict:
+          ternary: bool = False, seed: int = 0, progress: bool = True, deadline: float | None = None,
+          clean: bool = False) -> dict:
     """Grade `answers` (aligned with rows; None = no answer) with `judge` (judge_http.HTTPJudge or any
-    object with its `ask`); returns {"summary", "examples"}. Never raises on judge failures (they skip
-    their example); raises ValueError when no example could be scored."""
-    spec = BENCHMARKS[bench]
+    object with its `ask`); returns {"summary", "examples", "calls", "stopped" (None, or why the
+    grading stopped early: a 401/403/404 with the server's message, or the deadline), "stop_error"
+    (the exception or None), "cleaning" (drb with clean=True: `clean_drb_answers`' counts)}.
+    Never raises on judge failures: they skip their example, and so does an example not graded when
+    the grading stopped. clean: DRB target articles cleaned first (the released pipeline's step)."""
+    spec, names = BENCHMARKS[bench], [r["id"] for r in rows]
+    stopped, cleaning, given = None, None, list(answers)
+    if bench == "drb" and clean:
+        try:
+            answers, cleaning = clean_drb_answers(judge, rows, answers, concurrency, progress, deadline)
+        except GradingStopped as e:
+            stopped, answers = e, [None] * len(rows)
     jobs = (spec["jobs"](rows, answers, ternary) if bench == "researchrubrics"
             else spec["jobs"](rows, answers))
-    res = run_jobs(judge, jobs, concurrency, progress, desc=f"grading {bench}")
+    res: dict = {}
+    if stopped is None:
+        try:
+            res = run_jobs(judge, jobs, concurrency, progress, f"grading {bench}", deadline, names)
+        except GradingStopped as e:
+            stopped, res = e, e.results
     examples = spec["examples"](rows, answers, res)
-    return {"summary": summarize(bench, examples, seed), "examples": examples, "calls": len(jobs)}
+    not_graded = {j.ex for j in jobs if (j.ex, j.key) not in res}
+    for e, ex in enumerate(examples):  # one example row per benchmark row, in order
+        if ex.get("skipped") and (e in not_graded or stopped is not None and given[e] is not None
+                                  and answers[e] is None and not (cleaning and names[e] in cleaning["failed"])):
+            ex["skipped"] = "not graded: the run stopped early"
+        elif ex.get("skipped") == "no response" and cleaning and names[e] in cleaning["failed"]:
+            ex["skipped"] = "article cleaning failed"
+    skipped = [ex for ex in examples if ex.get("skipped")]
+    for ex in skipped[:50] if stopped is None else ():  # each skip named (a stop says it once)
+        log.warning("example %s skipped: %s", ex["id"], ex["skipped"])
+    if len(skipped) > 50 and stopped is None:
+        log.warning("... and %d more skipped examples (report.json lists them)", len(skipped) - 50)
+    return {"summary": summarize(bench, examples, seed), "examples": examples, "calls": len(jobs),
+            "stopped": str(stopped) if stopped is not None else None,
+            "stop_error": stopped.cause if stopped is not None else None, "cleaning": cleaning}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -956,21 +1169,34 @@ def write_report(report: dict, out_dir: str) -> tuple[str, str]:
     jp, mp = os.path.join(out_dir, "report.json"), os.path.join(out_dir, "report.md")
     atomic_write_bytes(jp, json.dumps(report, indent=1, ensure_ascii=False).encode("utf-8"))
     s, b = report["summary"], report["benchmark"]
-    lo, hi = s["ci95"]
-    lines = [f"# {b}: {s['score_100']:.1f} (95% CI {100 * lo:.1f}-{100 * hi:.1f}, bootstrap std "
-             f"{100 * s['std']:.2f})", "",
-             f"Scored {s['n']} of {s['n_rows']} examples; skipped {s['skipped']['count']}"
-             + "".join(f", {k}: {v}" for k, v in s["skipped"].items() if k != "count") + ".",
-             f"Paper (RubricEM-8B): {PAPER_SCORES[b]}.", ""]
+    if s["score"] is None:
+        lines = [f"# {b}: no example could be scored", ""]
+    else:
+        lo, hi = s["ci95"]
+        lines = [f"# {b}: {s['score_100']:.1f} (95% CI {100 * lo:.1f}-{100 * hi:.1f}, bootstrap std "
+                 f"{100 * s['std']:.2f})", ""]
+    lines += [f"Scored {s['n']} of {s['n_rows']} examples; skipped {s['skipped']['count']}"
+              + "".join(f", {k}: {v}" for k, v in s["skipped"].items() if k != "count") + ".",
+              f"Paper (RubricEM-8B): {PAPER_SCORES[b]}.", ""]
+    for note in report.get("notes", []):
+        lines += [f"**{note}**", ""]
     for group, rows in s["breakdown"].items():
         lines += [f"| {group} | score | std | n |", "|---|---|---|---|"]
         lines += [f"| {k} | {100 * v['score']:.1f} | {100 * v['std']:.2f} | {v['n']} |"
                   for k, v in rows.items()]
         lines.append("")
+    unmatched = [(r["id"], n) for r in report.get("examples", []) for n in r.get("unmatched", [])]
+    if unmatched:  # DRB: judge criterion names that matched none of the task's (deviation 3)
+        lines += [f"Unmatched criterion names ({len(unmatched)}; each weighted by its dimension's "
+                  "mean criterion weight):", ""] + [f"- task {t}: {n}" for t, n in unmatched] + [""]
     j = report["judge"]
+    usd = j.get("judge/usd_total", j.get("judge/cost_usd"))
+    cost = (f"${usd:.4f} (prices: {report.get('price', '')})" if usd is not None else
+            f"cost unknown: {report.get('price', 'no price').rstrip('.')}")
     lines += [f"Judge: {j.get('judge/calls', 0)} calls, {j.get('judge/requests', 0)} requests, "
               f"{j.get('judge/failures', 0)} failed, {j.get('judge/cache_hits', 0)} cached, "
-              f"${j.get('judge/cost_usd', 0.0):.4f}.", "", "Settings:", "```",
+              f"{j.get('judge/throttled', 0)} throttled (429), {j.get('judge/tokens_in', 0)} input + "
+              f"{j.get('judge/tokens_out', 0)} output tokens, {cost}.", "", "Settings:", "```",
               json.dumps(report["settings"], indent=1), "```", ""]
     atomic_write_bytes(mp, "\n".join(lines).encode("utf-8"))
     return jp, mp
@@ -1032,7 +1258,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--criteria", default="", help="drb: criteria.jsonl")
     p.add_argument("--reference", default="", help="drb: reference articles (reference.jsonl)")
     p.add_argument("--language", default="", help="drb: keep only tasks in this language (en / zh)")
-    p.add_argument("--limit", type=int, default=0, help="score only the first N rows (0 = all)")
+    p.add_argument("--limit", type=int, default=0, help="score N rows drawn as simple-evals does "
+                   "(random.Random(0).sample); 0 = all")
+    p.add_argument("--limit-first", action="store_true", help="with --limit: the first N rows instead")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--responses", help="answers file keyed by the benchmark's id")
     src.add_argument("--model", help="checkpoint directory (save_pretrained) to generate answers with")
@@ -1048,76 +1276,174 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     j.add_argument("--judge", choices=("gemini", "openai"), default=d.backend)
     j.add_argument("--judge-model", default=d.model)
     j.add_argument("--judge-base-url", default="")
-    j.add_argument("--judge-concurrency", type=int, default=d.concurrency)
+    j.add_argument("--judge-concurrency", type=int, default=EVAL_CONCURRENCY,
+                   help="most judge requests in flight; halved on every 429 and grown back "
+                        f"(default {EVAL_CONCURRENCY})")
+    j.add_argument("--judge-rpm", type=int, default=0, help="judge requests per minute (0 = no limit)")
+    j.add_argument("--judge-tpm", type=int, default=0, help="judge tokens per minute (0 = no limit)")
     j.add_argument("--judge-max-retries", type=int, default=d.max_retries)
-    j.add_argument("--judge-timeout", type=float, default=300.0)
+    j.add_argument("--judge-timeout", type=float, default=300.0, help="seconds per request")
     j.add_argument("--judge-cache-dir", default=os.path.join(".cache", "rubricem", "eval-judge"))
     j.add_argument("--judge-backoff", type=float, default=d.backoff_s)
-    j.add_argument("--price-in", type=float, default=d.price_per_1k_input, help="USD per 1k input tokens")
-    j.add_argument("--price-out", type=float, default=d.price_per_1k_output,
-                   help="USD per 1k output tokens")
+    j.add_argument("--thinking-budget", type=int, default=-1,
+                   help="gemini thinkingBudget: -1 the model's default, 0 off (Flash), N tokens")
+    j.add_argument("--price-in", type=float, default=-1.0,
+                   help="USD per 1M input tokens (default: backends/pricing.py's table)")
+    j.add_argument("--price-out", type=float, default=-1.0, help="USD per 1M output tokens")
     j.add_argument("--openai-response-format", choices=("json_schema", "json_object"),
-                   default="json_schema", help="json_object for servers without schema support")
+                   default="json_schema", help="json_object for servers without schema support "
+                   "(the schema and an example reply then go into the prompt)")
     p.add_argument("--ternary", action="store_true", help="researchrubrics: Partially Satisfied = 0.5")
+    p.add_argument("--drb-raw", action="store_true", help="drb: grade the articles as given, without "
+                   "the released pipeline's citation cleaning (default: cleaned)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap and generation seed")
+    p.add_argument("--max-skip-share", type=float, default=0.05,
+                   help="exit 4 when more than this share of examples is skipped (default 0.05)")
+    p.add_argument("--allow-skips", action="store_true", help="exit 0 whatever the skipped share")
+    p.add_argument("--deadline", type=float, default=0.0, help="overall seconds for the judge; calls "
+                   "not done by then are cancelled and their examples skipped (0 = none)")
     p.add_argument("--out", default="", help="report directory (default runs/eval/<benchmark>)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing report in --out")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
 
+EVAL_CONCURRENCY = 32  # with the client's 429 back-off; simple-evals runs 120 threads
+# Evaluation fields of the judge config written to the report (not the training-only ones).
+JUDGE_REPORT_FIELDS = ("backend", "model", "base_url", "temperature", "thinking_budget",
+                       "openai_response_format", "gemini_schema_field", "max_output_tokens",
+                       "concurrency", "rpm", "tpm", "timeout_s", "max_retries", "backoff_s",
+                       "retry_after_max_s", "price_in", "price_out", "prompt_version", "cache_dir")
+BACKEND_ONLY = {"thinking_budget": "gemini", "gemini_schema_field": "gemini",
+                "openai_response_format": "openai"}
+
+
+def judge_config(a: argparse.Namespace):
+    """The evaluation judge's JudgeConfig from the CLI; raises ValueError for prices given half."""
+    from backends.pricing import resolve_prices
+    from judge import JudgeConfig
+
+    hc = JudgeConfig(backend=a.judge, model=a.judge_model, base_url=a.judge_base_url,
+                     timeout_s=a.judge_timeout, max_retries=a.judge_max_retries,
+                     backoff_s=a.judge_backoff, concurrency=a.judge_concurrency, rpm=a.judge_rpm,
+                     tpm=a.judge_tpm, cache_dir=a.judge_cache_dir, prompt_version="eval-v1",
+                     price_in=a.price_in, price_out=a.price_out, thinking_budget=a.thinking_budget,
+                     openai_response_format=a.openai_response_format)
+    resolve_prices(hc.model, hc.price_in, hc.price_out)
+    return hc
+
+
+def generate(a: argparse.Namespace, rows: list[dict], out_dir: str, progress: bool) -> tuple[list, dict]:
+    """Answers of the --model checkpoint (written to out_dir/responses.jsonl) and the generation
+    settings. Raises ValueError / FileNotFoundError for an unusable checkpoint."""
+    engine, info = build_engine(a.model, a.preset, a.search, a.sampler, a.max_response_tokens,
+                                a.max_tool_calls, a.seed)
+    texts, missing = generate_answers(engine, [policy_query(a.benchmark, r) for r in rows],
+                                      a.gen_batch, a.gen_temperature, a.seed, progress)
+    info.update(no_answer_tag=missing, temperature=a.gen_temperature, seed=a.seed)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "responses.jsonl"), "w", encoding="utf-8") as fh:
+        for r, t in zip(rows, texts):
+            fh.write(json.dumps({"id": r["id"], "response": t}, ensure_ascii=False) + "\n")
+    return list(texts), info
+
+
+def build_report(a: argparse.Namespace, hc, result: dict, stats: dict, gen_info: dict, clean: bool,
+                 wall_s: float) -> dict:
+    """report.json's content: summary, paper scores, judge counters and prices, notes (DRB cleaning,
+    an early stop), the evaluation settings (no training-only fields) and every example."""
+    from backends.pricing import resolve_prices, unknown_price_message
+
+    prices = resolve_prices(hc.model, hc.price_in, hc.price_out)
+    notes = []
+    if a.benchmark == "drb":
+        notes.append("DRB target articles: " + (
+            "cleaned of citations and reference lists by the judge before scoring, as the released "
+            "RACE pipeline does" if clean else "graded RAW (--drb-raw): citations and reference lists "
+            "were not removed, unlike the released RACE pipeline; not comparable to its scores"))
+    if result["stopped"]:
+        notes.append(f"Stopped early: {result['stopped']}")
+    settings = {"benchmark": a.benchmark, "data": a.data, "criteria": a.criteria, "reference": a.reference,
+                "language": a.language, "limit": a.limit,
+                "sampling": "first N" if a.limit_first else "random.Random(0).sample",
+                "responses": a.responses or "", "generation": gen_info,
+                "judge": {k: getattr(hc, k) for k in JUDGE_REPORT_FIELDS
+                          if k not in BACKEND_ONLY or BACKEND_ONLY[k] == hc.backend},
+                "ternary": a.ternary,
+                "drb_articles": ("cleaned" if clean else "raw") if a.benchmark == "drb" else None,
+                "bootstrap": {"n": BOOTSTRAP_N, "seed": a.seed}, "researchqa_batch": RQA_BATCH,
+                "max_skip_share": a.max_skip_share, "deadline_s": a.deadline, "wall_s": round(wall_s, 2)}
+    return {"benchmark": a.benchmark, "summary": result["summary"], "paper": {
+        "RubricEM-8B": PAPER_SCORES[a.benchmark], "averages": PAPER_AVERAGES},
+        "judge": stats, "price": prices.source if prices else unknown_price_message(
+            hc.model, "--price-in / --price-out"),
+        "calls": result["calls"], "stopped": result["stopped"], "cleaning": result["cleaning"],
+        "notes": notes, "settings": settings, "examples": result["examples"]}
+
+
+def exit_status(a: argparse.Namespace, result: dict) -> int:
+    """main's exit code once the report is written (see main), with the reason logged."""
+    s = result["summary"]
+    if result["stop_error"] is not None:
+        log.error("%s", result["stopped"])
+        return 3
+    if s["score"] is None:
+        log.error("no example could be scored; the report says why")
+        return 2
+    share = s["skipped"]["count"] / max(1, s["n_rows"])
+    if share > a.max_skip_share and not a.allow_skips:
+        log.error("%.1f%% of the examples were skipped, above --max-skip-share %.1f%%; the score "
+                  "leaves them out. Fix the cause or pass --allow-skips", 100 * share,
+                  100 * a.max_skip_share)
+        return 4
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: load rows, get answers, grade, write report.json / report.md; prints the score line.
-    Returns 0; 2 when no example could be scored."""
+    Exit codes: 0 scored; 2 bad input (a one-line error naming the file, line and field), an
+    existing report without --overwrite, or no example scored; 3 an API answered 401/403/404 (the
+    report of what was graded is written); 4 more than --max-skip-share of the examples skipped
+    (the deadline included) without --allow-skips."""
     from backends.judge_http import HTTPJudge
-    from judge import JudgeConfig
 
     a = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     progress, out_dir = not a.no_progress, a.out or os.path.join("runs", "eval", a.benchmark)
-    t0 = time.perf_counter()
-    rows = load_rows(a.benchmark, a.data, a.criteria, a.reference, a.limit, a.language)
-    gen_info: dict = {}
-    if a.responses:
-        answers = match_answers(rows, load_responses(a.responses, BENCHMARKS[a.benchmark]["id_key"]))
-    else:
-        engine, gen_info = build_engine(a.model, a.preset, a.search, a.sampler, a.max_response_tokens,
-                                        a.max_tool_calls, a.seed)
-        texts, missing = generate_answers(engine, [policy_query(a.benchmark, r) for r in rows],
-                                          a.gen_batch, a.gen_temperature, a.seed, progress)
-        answers = list(texts)
-        gen_info.update(no_answer_tag=missing, temperature=a.gen_temperature, seed=a.seed)
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "responses.jsonl"), "w", encoding="utf-8") as fh:
-            for r, t in zip(rows, texts):
-                fh.write(json.dumps({"id": r["id"], "response": t}, ensure_ascii=False) + "\n")
-    hc = JudgeConfig(backend=a.judge, model=a.judge_model, base_url=a.judge_base_url,
-                     timeout_s=a.judge_timeout, max_retries=a.judge_max_retries,
-                     backoff_s=a.judge_backoff, concurrency=a.judge_concurrency,
-                     cache_dir=a.judge_cache_dir, prompt_version="eval-v1",
-                     price_per_1k_input=a.price_in, price_per_1k_output=a.price_out,
-                     openai_response_format=a.openai_response_format)
+    if os.path.exists(os.path.join(out_dir, "report.json")) and not a.overwrite:
+        log.error("%s already holds a report; pass --overwrite to replace it or --out DIR", out_dir)
+        return 2
+    t0, gen_info = time.perf_counter(), {}
+    try:  # bad input is one line (DataError names the file, line and field), never a traceback
+        rows = load_rows(a.benchmark, a.data, a.criteria, a.reference, a.limit, a.language,
+                         a.limit_first)
+        hc = judge_config(a)
+        if a.responses:
+            answers = match_answers(rows, load_responses(a.responses, BENCHMARKS[a.benchmark]["id_key"]))
+        else:
+            answers, gen_info = generate(a, rows, out_dir, progress)
+    except (ValueError, FileNotFoundError) as e:
+        log.error("%s", e)
+        return 2
+    deadline = time.monotonic() + a.deadline if a.deadline > 0 else None
+    clean = a.benchmark == "drb" and not a.drb_raw
     with HTTPJudge(hc) as judge:
-        try:
-            result = grade(a.benchmark, rows, answers, judge, a.judge_concurrency, a.ternary, a.seed,
-                           progress)
-        except ValueError as e:
-            log.error("%s", e)
-            return 2
+        judge.client.deadline = deadline  # no request runs past it
+        result = grade(a.benchmark, rows, answers, judge, a.judge_concurrency, a.ternary, a.seed,
+                       progress, deadline, clean)
         stats = judge.stats()
-    settings = {"benchmark": a.benchmark, "data": a.data, "criteria": a.criteria, "reference": a.reference,
-                "language": a.language, "limit": a.limit, "responses": a.responses or "",
-                "generation": gen_info, "judge": {k: v for k, v in asdict(hc).items()},
-                "ternary": a.ternary, "bootstrap": {"n": BOOTSTRAP_N, "seed": a.seed},
-                "researchqa_batch": RQA_BATCH, "wall_s": round(time.perf_counter() - t0, 2)}
-    report = {"benchmark": a.benchmark, "summary": result["summary"], "paper": {
-        "RubricEM-8B": PAPER_SCORES[a.benchmark], "averages": PAPER_AVERAGES},
-        "judge": stats, "calls": result["calls"], "settings": settings, "examples": result["examples"]}
+    report = build_report(a, hc, result, stats, gen_info, clean, time.perf_counter() - t0)
     jp, mp = write_report(report, out_dir)
-    s = result["summary"]
-    print(f"{a.benchmark}: {s['score_100']:.1f} (95% CI {100 * s['ci95'][0]:.1f}-{100 * s['ci95'][1]:.1f}; "
-          f"n={s['n']}, skipped {s['skipped']['count']}; judge ${stats.get('judge/cost_usd', 0.0):.4f}) "
-          f"-> {jp}, {mp}")
-    return 0
+    s, usd = result["summary"], stats.get("judge/usd_total")
+    cost = f"${usd:.4f}" if usd is not None else "cost unknown"
+    if s["score"] is None:
+        print(f"{a.benchmark}: no example scored (skipped {s['skipped']['count']}; judge {cost}) "
+              f"-> {jp}, {mp}")
+    else:
+        print(f"{a.benchmark}: {s['score_100']:.1f} (95% CI {100 * s['ci95'][0]:.1f}-"
+              f"{100 * s['ci95'][1]:.1f}; n={s['n']}, skipped {s['skipped']['count']}; judge {cost}) "
+              f"-> {jp}, {mp}")
+    return exit_status(a, result)
 
 
 if __name__ == "__main__":

@@ -229,7 +229,9 @@ class EvolvingJudge:
         fresh[k]: the proposals with d_r > 0, most discriminative first, at most caps[k]."""
         try:
             proposals = self.propose(query, rollouts, step)
-        except Exception:
+        except Exception as e:
+            if getattr(e, "stops_run", False):  # 401/403/404 (backends/http.py): stop, not a failure
+                raise
             proposals = []
             self.count("failures")
         pool, cands = [], []
@@ -297,7 +299,9 @@ class EvolvingJudge:
                 raise ValueError(f"judge returned shape {S.shape}, expected {(n, len(rubrics))}")
             S[(S < 0) | (S > 1) | ~np.isfinite(S)] = np.nan  # out of range is missing, not clipped
             return S
-        except Exception:
+        except Exception as e:
+            if getattr(e, "stops_run", False):  # 401/403/404 (backends/http.py): stop, not a failure
+                raise
             self.count("failures")
             return np.full((n, len(rubrics)), np.nan)
 
@@ -356,7 +360,7 @@ class JudgeConfig:
     """The stage judge: its backend, and for the HTTP judge where and how to call the model (one
     config for the training run and for backends/judge_http.HTTPJudge used on its own). Holds the
     *name* of the key's environment variable, never the key. Times in seconds; prices in USD per
-    1000 tokens."""
+    1M tokens."""
 
     backend: str = "toy"
     """"toy" (ToyJudge, the toy world's ground truth) | "gemini" (generateContent REST API) |
@@ -386,10 +390,26 @@ class JudgeConfig:
     folder); for an HTTPJudge built on its own, "" disables it."""
     prompt_version: str = "v1"
     """Part of the cache key: change it when the prompts change."""
-    price_per_1k_input: float = 0.0003  # gemini-2.5-flash list price, $0.30 / 1M input tokens
-    """USD per 1000 input tokens (judge/http/cost_usd)."""
-    price_per_1k_output: float = 0.0025  # $2.50 / 1M output tokens (thinking tokens included)
-    """USD per 1000 output tokens."""
+    price_in: float = -1.0
+    """USD per 1M input tokens; -1 = the dated table in backends/pricing.py (a model not in it has an
+    unknown cost: give price_in and price_out, e.g. 0 for a self-hosted server)."""
+    price_out: float = -1.0
+    """USD per 1M output tokens (thinking tokens included); -1 = backends/pricing.py."""
+    max_usd: float = 0.0
+    """Ours: stop the run (a checkpoint, then exit) once the judge has spent this many USD in
+    total (judge/usd_total); 0 = no cap. Needs a known price."""
+    rpm: int = 0
+    """Ours: at most this many judge requests started per minute (0 = no limit; 429s are backed
+    off in any case, backends/http.py)."""
+    tpm: int = 0
+    """Ours: at most this many judge tokens (input + output, estimated) per minute (0 = no limit)."""
+    retry_after_max_s: float = 120.0
+    """A 429's Retry-After up to this long is waited out (pausing every judge request); a longer
+    one fails the call at once."""
+    thinking_budget: int = -1
+    """Gemini generationConfig.thinkingConfig.thinkingBudget: -1 = not sent (the model's default,
+    dynamic thinking on 2.5 models); 0 disables thinking where the model allows it (2.5 Flash,
+    not 2.5 Pro); N > 0 caps thinking tokens."""
     temperature: float = 0.0
     """Judge sampling temperature; 0 keeps rewards as reproducible as the API allows (our choice)."""
     max_output_tokens: int = 0

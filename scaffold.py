@@ -839,7 +839,9 @@ class RolloutEngine:
                 call = ToolCall(name, query, [], [], str(e), timed_out=True)
                 env = format_tool_error("search timed out")
                 self.stats["tool_timeouts"] += 1
-            except Exception as e:  # a failing tool never ends the rollout
+            except Exception as e:  # a failing tool never ends the rollout...
+                if getattr(e, "stops_run", False):  # ...but a 401/403/404 ends the run (backends/http.py)
+                    raise
                 call = ToolCall(name, query, [], [], f"{type(e).__name__}: {e}"[:200])
                 env = format_tool_error("search failed")
         if call.error and not call.refused:
@@ -943,3 +945,6 @@ class SearchConfig:
     for a SerperSearchTool built on its own, "" disables it."""
     max_snippet_chars: int = 1000
     """Each search result's text is cut to this many characters."""
+    rpm: int = 0
+    """Ours: at most this many search requests started per minute (0 = no limit; a 429's
+    Retry-After is honoured in any case, backends/http.py)."""

@@ -641,8 +641,9 @@ RESUME_MAY_CHANGE = ("steps", "run_dir", "progress", "report_to", "threads", "sa
                      "eval.", "rollout.tool_timeout_s", "rollout.deadline_s", "judge.max_failure_rate",
                      "judge.max_failure_steps", "judge.base_url", "judge.api_key_env",
                      "judge.concurrency", "judge.timeout_s", "judge.backoff", "judge.cache_dir",
-                     "judge.price_per_1k_", "search.base_url", "search.api_key_env", "search.timeout_s",
-                     "search.backoff", "search.cache_dir", "full.dist_timeout_min")
+                     "judge.price_", "judge.max_usd", "judge.rpm", "judge.tpm",
+                     "judge.retry_after_max_s", "search.base_url", "search.api_key_env", "search.timeout_s",
+                     "search.backoff", "search.cache_dir", "search.rpm", "full.dist_timeout_min")
 
 
 def resume_config_diff(saved: dict, cfg: Config) -> list[str]:

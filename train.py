@@ -551,6 +551,9 @@ def _run_steps(run: Run, ls: "LoopState", state, ckpt_path, start: int, sft_info
         out = rl_step(run, step, ls.pending, ls.rng, m)
         ls.pending = out.pending
         m.update(step_metrics(run, out, before))
+        if m.get("judge/bad_shape"):  # an unusable group result is a judge failure (abort rule)
+            m["judge/failures"] += m["judge/bad_shape"]
+            m["judge/failure_rate"] = max(m["judge/failure_rate"], m["judge/bad_shape"] / len(out.queries))
         m["time/step_s"] = time.perf_counter() - t_step
         ls.logger.log(m, step)
         keep_samples(ls.samples, step, out, cfg)
@@ -560,7 +563,10 @@ def _run_steps(run: Run, ls: "LoopState", state, ckpt_path, start: int, sft_info
         abort = None
         try:
             ls.monitor.update(m["judge/failure_rate"], step)
-        except JudgeFailureAbort as e:
+            getattr(run.judge, "check_budget", lambda: None)()  # judge.max_usd (backends/judge_http)
+        except Exception as e:  # JudgeFailureAbort, JudgeBudgetExceeded (exit code 5)
+            if not isinstance(e, JudgeFailureAbort) and getattr(e, "exit_code", None) != 5:
+                raise
             abort = e  # stop after this step's checkpoint, so the run can continue once fixed
         # The checkpoint comes before the bank file, so bank.jsonl is never ahead of the latest
         # checkpoint; a resume rewrites it from the checkpoint anyway.
@@ -733,7 +739,7 @@ def judge_step_metrics(before: dict, after: dict, http_before: dict | None = Non
     d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     if http_before is not None and http_after is not None:
         h = {k[len("judge/"):]: http_after[k] - http_before.get(k, 0) for k in http_after
-             if k != "judge/latency_s"}
+             if k not in ("judge/latency_s", "judge/usd_total")}
         d["calls"], d["failures"] = h["calls"], h["failures"]
         d["retries"] = d.get("retries", 0) + h["retries"]
     calls, fails = d.get("calls", 0), d.get("failures", 0)
@@ -744,6 +750,7 @@ def judge_step_metrics(before: dict, after: dict, http_before: dict | None = Non
             out[f"judge/faults/{kind}"] = d[f"fault/{kind}"]
     if http_before is not None and http_after is not None:
         out.update({f"judge/http/{k}": v for k, v in h.items()})
+        out["judge/usd_total"] = http_after.get("judge/usd_total")  # cumulative USD (None: unknown price)
     return out
 
 
@@ -877,7 +884,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry point. Exit codes: 0 done (or stopped by checkpoint.stop_after), 2 bad
     configuration or unusable input (data file or rows, model directory, checkpoint), 3 judge
-    failures above the abort threshold."""
+    failures above the abort threshold, 4 an API answered 401/403/404, 5 judge.max_usd reached."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         cfg, resume = parse_cli(argv)
@@ -908,6 +915,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ckpt_mod.CheckpointError, ValueError, OSError) as e:  # unusable input (data, model, checkpoint)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # backends/http.APIStopError (4: a 401/403/404), JudgeBudgetExceeded (5)
+        if getattr(e, "exit_code", None) is None:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
     if not s:
         return 0  # a ZeRO-3 rank > 0: rank 0 reports
     print(f"run dir: {cfg.run_dir}")

@@ -19,12 +19,17 @@ dropped connections and invalid replies). A call still unanswered after the boun
 are NaN.
 
 Equations
-- Cost of a request: cost_usd = tokens_in / 1000 * price_per_1k_input + tokens_out / 1000 *
-  price_per_1k_output; summed in `stats()["judge/cost_usd"]` (`_Meter.add_usage`).
+- Cost of a request: usd = tokens_in / 1e6 * price_in + tokens_out / 1e6 * price_out (USD per 1M
+  tokens from backends/pricing.py's dated table, or judge.price_in / price_out); summed in
+  `stats()["judge/usd_total"]` (`_Meter.add_usage`). A model without a known price has an unknown
+  cost (judge/usd_total None), never another model's.
 - Reflection score: score = (within + cross) / 2 (§3.4, "two criteria"); `HTTPJudge.score_reflections`.
 
-Failure semantics (`# SCALE:` lines): the transport retries 429/500/502/503/504 and connect errors with
-exponential backoff (urllib3 `Retry`, at most `max_retries`); we re-ask on read timeouts, on a
+Failure semantics (`# SCALE:` lines): requests go through backends/http.HTTPClient, which honours the
+environment's proxy, retries 429/500/502/503/504 (waiting the server's Retry-After, a 429 pausing every
+judge request and halving the requests in flight) and connect errors, at most `max_retries` each,
+within judge.rpm / judge.tpm; a 401/403/404 raises `APIStopError` with the server's message, which
+stops the run (it is not a missing cell). We re-ask on read timeouts, on a
 connection dropped before the reply, and on replies that hold no JSON object that validates (at
 most `max_retries` re-asks; so a call sends at most (1 + max_retries)^2 requests). A valid object
 wrapped in a ```json fence, prose or a <think> block is taken out of it and counted in
@@ -50,8 +55,10 @@ Deviations from the paper
    SS-GRPO turns into advantage 0 (ss_grpo.py), instead of a score that would be a false signal.
 4. The disk cache replays the judgment of an identical prompt even at temperature > 0: a resumed run
    pays nothing for groups it already judged and gets the same rewards.
-5. "Gemini Flash" has no version in the paper; `gemini-2.5-flash` is our default. Prices are list
-   prices we copied for cost accounting only; check them against the provider's page.
+5. "Gemini Flash" has no version in the paper; `gemini-2.5-flash` is our default. Prices are the
+   dated list prices of backends/pricing.py, for cost accounting and judge.max_usd only; check them
+   against the provider's page. `judge.thinking_budget` (Gemini thinkingConfig.thinkingBudget) is
+   ours: the paper does not say how much the judge thinks.
 6. Proposed rubric weights are clipped to [0.1, 10] (not a reason to re-ask); an empty reflection
    candidate scores 0 on both criteria without a call (there is nothing to judge).
 
@@ -76,7 +83,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from backends.http import DiskCache, cache_key, make_session, transport_retries
+from backends.http import (APIStopError, DeadlineExceeded, DiskCache, HTTPClient, cache_key,
+                           server_message)
+from backends.pricing import resolve_prices, unknown_price_message
 from judge import (DEFAULT_BASE_URLS, EvolvingJudge, JudgeConfig, JudgeResult, ReflectionScore,
                    Rubric)
 from scaffold import STAGES, Rollout, parse_response
@@ -94,6 +103,20 @@ def check_http_config(c: JudgeConfig) -> None:
         raise ValueError("judge.openai_response_format must be 'json_schema' or 'json_object'")
     if c.max_retries < 0 or c.concurrency < 1 or c.timeout_s <= 0:
         raise ValueError("judge: need max_retries >= 0, concurrency >= 1 and timeout_s > 0")
+    if c.rpm < 0 or c.tpm < 0 or c.retry_after_max_s < 0 or c.max_usd < 0:
+        raise ValueError("judge: need rpm, tpm, retry_after_max_s and max_usd >= 0 (0 = no limit)")
+    if c.thinking_budget < -1:
+        raise ValueError("judge.thinking_budget must be -1 (model default), 0 (off) or a token count")
+    prices = resolve_prices(c.model, c.price_in, c.price_out)  # ValueError when only one is given
+    if c.max_usd > 0 and prices is None:
+        raise ValueError("judge.max_usd needs a known price: " + unknown_price_message(c.model))
+
+
+class JudgeBudgetExceeded(RuntimeError):
+    """The judge's cumulative cost reached judge.max_usd (`HTTPJudge.check_budget`); the training
+    loop stops after the step's checkpoint (exit code 5)."""
+
+    exit_code = 5
 
 
 class JudgeCallError(RuntimeError):
@@ -218,6 +241,28 @@ def schema_reflections(ids: Sequence[str]) -> dict:
     return _obj({"scores": {"type": "array", "items": item}}, ("scores",))
 
 
+def example_from_schema(schema: dict) -> Any:
+    """A reply that has the schema's exact shape: every property, arrays with one item, the first
+    enum value, "..." for strings, 0 for numbers, false for booleans."""
+    t = schema.get("type")
+    if "enum" in schema:
+        return schema["enum"][0]
+    if t == "object":
+        return {k: example_from_schema(v) for k, v in schema.get("properties", {}).items()}
+    if t == "array":
+        return [example_from_schema(schema.get("items", {}))]
+    return {"string": "...", "number": 0, "integer": 0, "boolean": False}.get(t)
+
+
+def schema_instruction(schema: dict) -> str:
+    """The reply format written into the prompt, for servers whose json_object mode does not take a
+    schema (`openai_response_format = "json_object"`): the JSON Schema and an example reply."""
+    return ("\n\nReply format: one JSON object, nothing else, that follows this JSON Schema "
+            "(use exactly these key names):\n" + json.dumps(schema, ensure_ascii=False)
+            + "\nExample of the shape (values are placeholders):\n"
+            + json.dumps(example_from_schema(schema), ensure_ascii=False))
+
+
 def gemini_schema(schema: dict, field: str) -> dict:
     """Our JSON Schema in Gemini's dialect. `responseSchema` takes the OpenAPI subset (upper-case
     types, no additionalProperties); `responseJsonSchema` takes JSON Schema as is. Both get
@@ -335,10 +380,10 @@ class _Meter:
     """Thread-safe counters behind `stats()`."""
 
     KEYS = ("calls", "requests", "failures", "retries", "invalid_replies", "json_repaired", "cache_hits",
-            "tokens_in", "tokens_out", "cost_usd", "latency_total_s")
+            "throttled", "tokens_in", "tokens_out", "cost_usd", "latency_total_s")
 
-    def __init__(self, price_in: float, price_out: float):
-        self.price_in, self.price_out = price_in, price_out
+    def __init__(self, prices):
+        self.prices = prices  # backends.pricing.Prices, or None: the cost is unknown
         self.c = {k: 0.0 if k in ("cost_usd", "latency_total_s") else 0 for k in self.KEYS}
         self.lock = threading.Lock()
 
@@ -350,8 +395,9 @@ class _Meter:
         with self.lock:
             self.c["tokens_in"] += tin
             self.c["tokens_out"] += tout
-            # Eq.: cost_usd = tokens_in/1000 * price_in + tokens_out/1000 * price_out
-            self.c["cost_usd"] += tin / 1000 * self.price_in + tout / 1000 * self.price_out
+            if self.prices is not None:
+                # Eq.: usd = tokens_in / 1e6 * price_in + tokens_out / 1e6 * price_out
+                self.c["cost_usd"] += self.prices.request_cost(tin, tout)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -372,13 +418,17 @@ class HTTPJudge(EvolvingJudge):
         self.config = config or JudgeConfig(backend="gemini")
         check_http_config(self.config)
         super().__init__(caps if caps is not None else self.config.caps)
-        self.cache = DiskCache(self.config.cache_dir)
-        self.meter = _Meter(self.config.price_per_1k_input, self.config.price_per_1k_output)
-        self._sem = threading.BoundedSemaphore(self.config.concurrency)
-        self._pool = ThreadPoolExecutor(max_workers=self.config.concurrency,
-                                        thread_name_prefix="judge-http")
-        self._local = threading.local()
-        self._sessions: list = []
+        cfg = self.config
+        self.cache = DiskCache(cfg.cache_dir)
+        self.meter = _Meter(resolve_prices(cfg.model, cfg.price_in, cfg.price_out))
+        if self.meter.prices is None:
+            log.warning("%s", unknown_price_message(cfg.model))
+        # SCALE: one rate-limit-aware client: proxy, Retry-After, AIMD concurrency, rpm / tpm
+        self.client = HTTPClient("judge", max_retries=cfg.max_retries, backoff_s=cfg.backoff_s,
+                                 backoff_max_s=cfg.backoff_max_s, timeout_s=cfg.timeout_s,
+                                 concurrency=cfg.concurrency, rpm=cfg.rpm, tpm=cfg.tpm,
+                                 retry_after_max_s=cfg.retry_after_max_s, retry_reads=False)
+        self._pool = ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="judge-http")
         self._lock = threading.Lock()
         # LLM justifications of recent scoring calls, for the privileged reflection judge.
         self._why: collections.OrderedDict = collections.OrderedDict()
@@ -387,10 +437,7 @@ class HTTPJudge(EvolvingJudge):
     def close(self) -> None:
         """Wait for in-flight calls, then release the thread pool and the connections."""
         self._pool.shutdown(wait=True)
-        with self._lock:
-            for s in self._sessions:
-                s.close()
-            self._sessions.clear()
+        self.client.close()
 
     def __enter__(self) -> "HTTPJudge":
         return self
@@ -402,13 +449,30 @@ class HTTPJudge(EvolvingJudge):
         """Cumulative metrics: judge/calls (logical calls), judge/requests (HTTP POSTs), judge/failures
         (calls given up after the bound), judge/retries (transport retries + re-asks),
         judge/invalid_replies, judge/json_repaired (valid replies dug out of wrapping text,
-        `parse_reply`), judge/cache_hits, judge/tokens_in, judge/tokens_out, judge/cost_usd (USD),
-        judge/latency_s (mean seconds per request, 0 before the first)."""
+        `parse_reply`), judge/cache_hits, judge/throttled (429 answers), judge/tokens_in,
+        judge/tokens_out, judge/cost_usd (USD; absent when the price is unknown), judge/latency_s
+        (mean seconds per request, 0 before the first), judge/usd_total (the same cumulative USD,
+        None when the price is unknown; a running total, not differenced per step)."""
         with self.meter.lock:
             c = dict(self.meter.c)
         out = {f"judge/{k}": v for k, v in c.items() if k != "latency_total_s"}
         out["judge/latency_s"] = c["latency_total_s"] / c["requests"] if c["requests"] else 0.0
+        if self.meter.prices is None:
+            del out["judge/cost_usd"]
+        out["judge/usd_total"] = None if self.meter.prices is None else c["cost_usd"]
         return out
+
+    def check_budget(self) -> None:
+        """Raise JudgeBudgetExceeded once the cumulative cost reached judge.max_usd (> 0). The
+        training loop calls it after each step's checkpoint, so a step may overshoot the cap by at
+        most its own cost (the dry run prints the cost per step)."""
+        cap = self.config.max_usd
+        with self.meter.lock:
+            spent = self.meter.c["cost_usd"]
+        if cap > 0 and spent >= cap:
+            raise JudgeBudgetExceeded(
+                f"judge spent ${spent:,.2f}, reaching judge.max_usd = ${cap:,.2f}; stopping after "
+                "this step's checkpoint. Raise judge.max_usd and continue with --resume latest.")
 
     def state_dict(self) -> dict:
         """Buffers and counters (judge.EvolvingJudge) plus the HTTP meter, so cost accounting survives
@@ -425,18 +489,6 @@ class HTTPJudge(EvolvingJudge):
             self.meter.c.update(state.get("http_meter", {}))
 
     # transport ---------------------------------------------------------------------------------
-    def _session(self):
-        s = getattr(self._local, "session", None)
-        if s is None:
-            cfg = self.config
-            # SCALE: transport retries of 429/5xx/connect; read timeouts come back to `ask`.
-            s = make_session(cfg.max_retries, cfg.backoff_s, cfg.backoff_max_s, cfg.concurrency,
-                             retry_reads=False)
-            self._local.session = s
-            with self._lock:
-                self._sessions.append(s)
-        return s
-
     def _request(self, system: str, user: str, schema: dict) -> tuple[str, dict, dict]:
         """(url, headers, body) of one request. The key is read here and only placed in headers."""
         cfg = self.config
@@ -450,6 +502,8 @@ class HTTPJudge(EvolvingJudge):
                    cfg.gemini_schema_field: gemini_schema(schema, cfg.gemini_schema_field)}
             if cfg.max_output_tokens:
                 gen["maxOutputTokens"] = cfg.max_output_tokens
+            if cfg.thinking_budget >= 0:  # -1: not sent, the model's default (dynamic on 2.5)
+                gen["thinkingConfig"] = {"thinkingBudget": cfg.thinking_budget}
             body = {"contents": [{"role": "user", "parts": [{"text": user}]}],
                     "systemInstruction": {"parts": [{"text": system}]}, "generationConfig": gen}
             return f"{cfg.url_root}/models/{cfg.model}:generateContent", headers, body
@@ -458,6 +512,8 @@ class HTTPJudge(EvolvingJudge):
         fmt = ({"type": "json_schema", "json_schema": {"name": "judgment", "schema": schema,
                                                         "strict": True}}
                if cfg.openai_response_format == "json_schema" else {"type": "json_object"})
+        if cfg.openai_response_format == "json_object":  # no schema on the wire: put it in the prompt
+            user = user + schema_instruction(schema)
         body = {"model": cfg.model, "temperature": cfg.temperature, "response_format": fmt,
                 "messages": [{"role": "system", "content": system},
                              {"role": "user", "content": user}]}
@@ -465,19 +521,24 @@ class HTTPJudge(EvolvingJudge):
             body["max_tokens"] = cfg.max_output_tokens
         return f"{cfg.url_root}/chat/completions", headers, body
 
-    def _reply_text(self, data: Any) -> str:
-        """Model text and usage accounting from a 200 reply; ValueError if the wire shape is wrong."""
+    def _reply_text(self, data: Any, ticket: list | None = None) -> str:
+        """Model text and usage accounting from a 200 reply; ValueError if the wire shape is wrong.
+        ticket: the request's rate-limiter entry, corrected to the tokens really used."""
         try:
             if self.config.backend == "gemini":
                 u = data.get("usageMetadata") or {}
                 # Thinking tokens are billed as output.
-                self.meter.add_usage(int(u.get("promptTokenCount", 0)),
-                                     int(u.get("candidatesTokenCount", 0))
-                                     + int(u.get("thoughtsTokenCount", 0)))
+                tin = int(u.get("promptTokenCount", 0))
+                tout = int(u.get("candidatesTokenCount", 0)) + int(u.get("thoughtsTokenCount", 0))
+            else:
+                u = data.get("usage") or {}
+                tin, tout = int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0))
+            self.meter.add_usage(tin, tout)
+            if ticket is not None and tin + tout > 0:
+                self.client.limiter.add_tokens(ticket, tin + tout)
+            if self.config.backend == "gemini":
                 parts = data["candidates"][0]["content"]["parts"]
                 return "".join(p.get("text", "") for p in parts if not p.get("thought"))
-            u = data.get("usage") or {}
-            self.meter.add_usage(int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0)))
             return data["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError, AttributeError) as e:
             raise ValueError(f"reply without model text ({type(e).__name__})") from None
@@ -493,8 +554,11 @@ class HTTPJudge(EvolvingJudge):
 
         cfg, m = self.config, self.meter
         m.inc("calls")
-        key = cache_key(cfg.backend, cfg.model, cfg.prompt_version, system, user, schema,
-                        cfg.temperature)
+        # Everything that can change the verdict: a verdict of another server, model, prompt,
+        # schema, temperature or thinking budget is never replayed.
+        key = cache_key(cfg.backend, cfg.url_root, cfg.model, cfg.prompt_version, system, user, schema,
+                        cfg.temperature, cfg.openai_response_format if cfg.backend == "openai" else "",
+                        cfg.thinking_budget if cfg.backend == "gemini" else -1)
         hit = self.cache.get(key)
         if hit is not None:
             try:
@@ -515,9 +579,16 @@ class HTTPJudge(EvolvingJudge):
                 reason = str(e)
                 break
             t0 = time.perf_counter()
+            est = (len(system) + len(user)) // 4 + (cfg.max_output_tokens or 1000)  # for judge.tpm
             try:
-                with self._sem:
-                    resp = self._session().post(url, json=body, headers=headers, timeout=cfg.timeout_s)
+                resp, n_retry, n429, ticket = self.client.post(url, body, headers, tokens=est)
+            except APIStopError:
+                m.inc("requests")
+                m.inc("failures")
+                raise  # 401/403/404: the run stops with the server's message
+            except DeadlineExceeded as e:
+                reason = str(e)
+                break
             except requests.exceptions.RequestException as e:
                 m.inc("requests")
                 m.inc("latency_total_s", time.perf_counter() - t0)
@@ -525,14 +596,15 @@ class HTTPJudge(EvolvingJudge):
                 if _is_read_error(e):  # timeout or dropped connection mid-reply: re-ask
                     continue
                 break  # connect errors come here after urllib3's own retries
-            m.inc("requests", 1 + transport_retries(resp))
-            m.inc("retries", transport_retries(resp))
+            m.inc("requests", 1 + n_retry)
+            m.inc("retries", n_retry)
+            m.inc("throttled", n429)
             m.inc("latency_total_s", time.perf_counter() - t0)
-            if resp.status_code != 200:  # 429/5xx already retried by the adapter; 4xx is final
-                reason = f"HTTP {resp.status_code}"
+            if resp.status_code != 200:  # 429/5xx already retried by the client; other 4xx are final
+                reason = f"HTTP {resp.status_code}: {server_message(resp, 160)}"
                 break
             try:
-                value, repaired = parse_reply(self._reply_text(resp.json()), validate)
+                value, repaired = parse_reply(self._reply_text(resp.json(), ticket), validate)
             except (ValueError, KeyError, TypeError) as e:
                 m.inc("invalid_replies")
                 reason = f"invalid reply: {str(e)[:120]}"

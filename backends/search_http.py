@@ -9,9 +9,12 @@ Wire format (Serper): POST {base_url}/search, header `X-API-KEY: <key>`, JSON {"
 reply {"organic": [{"title", "link", "snippet", ...}, ...]} -> SearchResult(doc_id=link, title,
 text=snippet), in the API's order, at most k.
 
-Failure semantics: the transport retries connect errors, read timeouts and 429/5xx with capped
-exponential backoff, at most `max_retries` of each (urllib3 `Retry`, `# SCALE:`); after the bound, or on
-any other HTTP error or a malformed reply, the call raises `SearchError` with a short reason. The
+Failure semantics: requests go through backends/http.HTTPClient (the environment's proxy; connect
+errors and read timeouts retried by urllib3; 429/5xx retried waiting the server's Retry-After, a 429
+pausing every search request; at most `max_retries` of each; at most `search.rpm` requests per
+minute, `# SCALE:`); after the bound, or on any other HTTP error or a malformed reply, the call raises
+`SearchError` with a short reason. A 401/403/404 raises `backends.http.APIStopError` with the
+server's message instead: the rollout engine lets it through and the run stops. The
 rollout engine turns a raising tool into "error: search failed" inside <tool_output>, so a failing API
 never ends a rollout. The key is read from the environment at call time and never logged or cached.
 
@@ -33,7 +36,7 @@ import logging
 import os
 import threading
 
-from backends.http import DiskCache, cache_key, make_session, transport_retries
+from backends.http import DiskCache, HTTPClient, cache_key, server_message
 from scaffold import SearchConfig, SearchResult
 
 log = logging.getLogger("rubricem.search_http")
@@ -43,6 +46,8 @@ def check_search_config(c: SearchConfig) -> None:
     """Raise ValueError naming the field when a search configuration cannot drive SerperSearchTool."""
     if c.k < 1 or c.max_retries < 0 or c.timeout_s <= 0:
         raise ValueError("search: need k >= 1, max_retries >= 0 and timeout_s > 0")
+    if getattr(c, "rpm", 0) < 0:
+        raise ValueError("search.rpm must be >= 0 (0 = no limit)")
 
 
 class SearchError(RuntimeError):
@@ -60,7 +65,11 @@ class SerperSearchTool:
         self.config = config or SearchConfig(backend="serper")
         check_search_config(self.config)
         self.cache = DiskCache(self.config.cache_dir)
-        self._local = threading.local()
+        c = self.config
+        # SCALE: proxy, Retry-After, 429 back-off and search.rpm (backends/http.py)
+        self.client = HTTPClient("search", max_retries=c.max_retries, backoff_s=c.backoff_s,
+                                 backoff_max_s=c.backoff_max_s, timeout_s=c.timeout_s, concurrency=4,
+                                 rpm=getattr(c, "rpm", 0), retry_reads=True)
         self._lock = threading.Lock()
         self.counters = {"calls": 0, "requests": 0, "retries": 0, "failures": 0, "cache_hits": 0}
 
@@ -74,14 +83,9 @@ class SerperSearchTool:
         with self._lock:
             return {f"search/{k}": v for k, v in self.counters.items()}
 
-    def _session(self):
-        s = getattr(self._local, "session", None)
-        if s is None:
-            c = self.config
-            # SCALE: transport retries (connect, read timeout, 429/5xx) with capped backoff.
-            s = self._local.session = make_session(c.max_retries, c.backoff_s, c.backoff_max_s, 4,
-                                                   retry_reads=True)
-        return s
+    def close(self) -> None:
+        """Release the connections."""
+        self.client.close()
 
     def __call__(self, query: str) -> list[SearchResult]:
         """Top-k web results for `query` (str). Returns [] for a blank query or no hits.
@@ -110,18 +114,22 @@ class SerperSearchTool:
             self._inc("failures")
             raise SearchError(f"environment variable {c.api_key_env} is not set")
         try:
-            resp = self._session().post(f"{c.base_url.rstrip('/')}/search", json={"q": q, "num": c.k},
-                                        headers={"X-API-KEY": api_key}, timeout=c.timeout_s)
+            resp, n_retry, _, _ = self.client.post(f"{c.base_url.rstrip('/')}/search",
+                                                   {"q": q, "num": c.k}, {"X-API-KEY": api_key})
         except requests.exceptions.RequestException as e:
             self._inc("requests")
             self._inc("failures")
             raise SearchError(f"search request failed after retries ({type(e).__name__})") from None
-        n_retry = transport_retries(resp)
+        except RuntimeError:  # APIStopError (401/403/404: stops the run), DeadlineExceeded
+            self._inc("requests")
+            self._inc("failures")
+            raise
         self._inc("requests", 1 + n_retry)
         self._inc("retries", n_retry)
         if resp.status_code != 200:
             self._inc("failures")
-            raise SearchError(f"search API returned HTTP {resp.status_code} after {n_retry} retries")
+            raise SearchError(f"search API returned HTTP {resp.status_code} after {n_retry} retries: "
+                              f"{server_message(resp, 160)}")
         try:
             organic = resp.json().get("organic", [])
             out = [SearchResult(str(r["link"]), str(r.get("title", "")),

@@ -9,7 +9,9 @@ Each `FakeServer` binds 127.0.0.1 on a free port, speaks its API's wire format, 
      (the requested ids are in the schema's `enum`) and any search with k made-up results.
 Actions (dicts): {"status": 429} an error status; {"drop": True} close the connection unanswered;
 {"sleep": s} wait s seconds, then the automatic reply; {"text": "..."} this model text; {"json": obj} this object as model text; {"mutate": fn}
-fn(automatic object) as model text; {"body": "..."} this raw HTTP body with status 200.
+fn(automatic object) as model text; {"body": "..."} this raw HTTP body with status 200. An error
+status may carry {"headers": {...}} (e.g. Retry-After), {"message": "..."} (the JSON error message) and
+{"details": [...]} (google.rpc details such as RetryInfo).
 Closing shuts every open client connection (a handler waiting for the next request on a kept-alive
 connection ends at once) and waits for the handler threads, a deliberately slow reply included (at most
 its sleep), so no thread of the server outlives its test (tests/conftest.py fails a test that leaves
@@ -130,7 +132,12 @@ class FakeServer:
                 if "sleep" in action:
                     time.sleep(action["sleep"])
                 if "status" in action:
-                    return self._send(action["status"], {"error": {"code": action["status"]}})
+                    err = {"code": action["status"]}
+                    if "message" in action:
+                        err["message"] = action["message"]
+                    if "details" in action:  # google.rpc details (RetryInfo, ErrorInfo)
+                        err["details"] = action["details"]
+                    return self._send(action["status"], {"error": err}, action.get("headers"))
                 if "body" in action:
                     return self._send(200, action["body"])
                 if server.kind == "serper":
@@ -144,10 +151,12 @@ class FakeServer:
                     text = json.dumps(obj)
                 return self._send(200, server._wrap(text))
 
-            def _send(self, status, payload):
+            def _send(self, status, payload, headers=None):
                 data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
                 try:
                     self.send_response(status)
+                    for k, v in (headers or {}).items():
+                        self.send_header(k, str(v))
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
@@ -259,6 +268,64 @@ class FakeServer:
         return {"scores": out}
 
 
+class FakeProxy:
+    """A forwarding HTTP proxy on 127.0.0.1 for plain-http targets: it receives the absolute-URI
+    request a client sends to a proxy (`POST http://127.0.0.1:PORT/path`), records the URL in
+    `seen`, forwards the request to the target and relays the answer. Use as a context manager;
+    `url` goes into HTTP_PROXY / HTTPS_PROXY."""
+
+    def __init__(self):
+        self.seen: list[str] = []
+        self._lock = threading.Lock()
+        proxy = self
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                import http.client
+                import urllib.parse
+
+                raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                with proxy._lock:
+                    proxy.seen.append(self.path)
+                u = urllib.parse.urlsplit(self.path)
+                conn = http.client.HTTPConnection(u.hostname, u.port, timeout=5)
+                hdrs = {k: v for k, v in self.headers.items()
+                        if k.lower() not in ("proxy-connection", "connection", "host")}
+                conn.request("POST", u.path + (f"?{u.query}" if u.query else ""), raw, hdrs)
+                r = conn.getresponse()
+                body = r.read()
+                conn.close()
+                self.send_response(r.status)
+                for k, v in r.getheaders():
+                    if k.lower() not in ("content-length", "connection", "transfer-encoding"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self._httpd = _Server(("127.0.0.1", 0), H)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._httpd.server_address[1]}"
+
+    def __enter__(self) -> "FakeProxy":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=2)
+
+
 def serve(url_file: str) -> None:
     """Run a Gemini and a Serper fake server (key TEST_KEY) until killed; write their URLs to url_file
     as JSON {"gemini": ..., "serper": ...} once they listen (scripts/gpu_smoke.sh uses this)."""
@@ -276,7 +343,56 @@ def serve(url_file: str) -> None:
               f"{len(ss.requests)} search requests ({len(ss.errors)} rejected)", flush=True)
 
 
+def schema_reply(req: dict) -> dict:
+    """A reply action for any benchmark grader request (evaluate.py) built from the request's schema:
+    response_format.json_schema when given, else the JSON Schema the prompt states (json_object
+    mode). Values are deterministic in the prompt (a hash), so verdicts differ across items: booleans,
+    numbers in [0, 10], the enum value picked by the hash; arrays get one entry per numbered prompt
+    line ("1. ...")."""
+    prompt = req["body"]["messages"][-1]["content"]
+    schema = (req["body"]["response_format"].get("json_schema") or {}).get("schema")
+    if schema is None:
+        m = re.search(r"JSON Schema \(use exactly these key names\):\n(\{.*\})\n", prompt)
+        if m is None:
+            return {"text": "I cannot tell which format you want."}
+        schema = json.loads(m.group(1))
+    h = int(hashlib.sha1(prompt.encode()).hexdigest()[:8], 16)
+    n_items = len(re.findall(r"^\d+\. ", prompt, re.M)) or 1
+
+    def fill(sc, salt):
+        v = (h >> (salt % 24)) + salt
+        if "enum" in sc:
+            return sc["enum"][v % len(sc["enum"])]
+        t = sc.get("type")
+        if t == "object":
+            return {k: fill(x, salt + i + 1) for i, (k, x) in enumerate(sc["properties"].items())}
+        if t == "array":
+            return [fill(sc["items"], salt + 7 * i) for i in range(n_items)]
+        return {"string": "checked against the text", "number": v % 11, "boolean": v % 3 != 0}.get(t)
+
+    return {"json": fill(schema, 0)}
+
+
+def serve_openai(url_file: str) -> None:
+    """Run an OpenAI-compatible grader server (no key; replies from `schema_reply`, 120 input and
+    40 output tokens each) until killed; write {"openai": url} to url_file once it listens."""
+    import os
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    with FakeServer("openai", key=None, model="local-grader", usage=(120, 40)) as s:
+        s.rule = schema_reply
+        with open(url_file + ".tmp", "w") as fh:
+            json.dump({"openai": s.url}, fh)
+        os.replace(url_file + ".tmp", url_file)
+        signal.sigwait({signal.SIGTERM, signal.SIGINT})
+        print(f"loopback: {len(s.requests)} grader requests ({len(s.errors)} rejected)", flush=True)
+
+
 if __name__ == "__main__":
     import sys
 
-    serve(sys.argv[1])
+    if sys.argv[1] == "--openai":
+        serve_openai(sys.argv[2])
+    else:
+        serve(sys.argv[1])

@@ -22,6 +22,14 @@ from judge import JudgeConfig
 from loopback import TEST_KEY, FakeServer
 
 
+@pytest.fixture(autouse=True)
+def _loopback_bypasses_any_proxy(monkeypatch):
+    """The HTTP client honours the environment's proxy (backends/http.py); the loopback servers are
+    local, so a machine with HTTP_PROXY set must still reach them directly."""
+    for v in ("NO_PROXY", "no_proxy"):
+        monkeypatch.setenv(v, "127.0.0.1,localhost")
+
+
 @pytest.fixture
 def key(monkeypatch):
     monkeypatch.setenv("GEMINI_API_KEY", TEST_KEY)
@@ -228,7 +236,7 @@ def test_healthbench_scores_tags_and_skips_by_hand(tmp_path, key):
     # one call per rubric item; the failing one is asked 1 + max_retries times
     assert len(srv.requests) == 3 + 3 + 2 + (1 + 3)
     assert stats["judge/calls"] == 9 and stats["judge/failures"] == 1
-    assert stats["judge/cost_usd"] == pytest.approx(len(srv.requests) * (100 * 0.0003 + 20 * 0.0025) / 1000)
+    assert stats["judge/usd_total"] is None  # "gemini-test" has no price: unknown, never Flash's
     # the grader sees the item's points, the whole conversation and the reply to grade
     hb2 = [user_text(r) for r in srv.requests if "B1 says" in user_text(r)][0]
     assert "(+4 points)" in hb2 and "How high?" in hb2 and "38.5 C is fine if she drinks." in hb2
@@ -246,7 +254,7 @@ def test_healthbench_benchmark_clipped_at_zero_examples_not(tmp_path, key):
 
 def test_healthbench_loader_names_bad_rows(tmp_path):
     bad = dict(HB_ROWS[0], rubrics=[{"criterion": "x", "points": "five", "tags": []}])
-    with pytest.raises(ValueError, match="row 0.*points"):
+    with pytest.raises(ValueError, match="line 1.*points"):
         ev.load_healthbench(write_jsonl(tmp_path / "bad.jsonl", [bad]))
     with pytest.raises(FileNotFoundError):
         ev.load_healthbench(str(tmp_path / "missing.jsonl"))

@@ -31,6 +31,14 @@ from scaffold import ANSWER, STAGES, Rollout, ToolCall, parse_response
 from toy.world import BM25SearchTool, WorldConfig, make_world
 from data import Query, load_rows
 
+
+@pytest.fixture(autouse=True)
+def _loopback_bypasses_any_proxy(monkeypatch):
+    """The HTTP client honours the environment's proxy (backends/http.py); the loopback servers are
+    local, so a machine with HTTP_PROXY set must still reach them directly."""
+    for v in ("NO_PROXY", "no_proxy"):
+        monkeypatch.setenv(v, "127.0.0.1,localhost")
+
 GOOD = ("<structured_plan><analysis>Asked: habitat of Kuvebro.</analysis><rubrics>need: Kuvebro "
         "habitat; avoid: look-alike names</rubrics><research_plan>search Kuvebro habitat"
         "</research_plan></structured_plan>\n" + scaffold.CALL_OPEN + "Kuvebro habitat</call_tool>"
@@ -378,16 +386,17 @@ def test_s34_token_and_cost_accounting(key):
     q = fake_query()
     with FakeServer("gemini", usage=(1000, 200)) as s:
         s.script.append({"text": "not json"})  # billed, then re-asked
-        with make_judge(s, price_per_1k_input=0.5, price_per_1k_output=2.0) as j:
+        with make_judge(s, price_in=500.0, price_out=2000.0) as j:  # USD per 1M tokens
             j.score_rubrics(q, [fake_rollout(q, GOOD), fake_rollout(q, POOR)], init_rubrics(j, q))
             st = j.stats()
     assert st["judge/calls"] == 2 and st["judge/requests"] == 3
     assert st["judge/tokens_in"] == 3000 and st["judge/tokens_out"] == 600
-    # Eq.: cost = tokens_in/1000 * price_in + tokens_out/1000 * price_out
+    # Eq.: usd = tokens_in / 1e6 * price_in + tokens_out / 1e6 * price_out
     assert st["judge/cost_usd"] == pytest.approx(3 * 0.5 + 0.6 * 2.0)
+    assert st["judge/usd_total"] == st["judge/cost_usd"]
     assert st["judge/latency_s"] > 0
-    with FakeServer("openai", usage=(10, 5)) as s, make_judge(s, price_per_1k_input=1.0,
-                                                                price_per_1k_output=1.0) as j:
+    with FakeServer("openai", usage=(10, 5)) as s, make_judge(s, price_in=1000.0,
+                                                                price_out=1000.0) as j:
         j.score_rubrics(q, [fake_rollout(q, GOOD)], init_rubrics(j, q))
         st = j.stats()
     assert st["judge/tokens_in"] == 10 and st["judge/tokens_out"] == 5

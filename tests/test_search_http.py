@@ -10,9 +10,18 @@ pytest.importorskip("requests", reason="the HTTP backends need the `full` extra 
 
 import scaffold
 from loopback import TEST_KEY, FakeServer
+from backends.http import APIStopError
 from backends.search_http import SearchError, SerperSearchTool
 from scaffold import SearchConfig
 from scaffold import SearchResult
+
+
+@pytest.fixture(autouse=True)
+def _loopback_bypasses_any_proxy(monkeypatch):
+    """The HTTP client honours the environment's proxy (backends/http.py); the loopback servers are
+    local, so a machine with HTTP_PROXY set must still reach them directly."""
+    for v in ("NO_PROXY", "no_proxy"):
+        monkeypatch.setenv(v, "127.0.0.1,localhost")
 
 
 @pytest.fixture
@@ -82,10 +91,13 @@ def test_s31_malformed_reply_and_non_retryable_status_raise(serper):
     serper.script.append({"body": "<html>oops</html>"})
     with pytest.raises(SearchError, match="not the expected JSON"):
         t("a")
-    serper.script.append({"status": 403})
-    with pytest.raises(SearchError, match="HTTP 403"):
+    serper.script.append({"status": 400})
+    with pytest.raises(SearchError, match="HTTP 400"):
         t("b")
-    assert len(serper.requests) == 2  # 4xx other than 429 is not retried
+    serper.script.append({"status": 403, "message": "Not enough credits"})
+    with pytest.raises(APIStopError, match="Not enough credits"):  # 401/403/404 stop the run
+        t("c")
+    assert len(serper.requests) == 3  # 4xx other than 429 is not retried
 
 
 def test_s31_missing_key_raises_clearly(serper, monkeypatch):
@@ -140,3 +152,11 @@ def test_s31_cache_hit_makes_no_request(serper, tmp_path):
     files = [p for p in (tmp_path / "search").rglob("*") if p.is_file()]
     assert len(files) == 1 and TEST_KEY not in files[0].read_text()
     assert TEST_KEY not in repr(t.config)
+
+
+def test_s31_a_401_from_search_ends_the_rollout_and_the_run(serper):
+    """A wrong search key is not a tool error to write into the trajectory: it stops the run."""
+    serper.rule = lambda req: {"status": 401, "message": "Unauthorized: invalid API key"}
+    with pytest.raises(APIStopError, match="invalid API key"):
+        _tool_step(tool_for(serper), "Kuvebro habitat")
+    assert len(serper.requests) == 1
