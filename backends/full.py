@@ -393,14 +393,17 @@ class _LogProbModule(torch.nn.Module):
 
 
 def _load_lm(path: str, ds: dict, dtype: torch.dtype):
-    """HF causal LM partitioned at load time: HfDeepSpeedConfig must be alive during from_pretrained
-    (a bare constructor under zero.Init would skip HF's weight init; see docs/full_mode.md)."""
+    """HF causal LM partitioned at load time. Collective: every rank loads together. transformers'
+    ZeRO-3 switch (HfDeepSpeedConfig) is live during from_pretrained only (a bare constructor under
+    zero.Init would skip HF's weight init; see docs/full_mode.md) and off again afterwards, so that
+    a later rank-0-only load (the dense retriever's embedding model, vLLM) is not turned into a
+    ZeRO-3 collective that the other ranks never join (backends/zero3_scope.py)."""
     from transformers import AutoModelForCausalLM
-    from transformers.integrations import HfDeepSpeedConfig
 
-    keep = HfDeepSpeedConfig(ds)  # SCALE: makes from_pretrained load straight into ZeRO-3 partitions
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return lm, keep
+    from backends.zero3_scope import zero3_loading
+
+    with zero3_loading(ds):  # SCALE: from_pretrained loads straight into ZeRO-3 partitions
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 
 class ZeRO3Policy:
@@ -416,8 +419,7 @@ class ZeRO3Policy:
     policy.TorchEngine.
     """
 
-    def __init__(self, lm, ds_config: dict, lr: float, *, full: FullConfig | None = None,
-                 _keep_alive=None):
+    def __init__(self, lm, ds_config: dict, lr: float, *, full: FullConfig | None = None):
         import deepspeed
 
         from policy import disable_dropout
@@ -426,7 +428,6 @@ class ZeRO3Policy:
         self.ds_config = ds_config
         if disable_dropout(lm):  # old (eval) and new (train) log-probs must be the same function
             log.info("dropout disabled for RL (policy.disable_dropout)")
-        self._keep = _keep_alive
         if full.gradient_checkpointing:  # PAPER: gradient checkpointing
             kw = {"use_reentrant": False}  # the non-reentrant variant is the one ZeRO-3 hooks support
             if hasattr(lm, "activation_checkpointing_enable"):  # transformers >= 5.2x
@@ -441,6 +442,11 @@ class ZeRO3Policy:
                                     eps=1e-8, weight_decay=full.weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, optimizer=opt,
                                                                  config=ds_config)
+        # DeepSpeedCPUAdam when DeepSpeed's AdamW meets an offloaded optimizer (JIT-built on first use)
+        basic = getattr(self.optimizer, "optimizer", self.optimizer)
+        self.optimizer_name = type(basic).__name__
+        log.info("rank %d: optimizer %s inside %s", self.engine.global_rank, self.optimizer_name,
+                 type(self.optimizer).__name__)
         self.world_size = self.engine.world_size
         self._boundary_pending = False
 
@@ -449,8 +455,7 @@ class ZeRO3Policy:
         """Load a HF causal-LM directory or hub id straight into ZeRO-3 partitions (bf16 when the
         config enables it, else fp32). Raises OSError when the model cannot be found."""
         dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float32
-        lm, keep = _load_lm(path, ds_config, dtype)
-        return cls(lm, ds_config, lr, full=full, _keep_alive=keep)
+        return cls(_load_lm(path, ds_config, dtype), ds_config, lr, full=full)
 
     @property
     def module(self):
@@ -588,10 +593,9 @@ class FrozenReference:
     """pi_ref: a frozen copy of the starting policy, ZeRO-3 partitioned for inference (no optimizer,
     no gradients; 2P / world bytes per rank in bf16). Collective, like ZeRO3Policy."""
 
-    def __init__(self, lm, ds_config: dict, *, chunk_size: int = 1024, _keep_alive=None):
+    def __init__(self, lm, ds_config: dict, *, chunk_size: int = 1024):
         import deepspeed
 
-        self._keep = _keep_alive
         for p in lm.parameters():
             p.requires_grad_(False)
         lm.config.use_cache = False
@@ -605,8 +609,7 @@ class FrozenReference:
         policy config's precision (ds_config: the policy's JSON, see reference_config). Raises OSError
         when the model cannot be found."""
         dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float32
-        lm, keep = _load_lm(path, reference_config(ds_config), dtype)
-        return cls(lm, ds_config, chunk_size=chunk_size, _keep_alive=keep)
+        return cls(_load_lm(path, reference_config(ds_config), dtype), ds_config, chunk_size=chunk_size)
 
     @torch.no_grad()
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -993,6 +996,45 @@ def _redact(text: str, environ) -> str:
     return text
 
 
+def _host_memory_bytes() -> float:
+    """This machine's RAM in bytes (/proc/meminfo MemTotal; 0 when unreadable)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemTotal:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _memory_section(cfg, ws: int, n_gpu: int, environ) -> tuple[list[str], list[str]]:
+    """The memory plan and step-time estimate (backends/plan.py) for `ws` ranks: GPU capacity from
+    the visible GPU 0, else FullConfig.gpu_memory_gib; host RAM from FullConfig.host_memory_gib, else
+    this machine's when it has GPUs (a CPU-only machine is not the node the plan is for)."""
+    from backends import plan
+
+    full = full_config(cfg)
+    if n_gpu:
+        gpu_b, gpu_src = float(torch.cuda.get_device_properties(0).total_memory), "GPU 0 of this machine"
+    else:
+        gpu_b, gpu_src = full.gpu_memory_gib * 2 ** 30, f"assumed: full.gpu_memory_gib={full.gpu_memory_gib:g}"
+    if full.host_memory_gib:
+        host_b, host_src = full.host_memory_gib * 2 ** 30, f"full.host_memory_gib={full.host_memory_gib:g}"
+    elif n_gpu:
+        host_b, host_src = _host_memory_bytes(), "this machine"
+    else:
+        host_b, host_src = 0.0, "not checked: no GPU here; set full.host_memory_gib"
+    try:
+        per_node = int(environ.get("LOCAL_WORLD_SIZE") or 0) or min(ws, n_gpu or full.world_size_hint)
+    except ValueError:
+        per_node = min(ws, n_gpu or full.world_size_hint)
+    try:
+        return plan.plan_lines(cfg, ws, max(1, per_node), gpu_b, gpu_src, host_b, host_src)
+    except (ValueError, KeyError) as err:
+        return [f"memory plan: not computed ({err})"], [f"memory plan: {err}"]
+
+
 def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
     """Resolve `cfg` (a settings.Config, normally the `full` preset) into a launch plan without training.
 
@@ -1073,6 +1115,11 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
         lines.append(f"  {dist} {v or 'not installed'}{why}")
         if v is None and dist in needed:
             problems.append(f"{dist} is not installed, needed by {needed[dist]}")
+    mem_lines, mem_problems = _memory_section(cfg, ws, n_gpu, e)
+    lines += [""] + mem_lines
+    problems += mem_problems
+    # JUDGE COST: the judge's calls, tokens and dollars per step and per run go here
+    # (backends.pricing.judge_cost_plan(cfg): its lines into `lines`, its problems into `problems`).
     lines += ["", "problems" if problems else "no problems found"] + [f"  - {p}" for p in problems]
     return _redact("\n".join(lines), e), [_redact(p, e) for p in problems]
 
