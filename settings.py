@@ -300,9 +300,18 @@ class FullConfig:
     dist_timeout_min: float = 180.0
     """ours: collective timeout; ranks > 0 wait in a collective while rank 0 samples, judges and
     reflects, which for 256 long rollouts can take far longer than torch's 10-30 minute default"""
+    max_prompt_tokens: int = 8192
+    """PAPER: max prompt length 8,192 tokens; with rollout.max_response_tokens (PAPER: 18,432) the
+    longest sequence (pack) is 26,624 tokens"""
     vllm_max_model_len: int = 0
-    """0 = longest prompt budget + rollout.max_response_tokens (see build.build_sampler); the
-    engine's context length"""
+    """0 = max_prompt_tokens + rollout.max_response_tokens (PAPER: 26,624; see build.build_sampler);
+    the engine's context length"""
+    gpu_memory_gib: float = 80.0
+    """dry run without a visible GPU: each GPU's memory the memory plan is checked against (ours: an
+    80 GB H100; backends/plan.py)"""
+    host_memory_gib: float = 0.0
+    """dry run: host RAM per node the memory plan is checked against (0 = this machine's, checked only
+    when it has GPUs)"""
     vllm_gpu_memory_utilization: float = 0.5
     """ours: leaves room for the ZeRO-3 shards on rank 0's GPU (on CPU: the fraction of RAM vLLM
     requires to be free at start)"""
