@@ -123,7 +123,7 @@ def build_sampler(cfg: Config, model, tok):
                   or cfg.full.max_prompt_tokens + cfg.rollout.max_response_tokens, limit)
     # Under a multi-rank launcher, vLLM's in-process engine would build its process groups on the
     # trainer's default group, which every rank must join (it hangs): the engine then runs in its
-    # own process and takes new weights from a checkpoint on tmpfs (full.ZeRO3Engine.sync).
+    # own process and takes new weights in memory through a weight channel (full.ZeRO3Engine.sync).
     in_process = int(os.environ.get("WORLD_SIZE", "1")) <= 1
     return VLLMSampler(cfg.model, tok, seed=cfg.seed, max_model_len=max_len, in_process=in_process,
                        **kw)

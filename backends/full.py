@@ -704,13 +704,11 @@ class ZeRO3Engine:
 
     def sync(self, sampler) -> None:
         """Copy the updated weights into rank 0's sampler: the plain `model` (HF generate) or a vLLM
-        engine. Gathers one parameter at a time (iter_full_params)."""
-        if getattr(sampler, "in_process", True) is False:
-            # An out-of-process vLLM engine (world size > 1, see build.build_sampler): rank 0 writes
-            # the gathered weights as a HF checkpoint on tmpfs (collective, one tensor at a time)
-            # and the engine reloads them in place.
-            sampler.reload_from_checkpoint(self)
-            return
+        engine. Gathers one parameter at a time (iter_full_params). Everything moves in memory: an
+        in-process engine takes the tensors as rpc arguments; an engine in its own process (world
+        size > 1, see build.build_sampler) through the two-member weight channel
+        (backends/weight_channel.py). No checkpoint is written, so /dev/shm's size does not matter
+        (`sampler.reload_from_checkpoint(self)` stays the repair after a failed sync)."""
         self._send("sync")
         # HF / KV samplers generate with rank 0's plain copy `model` itself: it takes each gathered
         # parameter; any other sampler (vLLM) holds its own weights and takes them via sync_weights.
