@@ -1113,6 +1113,11 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
         lines.append(f"  {dist} {v or 'not installed'}{why}")
         if v is None and dist in needed:
             problems.append(f"{dist} is not installed, needed by {needed[dist]}")
+    from backends import versions
+
+    v_lines, v_bad = versions.check(_version)
+    lines += ["", "versions (the tested set: constraints/gpu.txt)"] + v_lines
+    problems += [f"versions: {b}" for b in v_bad]
     mem_lines, mem_problems = _memory_section(cfg, ws, n_gpu, e)
     lines += [""] + mem_lines
     problems += mem_problems
