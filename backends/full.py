@@ -1023,10 +1023,9 @@ def _memory_section(cfg, ws: int, n_gpu: int, environ) -> tuple[list[str], list[
         host_b, host_src = _host_memory_bytes(), "this machine"
     else:
         host_b, host_src = 0.0, "not checked: no GPU here; set full.host_memory_gib"
-    try:
-        per_node = int(environ.get("LOCAL_WORLD_SIZE") or 0) or min(ws, n_gpu or full.world_size_hint)
-    except ValueError:
-        per_node = min(ws, n_gpu or full.world_size_hint)
+    from backends.launch_check import ranks_per_node
+
+    per_node = ranks_per_node(environ) or min(ws, n_gpu or full.world_size_hint)
     try:
         return plan.plan_lines(cfg, ws, max(1, per_node), gpu_b, gpu_src, host_b, host_src)
     except (ValueError, KeyError) as err:
@@ -1092,11 +1091,11 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
     if cfg.judge.backend == "toy":
         problems.append("judge.backend is 'toy': full mode scores with an HTTP judge "
                         "(--set judge.backend=\"gemini\"; PAPER: Gemini Flash)")
-    for purpose, name in _key_envs(cfg):
-        ok = bool(e.get(name))
-        lines.append(f"  {purpose}: ${name} {'set' if ok else 'NOT SET'}")
-        if not ok:
-            problems.append(f"environment variable {name} is not set ({purpose})")
+    from backends import launch_check
+
+    k_lines, k_bad = launch_check.key_lines(_key_envs(cfg), e, env.rank, env.launched)
+    lines += [""] + k_lines
+    problems += k_bad
     lines += ["", "environment", f"  python {sys.version.split()[0]}, {os.cpu_count()} CPU cores"]
     if n_gpu:
         for i in range(n_gpu):
@@ -1113,6 +1112,14 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
         lines.append(f"  {dist} {v or 'not installed'}{why}")
         if v is None and dist in needed:
             problems.append(f"{dist} is not installed, needed by {needed[dist]}")
+    full_ = full_config(cfg)
+    uses_cpu_adam = full_.offload_optimizer and full_.optimizer in ("auto", "deepspeed") \
+        and cfg.engine == "zero3"  # "auto" is DeepSpeed's AdamW on GPU (deepspeed_config)
+    for fn in (lambda: launch_check.cpu_adam_lines(uses_cpu_adam, n_gpu, e),
+               lambda: launch_check.shm_lines(n_gpu)):
+        more, bad = fn()
+        lines += [""] + more
+        problems += bad
     from backends import versions
 
     v_lines, v_bad = versions.check(_version)
@@ -1128,9 +1135,18 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
 
 
 def main_dry_run(cfg) -> int:
-    """Print dry_run(cfg) on rank 0; return 0 when no problem was found, else 1."""
+    """Print dry_run(cfg); return 0 when no problem was found, else 1. Under a launcher (no process
+    group is created) every rank checks itself: global rank 0 prints the whole report, the other
+    ranks only their own problems (a node without what DeepSpeedCPUAdam needs, a missing GPU)."""
     text, problems = dry_run(cfg)
-    rank0_print(text)
+    env = dist_env()
+    if env.rank == 0:
+        print(text, flush=True)
+    else:
+        own = [p for p in problems if not p.startswith(("configuration", "batch arithmetic",
+                                                         "memory plan", "no policy model"))]
+        for p in own:
+            print(f"[rank {env.rank}] problem: {p}", flush=True)
     return 1 if problems else 0
 
 

