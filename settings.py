@@ -428,6 +428,12 @@ def full_preset() -> Config:
     c.ss_grpo.minibatches = 1
     c.ss_grpo.micro_batch = 1
     c.eval = EvalConfig(n_questions=0)
+    # not in the paper (it gives no length): a reflection is a retrospective rubric plus takeaways
+    # (Fig. 2) that returns as a memory note inside the 8,192-token prompt (top-k 2). 512 tokens
+    # leave two notes (<= 3,000 characters each, ~1,500 tokens) well inside it; 64 (toy) cut them.
+    c.reflection.max_new_tokens = 512
+    c.reflection.system_prompt = "reflect"  # plain prose: the bank refuses stage tags
+    c.bank.max_chars = 3000
     return c
 
 
@@ -512,6 +518,9 @@ def validate_config(cfg: Config) -> None:
     c = cfg.reflection.loss_coef
     if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c < float("inf"):
         raise ValueError(f"reflection.loss_coef must be a finite number >= 0, got {c!r}")
+    if cfg.reflection.system_prompt not in ("task", "reflect"):
+        raise ValueError(f"reflection.system_prompt must be 'task' or 'reflect', got "
+                         f"{cfg.reflection.system_prompt!r}")
     for name, lo in (("threads", 1), ("sample_threads", 0)):
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
