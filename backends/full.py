@@ -182,11 +182,31 @@ def init_distributed(env: DistEnv | None = None, timeout_min: float | None = Non
 _GROUP_TORN_DOWN = False  # set by _shutdown(): this process ran collectives; see exit_process
 
 
+def record_peak_memory() -> None:
+    """When $RUBRICEM_PEAK_MEM_DIR is set, write this rank's peak memory to <dir>/rank<R>.json:
+    {"rank", "peak_gpu_gib" (torch.cuda.max_memory_allocated; None without CUDA), "peak_rss_gib"
+    (the process's peak resident set)}. Called by every rank at shutdown (scripts/gpu_smoke.sh)."""
+    d = os.environ.get("RUBRICEM_PEAK_MEM_DIR")
+    if not d:
+        return
+    import resource
+
+    rank = _world()[0]
+    gpu = torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
+    os.makedirs(d, exist_ok=True)
+    tmp = os.path.join(d, f".rank{rank}.json.tmp")
+    with open(tmp, "w") as fh:
+        json.dump({"rank": rank, "peak_gpu_gib": gpu, "peak_rss_gib": rss}, fh)
+    os.replace(tmp, os.path.join(d, f"rank{rank}.json"))
+
+
 def _shutdown() -> None:
     """End of a multi-rank run: wait for every rank, then destroy the process group, so that no rank
     exits while a peer still uses its connections (gloo aborts the survivor otherwise). The process
     should then end through `exit_process`."""
     global _GROUP_TORN_DOWN
+    record_peak_memory()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         if torch.distributed.get_world_size() > 1:
             torch.distributed.barrier()

@@ -251,7 +251,7 @@ ASSUME = {
     "gpu_flops": 989e12,  # H100 dense bf16
     "mfu": 0.25,  # ZeRO-3 with optimizer offload and checkpointing
     "cpu_adam_params_per_s": 1.0e9,  # DeepSpeedCPUAdam, per rank
-    "sync_bytes_per_s": 10e9,  # gather + in-memory load into vLLM (device-to-host bound)
+    "sync_bytes_per_s": 2e9,  # gather to host + gloo over loopback TCP into vLLM's process (weight_channel)
 }
 
 
@@ -296,7 +296,7 @@ def step_time(shape: ModelShape, cfg, world: int, kv_tokens: int, assume: dict |
         f"reflection calls, {a['judge_call_s']:g} s each",
         f"update at {a['mfu']:g} MFU of {a['gpu_flops'] / 1e12:g} TFLOP/s per GPU, CPU Adam at "
         f"{a['cpu_adam_params_per_s'] / 1e9:g}e9 params/s per rank",
-        f"sync: 2 x 2P bytes at {a['sync_bytes_per_s'] / 1e9:g} GB/s (in memory)",
+        f"sync: 2 x 2P bytes at {a['sync_bytes_per_s'] / 1e9:g} GB/s (in memory: gloo over loopback)",
     ]
     return StepTime(phases, assumptions, float(sum(phases.values())))
 
@@ -338,7 +338,8 @@ def plan_lines(cfg, world: int, ranks_per_node: int, gpu_bytes: float, gpu_src: 
         if not d:
             continue
         tot = MemoryPlan.total(d)
-        lines.append(f"  host RAM, {who}: {tot / GIB:.1f} GiB of {host_bytes / GIB:.1f} GiB ({host_src})")
+        cap = f"of {host_bytes / GIB:.1f} GiB ({host_src})" if host_bytes else f"({host_src})"
+        lines.append(f"  host RAM, {who}: {tot / GIB:.1f} GiB {cap}")
         lines += _fmt(d)
         if host_bytes and tot > host_bytes:
             problems.append(f"memory plan: host RAM of {who} needs ~{tot / GIB:.1f} GiB, more than "
