@@ -15,11 +15,15 @@ What is here
     ZeRO3Policy                       pi_theta under ZeRO-3: logprobs, backward, step, save_pretrained,
                                       iter_full_params (one gathered parameter at a time)
     FrozenReference                   pi_ref, ZeRO-3 partitioned for inference (no optimizer)
+    record_peak_memory                each rank's peak GPU memory and RSS at shutdown ($RUBRICEM_PEAK_MEM_DIR)
     ZeRO3Engine                       train.py's policy engine (cfg.engine = "zero3"): the five calls
                                       of policy.policy_update (the one SS-GRPO update, written once for
                                       both engines) over ZeRO3Policy; rank 0 runs Algorithm 1 and
                                       sends commands, the other ranks serve() them
-    dry_run / main_dry_run            resolve the configuration, check the machine, print the plan
+    dry_run / main_dry_run            resolve the configuration, check the machine and the launch
+                                      (keys on rank 0, .deepspeed_env, DeepSpeedCPUAdam, /dev/shm:
+                                      launch_check.py; versions: versions.py), print the batch,
+                                      memory and step-time plan (plan.py)
 
 Memory (Qwen3-8B, 8 GPUs, bf16, ZeRO-3, optimizer offloaded; P = 8.2e9 parameters)
     policy weights 2P bytes / 8 = 2.0 GB per GPU, gradients 2P / 8 = 2.0 GB per GPU;
@@ -38,9 +42,10 @@ Deviations from the paper
     1. The paper names the system pieces (ZeRO-3, CPU offload, checkpointing) but not their settings;
        the ones here (no parameter offload, overlap_comm on GPU, gradient clipping from the RL config,
        AdamW betas (0.9, 0.95) and no weight decay as in the toy path) are ours.
-    2. On CPU we use torch.optim.AdamW as DeepSpeed's client optimizer (no 40 s JIT build of
-       DeepSpeedCPUAdam); on GPU the default is DeepSpeed's AdamW, which becomes DeepSpeedCPUAdam with
-       the optimizer offloaded. Both are plain AdamW; only the kernel differs.
+    2. On CPU we use torch.optim.AdamW as DeepSpeed's client optimizer by default (no JIT build of
+       DeepSpeedCPUAdam: 277 s on 2 busy cores here); on GPU the default is DeepSpeed's AdamW, which
+       becomes DeepSpeedCPUAdam with the optimizer offloaded (full.optimizer="deepspeed" gives it on
+       CPU too: tests/test_full_startup.py). Both are plain AdamW; only the kernel differs.
     3. The loss is normalised with the *global* counts of the minibatch (sequences, masked tokens) on
        every rank; `ZeRO3Policy.backward` multiplies by the world size to undo DeepSpeed's gradient
        mean, so the update equals the single-process one exactly (up to float rounding).
