@@ -660,7 +660,8 @@ RESUME_MAY_CHANGE = ("steps", "run_dir", "progress", "report_to", "threads", "sa
                      "judge.max_failure_steps", "judge.base_url", "judge.api_key_env",
                      "judge.concurrency", "judge.timeout_s", "judge.backoff", "judge.cache_dir",
                      "judge.price_per_1k_", "search.base_url", "search.api_key_env", "search.timeout_s",
-                     "search.backoff", "search.cache_dir", "full.dist_timeout_min")
+                     "search.backoff", "search.cache_dir", "full.dist_timeout_min",
+                     "full.gpu_memory_gib", "full.host_memory_gib")
 
 
 def resume_config_diff(saved: dict, cfg: Config) -> list[str]:
