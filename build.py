@@ -116,13 +116,14 @@ def build_sampler(cfg: Config, model, tok):
     kw = {"gpu_memory_utilization": cfg.full.vllm_gpu_memory_utilization}
     if not torch.cuda.is_available():
         kw["kv_cache_space_gib"] = cfg.full.vllm_cpu_kv_cache_gib
-    # The engine's context: the configured length, else the response budget plus 4096 prompt tokens,
-    # never beyond what the model's positions allow.
+    # The engine's context: the configured length, else the prompt budget plus the response budget
+    # (PAPER: 8,192 + 18,432 = 26,624), never beyond what the model's positions allow.
     limit = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
-    max_len = min(cfg.full.vllm_max_model_len or cfg.rollout.max_response_tokens + 4096, limit)
+    max_len = min(cfg.full.vllm_max_model_len
+                  or cfg.full.max_prompt_tokens + cfg.rollout.max_response_tokens, limit)
     # Under a multi-rank launcher, vLLM's in-process engine would build its process groups on the
     # trainer's default group, which every rank must join (it hangs): the engine then runs in its
-    # own process and takes new weights from a checkpoint on tmpfs (full.ZeRO3Engine.sync).
+    # own process and takes new weights in memory through a weight channel (full.ZeRO3Engine.sync).
     in_process = int(os.environ.get("WORLD_SIZE", "1")) <= 1
     return VLLMSampler(cfg.model, tok, seed=cfg.seed, max_model_len=max_len, in_process=in_process,
                        **kw)

@@ -273,11 +273,20 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return torch.cat(pieces, dim=1)  # (B, L)
 
 
+def head_rows(head) -> int:
+    """V, the output vocabulary of an LM head (its weight's first dimension). Under ZeRO-3 a
+    partitioned parameter is an empty tensor outside its module's forward (shape (0,)); DeepSpeed keeps
+    the full shape in `ds_shape`, which we read then."""
+    w = head.weight
+    shape = getattr(w, "ds_shape", None)  # SCALE: a ZeRO-3 partition's true shape
+    return int((shape if shape is not None and len(shape) else w.shape)[0])
+
+
 def _recompute_head(head, hidden: torch.Tensor, positions: int) -> bool:
     """token_logprobs' default for `recompute`: gradients are recorded and the float32 log-softmax
     of `positions` positions (positions x V x 4 bytes) would exceed RECOMPUTE_ABOVE_BYTES."""
     return (torch.is_grad_enabled() and hidden.requires_grad
-            and positions * head.weight.shape[0] * 4 > RECOMPUTE_ABOVE_BYTES)
+            and positions * head_rows(head) * 4 > RECOMPUTE_ABOVE_BYTES)
 
 
 def _project(head, h: torch.Tensor, nxt: torch.Tensor, recompute: bool,

@@ -54,7 +54,11 @@ class ReflectionConfig:
     """PAPER: reflection trajectories sampled = 1 (per query: Algorithm 1 launches a reflection job
     for every query of the step)"""
     max_new_tokens: int = 64
-    """ours: toy reflections are one or two sentences"""
+    """ours: toy reflections are one or two sentences (the full preset: 512, see settings.full_preset)"""
+    system_prompt: str = "task"
+    """"task": the rollout's system prompt (the toy SFT teaches reflections under it); "reflect":
+    REFLECT_SYSTEM, which asks for plain prose and demands no stage tags (the bank refuses tagged
+    text; the full preset)"""
     train: bool = True
     """add the GRPO group to the next update (False: bank only)"""
     loss_coef: float = 1.0
@@ -88,6 +92,24 @@ class ReflectionBatch:
 
 # The instruction of the reflection meta-policy (ours: the paper does not give its wording).
 REFLECT_INSTRUCTION = "Reflect on this attempt. Name what was missed and give lessons."
+
+
+# The full preset's reflection system prompt (ours: the paper gives no wording). The task system prompt
+# demands the four stage tags, which the bank refuses in a reflection (bank.validate_reflection).
+REFLECT_SYSTEM = ("You are a research assistant reviewing one of your own attempts at a question. Write "
+                  "a short reflection in plain prose: which stage fell short (planning, research, "
+                  "review or the answer) and why, then concrete lessons for answering this question "
+                  "again and similar questions. Do not use XML tags and do not redo the task.")
+
+
+def reflection_system(cfg: ReflectionConfig, task_system: str) -> str:
+    """The system prompt of the reflection meta-policy: cfg.system_prompt "task" -> task_system,
+    "reflect" -> REFLECT_SYSTEM. Raises ValueError for another value."""
+    if cfg.system_prompt == "task":
+        return task_system
+    if cfg.system_prompt == "reflect":
+        return REFLECT_SYSTEM
+    raise ValueError(f"reflection.system_prompt must be 'task' or 'reflect', got {cfg.system_prompt!r}")
 
 
 def reflection_messages(query: str, trajectory_text: str, system: str) -> list:
@@ -158,6 +180,7 @@ def run_reflection_branch(step: int, rollouts: Sequence[Rollout], judged: dict, 
         return batch, metrics
     picks = pick_trajectories(len(rollouts), group_size or len(rollouts), cfg.trajectories_per_query,
                               rng)
+    system = reflection_system(cfg, system)
     prompts = [reflection_prompt_ids(tok, rollouts[i].query.query, rollouts[i], system) for i in picks]
     # One batched call for the whole step: (P x m) prompts, candidate c of pick p at p * m + c.
     flat = sampler.generate([p for p in prompts for _ in range(cfg.m)],

@@ -300,9 +300,18 @@ class FullConfig:
     dist_timeout_min: float = 180.0
     """ours: collective timeout; ranks > 0 wait in a collective while rank 0 samples, judges and
     reflects, which for 256 long rollouts can take far longer than torch's 10-30 minute default"""
+    max_prompt_tokens: int = 8192
+    """PAPER: max prompt length 8,192 tokens; with rollout.max_response_tokens (PAPER: 18,432) the
+    longest sequence (pack) is 26,624 tokens"""
     vllm_max_model_len: int = 0
-    """0 = longest prompt budget + rollout.max_response_tokens (see build.build_sampler); the
-    engine's context length"""
+    """0 = max_prompt_tokens + rollout.max_response_tokens (PAPER: 26,624; see build.build_sampler);
+    the engine's context length"""
+    gpu_memory_gib: float = 80.0
+    """dry run without a visible GPU: each GPU's memory the memory plan is checked against (ours: an
+    80 GB H100; backends/plan.py)"""
+    host_memory_gib: float = 0.0
+    """dry run: host RAM per node the memory plan is checked against (0 = this machine's, checked only
+    when it has GPUs)"""
     vllm_gpu_memory_utilization: float = 0.5
     """ours: leaves room for the ZeRO-3 shards on rank 0's GPU (on CPU: the fraction of RAM vLLM
     requires to be free at start)"""
@@ -419,6 +428,12 @@ def full_preset() -> Config:
     c.ss_grpo.minibatches = 1
     c.ss_grpo.micro_batch = 1
     c.eval = EvalConfig(n_questions=0)
+    # not in the paper (it gives no length): a reflection is a retrospective rubric plus takeaways
+    # (Fig. 2) that returns as a memory note inside the 8,192-token prompt (top-k 2). 512 tokens
+    # leave two notes (<= 3,000 characters each, ~1,500 tokens) well inside it; 64 (toy) cut them.
+    c.reflection.max_new_tokens = 512
+    c.reflection.system_prompt = "reflect"  # plain prose: the bank refuses stage tags
+    c.bank.max_chars = 3000
     return c
 
 
@@ -503,6 +518,9 @@ def validate_config(cfg: Config) -> None:
     c = cfg.reflection.loss_coef
     if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c < float("inf"):
         raise ValueError(f"reflection.loss_coef must be a finite number >= 0, got {c!r}")
+    if cfg.reflection.system_prompt not in ("task", "reflect"):
+        raise ValueError(f"reflection.system_prompt must be 'task' or 'reflect', got "
+                         f"{cfg.reflection.system_prompt!r}")
     for name, lo in (("threads", 1), ("sample_threads", 0)):
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -643,7 +661,8 @@ RESUME_MAY_CHANGE = ("steps", "run_dir", "progress", "report_to", "threads", "sa
                      "judge.concurrency", "judge.timeout_s", "judge.backoff", "judge.cache_dir",
                      "judge.price_", "judge.max_usd", "judge.rpm", "judge.tpm",
                      "judge.retry_after_max_s", "search.base_url", "search.api_key_env", "search.timeout_s",
-                     "search.backoff", "search.cache_dir", "search.rpm", "full.dist_timeout_min")
+                     "search.backoff", "search.cache_dir", "search.rpm", "full.dist_timeout_min",
+                     "full.gpu_memory_gib", "full.host_memory_gib")
 
 
 def resume_config_diff(saved: dict, cfg: Config) -> list[str]:

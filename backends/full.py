@@ -15,11 +15,15 @@ What is here
     ZeRO3Policy                       pi_theta under ZeRO-3: logprobs, backward, step, save_pretrained,
                                       iter_full_params (one gathered parameter at a time)
     FrozenReference                   pi_ref, ZeRO-3 partitioned for inference (no optimizer)
+    record_peak_memory                each rank's peak GPU memory and RSS at shutdown ($RUBRICEM_PEAK_MEM_DIR)
     ZeRO3Engine                       train.py's policy engine (cfg.engine = "zero3"): the five calls
                                       of policy.policy_update (the one SS-GRPO update, written once for
                                       both engines) over ZeRO3Policy; rank 0 runs Algorithm 1 and
                                       sends commands, the other ranks serve() them
-    dry_run / main_dry_run            resolve the configuration, check the machine, print the plan
+    dry_run / main_dry_run            resolve the configuration, check the machine and the launch
+                                      (keys on rank 0, .deepspeed_env, DeepSpeedCPUAdam, /dev/shm:
+                                      launch_check.py; versions: versions.py), print the batch,
+                                      memory and step-time plan (plan.py)
 
 Memory (Qwen3-8B, 8 GPUs, bf16, ZeRO-3, optimizer offloaded; P = 8.2e9 parameters)
     policy weights 2P bytes / 8 = 2.0 GB per GPU, gradients 2P / 8 = 2.0 GB per GPU;
@@ -38,9 +42,10 @@ Deviations from the paper
     1. The paper names the system pieces (ZeRO-3, CPU offload, checkpointing) but not their settings;
        the ones here (no parameter offload, overlap_comm on GPU, gradient clipping from the RL config,
        AdamW betas (0.9, 0.95) and no weight decay as in the toy path) are ours.
-    2. On CPU we use torch.optim.AdamW as DeepSpeed's client optimizer (no 40 s JIT build of
-       DeepSpeedCPUAdam); on GPU the default is DeepSpeed's AdamW, which becomes DeepSpeedCPUAdam with
-       the optimizer offloaded. Both are plain AdamW; only the kernel differs.
+    2. On CPU we use torch.optim.AdamW as DeepSpeed's client optimizer by default (no JIT build of
+       DeepSpeedCPUAdam: 277 s on 2 busy cores here); on GPU the default is DeepSpeed's AdamW, which
+       becomes DeepSpeedCPUAdam with the optimizer offloaded (full.optimizer="deepspeed" gives it on
+       CPU too: tests/test_full_startup.py). Both are plain AdamW; only the kernel differs.
     3. The loss is normalised with the *global* counts of the minibatch (sequences, masked tokens) on
        every rank; `ZeRO3Policy.backward` multiplies by the world size to undo DeepSpeed's gradient
        mean, so the update equals the single-process one exactly (up to float rounding).
@@ -182,11 +187,31 @@ def init_distributed(env: DistEnv | None = None, timeout_min: float | None = Non
 _GROUP_TORN_DOWN = False  # set by _shutdown(): this process ran collectives; see exit_process
 
 
+def record_peak_memory() -> None:
+    """When $RUBRICEM_PEAK_MEM_DIR is set, write this rank's peak memory to <dir>/rank<R>.json:
+    {"rank", "peak_gpu_gib" (torch.cuda.max_memory_allocated; None without CUDA), "peak_rss_gib"
+    (the process's peak resident set)}. Called by every rank at shutdown (scripts/gpu_smoke.sh)."""
+    d = os.environ.get("RUBRICEM_PEAK_MEM_DIR")
+    if not d:
+        return
+    import resource
+
+    rank = _world()[0]
+    gpu = torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
+    os.makedirs(d, exist_ok=True)
+    tmp = os.path.join(d, f".rank{rank}.json.tmp")
+    with open(tmp, "w") as fh:
+        json.dump({"rank": rank, "peak_gpu_gib": gpu, "peak_rss_gib": rss}, fh)
+    os.replace(tmp, os.path.join(d, f"rank{rank}.json"))
+
+
 def _shutdown() -> None:
     """End of a multi-rank run: wait for every rank, then destroy the process group, so that no rank
     exits while a peer still uses its connections (gloo aborts the survivor otherwise). The process
     should then end through `exit_process`."""
     global _GROUP_TORN_DOWN
+    record_peak_memory()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         if torch.distributed.get_world_size() > 1:
             torch.distributed.barrier()
@@ -393,14 +418,17 @@ class _LogProbModule(torch.nn.Module):
 
 
 def _load_lm(path: str, ds: dict, dtype: torch.dtype):
-    """HF causal LM partitioned at load time: HfDeepSpeedConfig must be alive during from_pretrained
-    (a bare constructor under zero.Init would skip HF's weight init; see docs/full_mode.md)."""
+    """HF causal LM partitioned at load time. Collective: every rank loads together. transformers'
+    ZeRO-3 switch (HfDeepSpeedConfig) is live during from_pretrained only (a bare constructor under
+    zero.Init would skip HF's weight init; see docs/full_mode.md) and off again afterwards, so that
+    a later rank-0-only load (the dense retriever's embedding model, vLLM) is not turned into a
+    ZeRO-3 collective that the other ranks never join (backends/zero3_scope.py)."""
     from transformers import AutoModelForCausalLM
-    from transformers.integrations import HfDeepSpeedConfig
 
-    keep = HfDeepSpeedConfig(ds)  # SCALE: makes from_pretrained load straight into ZeRO-3 partitions
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return lm, keep
+    from backends.zero3_scope import zero3_loading
+
+    with zero3_loading(ds):  # SCALE: from_pretrained loads straight into ZeRO-3 partitions
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 
 class ZeRO3Policy:
@@ -416,8 +444,7 @@ class ZeRO3Policy:
     policy.TorchEngine.
     """
 
-    def __init__(self, lm, ds_config: dict, lr: float, *, full: FullConfig | None = None,
-                 _keep_alive=None):
+    def __init__(self, lm, ds_config: dict, lr: float, *, full: FullConfig | None = None):
         import deepspeed
 
         from policy import disable_dropout
@@ -426,7 +453,6 @@ class ZeRO3Policy:
         self.ds_config = ds_config
         if disable_dropout(lm):  # old (eval) and new (train) log-probs must be the same function
             log.info("dropout disabled for RL (policy.disable_dropout)")
-        self._keep = _keep_alive
         if full.gradient_checkpointing:  # PAPER: gradient checkpointing
             kw = {"use_reentrant": False}  # the non-reentrant variant is the one ZeRO-3 hooks support
             if hasattr(lm, "activation_checkpointing_enable"):  # transformers >= 5.2x
@@ -441,6 +467,11 @@ class ZeRO3Policy:
                                     eps=1e-8, weight_decay=full.weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, optimizer=opt,
                                                                  config=ds_config)
+        # DeepSpeedCPUAdam when DeepSpeed's AdamW meets an offloaded optimizer (JIT-built on first use)
+        basic = getattr(self.optimizer, "optimizer", self.optimizer)
+        self.optimizer_name = type(basic).__name__
+        log.info("rank %d: optimizer %s inside %s", self.engine.global_rank, self.optimizer_name,
+                 type(self.optimizer).__name__)
         self.world_size = self.engine.world_size
         self._boundary_pending = False
 
@@ -449,8 +480,7 @@ class ZeRO3Policy:
         """Load a HF causal-LM directory or hub id straight into ZeRO-3 partitions (bf16 when the
         config enables it, else fp32). Raises OSError when the model cannot be found."""
         dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float32
-        lm, keep = _load_lm(path, ds_config, dtype)
-        return cls(lm, ds_config, lr, full=full, _keep_alive=keep)
+        return cls(_load_lm(path, ds_config, dtype), ds_config, lr, full=full)
 
     @property
     def module(self):
@@ -588,10 +618,9 @@ class FrozenReference:
     """pi_ref: a frozen copy of the starting policy, ZeRO-3 partitioned for inference (no optimizer,
     no gradients; 2P / world bytes per rank in bf16). Collective, like ZeRO3Policy."""
 
-    def __init__(self, lm, ds_config: dict, *, chunk_size: int = 1024, _keep_alive=None):
+    def __init__(self, lm, ds_config: dict, *, chunk_size: int = 1024):
         import deepspeed
 
-        self._keep = _keep_alive
         for p in lm.parameters():
             p.requires_grad_(False)
         lm.config.use_cache = False
@@ -605,8 +634,7 @@ class FrozenReference:
         policy config's precision (ds_config: the policy's JSON, see reference_config). Raises OSError
         when the model cannot be found."""
         dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float32
-        lm, keep = _load_lm(path, reference_config(ds_config), dtype)
-        return cls(lm, ds_config, chunk_size=chunk_size, _keep_alive=keep)
+        return cls(_load_lm(path, reference_config(ds_config), dtype), ds_config, chunk_size=chunk_size)
 
     @torch.no_grad()
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -701,13 +729,11 @@ class ZeRO3Engine:
 
     def sync(self, sampler) -> None:
         """Copy the updated weights into rank 0's sampler: the plain `model` (HF generate) or a vLLM
-        engine. Gathers one parameter at a time (iter_full_params)."""
-        if getattr(sampler, "in_process", True) is False:
-            # An out-of-process vLLM engine (world size > 1, see build.build_sampler): rank 0 writes
-            # the gathered weights as a HF checkpoint on tmpfs (collective, one tensor at a time)
-            # and the engine reloads them in place.
-            sampler.reload_from_checkpoint(self)
-            return
+        engine. Gathers one parameter at a time (iter_full_params). Everything moves in memory: an
+        in-process engine takes the tensors as rpc arguments; an engine in its own process (world
+        size > 1, see build.build_sampler) through the two-member weight channel
+        (backends/weight_channel.py). No checkpoint is written, so /dev/shm's size does not matter
+        (`sampler.reload_from_checkpoint(self)` stays the repair after a failed sync)."""
         self._send("sync")
         # HF / KV samplers generate with rank 0's plain copy `model` itself: it takes each gathered
         # parameter; any other sampler (vLLM) holds its own weights and takes them via sync_weights.
@@ -993,6 +1019,44 @@ def _redact(text: str, environ) -> str:
     return text
 
 
+def _host_memory_bytes() -> float:
+    """This machine's RAM in bytes (/proc/meminfo MemTotal; 0 when unreadable)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemTotal:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _memory_section(cfg, ws: int, n_gpu: int, environ) -> tuple[list[str], list[str]]:
+    """The memory plan and step-time estimate (backends/plan.py) for `ws` ranks: GPU capacity from
+    the visible GPU 0, else FullConfig.gpu_memory_gib; host RAM from FullConfig.host_memory_gib, else
+    this machine's when it has GPUs (a CPU-only machine is not the node the plan is for)."""
+    from backends import plan
+
+    full = full_config(cfg)
+    if n_gpu:
+        gpu_b, gpu_src = float(torch.cuda.get_device_properties(0).total_memory), "GPU 0 of this machine"
+    else:
+        gpu_b, gpu_src = full.gpu_memory_gib * 2 ** 30, f"assumed: full.gpu_memory_gib={full.gpu_memory_gib:g}"
+    if full.host_memory_gib:
+        host_b, host_src = full.host_memory_gib * 2 ** 30, f"full.host_memory_gib={full.host_memory_gib:g}"
+    elif n_gpu:
+        host_b, host_src = _host_memory_bytes(), "this machine"
+    else:
+        host_b, host_src = 0.0, "not checked: no GPU here; set full.host_memory_gib"
+    from backends.launch_check import ranks_per_node
+
+    per_node = ranks_per_node(environ) or min(ws, n_gpu or full.world_size_hint)
+    try:
+        return plan.plan_lines(cfg, ws, max(1, per_node), gpu_b, gpu_src, host_b, host_src)
+    except (ValueError, KeyError) as err:
+        return [f"memory plan: not computed ({err})"], [f"memory plan: {err}"]
+
+
 def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
     """Resolve `cfg` (a settings.Config, normally the `full` preset) into a launch plan without training.
 
@@ -1052,11 +1116,11 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
     if cfg.judge.backend == "toy":
         problems.append("judge.backend is 'toy': full mode scores with an HTTP judge "
                         "(--set judge.backend=\"gemini\"; PAPER: Gemini Flash)")
-    for purpose, name in _key_envs(cfg):
-        ok = bool(e.get(name))
-        lines.append(f"  {purpose}: ${name} {'set' if ok else 'NOT SET'}")
-        if not ok:
-            problems.append(f"environment variable {name} is not set ({purpose})")
+    from backends import launch_check
+
+    k_lines, k_bad = launch_check.key_lines(_key_envs(cfg), e, env.rank, env.launched)
+    lines += [""] + k_lines
+    problems += k_bad
     lines += ["", "environment", f"  python {sys.version.split()[0]}, {os.cpu_count()} CPU cores"]
     if n_gpu:
         for i in range(n_gpu):
@@ -1073,14 +1137,44 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
         lines.append(f"  {dist} {v or 'not installed'}{why}")
         if v is None and dist in needed:
             problems.append(f"{dist} is not installed, needed by {needed[dist]}")
+    full_ = full_config(cfg)
+    uses_cpu_adam = full_.offload_optimizer and full_.optimizer in ("auto", "deepspeed") \
+        and cfg.engine == "zero3"  # "auto" is DeepSpeed's AdamW on GPU (deepspeed_config)
+    for fn in (lambda: launch_check.cpu_adam_lines(uses_cpu_adam, n_gpu, e),
+               lambda: launch_check.shm_lines(n_gpu)):
+        more, bad = fn()
+        lines += [""] + more
+        problems += bad
+    from backends import versions
+
+    v_lines, v_bad = versions.check(_version)
+    lines += ["", "versions (the tested set: constraints/gpu.txt)"] + v_lines
+    problems += [f"versions: {b}" for b in v_bad]
+    mem_lines, mem_problems = _memory_section(cfg, ws, n_gpu, e)
+    lines += [""] + mem_lines
+    problems += mem_problems
+    # The judge's calls, tokens and dollars per step and per run, at the configured prices.
+    from backends.pricing import format_cost_plan, judge_cost_plan
+    plan = judge_cost_plan(cfg)
+    lines += ["", format_cost_plan(plan)]
+    problems += plan["problems"]
     lines += ["", "problems" if problems else "no problems found"] + [f"  - {p}" for p in problems]
     return _redact("\n".join(lines), e), [_redact(p, e) for p in problems]
 
 
 def main_dry_run(cfg) -> int:
-    """Print dry_run(cfg) on rank 0; return 0 when no problem was found, else 1."""
+    """Print dry_run(cfg); return 0 when no problem was found, else 1. Under a launcher (no process
+    group is created) every rank checks itself: global rank 0 prints the whole report, the other
+    ranks only their own problems (a node without what DeepSpeedCPUAdam needs, a missing GPU)."""
     text, problems = dry_run(cfg)
-    rank0_print(text)
+    env = dist_env()
+    if env.rank == 0:
+        print(text, flush=True)
+    else:
+        own = [p for p in problems if not p.startswith(("configuration", "batch arithmetic",
+                                                         "memory plan", "no policy model"))]
+        for p in own:
+            print(f"[rank {env.rank}] problem: {p}", flush=True)
     return 1 if problems else 0
 
 

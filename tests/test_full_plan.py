@@ -1,0 +1,87 @@
+"""The dry run's memory plan and step-time estimate (backends/plan.py) on a known configuration: the
+full preset (PAPER: 32 x 8 sequences, max prompt 8,192 + max response 18,432 = pack 26,624, ZeRO-3
+with CPU offload, gradient checkpointing) with Qwen3-8B's published sizes on one node of 8 x 80 GiB.
+The expected numbers are worked out by hand below from the sizes, not from the module."""
+import json
+import math
+
+import pytest
+
+from backends import full, plan
+from settings import full_preset
+
+P8B = 8_190_735_360  # Qwen3-8B: 2 x 151,936 x 4,096 (untied) + 36 x 192,946,432 + 4,096
+GIB80 = 80 * 2 ** 30
+
+
+def test_qwen3_8b_parameter_count_and_kv_bytes():
+    # per layer: q 4096x4096, k/v 4096x1024 each, o 4096x4096, q/k norms 2x128, MLP 3x4096x12288,
+    # 2 RMSNorms of 4096 = 192,946,432
+    assert plan._layer_params(4096, 12288, 32, 8, 128) == 192_946_432
+    assert plan.param_count(plan.QWEN3_8B) == P8B
+    s = plan.model_shape(None)
+    assert s.params == P8B and s.source.startswith("assumed")
+    assert s.kv_bytes_per_token == 2 * 36 * 8 * 128 * 2 == 147_456  # 144 KiB per token
+
+
+def test_memory_plan_full_preset_8_gpus_by_hand():
+    cfg = full_preset()
+    assert plan.pack_tokens(cfg) == 8192 + 18432 == 26624  # PAPER
+    mp = plan.memory_plan(plan.model_shape(None), cfg, 8, 8, GIB80, 0)
+    o = mp.others
+    assert o["policy weights (ZeRO-3 shard)"] == 2 * P8B / 8 == 2_047_683_840
+    assert o["pi_ref weights (ZeRO-3 shard)"] == 2 * P8B / 8
+    assert "optimizer (fp32 master, m, v, grads)" not in o  # PAPER: offloaded
+    assert o["activations (checkpointed, max pack)"] == 26624 * 4096 * 2 * 36 == 7_851_737_088
+    assert o["LM head (fp32 logits, chunked, recomputed)"] == 3 * 1024 * 151936 * 4
+    # vLLM on GPU 0: half the GPU; KV = 0.5 x 80 GiB - 2P - 2 GB reserve, 147,456 B per token
+    kv = (0.5 * GIB80 - 2 * P8B - 2e9) // 147456
+    assert mp.kv_tokens == int(kv) == 166_613
+    assert mp.kv_contexts == pytest.approx(166_613 / 26624)
+    assert mp.rank0["vLLM (weights + KV cache)"] == 0.5 * GIB80
+    # host, node 0: 16P / 8 per rank x 8 ranks = 16P, + 4 GB x 8 + the bf16 copy 2P + 4 GiB swap
+    assert plan.MemoryPlan.total(mp.host_node0) == 16 * P8B + 8 * 4e9 + 2 * P8B + 4 * 2 ** 30
+    # not offloaded: +16P / 8 on every GPU
+    cfg.full.offload_optimizer = False
+    mp2 = plan.memory_plan(plan.model_shape(None), cfg, 8, 8, GIB80, 0)
+    assert plan.MemoryPlan.total(mp2.others) - plan.MemoryPlan.total(mp.others) == 16 * P8B / 8
+
+
+def test_plan_that_does_not_fit_is_a_problem():
+    cfg = full_preset()
+    lines, problems = plan.plan_lines(cfg, 8, 8, GIB80, "test", 0, "not checked")
+    assert not problems, problems  # the preset fits one 8 x 80 GiB node
+    cfg.full.vllm_gpu_memory_utilization = 0.9  # vLLM takes 72 GiB of GPU 0 next to the shards
+    _, problems = plan.plan_lines(cfg, 8, 8, GIB80, "test", 0, "not checked")
+    assert any("GPU 0 (rank 0) needs" in p for p in problems), problems
+    cfg.full.vllm_gpu_memory_utilization = 0.25  # 20 GiB: weights 16.4 GB leave < one context
+    _, problems = plan.plan_lines(cfg, 8, 8, GIB80, "test", 0, "not checked")
+    assert any("less than one context of 26624" in p for p in problems), problems
+    cfg = full_preset()
+    _, problems = plan.plan_lines(cfg, 8, 8, GIB80, "test", 128 * 2 ** 30, "test")
+    assert any("host RAM of node 0" in p for p in problems), problems  # 16P alone is 131 GB
+
+
+def test_step_time_rollout_arithmetic_by_hand():
+    cfg = full_preset()
+    st = plan.step_time(plan.model_shape(None), cfg, 8, 166_613)
+    step = 2 * P8B / 3.35e12 * 3.0  # one eager decode step reads the bf16 weights once
+    conc = 166_613 // (2048 + 9216)  # 14 sequences fit the KV cache at the mean context
+    assert conc == 14
+    assert st.phases["rollouts (decode)"] == pytest.approx(math.ceil(256 / 14) * 9216 * step)
+    assert st.phases["judge + reflection judge"] == pytest.approx((math.ceil(288 / 8) + 32) * 6.0)
+    assert st.total_s == pytest.approx(sum(st.phases.values()))
+    assert any("0.25 MFU" in a for a in st.assumptions)
+
+
+def test_dry_run_prints_the_memory_plan_for_the_model_folder(tmp_path):
+    c = dict(plan.QWEN3_8B, num_hidden_layers=2, vocab_size=1000, tie_word_embeddings=True)
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    cfg = full_preset()
+    cfg.model = str(tmp_path)
+    text, problems = full.dry_run(cfg, {"GEMINI_API_KEY": "k" * 10, "SERPER_API_KEY": "k" * 10})
+    assert "memory plan (estimate" in text and "step time (estimate)" in text
+    assert f"({tmp_path / 'config.json'})" in text
+    assert f"{plan.param_count(c) / 1e9:.2f}B parameters" in text
+    assert "assumptions:" in text
+    assert not any(p.startswith("memory plan") for p in problems)
