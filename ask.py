@@ -37,7 +37,7 @@ def load_setup(model_dir: str, system: str | None = None):
     model_dir, one process, HF sampling, and the toy world's questions as data. Raises ValueError for
     an unreadable run card."""
     import settings
-    from runcard import read_run_card
+    from backends.runcard import read_run_card
 
     card, where = read_run_card(model_dir)
     cfg = settings.config_from_dict(card["config"]) if card and "config" in card else settings.toy_preset()
@@ -67,9 +67,9 @@ def ask(model_dir: str, question: str | None = None, samples: int = 1, temperatu
     import torch
 
     import bank as bank_mod
-    import build
+    from backends import build
     from scaffold import RolloutEngine
-    from data import Query
+    from backends.data import Query
 
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")

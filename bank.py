@@ -678,7 +678,7 @@ class RubricBank:
         directories. Counters (rejections) are not saved here; state_dict carries them.
         """
         lines = [json.dumps(e.to_dict(), ensure_ascii=False, allow_nan=False) + "\n" for e in self.entries()]
-        from checkpoint import atomic_write_bytes  # torch-free callers pay its import only here
+        from backends.checkpoint import atomic_write_bytes  # torch-free callers pay its import only here
 
         atomic_write_bytes(os.fspath(path), "".join(lines).encode("utf-8"))
 

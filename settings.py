@@ -35,9 +35,9 @@ from typing import Any, Iterator, Sequence
 
 import ss_grpo
 from bank import BankConfig, CurriculumConfig
-from checkpoint import CheckpointConfig
-from data import PAPER_RL_DATA, DataConfig
-from faults import FaultConfig, validate_fault_config
+from backends.checkpoint import CheckpointConfig
+from backends.data import PAPER_RL_DATA, DataConfig
+from backends.faults import FaultConfig, validate_fault_config
 from judge import JudgeConfig
 from reflection import ReflectionConfig
 from scaffold import SCAFFOLDS, STAGES, RolloutConfig, SearchConfig
@@ -343,7 +343,7 @@ class Config:
     model: str = ""
     """"" = toy SFT warm start; else a local HF causal-LM directory"""
     model_size: str = "S"
-    """toy policy size: "XS" | "S" | "M" (policy.SIZES); "S" = 0.5 M parameters"""
+    """toy policy size: "XS" | "S" | "M" (toy_model.SIZES); "S" = 0.5 M parameters"""
     vocab_size: int = 1024
     """toy byte-level BPE vocabulary size (tokenizer trained on the toy world)"""
     cache_dir: str = ".cache/rubricem"
@@ -363,7 +363,7 @@ class Config:
     precision: str = "fp32"
     """ours: the toy model's forward passes (SFT warm start, rollouts, the update's log-probs, the
     held-out evaluation): "fp32" | "bf16" (torch autocast: matrix products in bfloat16, weights,
-    optimizer state, softmax and loss in float32; scaffold.autocast). Engine "torch" only: ZeRO-3
+    optimizer state, softmax and loss in float32; hf_sampler.autocast). Engine "torch" only: ZeRO-3
     sets its own with full.bf16"""
     progress: bool = True
     """progress bars (--no-progress turns them off)"""
@@ -537,7 +537,7 @@ def validate_config(cfg: Config) -> None:
         from backends.search_http import check_search_config
 
         check_search_config(cfg.search)
-    from report import REPORT_BACKENDS
+    from backends.report import REPORT_BACKENDS
 
     for name in cfg.report_to:
         if name not in REPORT_BACKENDS:

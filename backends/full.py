@@ -420,7 +420,7 @@ class ZeRO3Policy:
                  _keep_alive=None):
         import deepspeed
 
-        from policy import disable_dropout
+        from backends.torch_engine import disable_dropout
 
         full = full or FullConfig()
         self.ds_config = ds_config
@@ -746,7 +746,7 @@ class ZeRO3Engine:
     def load(self, ckpt_dir: str, state: dict) -> None:
         """Restore pi_theta and the optimizer from a checkpoint written by save_state, and the
         sampling copy from its HF weights. Raises checkpoint.CheckpointError without a zero/ folder."""
-        import checkpoint as ckpt_mod
+        from backends import checkpoint as ckpt_mod
 
         d = os.path.join(ckpt_dir, "zero")
         if not os.path.isdir(d):
@@ -944,7 +944,7 @@ def _required_packages(cfg) -> dict[str, str]:
 
 def _looks_local(path: str) -> bool:
     """data._is_local's rule: it exists, or it is written as a path or a file name."""
-    from data import _is_local
+    from backends.data import _is_local
 
     return _is_local(path)
 

@@ -60,7 +60,7 @@ PYEOF
 section "1. tiny Qwen3 (size $SIZE) -> $OUT/tiny"
 if $PY - "$OUT/tiny" "$SIZE" <<'PYEOF'
 import sys
-import policy
+from toy import model as policy
 from scaffold import SYSTEM_PROMPT
 texts = [SYSTEM_PROMPT, "The quick brown fox jumps over the lazy dog. " * 50,
          "Research plan, rubrics, evidence, review and a cited answer. " * 50]

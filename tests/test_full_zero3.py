@@ -20,6 +20,7 @@ import torch
 
 from backends import full
 import policy
+from toy import model as toy_model
 import ss_grpo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -151,13 +152,12 @@ def test_dry_run_reports_key_names_only_and_lists_problems(monkeypatch):
 
 @pytest.fixture(scope="module")
 def zero3_run(tmp_path_factory):
-    import policy
 
     tmp = tmp_path_factory.mktemp("zero3")
     texts = ["The quick brown fox jumps over the lazy dog. " * 4,
              "Research plan, rubrics, evidence and a cited answer. " * 4]
-    tok = policy.train_tokenizer(texts, vocab_size=300)
-    model = policy.build_tiny_qwen3(tok, "XS", seed=0)
+    tok = toy_model.train_tokenizer(texts, vocab_size=300)
+    model = toy_model.build_tiny_qwen3(tok, "XS", seed=0)
     model.save_pretrained(tmp / "init")
     tok.save_pretrained(tmp / "init")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,

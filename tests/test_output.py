@@ -11,8 +11,9 @@ import re
 import numpy as np
 import pytest
 
-import report
+from backends import report
 import train
+from backends import cli
 import settings
 from runfix import fast_args
 
@@ -79,7 +80,7 @@ def test_every_logged_metric_key_is_in_the_readme_glossary_and_every_line_has_th
 
 def test_glossary_names_the_fault_and_bank_keys():
     import bank
-    from faults import JUDGE_KINDS, TOOL_KINDS
+    from backends.faults import JUDGE_KINDS, TOOL_KINDS
 
     keys = glossary_keys()
     reasons = [getattr(bank, n) for n in dir(bank) if n.startswith("REASON_") and n != "REASON_OK"]
@@ -142,7 +143,7 @@ def test_filter_counts_read_as_a_sentence():
 
 def test_help_explains_every_flag_with_its_default(capsys):
     with pytest.raises(SystemExit) as e:
-        train.parse_cli(["--help"])
+        cli.parse_cli(["--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
     entries = re.split(r"\n  (?=-)", text.split("options:", 1)[1])[1:]
@@ -158,7 +159,7 @@ def test_list_config_prints_every_key_with_its_default_and_doc(capsys):
     from settings import leaf_fields
 
     with pytest.raises(SystemExit) as e:
-        train.parse_cli(["--list-config"])
+        cli.parse_cli(["--list-config"])
     assert e.value.code == 0
     text = capsys.readouterr().out
     blocks = {b.split(" = ", 1)[0]: b for b in re.split(r"\n(?=\S)", text.strip())}
@@ -221,5 +222,5 @@ def test_report_to_refuses_unknown_or_missing_backends(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else find(n, *a))
     with pytest.raises(ValueError, match="pip install wandb"):
         settings.validate_config(cfg)
-    assert train.parse_args(["--toy", "--report-to", "tensorboard, wandb"]).report_to == [
+    assert cli.parse_args(["--toy", "--report-to", "tensorboard, wandb"]).report_to == [
         "tensorboard", "wandb"]

@@ -14,9 +14,9 @@ import sys
 import pytest
 import torch
 
-import checkpoint as ckpt_mod
+from backends import checkpoint as ckpt_mod
 import train
-import build
+from backends import build
 import settings
 from runfix import fast_args, metric_rows, run_fingerprint
 from test_reflection import ReflectionTextSampler

@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-import checkpoint as ckpt_mod
+from backends import checkpoint as ckpt_mod
 from scaffold import STAGES
 
 # The short fields of the RL progress bar (train._train_loop's bar.set_postfix).
@@ -72,7 +72,7 @@ def bootstrap_ci(values: Sequence[float], level: float = 0.95, n_boot: int = 200
 
 
 def heldout_lines(e0: dict, e1: dict) -> list[str]:
-    """Lines comparing the SFT start (e0) and the trained policy (e1), two evaluate.evaluate_heldout results on
+    """Lines comparing the SFT start (e0) and the trained policy (e1), two heldout.evaluate_heldout results on
     the same questions: score, answer score and fact recall, each mean with its 95 % CI and the
     paired RL - SFT difference with its CI (when the results carry per-question values). The score
     of an unstructured-scaffold run (its stage/* other than the answer are None) is its answer score."""

@@ -20,7 +20,7 @@ from settings import Config
 def setup_policy(cfg: Config, world, tool):
     """(model, tokenizer, info): a local --model directory, or the cached toy SFT warm start of the
     run's scaffold (rollout.scaffold)."""
-    from policy import load_policy
+    from toy.model import load_policy
     from toy.sft import warm_start
 
     system = system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
@@ -45,7 +45,7 @@ def build_environment(cfg: Config):
     tool (search_http). The toy world is built when anything needs it (toy data, tool or judge, or
     the SFT warm start)."""
     from toy.world import BM25SearchTool, make_world
-    from data import load_rows
+    from backends.data import load_rows
 
     need_world = (not cfg.data.source or cfg.search.backend == "toy" or cfg.judge.backend == "toy"
                   or not cfg.model)
@@ -60,7 +60,7 @@ def build_environment(cfg: Config):
     else:
         tool = BM25SearchTool(world.docs)
     if cfg.data.source:
-        from data import load_rl_rows
+        from backends.data import load_rl_rows
 
         train_q = load_rl_rows(cfg.data.source, cfg.data.split, cfg.data.limit or None)
         held_q = []
@@ -92,9 +92,9 @@ def build_judge(cfg: Config, world):
 
 def torch_sampler(cfg: Config, model, tok):
     """A sampler over the in-process `model`: the KV-cache decode loop (kv_sampler.KVSampler) when
-    cfg.sampler is "kv", else HF generate (scaffold.HFSampler), with cfg's precision and
+    cfg.sampler is "kv", else HF generate (hf_sampler.HFSampler), with cfg's precision and
     sample_threads."""
-    from scaffold import HFSampler
+    from backends.hf_sampler import HFSampler
 
     if cfg.sampler == "kv":
         from toy.kv_sampler import KVSampler
@@ -189,8 +189,8 @@ def build_run(cfg: Config, policy, model, tok, world, tool, train_q: list, held_
     """The sampler, rollout engine, judge, bank and data order of a run whose policy engine exists
     (built by train.train, collectively on every rank for ZeRO-3)."""
     from bank import RubricBank
-    from data import DataOrder
-    from faults import FaultyJudge, FaultyTool
+    from backends.data import DataOrder
+    from backends.faults import FaultyJudge, FaultyTool
     from scaffold import RolloutEngine
     from settings import ARMS
 
