@@ -441,7 +441,7 @@ def generate_answers(engine, queries: Sequence[str], batch: int = 8, temperature
     import torch
     from tqdm import tqdm
 
-    from backends.data import Query
+    from scaffold import Query
 
     torch.manual_seed(seed)
     answers, missing = [], 0
@@ -469,13 +469,13 @@ def build_engine(model_dir: str, preset: str = "toy", search: str = "", sampler:
     directory), ValueError (an unreadable run card)."""
     from backends import build
 
-    import settings
+    from backends import config
     from backends.runcard import read_run_card
     from scaffold import RolloutEngine, system_prompt
 
     if not model_dir or not os.path.isdir(model_dir):
         raise FileNotFoundError(f"--model must be a local checkpoint directory, got {model_dir!r}")
-    cfg = settings.toy_preset() if preset == "toy" else settings.full_preset()
+    cfg = config.toy_preset() if preset == "toy" else config.full_preset()
     cfg.model, cfg.seed, cfg.sampler, cfg.engine = model_dir, seed, sampler, "torch"
     cfg.data.source = ""  # the benchmark supplies the queries; train.py's data is not read
     cfg.search.backend = search or cfg.search.backend

@@ -44,7 +44,7 @@ from scaffold import Rollout
 @dataclass
 class ReflectionConfig:
     """Reflection branch settings (PAPER values: m = 8, temperature 0.7, 1 trajectory per query). Whether
-    the branch runs at all is the ablation arm's choice (settings.ARMS)."""
+    the branch runs at all is the ablation arm's choice (ss_grpo.ARMS)."""
 
     m: int = 8
     """PAPER: 8 candidates"""

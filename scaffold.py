@@ -78,12 +78,13 @@ Deviations from the paper
 """
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
 import unicodedata
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Iterable, Protocol, Sequence
 
 STAGES = ("plan", "research", "review", "answer")  # PAPER: K = 4 stages, §3.2
 PLAN, RESEARCH, REVIEW, ANSWER = range(4)
@@ -295,7 +296,7 @@ def parse_unstructured(text: str, env_spans: Sequence[tuple[int, int]] = ()) -> 
     Args: as `parse_response`. Returns a ParsedResponse with scaffold = "unstructured":
     - stage ids: the scaffold has no stages, so the whole response is one block, the Answer block:
       bounds = (0, 0, 0), stage_texts = ("", "", "", text), and every token gets stage id ANSWER (3).
-      The terminal-score advantage (settings.ARMS "baseline_rl": A_i from R_{i,Answer}, the same
+      The terminal-score advantage (ss_grpo.ARMS "baseline_rl": A_i from R_{i,Answer}, the same
       in every column of A) then gives every sampled token the one advantage A_i (K = 1 GRPO).
     - calls and <think> texts (fields["think"], one per line) are read before the first <answer>
       with tool-output blocks stripped, as the structured parser reads the Research stage;
@@ -418,6 +419,66 @@ class Sampler(Protocol):
     def sync_weights(self, named_params, copy: bool = True) -> None: ...  # pi_theta's new weights
     def reseed(self, seed: int) -> None: ...  # per-step sampling seed (torch's global RNG otherwise)
     def close(self) -> None: ...
+
+
+# ----------------------------------------------------------------------------------------------------
+# The RL row schema (DR Tulu): a query with its initial rubrics, parsed from rows of the toy world and
+# of real data alike (backends/data.py reads the rows)
+
+
+@dataclass
+class Query:
+    """A parsed RL row: the question, its initial rubrics and (toy only) machine-checkable truth."""
+
+    query: str
+    rubrics: list[dict]
+    toy: dict | None = None
+    row_index: int = -1
+
+    @property
+    def facts(self) -> list[dict]:
+        return (self.toy or {}).get("facts", [])
+
+
+def parse_row(row: dict, index: int = -1) -> Query:
+    """Parse one DR Tulu-schema row. Raises ValueError naming the field and row index when the row
+    does not fit: `messages` must be a list of {role, content} dicts ending with the user turn
+    (earlier system turns are allowed, as in some RL datasets), `ground_truth` must be a JSON string (or
+    dict) with a non-empty `query` and a non-empty `rubrics` list of {title, description, weight}."""
+    where = f"row {index}"
+    msgs = row.get("messages") if isinstance(row, dict) else None
+    if (not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs)
+            or msgs[-1].get("role") != "user"):
+        raise ValueError(f"{where}: `messages` must be a list ending with one user turn")
+    gt = row.get("ground_truth")
+    if isinstance(gt, str):
+        try:
+            gt = json.loads(gt)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: `ground_truth` is not valid JSON ({e})") from None
+    if not isinstance(gt, dict):
+        raise ValueError(f"{where}: `ground_truth` must be a JSON object")
+    query = gt.get("query") or msgs[-1].get("content", "")
+    if not isinstance(query, str) or not query.strip():
+        raise ValueError(f"{where}: empty query")
+    rubrics = gt.get("rubrics")
+    if not isinstance(rubrics, list) or not rubrics:
+        raise ValueError(f"{where}: `ground_truth.rubrics` must be a non-empty list")
+    for j, r in enumerate(rubrics):
+        if not isinstance(r, dict) or not str(r.get("description", "")).strip():
+            raise ValueError(f"{where}: rubric {j} has no `description`")
+        w = r.get("weight", 1.0)
+        if not isinstance(w, (int, float)):
+            raise ValueError(f"{where}: rubric {j} `weight` must be a number")
+    return Query(query.strip(), rubrics, gt.get("toy"), index)
+
+
+def load_rows(rows: Iterable[dict]) -> list[Query]:
+    """Parse a dataset of rows; raises ValueError on an empty dataset or the first bad row."""
+    out = [parse_row(r, i) for i, r in enumerate(rows)]
+    if not out:
+        raise ValueError("dataset is empty: no RL rows to train on")
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -727,7 +788,7 @@ class SearchTool(Protocol):
     def __call__(self, query: str) -> list[SearchResult]: ...
 
 # ----------------------------------------------------------------------------------------------------
-# Configuration (the run config's `rollout` and `search` sections; settings.py nests them)
+# Configuration (the run config's `rollout` and `search` sections; backends/config.py nests them)
 
 
 @dataclass
@@ -749,7 +810,7 @@ class RolloutConfig:
     scaffold: str = "structured"
     """PAPER: "structured" (the four stages, §3.2) | "unstructured" (the scaffold ablation, Fig. 6a-c:
     think / tool call / answer only, ReAct-like; its own SFT warm start; trains with arm
-    "baseline_rl" only, settings.validate_config)."""
+    "baseline_rl" only, config.validate_config)."""
     tool_timeout_s: float = 30.0
     """ours: a tool call still running after this many seconds is abandoned and answered "error:
     search timed out" (0 = no limit); wall-clock, so far above a healthy call (toy BM25:

@@ -10,14 +10,14 @@ module of its section:
     policy.py     §3.3      the one SS-GRPO update of both policy engines (policy_update)
     reflection.py §3.4      reflection meta-policy, privileged scoring, GRPO over candidates
     bank.py       §3.4-3.5  rubric bank, exact / similar retrieval, the windowed curriculum
-The components are built once (backends/build.build_run); the configuration is settings.Config.
+The components are built once (backends/build.build_run); the configuration is config.Config.
 The loop around the step (metrics, checkpoints, abort) is `_train_loop` and the functions after it;
 resume, judge guards, held-out evaluation and the command line are in backends/. docs/reading_path.md
 lists, from a trace, every function one step runs outside toy/ and backends/, in order.
 
 Launch
     python train.py --toy                      # the toy run (README: wall time and results)
-    python train.py --toy --arm baseline_rl    # an ablation arm (settings.ARMS; runs/toy-baseline_rl)
+    python train.py --toy --arm baseline_rl    # an ablation arm (ss_grpo.ARMS; runs/toy-baseline_rl)
     deepspeed train.py --full ...              # full mode (DeepSpeed ZeRO-3, vLLM, HTTP judge)
 
 One step, `rl_step` (step numbers here are 0-based, the paper's 1-based):
@@ -86,7 +86,7 @@ from judge import judge_all
 from policy import UpdateBatch
 from reflection import ReflectionBatch, run_reflection_branch
 from scaffold import STAGES
-from settings import Config, check_local_inputs, resume_config_diff, validate_config
+from backends.config import Config, check_local_inputs, resume_config_diff, validate_config
 from backends import checkpoint as ckpt_mod
 from backends import report
 from backends.build import Run, build_environment, build_run, setup_policy

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from scaffold import system_prompt
-from settings import Config
+from backends.config import Config
 
 
 def setup_policy(cfg: Config, world, tool):
@@ -94,7 +94,7 @@ def torch_sampler(cfg: Config, model, tok):
     """A sampler over the in-process `model`: the KV-cache decode loop (kv_sampler.KVSampler) when
     cfg.sampler is "kv", else HF generate (hf_sampler.HFSampler), with cfg's precision and
     sample_threads."""
-    from backends.hf_sampler import HFSampler
+    from toy.hf_sampler import HFSampler
 
     if cfg.sampler == "kv":
         from toy.kv_sampler import KVSampler
@@ -165,7 +165,7 @@ class Run:
     sampler and the search tool as training sees it (`rl_tool`, with injected faults when asked);
     judge: the stage judge (judge.EvolvingJudge; faults.FaultyJudge around it when asked), `clean_judge`
     the same without injected faults (evaluation); bank: the rubric bank (bank.RubricBank); order:
-    data.DataOrder over `train_q`; arm: settings.Arm, which components the ablation arm runs."""
+    data.DataOrder over `train_q`; arm: ss_grpo.Arm, which components the ablation arm runs."""
 
     cfg: Config
     policy: object
@@ -192,7 +192,7 @@ def build_run(cfg: Config, policy, model, tok, world, tool, train_q: list, held_
     from backends.data import DataOrder
     from backends.faults import FaultyJudge, FaultyTool
     from scaffold import RolloutEngine
-    from settings import ARMS
+    from backends.config import ARMS
 
     system = system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
     sampler = build_sampler(cfg, model, tok)

@@ -1,5 +1,5 @@
 """The command line of train.py: flags and --set KEY=VALUE applied to the toy or full preset
-(settings.Config), --list-config (the configuration reference), --resume.
+(config.Config), --list-config (the configuration reference), --resume.
 """
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 from typing import Sequence
 
 from backends import checkpoint as ckpt_mod
-from settings import (ARMS, Config, apply_overrides, config_from_dict, format_config_reference,
+from backends.config import (ARMS, Config, apply_overrides, config_from_dict, format_config_reference,
                       full_preset, toy_preset, variation_run_dir)
 
 
@@ -79,7 +79,7 @@ def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
         raise ValueError("--advantage was replaced by --arm: --arm baseline_rl is one terminal score "
                          "without reflection or bank, --arm meta_policy the same score with them")
     cfg = full_preset() if a.full else toy_preset()
-    # Each variation of the preset gets its own default run dir (settings.variation_run_dir); full
+    # Each variation of the preset gets its own default run dir (config.variation_run_dir); full
     # mode always names a --model, so only the toy preset derives a directory from it.
     base = cfg.run_dir + (f"-{a.arm}" if a.arm and a.arm != "rubricem" else "")
     run_dir = a.run_dir or variation_run_dir(base, seed=a.seed, model=None if a.full else a.model,

@@ -54,7 +54,7 @@ def static_scores(judge, queries: Sequence, rollouts: Sequence, n: int) -> np.nd
 
 
 def heldout_seed(cfg) -> int:
-    """The sampling seed of a run's held-out evaluation (settings.Config `cfg`): the same for the
+    """The sampling seed of a run's held-out evaluation (config.Config `cfg`): the same for the
     SFT start, every curve point and the end, and for memory_eval's pass 1 and answer_breakdown.py."""
     return cfg.seed + 12345
 

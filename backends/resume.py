@@ -15,7 +15,7 @@ from backends import checkpoint as ckpt_mod
 from backends.data import DataOrder
 from backends.report import Logger
 from backends.robust import FailureMonitor
-from settings import RESUME_MAY_CHANGE, Config, _flatten, resume_config_diff
+from backends.config import RESUME_MAY_CHANGE, Config, _flatten, resume_config_diff
 
 
 def training_state(step: int, cfg: Config, engine, rng: random.Random, judge, bank, pending,

@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from backends.checkpoint import load_model_weights
-from backends.hf_sampler import autocast, pad_multiple
+from toy.hf_sampler import autocast, pad_multiple
 from policy import UpdateBatch, plan_update, policy_update, token_logprobs
 
 log = logging.getLogger("rubricem")

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
 
 
     from toy import model as toy_model
-    import settings
+    from backends import config as settings
     from backends.torch_engine import TorchEngine
     from policy import UpdateBatch
 

@@ -150,7 +150,7 @@ class ProjectSide:
 
     def __init__(self, name: str, model, ref_model, opt, tok, h, a):
         from backends import torch_engine
-        from backends import hf_sampler
+        from toy import hf_sampler
         import ss_grpo
         from toy import kv_sampler
 

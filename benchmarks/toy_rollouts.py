@@ -38,7 +38,7 @@ def main(argv=None) -> int:
 
     from backends import build
     from toy.kv_sampler import KVSampler
-    from backends.hf_sampler import HFSampler
+    from toy.hf_sampler import HFSampler
     from scaffold import RolloutEngine, system_prompt
 
     cfg = cli.parse_args([x for x in a.train_args if x != "--"])

@@ -72,7 +72,7 @@ sys.path.insert(0, ROOT)
 
 import checkpoint as ckpt_mod  # noqa: E402
 import report  # noqa: E402
-import settings  # noqa: E402
+from backends import config as settings  # noqa: E402
 
 ARM_ORDER = list(settings.ARMS)  # rubricem, ss_grpo, meta_policy, baseline_rl, baseline_rl_info
 PAPER_NAMES = {"rubricem": "RubricEM", "ss_grpo": "SS-GRPO", "meta_policy": "Meta-Policy",

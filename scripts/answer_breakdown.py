@@ -71,7 +71,7 @@ def heldout_rollouts(run_dir: str, temperatures) -> tuple:
     eval.json. Rollouts are query-major, `samples` per question."""
     from backends import build
     from backends import heldout
-    import settings
+    from backends import config as settings
     from scaffold import system_prompt
     from transformers import AutoModelForCausalLM
 

@@ -56,7 +56,7 @@ from backends import checkpoint as ckpt_mod
 from backends import report
 from backends import build
 from backends import heldout
-import settings
+from backends import config as settings
 from bank import MODE_EXACT, MODE_SIMILAR, RubricBank, format_for_prompt
 from reflection import run_reflection_branch
 from scaffold import system_prompt
@@ -69,7 +69,7 @@ PASSES = (("pass1", MODE_SIMILAR), ("pass2", MODE_EXACT))
 def build_sampler(model, tok, precision: str = "fp32", threads: int = 0):
     """The sampler every pass and the reflection step use (HF generate over the policy, under the
     run's precision and sampling threads)."""
-    from backends.hf_sampler import HFSampler
+    from toy.hf_sampler import HFSampler
 
     return HFSampler(model, tok, precision=precision, threads=threads)
 

@@ -10,7 +10,7 @@ import bank as bank_mod
 import ss_grpo
 import train
 from backends import cli
-import settings
+from backends import config as settings
 from runfix import fast_args, metric_rows
 from test_reflection import patch_sampler
 

@@ -9,7 +9,7 @@ from toy import model as toy_model
 from backends import runcard
 import scaffold
 from backends import build
-import settings
+from backends import config as settings
 from toyfix import TINY, policy_segments, replay, teacher, tiny_tokenizer, torch_threads, train_queries
 
 

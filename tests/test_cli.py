@@ -11,7 +11,7 @@ import train
 
 from backends import cli
 
-import settings
+from backends import config as settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -92,7 +92,7 @@ def test_overrides_take_the_type_of_their_field():
 def test_every_field_accepts_its_own_default_as_json():
     import json
 
-    from settings import leaf_fields
+    from backends.config import leaf_fields
 
     for key, _, value in leaf_fields(settings.toy_preset()):
         c = settings.apply_overrides(settings.toy_preset(), [f"{key}={json.dumps(value)}"])

@@ -10,7 +10,7 @@ import torch
 
 from backends import full
 import train
-import settings
+from backends import config as settings
 
 KEYS = {"GEMINI_API_KEY": "gemini-key-value-123", "SERPER_API_KEY": "serper-key-value-456"}
 

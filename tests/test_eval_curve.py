@@ -13,7 +13,7 @@ from backends import cli
 
 from backends import heldout
 
-import settings
+from backends import config as settings
 from runfix import fast_args, metric_rows, sha256
 
 

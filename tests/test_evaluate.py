@@ -553,7 +553,7 @@ def test_cli_checkpoint_path_offline_with_toy_search(tmp_path, key):
 def test_build_engine_uses_the_scaffold_and_prompt_of_the_checkpoints_run_card(tmp_path):
     from backends import runcard
     from toy import model as toy_model
-    import settings
+    from backends import config as settings
     import toyfix
     from scaffold import SYSTEM_PROMPT_COMPACT
 

@@ -25,7 +25,7 @@ import train
 from backends import robust
 from backends import cli
 import ss_grpo
-import settings
+from backends import config as settings
 from bank import RubricBank
 from backends.faults import (JUDGE_KINDS, FaultConfig, FaultyJudge, FaultyTool, fault_draw,
                     validate_fault_config)

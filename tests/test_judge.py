@@ -14,7 +14,7 @@ from toy import sft
 from judge import BUFFER_CAPS, EvolvingJudge, Rubric, discriminativeness
 from toy.judge import ToyJudge, answer_claims
 from scaffold import ANSWER, PLAN, RESEARCH, REVIEW, STAGES
-from backends.data import Query
+from scaffold import Query
 from scaffold import SearchResult
 
 import toyfix as tf

@@ -12,7 +12,7 @@ import policy
 from toy import model as toy_model
 import toyfix as tf
 from toy.kv_sampler import KVSampler, draw_inverse_cdf
-from backends.hf_sampler import HFSampler
+from toy.hf_sampler import HFSampler
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -218,7 +218,7 @@ def test_rollout_engine_greedy_tool_loop_same_rollouts_sec3_2(tok, model):
 
 def test_config_sampler_kv_builds_the_kv_sampler(tok, model):
     from backends import build
-    import settings
+    from backends import config as settings
 
     cfg = settings.Config()
     cfg.sampler = "kv"

@@ -13,7 +13,7 @@ from runfix import load_script
 memory_eval = load_script("memory_eval")
 import train
 from backends import build
-import settings
+from backends import config as settings
 from runfix import fast_args, sha256
 from test_reflection import LESSON, ReflectionTextSampler, patch_sampler
 

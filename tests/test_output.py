@@ -14,7 +14,7 @@ import pytest
 from backends import report
 import train
 from backends import cli
-import settings
+from backends import config as settings
 from runfix import fast_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -156,7 +156,7 @@ def test_help_explains_every_flag_with_its_default(capsys):
 
 
 def test_list_config_prints_every_key_with_its_default_and_doc(capsys):
-    from settings import leaf_fields
+    from backends.config import leaf_fields
 
     with pytest.raises(SystemExit) as e:
         cli.parse_cli(["--list-config"])
@@ -211,7 +211,7 @@ def test_report_to_tensorboard_and_wandb_log_what_metrics_jsonl_logs(tmp_path, t
 def test_report_to_refuses_unknown_or_missing_backends(monkeypatch):
     import importlib.util
 
-    import settings
+    from backends import config as settings
 
     cfg = settings.toy_preset()
     cfg.report_to = ["mlflow"]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-import settings
+from backends import config as settings
 import ss_grpo
 import train
 from judge import BUFFER_CAPS, JudgeResult
@@ -69,7 +69,7 @@ def test_buffer_caps_are_the_papers_per_stage_caps_sec3_4():
     code = [int(x) for x in re.search(r"caps=\[([^\]]*)\]", CAPS_CODE).group(1).split(",")]
     assert prose == code == list(BUFFER_CAPS)
     order = re.findall(r'"(\w+)"', STAGE_ORDER)
-    assert [s.lower() for s in order] == list(STAGES)  # caps[k] belongs to stage k
+    assert [s.lower() for s in order] == list(STAGES) == list(ss_grpo.STAGE_NAMES)  # caps[k]: stage k
 
 
 def test_ablation_arms_are_the_papers_four_recipes_fig5():

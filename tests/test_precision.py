@@ -14,8 +14,8 @@ from backends import torch_engine
 
 from toy import model as toy_model
 import toyfix as tf
-from backends.hf_sampler import HFSampler, autocast
-from settings import toy_preset, validate_config
+from toy.hf_sampler import HFSampler, autocast
+from backends.config import toy_preset, validate_config
 from ss_grpo import SSGRPOConfig
 from toy import sft
 from toy.kv_sampler import KVSampler

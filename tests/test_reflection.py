@@ -17,7 +17,7 @@ import train
 
 from backends import build
 
-import settings
+from backends import config as settings
 
 
 from backends import torch_engine

@@ -17,7 +17,7 @@ import torch
 from backends import checkpoint as ckpt_mod
 import train
 from backends import build
-import settings
+from backends import config as settings
 from runfix import fast_args, metric_rows, run_fingerprint
 from test_reflection import ReflectionTextSampler
 

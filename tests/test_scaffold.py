@@ -15,7 +15,7 @@ from toy import model as toy_model
 import scaffold
 from toy import sft
 from toy.judge import ToyJudge
-from backends.hf_sampler import HFSampler
+from toy.hf_sampler import HFSampler
 from scaffold import (ANSWER, CALL_OPEN, PLAN, RESEARCH, REVIEW, SCAFFOLD_TAGS, assign_stage_ids, neutralise_forged, parse_response, stage_of_chars)
 from toy.world import ANSWER_TEMPLATES
 

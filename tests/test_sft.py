@@ -263,7 +263,7 @@ def test_warm_start_is_shared_by_rl_seeds_and_ignores_global_rng_appendix(tmp_pa
     # The SFT policy depends on sft.seed only: a run with another --seed (which seeds the global
     # generators first) must find the same cached warm start instead of training an identical one.
     from backends import build
-    import settings
+    from backends import config as settings
     import train
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from backends import build
-import settings
-from backends.hf_sampler import HFSampler, intra_op_threads
+from backends import config as settings
+from toy.hf_sampler import HFSampler, intra_op_threads
 from toy.kv_sampler import KVSampler
 from test_kv_sampler import model, prompt  # noqa: F401  (the XS model fixture, a chat prompt)
 from toyfix import tok  # noqa: F401  (module fixture)

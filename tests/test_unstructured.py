@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, strategies as st
 
 import scaffold
-import settings
+from backends import config as settings
 import ss_grpo
 import train
 from backends import cli

@@ -24,7 +24,7 @@ from hypothesis import given, strategies as st
 from toy import model as toy_model
 import scaffold
 import toyfix as tf
-from backends.hf_sampler import HFSampler
+from toy.hf_sampler import HFSampler
 from backends.vllm_sampler import VLLMSampler, WeightSyncError, cut_at_stop, stop_rule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

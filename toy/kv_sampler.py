@@ -50,7 +50,7 @@ from typing import Sequence
 
 import torch
 
-from backends.hf_sampler import HFSampler, autocast
+from toy.hf_sampler import HFSampler, autocast
 
 
 DRAWS = ("cdf", "multinomial")

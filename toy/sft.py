@@ -54,7 +54,7 @@ from reflection import reflection_messages
 from scaffold import (CALL_OPEN, SCAFFOLD_TAGS, THINK_TAGS, build_messages, format_tool_error,
                       format_tool_output)
 from toy.world import ANSWER_TEMPLATES, World
-from backends.data import Query
+from scaffold import Query
 
 log = logging.getLogger("rubricem.sft")
 
@@ -357,7 +357,7 @@ def build_sft_data(world: World, tool, tok_system: str, cfg: SFTConfig, tcfg: Te
 
     Returns (examples, stats): examples are (messages, segments) pairs; stats counts filter drops.
     """
-    from backends.data import load_rows
+    from scaffold import load_rows
 
     structured = scaffold == "structured"
     rng = random.Random(cfg.seed)
@@ -400,7 +400,7 @@ def train_sft(model, tok, encoded: list[tuple[list[int], list[int]]], cfg: SFTCo
     """
     from tqdm import tqdm
 
-    from backends.hf_sampler import autocast, pad_multiple
+    from toy.hf_sampler import autocast, pad_multiple
 
     cast, mult = autocast(precision), pad_multiple(precision)
 
@@ -534,7 +534,7 @@ def warm_start(world: World, tool, system: str, cfg: SFTConfig, tcfg: TeacherCon
             "steps": res["steps"], "params": sum(p.numel() for p in model.parameters()),
             "mean_tokens": sum(len(e[0]) for e in encoded) / len(encoded), "key": key,
             "precision": precision, "cached": False}
-    from backends.report import format_filter_counts
+    from toy.report import format_filter_counts
 
     log.info("SFT filters: %s", format_filter_counts(stats))
     tmp = path + f".tmp{os.getpid()}"

@@ -41,7 +41,7 @@ from backends.faults import FaultConfig, validate_fault_config
 from judge import JudgeConfig
 from reflection import ReflectionConfig
 from scaffold import SCAFFOLDS, STAGES, RolloutConfig, SearchConfig
-from ss_grpo import SSGRPOConfig
+from ss_grpo import ARMS, Arm, SSGRPOConfig  # noqa: F401  (config.ARMS, config.Arm)
 from toy.sft import SFTConfig, TeacherConfig
 from toy.world import WorldConfig
 
@@ -226,7 +226,7 @@ def field_docs(cls) -> dict[str, str]:
 
 def describe_config(cfg) -> list[tuple[str, str, str]]:
     """(dotted key, default as JSON, documentation) for every leaf field of `cfg` (a config dataclass
-    instance, e.g. settings.toy_preset()), in declaration order."""
+    instance, e.g. config.toy_preset()), in declaration order."""
     rows = []
 
     def walk(obj, prefix):
@@ -258,7 +258,7 @@ def format_config_reference(cfg, other=None, other_name: str = "full", width: in
 
 def check_local_inputs(cfg) -> None:
     """Refuse, before a run writes anything, a --model that is not a local directory (the policy is
-    loaded from local files only). cfg: a settings.Config; a dry run is exempt (it reports problems
+    loaded from local files only). cfg: a config.Config; a dry run is exempt (it reports problems
     itself). Raises ValueError naming the field."""
     if cfg.model and not cfg.dry_run and not os.path.isdir(cfg.model):
         raise ValueError(f"model: {cfg.model!r} is not a directory; --model takes a local Hugging Face "
@@ -271,7 +271,7 @@ def check_local_inputs(cfg) -> None:
 
 @dataclass
 class FullConfig:
-    """DeepSpeed and vLLM settings of full mode, carried by settings.Config as `full` (here, not in backends/full.py,
+    """DeepSpeed and vLLM settings of full mode, carried by config.Config as `full` (here, not in backends/full.py,
     so that a toy run never imports that module). Values the paper
     fixes are marked PAPER; the rest are ours (module docstring, deviation 1)."""
 
@@ -423,32 +423,7 @@ def full_preset() -> Config:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Ablation arms (paper, "Ablation: RL training recipes": 600 steps from the same SFT checkpoint)
-
-
-@dataclass(frozen=True)
-class Arm:
-    """What one ablation arm turns on. advantage: "ss_grpo" (stagewise, G = R Lambda^T, §3.3),
-    "terminal_answer" (one terminal score, R_{i,Answer}, broadcast to every token) or
-    "terminal_mean" (the mean of the four stage scores, broadcast); reflection: the reflection
-    meta-policy branch, its bank upserts and its deferred GRPO update (§3.4); bank: rubric-bank
-    retrieval into the rollout prompts (§3.5)."""
-
-    advantage: str
-    reflection: bool
-    bank: bool
-
-
-ARMS = {
-    "rubricem": Arm("ss_grpo", reflection=True, bank=True),  # PAPER: full RubricEM
-    "ss_grpo": Arm("ss_grpo", reflection=False, bank=False),  # PAPER: "SS-GRPO" alone
-    "meta_policy": Arm("terminal_answer", reflection=True, bank=True),  # PAPER: "Meta-Policy" alone
-    "baseline_rl": Arm("terminal_answer", reflection=False, bank=False),  # PAPER: "Baseline RL", one
-    # terminal rubric score broadcast to all tokens
-    "baseline_rl_info": Arm("terminal_mean", reflection=False, bank=False),  # not in the paper: Baseline
-    # RL matched in judge information (its terminal score averages all four stage scores, so it sees
-    # what SS-GRPO sees, minus the stage-wise credit assignment)
-}
+# Overrides and checks (the ablation arms, ss_grpo.ARMS, are the paper's)
 
 
 def apply_overrides(cfg: Config, items: Sequence[str]) -> Config:
