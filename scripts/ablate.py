@@ -217,7 +217,7 @@ def train_command(grid: str, arm: str, seed: int, steps: int, eval_every: int,
 def memory_command(grid: str, arm: str, seed: int, arms: Sequence[str]) -> list[str]:
     """scripts/memory_eval.py for one run; an arm without reflection reads the same seed's rubricem bank."""
     rd = run_dir(grid, arm, seed)
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "scripts/memory_eval.py"), rd]
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "memory_eval.py"), rd]
     other = os.path.join(run_dir(grid, "rubricem", seed), "bank.jsonl")
     if not settings.ARMS[arm].reflection and "rubricem" in arms and os.path.exists(other):
         cmd += ["--bank", other]
