@@ -37,8 +37,10 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from scaffold import Rollout
+from ss_grpo import group_advantages
 
 
 @dataclass
@@ -213,10 +215,6 @@ def grpo_group(batch: ReflectionBatch, prompt: list[int], cands: list[list[int]]
     """Append one trajectory's m candidates to `batch` as their own GRPO group (§3.4): each
     candidate's tokens get its advantage A_j; NaN scores (judge failures) get A_j = 0; empty
     candidates are left out."""
-    import torch
-
-    from ss_grpo import group_advantages
-
     # Eq.: A_j = (s_j - mean s) / (Std s + eps)  (GRPO over this trajectory's m candidates)
     missing = torch.from_numpy(~np.isfinite(s))[:, None]
     A = group_advantages(torch.from_numpy(np.nan_to_num(s))[:, None], std=std, eps=eps,

@@ -38,6 +38,7 @@ from bank import BankConfig, CurriculumConfig
 from backends.checkpoint import CheckpointConfig
 from backends.data import PAPER_RL_DATA, DataConfig
 from backends.faults import FaultConfig, validate_fault_config
+from backends.report import REPORT_BACKENDS
 from judge import JudgeConfig
 from reflection import ReflectionConfig
 from scaffold import SCAFFOLDS, STAGES, RolloutConfig, SearchConfig
@@ -512,8 +513,6 @@ def validate_config(cfg: Config) -> None:
         from backends.search_http import check_search_config
 
         check_search_config(cfg.search)
-    from backends.report import REPORT_BACKENDS
-
     for name in cfg.report_to:
         if name not in REPORT_BACKENDS:
             raise ValueError(f"report_to: unknown backend {name!r}; expected some of "
