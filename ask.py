@@ -24,7 +24,12 @@ import logging
 import os
 import sys
 
-from scaffold import STAGES, SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT
+import torch
+
+import bank as bank_mod
+from scaffold import STAGES, SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT, Query, RolloutEngine
+from backends import build, config
+from backends.runcard import read_run_card
 
 log = logging.getLogger("rubricem.ask")
 
@@ -33,14 +38,11 @@ def load_setup(model_dir: str, system: str | None = None):
     """(config, system prompt, where it came from) for asking `model_dir`.
 
     system: None (the run card's prompt; else the run config's rollout.system_prompt; else "full"),
-    "compact", "full" or a literal prompt. The config is the run's (settings.Config) with model =
+    "compact", "full" or a literal prompt. The config is the run's (config.Config) with model =
     model_dir, one process, HF sampling, and the toy world's questions as data. Raises ValueError for
     an unreadable run card."""
-    import settings
-    from runcard import read_run_card
-
     card, where = read_run_card(model_dir)
-    cfg = settings.config_from_dict(card["config"]) if card and "config" in card else settings.toy_preset()
+    cfg = config.config_from_dict(card["config"]) if card and "config" in card else config.toy_preset()
     cfg.model, cfg.engine, cfg.sampler, cfg.dry_run = model_dir, "torch", "hf", False
     cfg.data.source, cfg.rollout.prompts_per_step = "", 1  # questions come from the command line
     named = {"compact": SYSTEM_PROMPT_COMPACT, "full": SYSTEM_PROMPT}
@@ -64,13 +66,6 @@ def ask(model_dir: str, question: str | None = None, samples: int = 1, temperatu
     Returns {"question", "system", "system_source", "temperature", "bank_items", "rollouts"
     (list[scaffold.Rollout])}. Raises ValueError (bad argument, run card, question), OSError (the
     model directory or bank file cannot be read)."""
-    import torch
-
-    import bank as bank_mod
-    import build
-    from scaffold import RolloutEngine
-    from data import Query
-
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     if not os.path.isdir(model_dir):

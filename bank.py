@@ -65,6 +65,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Protocol, runtime_checkable
@@ -673,13 +674,11 @@ class RubricBank:
         """Write the bank to `path` as UTF-8 JSONL, one entry per line, sorted by key, atomically.
 
         The bytes depend only on the entries (not on insertion order). A crash at any point leaves
-        either the previous file or the new one, never a mix (see checkpoint.atomic_write_bytes); it may leave a
+        either the previous file or the new one, never a mix (see atomic_write_bytes); it may leave a
         stray ".<name>.*.tmp" file beside it, which is safe to delete. Creates missing parent
         directories. Counters (rejections) are not saved here; state_dict carries them.
         """
         lines = [json.dumps(e.to_dict(), ensure_ascii=False, allow_nan=False) + "\n" for e in self.entries()]
-        from checkpoint import atomic_write_bytes  # torch-free callers pay its import only here
-
         atomic_write_bytes(os.fspath(path), "".join(lines).encode("utf-8"))
 
     @classmethod
@@ -713,6 +712,48 @@ class RubricBank:
                     bank.skipped_lines += 1
         bank._entries = bank._entries_from(items, f"{path}:", strict)
         return bank
+
+
+# ----------------------------------------------------------------------------------------------------
+# Atomic file writes (the bank file; backends/checkpoint.py writes checkpoints and artefacts with it)
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Replace `path` by `data` so that a crash leaves the old or the new file, never a partial one.
+
+    Write a temp file in the same directory (same filesystem, so rename is atomic), flush and fsync
+    it, os.replace it over `path`, then fsync the directory so the rename itself survives power loss.
+    The new file keeps the old file's permission bits (0o644 for a new file).
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    try:
+        mode = os.stat(path).st_mode & 0o777
+    except FileNotFoundError:
+        mode = 0o644
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if os.name == "posix":  # other systems cannot open a directory for fsync
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        except OSError:  # some filesystems refuse fsync on directories; the rename is done anyway
+            pass
+        finally:
+            os.close(dfd)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -799,7 +840,7 @@ def curriculum(step: int, K: int = 3, enabled: bool = True) -> tuple[int, str]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Configuration (the run config's `curriculum` section; settings.py nests it; `bank` is BankConfig)
+# Configuration (the run config's `curriculum` section; backends/config.py nests it; `bank` is BankConfig)
 
 
 @dataclass

@@ -76,12 +76,10 @@ Launch (keys only from the environment: GEMINI_API_KEY / OPENAI_API_KEY, SERPER_
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import math
 import os
-import random
 import re
 import sys
 import time
@@ -91,9 +89,6 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
-
-import checkpoint as ckpt_mod
-from scaffold import STAGES
 
 log = logging.getLogger("rubricem.evaluate")
 
@@ -279,7 +274,7 @@ class DataError(ValueError):
 def _read(path: str, what: str = "--data (benchmark rows)") -> list:
     """Rows of a local .jsonl / .json / .parquet file (data.read_records); never a hub download.
     what: the flag and role of the file, named in the error when it is missing."""
-    from data import read_records
+    from backends.data import read_records
 
     if not path:
         raise DataError(f"{what}: no file given")
@@ -513,7 +508,7 @@ def generate_answers(engine, queries: Sequence[str], batch: int = 8, temperature
     import torch
     from tqdm import tqdm
 
-    from data import Query
+    from scaffold import Query
 
     torch.manual_seed(seed)
     answers, missing = [], 0
@@ -539,15 +534,15 @@ def build_engine(model_dir: str, preset: str = "toy", search: str = "", sampler:
     checkpoint was trained under, read from its run card (runcard.read_run_card); a directory without
     one gets the structured scaffold and the preset's prompt. Raises FileNotFoundError (no such
     directory), ValueError (an unreadable run card)."""
-    import build
+    from backends import build
 
-    import settings
-    from runcard import read_run_card
+    from backends import config
+    from backends.runcard import read_run_card
     from scaffold import RolloutEngine, system_prompt
 
     if not model_dir or not os.path.isdir(model_dir):
         raise FileNotFoundError(f"--model must be a local checkpoint directory, got {model_dir!r}")
-    cfg = settings.toy_preset() if preset == "toy" else settings.full_preset()
+    cfg = config.toy_preset() if preset == "toy" else config.full_preset()
     cfg.model, cfg.seed, cfg.sampler, cfg.engine = model_dir, seed, sampler, "torch"
     cfg.data.source = ""  # the benchmark supplies the queries; train.py's data is not read
     cfg.search.backend = search or cfg.search.backend
@@ -1163,7 +1158,7 @@ def grade(bench: str, rows: list[dict], answers: list[str | None], judge, concur
 def write_report(report: dict, out_dir: str) -> tuple[str, str]:
     """report.json (everything) and report.md (score, CI, paper, breakdown, skipped, cost, settings)
     under out_dir, written atomically. Returns both paths."""
-    from checkpoint import atomic_write_bytes
+    from backends.checkpoint import atomic_write_bytes
 
     os.makedirs(out_dir, exist_ok=True)
     jp, mp = os.path.join(out_dir, "report.json"), os.path.join(out_dir, "report.md")
@@ -1448,138 +1443,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-# ----------------------------------------------------------------------------------------------------
-# Static-rubric scores of training rollouts (not in the paper; train.py logs them as score/{stage})
-
-
-def static_stage_scores(judge, queries: Sequence, rollouts: Sequence, n: int) -> list | None:
-    """Mean stage scores (4 floats in [0, 1], None for a stage the judge does not grade: the
-    unstructured scaffold's Plan, Research, Review) of a step's rollouts under the judge's *static*
-    rubric set (the held-out evaluation's, `judge.evaluate`), or None for a judge without one (HTTP).
-
-    Not in the paper. R is scored on the evolving buffers, which keep the rubrics the group still
-    fails (§3.4), so its mean is not comparable from step to step; this score is, and shows whether
-    the training rollouts get better. rollouts: len(queries) * n, query gi's group contiguous."""
-    S = static_scores(judge, queries, rollouts, n) if rollouts else None
-    # a stage the judge does not grade (the unstructured scaffold's Plan, Research, Review) is None
-    return None if S is None else [float(x) if np.isfinite(x) else None for x in S.mean(0)]  # (4,)
-
-
-def static_scores(judge, queries: Sequence, rollouts: Sequence, n: int) -> np.ndarray | None:
-    """(len(rollouts), 4) float stage scores in [0, 1] under the judge's static rubric set
-    (`judge.evaluate`), one group of `n` contiguous rollouts per query; None for a judge without a
-    static rubric set; a column is NaN for a stage the judge does not grade (the unstructured
-    scaffold's Plan, Research, Review)."""
-    parts = [judge.evaluate(q, rollouts[gi * n:(gi + 1) * n]) for gi, q in enumerate(queries)]
-    return None if any(p is None for p in parts) else np.concatenate(parts)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Held-out evaluation of a toy run (the toy judge's static rubric set; train.py, memory_eval.py)
-
-
-def heldout_seed(cfg) -> int:
-    """The sampling seed of a run's held-out evaluation (settings.Config `cfg`): the same for the
-    SFT start, every curve point and the end, and for memory_eval's pass 1 and answer_breakdown.py."""
-    return cfg.seed + 12345
-
-
-def sample_heldout(engine, queries: Sequence, samples: int, temperature: float, seed: int,
-                   bank_items: Sequence[Sequence[str]] | None = None) -> list:
-    """The held-out rollouts (query-major, `samples` per query) behind `evaluate_heldout`: torch's
-    global RNG reseeded with `seed`, then one batched `engine.run`."""
-    torch.manual_seed(seed)
-    return engine.run(list(queries), n=samples, temperature=temperature, bank_items=bank_items)
-
-
-def evaluate_heldout(engine, judge, queries: Sequence, samples: int, temperature: float, seed: int,
-             bank_items: Sequence[Sequence[str]] | None = None) -> dict:
-    """Held-out score with the judge's static rubric set (judge.py, deviation 3): mean of the four
-    stage scores (of the Answer score alone for the unstructured scaffold, whose other stages are
-    not graded: their stage/* are None) and the answer score, plus format and tool-use rates, and
-    "per_question": the score,
-    answer score and fact recall of each query (lists of len(queries), each the mean over its
-    samples). bank_items: per query, the bank reflections placed in its prompt (§3.5; default none).
-    Deterministic per seed; reseeds torch's global RNG (wrap in `preserved_rng` inside a run)."""
-    ro = sample_heldout(engine, queries, samples, temperature, seed, bank_items)
-    return heldout_scores(judge, queries, ro, samples)
-
-
-def heldout_scores(judge, queries: Sequence, ro: Sequence, samples: int) -> dict:
-    """`evaluate_heldout`'s result for rollouts `ro` (query-major, `samples` per query) already sampled."""
-    S = static_scores(judge, queries, ro, samples)  # (N, 4)
-    graded = np.isfinite(S).all(0)  # (4,): False for a stage the judge does not grade
-    Sg = S if graded.all() else S[:, graded]  # (N, K graded)
-    facts = [judge.fact_recall(r.query, r) for r in ro]  # the toy judge's ground truth
-    return {"score": float(Sg.mean()), "answer": float(S[:, 3].mean()),
-            **{f"stage/{s}": float(S[:, k].mean()) if graded[k] else None
-               for k, s in enumerate(STAGES)},
-            "well_formed": float(np.mean([r.parsed.well_formed for r in ro])),
-            "tool_call_rate": float(np.mean([r.n_tool_calls >= 1 for r in ro])),
-            "mean_tool_calls": float(np.mean([r.n_tool_calls for r in ro])),
-            "fact_recall": float(np.mean(facts)), "rollouts": len(ro),
-            # per held-out question (mean over its samples), for confidence intervals (report.py)
-            "per_question": {"score": Sg.reshape(len(queries), samples, -1).mean(axis=(1, 2)).tolist(),
-                             "answer": S[:, 3].reshape(len(queries), samples).mean(axis=1).tolist(),
-                             "fact_recall": np.reshape(facts, (len(queries), samples)).mean(axis=1).tolist()}}
-
-
-@contextlib.contextmanager
-def preserved_rng():
-    """Run a block without moving the run's global random streams: python `random`, numpy and torch
-    (CPU, and every CUDA device when there is one) are saved on entry and restored on exit, also
-    when the block raises. Lets an evaluation between RL steps reseed and sample freely while the
-    training metrics stay those of a run without it (not in the paper)."""
-    py, npst, th = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
-        yield
-    finally:
-        random.setstate(py)
-        np.random.set_state(npst)
-        torch.set_rng_state(th)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-
-
-class EvalCurve:
-    """Held-out evaluations during a run, one JSON line per evaluation in run_dir/eval_curve.jsonl:
-    {"step": completed RL steps (0 = the SFT start), "eval": {n_questions, samples, temperature},
-    then `evaluate`'s keys (score, answer, fact_recall, stage/*, per_question, ...)}. Not in the paper.
-
-    A fresh run starts an empty file; a resumed run keeps the rows up to its checkpoint's step that
-    were taken with the current evaluation settings (the others are dropped with a warning, since
-    eval.* may change on resume), so no step appears twice. Writes are atomic rewrites.
-    """
-
-    def __init__(self, path: str, settings: dict, resume_step: int | None):
-        self.path, self.settings = path, dict(settings)
-        self.rows: list[dict] = []
-        if resume_step is not None and os.path.exists(path):
-            with open(path) as fh:
-                old = [json.loads(l) for l in fh if l.strip().endswith("}")]
-            keep = [r for r in old if r.get("step", 1 << 30) <= resume_step
-                    and r.get("eval") == self.settings]
-            if len(keep) < len([r for r in old if r.get("step", 1 << 30) <= resume_step]):
-                log.warning("eval_curve.jsonl: dropped rows taken with other eval settings")
-            self.rows = keep
-        self._write()
-
-    def _write(self) -> None:
-        data = "".join(json.dumps(r) + "\n" for r in self.rows).encode("utf-8")
-        ckpt_mod.atomic_write_bytes(self.path, data)
-
-    def add(self, step: int, result: dict) -> None:
-        self.rows = [r for r in self.rows if r["step"] != step]
-        self.rows.append({"step": int(step), "eval": dict(self.settings), **result})
-        self.rows.sort(key=lambda r: r["step"])
-        self._write()
-
-    def get(self, step: int) -> dict | None:
-        """The evaluation at `step` without the curve's own keys, or None."""
-        for r in self.rows:
-            if r["step"] == step:
-                return {k: v for k, v in r.items() if k not in ("step", "eval")}
-        return None

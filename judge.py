@@ -346,7 +346,7 @@ def _justify(rubrics: Sequence[Rubric], s: np.ndarray) -> str:
     return " | ".join(out) or "all rubric scores missing"
 
 # ----------------------------------------------------------------------------------------------------
-# Configuration (the run config's `judge` section; settings.py nests it)
+# Configuration (the run config's `judge` section; backends/config.py nests it)
 
 
 # The HTTP judge's public endpoints and key variables (backends/judge_http.py).

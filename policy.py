@@ -1,17 +1,12 @@
-"""The policy pi_theta: a small Qwen3 with a locally trained tokenizer, or any Hugging Face causal LM.
+"""The policy side of the SS-GRPO update (§3.3): log-probs of pi_theta and the update of one batch,
+written once for every policy engine.
 
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
-The paper's policy is Qwen3-8B (appendix). Toy mode builds a `Qwen3ForCausalLM` from a `Qwen3Config`
-of well under a million parameters, and a byte-level BPE tokenizer trained with `tokenizers` on
-toy-world text, with a ChatML chat template; both are saved with `save_pretrained` so that plain
-`transformers` (and vLLM) load them. Any local Hugging Face causal LM directory works as `--model`.
+The paper's policy is Qwen3-8B (appendix); toy mode's tiny Qwen3 and tokenizer are built in
+toy/model.py, and the engines that run this update live in backends/ (`TorchEngine`: one process,
+backends/torch_engine.py; `ZeRO3Engine`: ZeRO-3 ranks, backends/full.py).
 
 Functions
-- `train_tokenizer(texts, names)`: byte-level BPE, digits split, scaffold tags as added tokens; the
-  entity names in the training text are replaced by fresh random syllable strings first, so that
-  names become shared syllable pieces (a measured prerequisite for copying unseen names).
-- `build_tiny_qwen3(tokenizer, size)`: a randomly initialised Qwen3 of a named size.
-- `load_policy(path)`: model + tokenizer from a local directory (never downloads in toy mode).
 - `token_logprobs(model, input_ids, attention_mask)`: log pi(a_t | h_t) of every next token, computed
   in chunks of the sequence so the (tokens x vocab) fp32 logits are never materialised at once;
   with a loss mask, the vocabulary projection runs only where the log-probs are used; at a
@@ -19,16 +14,17 @@ Functions
 - `pack_rows(batch, idx, pad_id)`: a micro-batch's sequences in rows, those behind one long shared
   prompt (a reflection group's m candidates) packed into one row with the prompt once; token_logprobs
   gives each the log-probs of its own row (ours: a speed-up, the same values).
-- `disable_dropout(model)`: every dropout probability to 0, so the old (eval-mode) and new
-  (train-mode) log-probs of the SS-GRPO update come from the same function.
 - `plan_update` / `policy_update` (§3.3): the SS-GRPO update of one batch, written once for every
-  policy engine (the `PolicyEngine` protocol: one process here, `TorchEngine`; ZeRO-3 ranks in
-  backends/full.py). Old log-probs log pi_theta_old are fixed before the first optimizer step, then
-  per optimizer step
+  policy engine (the `PolicyEngine` protocol). Old log-probs log pi_theta_old are fixed before the
+  first optimizer step, then per optimizer step
       L = agg(-min(rho A, clip(rho, 1 - eta, 1 + eta) A)) + beta * agg(k3),
       rho = exp(log pi_theta - log pi_theta_old),
       k3 = exp(d) - d - 1,  d = log pi_ref - log pi_theta
   with the optimizer step's global normalisers (ss_grpo.ss_grpo_loss, ss_grpo.aggregate).
+
+The chunked, masked and prefix-shared log-probs are the toy run's default (ss_grpo.share_prefix):
+the plain log_softmax + gather gives the same values to float rounding (tests/test_logprobs.py,
+tests/test_prefix_sharing.py), not bit for bit, so switching would change the toy's numbers.
 
 Deviations from the paper
 1. Toy mode trains a tiny model from scratch (SFT warm start, toy/sft.py) instead of starting from a
@@ -44,150 +40,18 @@ Deviations from the paper
 """
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 import math
 import random
-import re
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 
-from scaffold import SCAFFOLD_TAGS, autocast, pad_multiple
+import ss_grpo
 
 log = logging.getLogger("rubricem")
-
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-
-
-def _device_type(model) -> str:
-    """"cpu" | "cuda": the device type of a model's weights (autocast needs it)."""
-    dev = getattr(model, "device", None)
-    return dev.type if isinstance(dev, torch.device) else "cpu"
-
-
-# Named toy sizes. "S" matches the measured de-risk model (0.5 M parameters at vocab ~1k).
-SIZES = {
-    "XS": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-               head_dim=32, intermediate_size=192),
-    "S": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=32, intermediate_size=384),
-    "M": dict(hidden_size=192, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
-              head_dim=32, intermediate_size=576),
-}
-
-
-def _scramble_names(text: str, names_re: re.Pattern | None, rng: random.Random,
-                    syllables: Sequence[str]) -> str:
-    if names_re is None:
-        return text
-    return names_re.sub(lambda m: "".join(rng.choice(syllables)
-                                          for _ in range(rng.choice((2, 2, 3)))).capitalize(), text)
-
-
-def train_tokenizer(texts: Iterable[str], names: Sequence[str] = (), vocab_size: int = 1024,
-                    syllables: Sequence[str] = (), seed: int = 0, tags: Sequence[str] = SCAFFOLD_TAGS):
-    """Train a byte-level BPE tokenizer and wrap it as a `PreTrainedTokenizerFast` with ChatML.
-
-    texts: training text; names: entity names scrambled into `syllables` strings before training;
-    tags: one added token each (a scaffold's tags). vocab_size: BPE merges + byte alphabet, tags on top.
-    Returns a tokenizer whose eos is <|im_end|> and pad is <|endoftext|>. Deterministic per seed.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    rng = random.Random(seed)
-    names_re = None
-    if names and syllables:
-        names_re = re.compile(r"\b(" + "|".join(sorted(map(re.escape, names), key=len, reverse=True))
-                              + r")\b")
-    corpus = [_scramble_names(t, names_re, rng, syllables) for t in texts]
-    for tag in tags:  # tags become added tokens: keep them out of BPE statistics
-        corpus = [c.replace(tag, " ") for c in corpus]
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tk.train_from_iterator(corpus, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>",
-                                  pad_token="<|endoftext|>", unk_token=None)
-    tok.add_tokens(list(tags))  # non-special: decode keeps them, the parser sees them
-    tok.chat_template = CHATML_TEMPLATE
-    return tok
-
-
-def build_tiny_qwen3(tokenizer, size: str = "S", seed: int = 0):
-    """A randomly initialised `Qwen3ForCausalLM` of a named size (see SIZES), tied embeddings.
-
-    Raises KeyError for an unknown size. Deterministic per seed (torch.manual_seed).
-    """
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    if size not in SIZES:
-        raise KeyError(f"unknown toy model size {size!r}; choose one of {sorted(SIZES)}")
-    cfg = Qwen3Config(vocab_size=len(tokenizer), max_position_embeddings=2048, rope_theta=10000.0,
-                      tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                      pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **SIZES[size])
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(cfg)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model
-
-
-def load_policy(path: str, dtype: torch.dtype = torch.float32):
-    """Load (model, tokenizer) from a local directory saved with `save_pretrained`.
-
-    Works for any Hugging Face causal LM directory (e.g. a local copy of Qwen/Qwen3-0.6B). Raises
-    OSError if the path is not a local model directory (toy mode never downloads).
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    return model, tok
-
-
-def disable_dropout(model) -> int:
-    """Set every dropout probability of `model` to 0, in place; returns how many were > 0.
-
-    Covers torch dropout modules (p), float module attributes whose name contains "dropout" (e.g.
-    the `attention_dropout` a Hugging Face attention layer passes to its attention kernel in train
-    mode) and such fields of `model.config` (so saved checkpoints say how the model was trained).
-    Not in the paper; we do it for RL because the old log-probs are computed in eval mode and the
-    new ones in train mode (gradient checkpointing needs it): with dropout p > 0 the ratio
-    rho = exp(log pi_new - log pi_old) departs from 1 on the very first, on-policy minibatch
-    (|log rho| up to ~0.1 at p = 0.1) and PPO clipping acts on noise. Idempotent.
-    """
-    changed = 0
-    for m in model.modules():
-        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
-            m.p = 0.0
-            changed += 1
-        for name, v in list(vars(m).items()):
-            if "dropout" in name and isinstance(v, float) and v > 0:
-                setattr(m, name, 0.0)
-                changed += 1
-    cfg = getattr(model, "config", None)
-    for name, v in (list(vars(cfg).items()) if cfg is not None else []):
-        if "dropout" in name and isinstance(v, float) and v > 0:
-            setattr(cfg, name, 0.0)
-            changed += 1
-    return changed
 
 
 def _chunk_logprobs(head, h: torch.Tensor, nxt: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -659,8 +523,6 @@ def _minibatch(engine: PolicyEngine, local: UpdateBatch, mb: list, n_micro: int,
     """Forward/backward passes of one optimizer step's sequences (this rank's `mb`, in n_micro
     passes, padding passes when it has fewer; each pass's sequences packed by prompt when `share`);
     returns the summed loss statistics (_STAT_KEYS)."""
-    import ss_grpo
-
     micro = int(cfg.micro_batch)
     acc = [0.0] * len(_STAT_KEYS)
     for p in range(n_micro):
@@ -780,114 +642,3 @@ def _update_stats(done: list, empty: int) -> dict:
     return tot
 
 
-class TorchEngine:
-    """The policy engine in one process (engine = "torch"): a Hugging Face model, torch AdamW (betas
-    0.9, 0.95, no weight decay) and `policy_update`. Toy mode uses it; in full mode it is the
-    single-process reference that backends/full.py's ZeRO3Engine must reproduce.
-
-    model: pi_theta, also the weights the HF / KV sampler generates with; ref_model: the frozen pi_ref
-    (default: a copy of the starting policy); opt: the optimizer (default: AdamW at cfg.lr).
-    cfg: ss_grpo.SSGRPOConfig. precision: the forwards' `autocast` ("fp32" | "bf16"; ValueError
-    otherwise). Dropout is disabled in the model (disable_dropout)."""
-
-    world_size = 1
-
-    def __init__(self, model, cfg, ref_model=None, opt=None, precision: str = "fp32"):
-        self.model, self.cfg = model, cfg
-        autocast(precision)  # ValueError for an unknown precision, before any work
-        self.precision = precision
-        self.pad_multiple = pad_multiple(precision)  # forwards see lengths rounded up to this
-        if disable_dropout(model):  # old (eval) and new (train) log-probs must be the same function
-            log.info("dropout disabled for RL (policy.disable_dropout)")
-        if ref_model is None:
-            ref_model = copy.deepcopy(model).eval()  # frozen reference pi_ref (= the starting policy)
-            for p in ref_model.parameters():
-                p.requires_grad_(False)
-        self.ref_model = ref_model
-        self.opt = opt if opt is not None else torch.optim.AdamW(
-            model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-        self._fresh = True  # the next backward starts a new optimizer step: gradients are cleared
-
-    # the calls of policy_update (PolicyEngine documents each) ---------------------------------------
-    def logprobs(self, ids: torch.Tensor, att: torch.Tensor, mask: torch.Tensor | None = None,
-                 temperature: float = 1.0) -> torch.Tensor:
-        """(B, L) float32 log pi_theta of each next token (policy.token_logprobs on `model`; with a
-        loss mask, 0 outside it; at `temperature`, of softmax(logits / T))."""
-        return self._forward(self.model, ids, att, mask, temperature)
-
-    def ref_logprobs(self, ids: torch.Tensor, att: torch.Tensor, mask: torch.Tensor | None = None,
-                     temperature: float = 1.0) -> torch.Tensor:
-        """(B, L) float32 log pi_ref of each next token (`ref_model`, frozen)."""
-        return self._forward(self.ref_model, ids, att, mask, temperature)
-
-    def _forward(self, model, ids: torch.Tensor, att: torch.Tensor,
-                 mask: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
-        """token_logprobs under the engine's precision, right-padded to pad_multiple (attention 0
-        on the padding, which no real position attends to) and cut back to (B, L)."""
-        L = ids.shape[1]
-        extra = -L % self.pad_multiple
-        if extra:
-            ids = torch.nn.functional.pad(ids, (0, extra), value=0)
-            att = torch.nn.functional.pad(att, (0, extra), value=0)
-            mask = torch.nn.functional.pad(mask, (0, extra), value=0) if mask is not None else None
-        with autocast(self.precision, _device_type(model)):
-            return token_logprobs(model, ids, att, loss_mask=mask, temperature=temperature)[:, :L]
-
-    def backward(self, loss: torch.Tensor, boundary: bool) -> None:
-        """loss.backward(); the first call of an optimizer step clears the previous gradients."""
-        if self._fresh:
-            self.opt.zero_grad(set_to_none=True)
-            self._fresh = False
-        loss.backward()
-
-    def step(self) -> float:
-        """Clip the global gradient norm to cfg.grad_clip and take the optimizer step; a non-finite
-        norm (clipping would scale every gradient by 0 or NaN) drops the gradients instead."""
-        gn = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
-        if math.isfinite(gn):
-            self.opt.step()
-        else:
-            self.opt.zero_grad(set_to_none=True)
-        self._fresh = True
-        return gn
-
-    def train(self, mode: bool = True) -> None:
-        """Train / eval mode of `model`."""
-        self.model.train(mode)
-
-    def all_reduce(self, values: Sequence[float]) -> list[float]:
-        """One process: the values themselves."""
-        return list(values)
-
-    # what the training loop calls -----------------------------------------------------------------
-    def update(self, batch: UpdateBatch, pad_id: int, rng: random.Random) -> dict:
-        """`policy_update` on the whole batch; {} for an empty one (rng untouched)."""
-        if not batch.ids:
-            return {}
-        shards, plans = plan_update(batch, 1, self.cfg.minibatches, self.cfg.micro_batch, rng)
-        return policy_update(self, shards[0], self.cfg, pad_id, plans[0])
-
-    def sync(self, sampler) -> None:
-        """HF and KV samplers share `model`; a sampler with its own copy (vLLM) gets the weights."""
-        sampler.sync_weights(self.model.named_parameters())
-
-    def save_pretrained(self, out_dir: str, **kw) -> None:
-        """`model` as a Hugging Face checkpoint."""
-        self.model.save_pretrained(out_dir, **kw)
-
-    def save_state(self, ckpt_dir: str) -> None:
-        """Nothing: the optimizer state travels in the training state (state_dict)."""
-
-    def state_dict(self) -> dict:
-        """The AdamW state."""
-        return self.opt.state_dict()
-
-    def load(self, ckpt_dir: str, state: dict) -> None:
-        """Weights from ckpt_dir (checkpoint.load_model_weights), optimizer from state["optimizer"]."""
-        from checkpoint import load_model_weights
-
-        load_model_weights(self.model, ckpt_dir)
-        self.opt.load_state_dict(state["optimizer"])
-
-    def close(self) -> None:
-        """Nothing to release."""

@@ -37,14 +37,16 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from scaffold import Rollout
+from ss_grpo import group_advantages
 
 
 @dataclass
 class ReflectionConfig:
     """Reflection branch settings (PAPER values: m = 8, temperature 0.7, 1 trajectory per query). Whether
-    the branch runs at all is the ablation arm's choice (settings.ARMS)."""
+    the branch runs at all is the ablation arm's choice (ss_grpo.ARMS)."""
 
     m: int = 8
     """PAPER: 8 candidates"""
@@ -236,10 +238,6 @@ def grpo_group(batch: ReflectionBatch, prompt: list[int], cands: list[list[int]]
     """Append one trajectory's m candidates to `batch` as their own GRPO group (§3.4): each
     candidate's tokens get its advantage A_j; NaN scores (judge failures) get A_j = 0; empty
     candidates are left out."""
-    import torch
-
-    from ss_grpo import group_advantages
-
     # Eq.: A_j = (s_j - mean s) / (Std s + eps)  (GRPO over this trajectory's m candidates)
     missing = torch.from_numpy(~np.isfinite(s))[:, None]
     A = group_advantages(torch.from_numpy(np.nan_to_num(s))[:, None], std=std, eps=eps,

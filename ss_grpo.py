@@ -74,7 +74,6 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from scaffold import STAGES
 
 # PAPER: Lambda of §3.3; rows k = Plan, Research, Review, Answer, columns j likewise.
 PAPER_LAMBDA = [
@@ -83,7 +82,7 @@ PAPER_LAMBDA = [
     [0.0, 0.0, 1.0, 0.8],
     [0.0, 0.0, 0.0, 1.0],
 ]
-STAGE_NAMES = ("plan", "research", "review", "answer")
+STAGE_NAMES = ("plan", "research", "review", "answer")  # = scaffold.STAGES (tests/test_paper_text.py)
 STD_MODES = ("sample", "population")
 AGG_MODES = ("paper", "token_mean", "seq_mean_token_mean")
 DEFAULT_STD = "sample"  # not fixed by the paper; see deviation 2
@@ -654,7 +653,7 @@ def theorem1_condition(p: Sequence, phi: Sequence, z: Sequence, U: Sequence[Sequ
 
 def terminal_answer(R: torch.Tensor) -> torch.Tensor:
     """Baseline RL's terminal score (§3.3, ablations): r_i = R_{i,Answer}. R (N, 4) -> (N,), NaN kept."""
-    return R[:, STAGES.index("answer")]
+    return R[:, STAGE_NAMES.index("answer")]
 
 
 def terminal_mean(R: torch.Tensor) -> torch.Tensor:
@@ -682,8 +681,8 @@ def task_advantages(R: np.ndarray, n: int, cfg: "SSGRPOConfig", kind: str = "ss_
     elif kind in TERMINAL_SCORES:
         r = TERMINAL_SCORES[kind](Rt)  # (N,)
         # Eq.: A_i = (r_i - mean r) / (Std r + eps), the same for every stage of rollout i
-        A = flat_advantages(r, len(STAGES), std=cfg.std, eps=cfg.eps, group_size=n)
-        G = r[:, None].repeat(1, len(STAGES))
+        A = flat_advantages(r, len(STAGE_NAMES), std=cfg.std, eps=cfg.eps, group_size=n)
+        G = r[:, None].repeat(1, len(STAGE_NAMES))
     else:
         raise ValueError(f"unknown advantage kind {kind!r}; expected 'ss_grpo' or one of "
                          f"{tuple(TERMINAL_SCORES)}")
@@ -693,7 +692,36 @@ def task_advantages(R: np.ndarray, n: int, cfg: "SSGRPOConfig", kind: str = "ss_
 
 
 # ----------------------------------------------------------------------------------------------------
-# Configuration (the run config's `ss_grpo` section; settings.py nests it)
+# Ablation arms (paper, "Ablation: RL training recipes": 600 steps from the same SFT checkpoint)
+
+
+@dataclass(frozen=True)
+class Arm:
+    """What one ablation arm turns on. advantage: "ss_grpo" (stagewise, G = R Lambda^T, §3.3),
+    "terminal_answer" (one terminal score, R_{i,Answer}, broadcast to every token) or
+    "terminal_mean" (the mean of the four stage scores, broadcast); reflection: the reflection
+    meta-policy branch, its bank upserts and its deferred GRPO update (§3.4); bank: rubric-bank
+    retrieval into the rollout prompts (§3.5)."""
+
+    advantage: str
+    reflection: bool
+    bank: bool
+
+
+ARMS = {
+    "rubricem": Arm("ss_grpo", reflection=True, bank=True),  # PAPER: full RubricEM
+    "ss_grpo": Arm("ss_grpo", reflection=False, bank=False),  # PAPER: "SS-GRPO" alone
+    "meta_policy": Arm("terminal_answer", reflection=True, bank=True),  # PAPER: "Meta-Policy" alone
+    "baseline_rl": Arm("terminal_answer", reflection=False, bank=False),  # PAPER: "Baseline RL", one
+    # terminal rubric score broadcast to all tokens
+    "baseline_rl_info": Arm("terminal_mean", reflection=False, bank=False),  # not in the paper: Baseline
+    # RL matched in judge information (its terminal score averages all four stage scores, so it sees
+    # what SS-GRPO sees, minus the stage-wise credit assignment)
+}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Configuration (the run config's `ss_grpo` section; backends/config.py nests it)
 
 
 @dataclass

@@ -10,13 +10,14 @@ module of its section:
     policy.py     §3.3      the one SS-GRPO update of both policy engines (policy_update)
     reflection.py §3.4      reflection meta-policy, privileged scoring, GRPO over candidates
     bank.py       §3.4-3.5  rubric bank, exact / similar retrieval, the windowed curriculum
-The components are built once (build.build_run); the configuration is settings.Config. Everything
-besides the step (metrics, checkpoints, held-out evaluation, abort) is in `_train_loop` and the
-functions after it. docs/reading_path.md lists the functions of one step in reading order.
+The components are built once (backends/build.build_run); the configuration is config.Config.
+The loop around the step (metrics, checkpoints, abort) is `_train_loop` and the functions after it;
+resume, judge guards, held-out evaluation and the command line are in backends/. docs/reading_path.md
+lists, from a trace, every function one step runs outside toy/ and backends/, in order.
 
 Launch
     python train.py --toy                      # the toy run (README: wall time and results)
-    python train.py --toy --arm baseline_rl    # an ablation arm (settings.ARMS; runs/toy-baseline_rl)
+    python train.py --toy --arm baseline_rl    # an ablation arm (ss_grpo.ARMS; runs/toy-baseline_rl)
     deepspeed train.py --full ...              # full mode (DeepSpeed ZeRO-3, vLLM, HTTP judge)
 
 One step, `rl_step` (step numbers here are 0-based, the paper's 1-based):
@@ -38,7 +39,7 @@ Checkpoints and faults (not in the paper; docs/robustness.md)
     python train.py --toy --resume                 # continue runs/toy from its newest valid checkpoint
     python train.py --resume runs/toy/checkpoints/step-000020       # from a given checkpoint
     python train.py --toy --set checkpoint.stop_after=10            # stop after 10 steps (time slices)
-    python train.py --toy --faults 0.3,0.1         # inject judge / tool faults (faults.py)
+    python train.py --toy --faults 0.3,0.1         # inject judge / tool faults (backends/faults.py)
 A resumed run equals the uninterrupted one bit for bit on CPU (metrics except `time/*`, bank bytes,
 weights): a checkpoint holds weights, optimizer, every RNG state, judge buffers and counters, bank,
 the pending reflection batch, the metrics rows and the fault schedule's position; the curriculum
@@ -61,7 +62,6 @@ Deviations from the paper (besides the toy world, see toy/world.py / toy/sft.py)
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -69,7 +69,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 # Before torch loads its OpenMP runtime: idle intra-op threads sleep instead of spinning, so the toy
@@ -80,34 +80,26 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np
 import torch
 
-import checkpoint as ckpt_mod
-import report
 import ss_grpo
-from bank import curriculum
-from data import DataOrder
-from bank import format_for_prompt
-from build import Run, build_environment, build_run, eval_settings, heldout_engines, setup_policy
-from evaluate import EvalCurve, evaluate_heldout, heldout_seed, preserved_rng, static_stage_scores
-from faults import JUDGE_KINDS, TOOL_KINDS
-from judge import JudgeResult, judge_all
-from policy import TorchEngine, UpdateBatch
+from bank import curriculum, format_for_prompt
+from judge import judge_all
+from policy import UpdateBatch
 from reflection import ReflectionBatch, run_reflection_branch
-from report import Logger, plot_rewards
-from runcard import save_with_run_card
 from scaffold import STAGES
-from settings import (ARMS, RESUME_MAY_CHANGE, Config, _flatten, apply_overrides, check_local_inputs,
-                      config_from_dict, format_config_reference, full_preset, resume_config_diff,
-                      toy_preset, validate_config, variation_run_dir)
+from backends.config import Config, check_local_inputs, resume_config_diff, validate_config
+from backends import checkpoint as ckpt_mod
+from backends import report
+from backends.build import Run, build_environment, build_run, setup_policy
+from backends.cli import parse_cli
+from backends.faults import TOOL_KINDS
+from backends.heldout import HeldOut, static_stage_scores
+from backends.report import Logger, plot_rewards
+from backends.resume import _open_run, restore_training_state, training_state
+from backends.robust import FailureMonitor, JudgeFailureAbort, checked_judge_result, judge_step_metrics
+from backends.runcard import save_with_run_card
+from backends.torch_engine import TorchEngine
 
 log = logging.getLogger("rubricem")
-
-
-# ----------------------------------------------------------------------------------------------------
-# Configuration: one typed tree, `toy` and `full` presets
-
-
-# ----------------------------------------------------------------------------------------------------
-# Windowed curriculum (§3.5)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -147,10 +139,6 @@ def apply_reflection_batch(policy, pending: ReflectionBatch, sampler, pad_id: in
 
 
 # ----------------------------------------------------------------------------------------------------
-# Evaluation
-
-
-# ----------------------------------------------------------------------------------------------------
 # The training loop (Algorithm 1)
 
 
@@ -160,106 +148,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class JudgeFailureAbort(RuntimeError):
-    """The judge failed on more than judge.max_failure_rate of its calls for judge.max_failure_steps
-    consecutive steps; `train` stops (main exits with code 3)."""
-
-
-@dataclass
-class FailureMonitor:
-    """Consecutive steps whose judge failure rate exceeded `max_rate` (training state)."""
-
-    max_rate: float
-    max_steps: int
-    streak: list = field(default_factory=list)  # the failure rates of the current run of bad steps
-
-    def update(self, rate: float, step: int) -> None:
-        """Record one step's failure rate in [0, 1]; raises JudgeFailureAbort naming the thresholds
-        when the last `max_steps` rates all exceeded `max_rate`."""
-        self.streak = self.streak + [rate] if rate > self.max_rate else []
-        if len(self.streak) >= self.max_steps:
-            rates = ", ".join(f"{r:.2f}" for r in self.streak[-self.max_steps:])
-            raise JudgeFailureAbort(
-                f"judge failure rate above judge.max_failure_rate = {self.max_rate:g} for "
-                f"judge.max_failure_steps = {self.max_steps} consecutive steps (rates {rates}, last "
-                f"step {step}); stopping. Fix the judge backend (key, quota, endpoint) and continue "
-                "with --resume latest, or raise the thresholds.")
-
-
-def training_state(step: int, cfg: Config, engine, rng: random.Random, judge, bank, pending,
-                   logger: Logger, samples_out: list, rollout_engine, tool, monitor: FailureMonitor,
-                   reference: dict, order: DataOrder) -> dict:
-    """Everything besides the policy weights that step `step` (completed steps) needs to continue
-    exactly: a dict of tensors and plain values for checkpoint.save_checkpoint."""
-    npst = np.random.get_state()
-    return {
-        "format": 1, "step": int(step), "config": asdict(cfg), "reference": dict(reference),
-        "data_order": {"n": order.n, "per_batch": order.P, "seed": order.seed},
-        "optimizer": engine.state_dict(),  # None for ZeRO-3: its partitions are in zero/
-        "rng": {"python": random.getstate(), "loop": rng.getstate(),
-                "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
-                "torch": torch.get_rng_state()},
-        "judge": judge.state_dict(), "bank": bank.state_dict(), "pending": pending.to_dict(),
-        "metrics": [dict(r) for r in logger.rows], "samples": list(samples_out),
-        "engine": dict(rollout_engine.stats), "tool": tool.state_dict() if hasattr(tool, "state_dict") else None,
-        "monitor": list(monitor.streak),
-    }
-
-
-def restore_training_state(state: dict, rng: random.Random, judge, bank, rollout_engine, tool,
-                           monitor: FailureMonitor, order: DataOrder) -> None:
-    """Inverse of `training_state` for the objects rebuilt by `train` (in place; the policy engine
-    restores its weights and optimizer itself). Raises checkpoint.CheckpointError if the checkpoint's
-    data order does not fit this data set, ValueError (from the bank) if its bank state is invalid."""
-    if state["data_order"] != {"n": order.n, "per_batch": order.P, "seed": order.seed}:
-        raise ckpt_mod.CheckpointError(f"the checkpoint's data order {state['data_order']} does not "
-                                       "fit this data set")
-    rs = state["rng"]
-    random.setstate(rs["python"])
-    rng.setstate(rs["loop"])
-    name, keys, pos, has_gauss, cached = rs["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(rs["torch"])
-    judge.load_state_dict(state["judge"])
-    bank.load_state_dict(state["bank"])
-    rollout_engine.stats.update(state["engine"])
-    if state.get("tool") is not None and hasattr(tool, "load_state_dict"):
-        tool.load_state_dict(state["tool"])
-    monitor.streak = list(state["monitor"])
-
-
-def _open_run(cfg: Config, resume: str | None) -> tuple[str | None, dict | None]:
-    """(checkpoint path, training state) to resume from, or (None, None) for a fresh run."""
-    path = ckpt_mod.resolve_resume(resume, cfg.run_dir, deep=cfg.checkpoint.verify)
-    if path is None:
-        have = ckpt_mod.list_checkpoints(cfg.run_dir)
-        if have:
-            why = ("none of them verifies (see the warnings above)" if resume else
-                   "continue that run with --resume (= --resume latest), or start a separate run "
-                   f"with --run-dir DIR (or delete {cfg.run_dir})")
-            raise ckpt_mod.CheckpointError(f"{cfg.run_dir} already holds checkpoints (up to step "
-                                           f"{have[-1][0]}); {why}")
-        return None, None
-    state = ckpt_mod.load_state(path)
-    diff = resume_config_diff(state["config"], cfg)
-    if diff:
-        saved = _flatten(json.loads(json.dumps(state["config"])))
-        now = _flatten(json.loads(json.dumps(asdict(cfg))))
-        shown = "; ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diff[:8])
-        raise ckpt_mod.CheckpointError(f"cannot resume from {path}: the configuration differs in "
-                                       f"{', '.join(diff)} ({shown}); a resumed run may change only "
-                                       f"{', '.join(RESUME_MAY_CHANGE)}")
-    if state["step"] > cfg.steps:
-        raise ckpt_mod.CheckpointError(f"{path} is at step {state['step']}, beyond steps = {cfg.steps}")
-    return path, state
-
-
 def train(cfg: Config, resume: str | None = None) -> dict:
     """Run Algorithm 1 up to cfg.steps steps; returns the summary (also written to eval.json).
 
     resume: None (fresh run; refused if run_dir already holds checkpoints), "latest" (the newest
     checkpoint of cfg.run_dir that verifies; a fresh run if there is none) or a checkpoint directory.
-    Checkpoints are written every cfg.checkpoint.every steps and at the end (checkpoint.py); with
+    Checkpoints are written every cfg.checkpoint.every steps and at the end (backends/checkpoint.py); with
     cfg.checkpoint.stop_after > 0 the call returns {"stopped_at": step, ...} after that many steps.
     Raises ValueError (bad configuration, naming the field), checkpoint.CheckpointError (a checkpoint
     that is corrupt or does not fit this configuration) or JudgeFailureAbort.
@@ -612,44 +506,6 @@ def save_checkpoint(run: Run, ls: LoopState, done: int) -> str:
                                     extra=run.policy.save_state)
 
 
-class HeldOut:
-    """Held-out evaluations of the run (not in the paper): the SFT start, every eval.every steps into
-    eval_curve.jsonl, and the end; the same questions, samples, temperature and seed each time,
-    scored by the clean judge with the clean tool, with the run's random streams saved and restored
-    around them, so the training metrics do not depend on eval.every. Only with the toy judge and
-    the torch engine (`enabled`)."""
-
-    def __init__(self, run: Run, resume_step: int | None, timings: dict):
-        cfg = run.cfg
-        self.run, self.timings = run, timings
-        self.qs = run.held_q[: cfg.eval.n_questions]
-        self.enabled = bool(cfg.eval.n_questions > 0 and cfg.judge.backend == "toy"
-                            and cfg.engine == "torch" and self.qs)
-        path = os.path.join(cfg.run_dir, "eval_curve.jsonl")
-        self.curve = EvalCurve(path, eval_settings(cfg), resume_step) if self.enabled else None
-        if self.curve is None and resume_step is None and os.path.exists(path):
-            os.remove(path)  # an earlier run's, in this run dir
-        self.ref_engine = self.cur_engine = None
-        if self.enabled:
-            self.ref_engine, self.cur_engine = heldout_engines(cfg, run.policy.ref_model, run.model,
-                                                               run.tok, run.tool, run.system)
-        timings["curve_eval_s"] = 0.0
-
-    def evaluate(self, sft: bool = False) -> dict:
-        cfg = self.run.cfg
-        return evaluate_heldout(self.ref_engine if sft else self.cur_engine, self.run.clean_judge,
-                                self.qs, cfg.eval.samples, cfg.eval.temperature, heldout_seed(cfg))
-
-    def point(self, done: int, sft: bool = False) -> None:
-        """A point of eval_curve.jsonl after `done` steps (sft: the SFT start, once)."""
-        if not self.enabled or (sft and self.curve.get(0) is not None):
-            return
-        t0 = time.perf_counter()
-        with preserved_rng():
-            self.curve.add(done, self.evaluate(sft))
-        self.timings["curve_eval_s"] += time.perf_counter() - t0
-
-
 def finish(run: Run, ls: LoopState, ev: HeldOut, sft_info: dict, timings: dict, t_start: float) -> dict:
     """The artefacts of a finished run (each written atomically) and the held-out evaluation of the
     SFT start against the trained policy; returns the summary, also written to eval.json."""
@@ -688,197 +544,6 @@ def finish(run: Run, ls: LoopState, ev: HeldOut, sft_info: dict, timings: dict, 
         pass
     ckpt_mod.atomic_write_json(os.path.join(cfg.run_dir, "eval.json"), summary)
     return summary
-
-
-def checked_judge_result(res: Any, n: int, step: int = 0, query: str = "") -> tuple[Any, bool]:
-    """A group's judge result as the loop may use it, and whether it had to be replaced.
-
-    The loop reads R (n, 4) float64 stage scores in [0,1] or NaN (§3.4), justifications[i][k] for
-    i < n, k < 4, rubrics[k] for k < 4 and stats["proposed"], ["pruned"], ["missing"],
-    ["buffer_sizes"] (4 ints).
-    A result with any of these missing or wrong-shaped (e.g. R of shape (1, 4) for n = 2, which
-    numpy would broadcast to every rollout, or the wrong stage count) is not trained on: it becomes
-    a result with every cell missing (NaN; SS-GRPO gives those cells advantage 0, ss_grpo.py
-    deviation 1), a warning is logged, and the second value is True (counted in judge/bad_shape).
-    Never raises. Not in the paper; a guard against a broken judge backend.
-    """
-    K = len(STAGES)
-    try:
-        R = np.asarray(res.R, dtype=np.float64)
-        just, st = res.justifications, res.stats
-        if R.shape != (n, K):
-            why = f"R has shape {R.shape}, expected {(n, K)}"
-        elif len(just) != n or any(len(j) != K for j in just):
-            why = f"justifications are not {n} x {K}"
-        elif len(res.rubrics) != K:
-            why = f"rubrics are not {K} lists, one per stage"
-        elif len(st["buffer_sizes"]) != K or not all(np.isscalar(st[k])
-                                                       for k in ("proposed", "pruned", "missing")):
-            why = "stats lack proposed / pruned / missing / buffer_sizes"
-        else:
-            return res, False
-    except Exception as e:  # not even readable: no R, a ragged array, stats that are not a dict, ...
-        why = f"unreadable result ({type(e).__name__}: {str(e)[:80]})"
-    log.warning("step %d: judge result for %r has the wrong shape (%s); its %d x %d cells are "
-                "missing", step, query[:60], why, n, K)
-    return JudgeResult(np.full((n, K), np.nan), [["judge result had the wrong shape"] * K for _ in range(n)],
-                       [[] for _ in range(K)], {"proposed": 0, "pruned": 0, "missing": n * K,
-                                                "buffer_sizes": [0] * K}), True
-
-
-def judge_step_metrics(before: dict, after: dict, http_before: dict | None = None,
-                       http_after: dict | None = None) -> dict:
-    """Per-step judge reliability from two snapshots of judge.counters: judge/calls,
-    judge/failures (calls given up after the retry bound), judge/failure_rate in [0, 1] (0 when
-    there were no calls), judge/retries, and judge/faults/<kind> (injected faults per kind).
-
-    With an HTTP judge, http_before / http_after are two snapshots of HTTPJudge.stats(): the step's
-    HTTP figures are logged as judge/http/<name> (calls, requests, failures, retries,
-    invalid_replies, cache_hits, tokens_in, tokens_out, cost_usd in USD), and calls / failures /
-    failure_rate count HTTP calls (one per rollout scored, per proposal, per reflection scoring)."""
-    d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    if http_before is not None and http_after is not None:
-        h = {k[len("judge/"):]: http_after[k] - http_before.get(k, 0) for k in http_after
-             if k not in ("judge/latency_s", "judge/usd_total")}
-        d["calls"], d["failures"] = h["calls"], h["failures"]
-        d["retries"] = d.get("retries", 0) + h["retries"]
-    calls, fails = d.get("calls", 0), d.get("failures", 0)
-    out = {"judge/calls": calls, "judge/failures": fails,
-           "judge/failure_rate": fails / calls if calls else 0.0, "judge/retries": d.get("retries", 0)}
-    for kind in JUDGE_KINDS:
-        if f"fault/{kind}" in after:
-            out[f"judge/faults/{kind}"] = d[f"fault/{kind}"]
-    if http_before is not None and http_after is not None:
-        out.update({f"judge/http/{k}": v for k, v in h.items()})
-        out["judge/usd_total"] = http_after.get("judge/usd_total")  # cumulative USD (None: unknown price)
-    return out
-
-
-def _argument_parser() -> argparse.ArgumentParser:
-    """The command line of train.py (flags and --set; parse_cli applies them to a preset)."""
-    ap = argparse.ArgumentParser(description="RubricEM training (toy or full mode)",
-                                 epilog="Every config key, its default and its meaning: --list-config. "
-                                        "README.md has the quick start and the logged metrics.")
-    g = ap.add_mutually_exclusive_group()
-    g.add_argument("--toy", action="store_true", help="toy preset: a tiny policy on CPU in a generated "
-                   "research world; on 2 cores 5-8 min, about 3 min once the SFT warm start is cached "
-                   "(default)")
-    g.add_argument("--full", action="store_true", help="full preset: the paper's values (ZeRO-3, vLLM, "
-                   "Gemini judge, web search; needs --model); default: off")
-    ap.add_argument("--steps", type=int, help="RL steps (default: the preset's, toy 24, full 1400); with "
-                    "--resume, a larger value continues a finished run")
-    ap.add_argument("--seed", type=int, help="random seed (default: 0); the run dir gets -seedN")
-    ap.add_argument("--run-dir", help="where the run's files go (default: the preset's runs/toy or "
-                    "runs/full, with -seedN, -model-NAME, -faults-J-T appended for --seed, --model "
-                    "(toy) and --faults)")
-    ap.add_argument("--model", help="local Hugging Face causal-LM directory as the starting policy (skips "
-                    "the toy SFT warm start; default: none, the warm start)")
-    ap.add_argument("--arm", choices=list(ARMS),
-                    help="ablation arm: rubricem (SS-GRPO + reflection meta-policy + bank; default), "
-                         "ss_grpo (stagewise advantages only), meta_policy (terminal score + reflection "
-                         "+ bank), baseline_rl (terminal Answer score only), baseline_rl_info (terminal "
-                         "mean of the four stage scores only); the run dir gets -<arm>")
-    ap.add_argument("--advantage", help=argparse.SUPPRESS)  # replaced by --arm: a clear error below
-    ap.add_argument("--eval-every", type=int, metavar="N",
-                    help="held-out evaluation of the current policy every N RL steps into "
-                         "eval_curve.jsonl (config eval.every; default 0: only the SFT start and the "
-                         "end)")
-    ap.add_argument("--no-progress", action="store_true",
-                    help="no progress bars (default: shown)")
-    ap.add_argument("--report-to", metavar="BACKENDS",
-                    help="also log the metrics to tensorboard (run_dir/tensorboard) and / or wandb "
-                         "(offline unless $WANDB_MODE is set), comma-separated (config report_to; "
-                         "default: metrics.jsonl only)")
-    ap.add_argument("--list-config", action=_ListConfig, nargs=0,
-                    help="print every config key with its default (toy, and full where it differs) "
-                         "and its meaning, then exit")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="full mode: resolve the configuration, check the environment, print the "
-                         "plan (full.main_dry_run) and exit without training (default: off)")
-    ap.add_argument("--resume", nargs="?", const="latest", metavar="PATH|latest",
-                    help="continue from a checkpoint directory, or from the newest valid one in the "
-                         "run dir ('latest', the default when the flag has no value; a fresh run if "
-                         "there is none); a finished run is left as it is (default: a fresh run)")
-    ap.add_argument("--faults", metavar="JUDGE_RATE[,TOOL_RATE]",
-                    help="inject judge (and tool) faults at these rates, e.g. 0.3,0.1 (faults.py; "
-                         "default: none); the run dir gets -faults-J-T")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override any config key, repeatable, e.g. --set ss_grpo.lr=1e-4; the value "
-                         "is checked against the key's type before the run starts (keys and defaults: "
-                         "--list-config; default: none)")
-    ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
-    return ap
-
-
-def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
-    """(config, resume) from the command line; resume is None, "latest" or a checkpoint path.
-
-    With --resume the configuration starts from the checkpoint's own (so `--resume PATH` alone
-    continues a run); flags and --set apply on top, and `train` refuses changes outside
-    RESUME_MAY_CHANGE. Raises ValueError for unknown fields or malformed values.
-    """
-    a = _argument_parser().parse_args(argv)
-    if a.advantage is not None:
-        raise ValueError("--advantage was replaced by --arm: --arm baseline_rl is one terminal score "
-                         "without reflection or bank, --arm meta_policy the same score with them")
-    cfg = full_preset() if a.full else toy_preset()
-    # Each variation of the preset gets its own default run dir (settings.variation_run_dir); full
-    # mode always names a --model, so only the toy preset derives a directory from it.
-    base = cfg.run_dir + (f"-{a.arm}" if a.arm and a.arm != "rubricem" else "")
-    run_dir = a.run_dir or variation_run_dir(base, seed=a.seed, model=None if a.full else a.model,
-                                             faults=a.faults)
-    if a.resume:
-        path = a.resume
-        if a.resume == "latest":
-            path = ckpt_mod.find_latest(run_dir, deep=False)
-        elif not a.run_dir:
-            run_dir = ckpt_mod.run_dir_of(a.resume)
-        if path:
-            meta = ckpt_mod.verify_checkpoint(path, deep=False).get("meta", {})
-            if "config" in meta:
-                cfg = config_from_dict(meta["config"])
-    cfg.run_dir = run_dir
-    if a.steps is not None:
-        cfg.steps = a.steps
-    if a.seed is not None:
-        cfg.seed = a.seed
-    if a.model:
-        cfg.model = a.model
-    if a.arm:
-        cfg.arm = a.arm
-    if a.no_progress:
-        cfg.progress = False
-    if a.report_to is not None:
-        cfg.report_to = [x.strip() for x in a.report_to.split(",") if x.strip()]
-    if a.eval_every is not None:
-        cfg.eval.every = a.eval_every
-    cfg.dry_run = bool(a.dry_run)
-    if a.faults:
-        try:
-            rates = [float(x) for x in a.faults.split(",")]
-        except ValueError:
-            raise ValueError(f"--faults expects JUDGE_RATE[,TOOL_RATE], got {a.faults!r}") from None
-        if len(rates) > 2:
-            raise ValueError(f"--faults expects JUDGE_RATE[,TOOL_RATE], got {a.faults!r}")
-        cfg.faults.judge_rate = rates[0]
-        cfg.faults.tool_rate = rates[1] if len(rates) > 1 else 0.0
-    cfg = apply_overrides(cfg, a.set)
-    if cfg.rollout.scaffold != "structured" and not a.run_dir and not a.resume:
-        cfg.run_dir += f"-{cfg.rollout.scaffold}"  # its own run, beside the structured one
-    return cfg, a.resume
-
-
-class _ListConfig(argparse.Action):
-    """--list-config: print the configuration reference (settings.format_config_reference), exit 0."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        print(format_config_reference(toy_preset(), full_preset()), end="")
-        parser.exit(0)
-
-
-def parse_args(argv: Sequence[str] | None = None) -> Config:
-    """The configuration of a command line (see parse_cli)."""
-    return parse_cli(argv)[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -77,7 +77,7 @@ from typing import Iterator, Sequence
 import torch
 
 from policy import UpdateBatch, plan_update, policy_update
-from settings import FullConfig
+from backends.config import FullConfig
 
 log = logging.getLogger("rubricem.full")
 
@@ -447,7 +447,7 @@ class ZeRO3Policy:
     def __init__(self, lm, ds_config: dict, lr: float, *, full: FullConfig | None = None):
         import deepspeed
 
-        from policy import disable_dropout
+        from backends.torch_engine import disable_dropout
 
         full = full or FullConfig()
         self.ds_config = ds_config
@@ -772,7 +772,7 @@ class ZeRO3Engine:
     def load(self, ckpt_dir: str, state: dict) -> None:
         """Restore pi_theta and the optimizer from a checkpoint written by save_state, and the
         sampling copy from its HF weights. Raises checkpoint.CheckpointError without a zero/ folder."""
-        import checkpoint as ckpt_mod
+        from backends import checkpoint as ckpt_mod
 
         d = os.path.join(ckpt_dir, "zero")
         if not os.path.isdir(d):
@@ -866,7 +866,7 @@ def synthetic_batch(vocab_size: int, n_seq: int, group: int = 8, seed: int = 0, 
 def selftest_config(n_seq: int, group: int, minibatches: int, micro: int, lr: float,
                     eta: float | None = None):
     """The `full` preset with a small batch: n_seq = prompts x group sequences per RL step."""
-    from settings import full_preset
+    from backends.config import full_preset
     cfg = full_preset()
     cfg.rollout.prompts_per_step, cfg.rollout.n = n_seq // group, group
     cfg.ss_grpo.minibatches, cfg.ss_grpo.micro_batch, cfg.ss_grpo.lr = minibatches, micro, lr
@@ -970,7 +970,7 @@ def _required_packages(cfg) -> dict[str, str]:
 
 def _looks_local(path: str) -> bool:
     """data._is_local's rule: it exists, or it is written as a path or a file name."""
-    from data import _is_local
+    from backends.data import _is_local
 
     return _is_local(path)
 
@@ -998,7 +998,7 @@ def _path_problems(cfg) -> list[str]:
 def _config_problem(cfg) -> list[str]:
     """settings.validate_config's verdict as a list (it stops at the first error). The policy model
     is checked by _path_problems, so a missing one is filled in here to let the other checks run."""
-    from settings import validate_config
+    from backends.config import validate_config
     probe = copy.deepcopy(cfg)
     probe.model = probe.model or "(--model)"
     try:
@@ -1011,7 +1011,7 @@ def _config_problem(cfg) -> list[str]:
 def _redact(text: str, environ) -> str:
     """Replace the value of every secret environment variable (settings.SECRET_ENV_VARS, *_API_KEY,
     *_TOKEN, *_SECRET; 8 characters or more) in `text` by $NAME."""
-    from settings import SECRET_ENV_VARS
+    from backends.config import SECRET_ENV_VARS
     for name, v in environ.items():
         if (name in SECRET_ENV_VARS or name.endswith(("_API_KEY", "_TOKEN", "_SECRET"))) \
                 and isinstance(v, str) and len(v) >= 8:
@@ -1202,7 +1202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # torch deprecation notices raised inside DeepSpeed's collectives, once per call: not ours to fix.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     if a.cmd == "dry-run":
-        from settings import full_preset
+        from backends.config import full_preset
         return main_dry_run(full_preset())
     full = FullConfig(optimizer=a.optimizer, gradient_checkpointing=not a.no_grad_ckpt)
     res = selftest(a.model, a.out, updates=a.updates, n_seq=a.n_seq, group=a.group,

@@ -120,7 +120,7 @@ def judge_cost_plan(cfg, **assume) -> dict:
     "tokens_in", "tokens_out", "usd" (None when the price is unknown)}, "per_run": {same, x steps},
     "steps", "max_usd", "problems" (list of str)}. A toy judge makes no paid calls (all zeros).
     """
-    from settings import ARMS
+    from ss_grpo import ARMS
 
     a = {**PLAN_ASSUMPTIONS, **assume}
     j, ro = cfg.judge, cfg.rollout

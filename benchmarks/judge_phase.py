@@ -47,7 +47,7 @@ TEXT = ("<structured_plan><analysis>Asked: habitat.</analysis><rubrics>need: hab
 def groups(P: int, n: int):
     """P queries (two initial rubrics each) with n finished rollouts per query."""
     from scaffold import Rollout, parse_response
-    from data import Query
+    from scaffold import Query
 
     out = []
     for g in range(P):

@@ -41,12 +41,14 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     import torch
 
-    import policy
-    import settings
-    from policy import TorchEngine, UpdateBatch
+
+    from toy import model as toy_model
+    from backends import config as settings
+    from backends.torch_engine import TorchEngine
+    from policy import UpdateBatch
 
     torch.set_num_threads(a.threads)
-    model, tok = policy.load_policy(os.path.join(a.checkpoint, "model"))
+    model, tok = toy_model.load_policy(os.path.join(a.checkpoint, "model"))
     model.eval()
     pending = torch.load(os.path.join(a.checkpoint, "state.pt"), weights_only=False)["pending"]
     if not pending["sequences"]:

@@ -11,9 +11,9 @@ above this repository): its builder functions make the model (tiny Qwen3, 5.2 M 
 the same artefacts (seed 0: vocab_sha=2cdc8ad6bb2c1cfc weights_sha=b55d6dc6744a79c5).
 
 Project side, per step (4 prompts x 8 completions, up to 128 new tokens, T = 1, top_k 0, top_p 1):
-    generate  the sampler (--sampler: "kv" = kv_sampler.KVSampler, "hf" = scaffold.HFSampler;
+    generate  the sampler (--sampler: "kv" = kv_sampler.KVSampler, "hf" = hf_sampler.HFSampler;
               several, comma-separated, are timed one after the other on the same prompts)
-    update    reward, group advantages (ss_grpo.flat_advantages), policy.TorchEngine.update with one
+    update    reward, group advantages (ss_grpo.flat_advantages), torch_engine.TorchEngine.update with one
               optimizer step (minibatches 1, micro-batch 32, beta 0.001, lr 1e-6, eta 0.2, loss
               aggregated like TRL's loss_type "grpo": seq_mean_token_mean, grad clip 1.0);
               --two-pass adds the separate old-log-prob forward the update used to run
@@ -149,19 +149,19 @@ class ProjectSide:
     """This project's GRPO step on the harness's model and tokenizer, with one sampler."""
 
     def __init__(self, name: str, model, ref_model, opt, tok, h, a):
-        import policy
-        import scaffold
+        from backends import torch_engine
+        from toy import hf_sampler
         import ss_grpo
         from toy import kv_sampler
 
         self.name, self.model, self.ref, self.opt, self.tok, self.h, self.a = \
             name, model, ref_model, opt, tok, h, a
-        cls = {"kv": kv_sampler.KVSampler, "hf": scaffold.HFSampler}[name]
+        cls = {"kv": kv_sampler.KVSampler, "hf": hf_sampler.HFSampler}[name]
         self.sampler = cls(model, tok, stop_strings=(), precision=a.precision)  # eos only, as TRL
         self.cfg = ss_grpo.SSGRPOConfig(minibatches=1, micro_batch=32, beta=h.ARGS.beta,
                                         lr=h.ARGS.learning_rate, eta=0.2,
                                         agg="seq_mean_token_mean", grad_clip=1.0)
-        self.engine = policy.TorchEngine(model, self.cfg, ref_model, opt, precision=a.precision)
+        self.engine = torch_engine.TorchEngine(model, self.cfg, ref_model, opt, precision=a.precision)
         self.rng = random.Random(a.seed)
         self.rows: list[dict] = []
 

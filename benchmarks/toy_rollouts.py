@@ -1,4 +1,4 @@
-"""Rollout phase of a toy step (§3.1-3.2, Algorithm 1 step 3) with each sampler: scaffold.HFSampler
+"""Rollout phase of a toy step (§3.1-3.2, Algorithm 1 step 3) with each sampler: hf_sampler.HFSampler
 (HF generate) and kv_sampler.KVSampler, alternating, on the same queries and policy.
 
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
@@ -33,13 +33,15 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     import torch
 
-    import train
 
-    import build
+    from backends import cli
+
+    from backends import build
     from toy.kv_sampler import KVSampler
-    from scaffold import HFSampler, RolloutEngine, system_prompt
+    from toy.hf_sampler import HFSampler
+    from scaffold import RolloutEngine, system_prompt
 
-    cfg = train.parse_args([x for x in a.train_args if x != "--"])
+    cfg = cli.parse_args([x for x in a.train_args if x != "--"])
     cfg.progress = False
     torch.set_num_threads(cfg.threads)
     world, tool, train_q, _ = build.build_environment(cfg)

@@ -6,7 +6,7 @@ RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewa
 Reproduces in the toy world the comparisons of §4 "Ablation: RL training recipes" (Fig. 5: Baseline RL
 < SS-GRPO alone and Meta-Policy alone < full RubricEM; 600 steps from the same SFT checkpoint) and the
 memory-reuse analysis (Fig. 6d: RubricEM +0.4 / +0.7 at cross-episode pass 1 / within-episode pass 2,
-Baseline RL -0.5 / -0.6; memory_eval.py) and, with --scaffold, the scaffold ablation (Fig. 6a-c: the
+Baseline RL -0.5 / -0.6; scripts/memory_eval.py) and, with --scaffold, the scaffold ablation (Fig. 6a-c: the
 structured SFT start beats the unstructured one, DRB 43.0 vs 39.8, and without the scaffold RL gains
 are small and unstable).
 
@@ -16,9 +16,9 @@ What one grid does
        with the same --set overrides for all. Every arm of a seed loads the same cached SFT warm start
        (its cache key holds the world, teacher, SFT and model settings and the seed, not the arm),
        draws the same data order (DataOrder is seeded by the seed alone) and is evaluated on the same
-       held-out questions with the same sampling seed (evaluate.evaluate_heldout); the script checks that the SFT
+       held-out questions with the same sampling seed (heldout.evaluate_heldout); the script checks that the SFT
        start (warm-start key and step-0 evaluation) is the same for every arm of a seed.
-    2. Memory reuse (memory_eval.py) of the rubricem and baseline_rl runs, as subprocesses; an arm
+    2. Memory reuse (scripts/memory_eval.py) of the rubricem and baseline_rl runs, as subprocesses; an arm
        without a bank of its own reads the same seed's rubricem bank in pass 1.
     3. GRID/results.jsonl: one row per (arm, seed, evaluated step) with the answer score and its
        difference from the SFT start (step 0 of the same run), per question.
@@ -42,7 +42,7 @@ Launch
     python scripts/ablate.py --arms rubricem,baseline_rl --seeds 0 --steps 12 --set threads=1
     python scripts/ablate.py --arms baseline_rl --scaffold --quick   # scaffold ablation (Fig. 6a-c)
     python scripts/ablate.py --render-only                   # redraw the doc from GRID/results.jsonl
-    python scripts/ablate.py memory --run-dir runs/toy       # memory reuse of one run (memory_eval.py)
+    python scripts/ablate.py memory --run-dir runs/toy       # memory reuse of one run (scripts/memory_eval.py)
 
 Deviations from the paper
     1. Toy world, toy steps and toy sizes (train.py); seeds and their confidence intervals are ours
@@ -70,9 +70,9 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import checkpoint as ckpt_mod  # noqa: E402
-import report  # noqa: E402
-import settings  # noqa: E402
+from backends import checkpoint as ckpt_mod  # noqa: E402
+from backends import report  # noqa: E402
+from backends import config as settings  # noqa: E402
 
 ARM_ORDER = list(settings.ARMS)  # rubricem, ss_grpo, meta_policy, baseline_rl, baseline_rl_info
 PAPER_NAMES = {"rubricem": "RubricEM", "ss_grpo": "SS-GRPO", "meta_policy": "Meta-Policy",
@@ -215,9 +215,9 @@ def train_command(grid: str, arm: str, seed: int, steps: int, eval_every: int,
 
 
 def memory_command(grid: str, arm: str, seed: int, arms: Sequence[str]) -> list[str]:
-    """memory_eval.py for one run; an arm without reflection reads the same seed's rubricem bank."""
+    """scripts/memory_eval.py for one run; an arm without reflection reads the same seed's rubricem bank."""
     rd = run_dir(grid, arm, seed)
-    cmd = [sys.executable, os.path.join(ROOT, "memory_eval.py"), rd]
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "memory_eval.py"), rd]
     other = os.path.join(run_dir(grid, "rubricem", seed), "bank.jsonl")
     if not settings.ARMS[arm].reflection and "rubricem" in arms and os.path.exists(other):
         cmd += ["--bank", other]
@@ -444,7 +444,7 @@ def render(rows: list[dict], mem: dict, checks: list[str], arms: Sequence[str], 
          "# Recipe ablation and memory reuse (toy)", "",
          "Arms of the paper's recipe ablation (§4, Fig. 5) trained from the same SFT start per seed, "
          "with the same steps, data order and held-out questions, and the memory-reuse evaluation "
-         "(Fig. 6d, `memory_eval.py`). Numbers are held-out answer scores (toy judge, static "
+         "(Fig. 6d, `scripts/memory_eval.py`). Numbers are held-out answer scores (toy judge, static "
          "rubrics, 0-1) minus the same run's SFT start; 95 % intervals are percentile bootstraps "
          "over seeds x held-out questions.", "",
          f"- command: `{meta['command']}`", f"- commit: {meta['commit']}",
@@ -641,6 +641,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Exit codes: 0 every run finished, 1 some run failed (the report covers the others)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["memory"]:
+        sys.path.insert(0, os.path.join(ROOT, "scripts"))
         import memory_eval
 
         ap = argparse.ArgumentParser(prog="ablate.py memory", description="memory reuse of one run")

@@ -3,7 +3,7 @@
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
 Not a section of the paper: a diagnosis of the toy demonstration (docs/results.md). For each run
 directory it re-samples the run's own held-out evaluation (the same questions, samples, temperature
-and seed as train.py's `HeldOut`, so the rollouts are those behind eval.json) from the SFT start and
+and seed as backends/heldout.py's `HeldOut`, so the rollouts are those behind eval.json) from the SFT start and
 from the final policy, and prints two tables:
 
     1. the answer-stage score's loss by rubric kind: for each static Answer rubric, weight x (1 - score)
@@ -67,11 +67,11 @@ def heldout_rollouts(run_dir: str, temperatures) -> tuple:
     {T: {phase: rollouts}}) for one
     finished toy run: its held-out evaluation re-sampled from the SFT start and from the final
     policy at each temperature in `temperatures` (None = the run's eval.temperature), with the
-    engines and seed of train.HeldOut, so at the run's own temperature the rollouts are those behind
+    engines and seed of heldout.HeldOut, so at the run's own temperature the rollouts are those behind
     eval.json. Rollouts are query-major, `samples` per question."""
-    import build
-    import evaluate
-    import settings
+    from backends import build
+    from backends import heldout
+    from backends import config as settings
     from scaffold import system_prompt
     from transformers import AutoModelForCausalLM
 
@@ -87,11 +87,11 @@ def heldout_rollouts(run_dir: str, temperatures) -> tuple:
     final = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "final"))
     final.eval()
     qs, n = held_q[: cfg.eval.n_questions], cfg.eval.samples
-    # the engines and the seed of train.HeldOut
+    # the engines and the seed of heldout.HeldOut
     engines = build.heldout_engines(cfg, sft_model, final, tok, tool,
                                     system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt))
-    ro = {T: {phase: evaluate.sample_heldout(eng, qs, n, cfg.eval.temperature if T is None else T,
-                                             evaluate.heldout_seed(cfg))
+    ro = {T: {phase: heldout.sample_heldout(eng, qs, n, cfg.eval.temperature if T is None else T,
+                                             heldout.heldout_seed(cfg))
               for phase, eng in zip(PHASES, engines)}
           for T in temperatures}
     return judge, qs, n, ev, cfg.eval.temperature, ro
@@ -125,13 +125,13 @@ SWEEP_KEYS = ("answer", "score", "fact_recall", "well_formed")
 
 def sweep(run_dir: str, temperatures) -> dict:
     """{T: {phase: {"answer", "score" (mean-stage), "fact_recall", "well_formed"}}} for one finished
-    toy run: `evaluate.heldout_scores` (the static rubric set of eval.json) of its held-out
+    toy run: `heldout.heldout_scores` (the static rubric set of eval.json) of its held-out
     questions sampled at each temperature T >= 0 (0 = greedy) from the SFT start and the final
     policy. At the run's own eval.temperature the figures are eval.json's."""
-    import evaluate
+    from backends import heldout
 
     judge, qs, n, _, _, ro = heldout_rollouts(run_dir, temperatures)
-    return {T: {phase: {k: evaluate.heldout_scores(judge, qs, ro[T][phase], n)[k] for k in SWEEP_KEYS}
+    return {T: {phase: {k: heldout.heldout_scores(judge, qs, ro[T][phase], n)[k] for k in SWEEP_KEYS}
                 for phase in PHASES} for T in temperatures}
 
 

@@ -67,7 +67,7 @@ fi
 if ! "$PY" - "$OUT" "$VOCAB" >"$OUT/models.log" 2>&1 <<'PYEOF'
 import sys
 import torch
-import policy
+from toy import model as policy
 from scaffold import SYSTEM_PROMPT
 from transformers import Qwen3Config, Qwen3ForCausalLM
 out, vocab = sys.argv[1], int(sys.argv[2])

@@ -1,143 +1,174 @@
-"""The reading path of one RL step: the functions a reader follows from the step function to the
-optimizer step, with file:line and length, written into docs/reading_path.md.
+"""The reading path of one RL step, traced: the project lines that one step of the default toy run
+executes outside toy/ and backends/, written into docs/reading_path.md in the order they first run.
 
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
-One step of Algorithm 1 (train.rl_step) -> memory retrieval, rollouts (scaffold.RolloutEngine, read
-as a black box here), the stage judge's four steps (§3.4), SS-GRPO advantages (§3.3), the one policy
-update (policy.policy_update) and the reflection branch (§3.4). Lines are counted from the source
-(each function's def to its last line, docstring included), so the figures follow the code.
+One step of Algorithm 1 is `train.rl_step`: the reflection batch of the previous step, memory
+retrieval, rollouts, the stage judge (§3.4), SS-GRPO advantages and the update (§3.3), the
+reflection branch (§3.4). This script runs the toy preset at the fast test settings
+(tests/runfix.py: FAST) for STEP + 1 steps and records, with a line tracer (sys.settrace, every
+thread), each distinct line executed during step STEP's `rl_step` call. Lines in toy/ (the toy
+world's tiny model, tokenizer, samplers and judge) and in backends/ (speed and scale) are not
+counted: what is counted is what a reader of the paper layer reads. The cap: MAX_LINES lines in
+MAX_FILES files.
 
-Run from the repository root:
+Run from the repository root (about 10 s on one core):
     python scripts/reading_path.py            # rewrite docs/reading_path.md
-    python scripts/reading_path.py --check    # exit 1 if the file is stale or a limit is broken
+    python scripts/reading_path.py --check    # exit 1 if the file is stale or the cap is broken
+Both print `READING_PATH lines=N files=M` as their last line.
 """
 from __future__ import annotations
 
 import argparse
-import ast
 import os
 import sys
+import tempfile
+import threading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "reading_path.md")
-
-# (file, qualified function name, what it is): in reading order.
-PATH = [
-    ("train.py", "rl_step", "one step of Algorithm 1, as named steps"),
-    ("train.py", "apply_reflection_batch", "the previous step's reflection GRPO batch (one-step lag)"),
-    ("train.py", "retrieve_memory", "step 2: rubric-bank items per query"),
-    ("train.py", "sample_rollouts", "step 3: n rollouts per query"),
-    ("train.py", "judge_groups", "step 4: one judge call per group"),
-    ("judge.py", "EvolvingJudge.judge_group", "§3.4 propose -> merge -> score -> prune"),
-    ("judge.py", "EvolvingJudge._propose_step", "§3.4 (1)-(2) propose and merge"),
-    ("judge.py", "EvolvingJudge._score_step", "§3.4 (3) R on the merged set"),
-    ("judge.py", "EvolvingJudge._prune_step", "§3.4 (4) prune for the next step"),
-    ("judge.py", "discriminativeness", "d_r = Std_i s_{i,r}"),
-    ("ss_grpo.py", "task_advantages", "step 5: the arm's advantages from R"),
-    ("ss_grpo.py", "stage_returns", "§3.3 G = R Lambda^T"),
-    ("ss_grpo.py", "group_advantages_batched", "§3.3 A = (G - mean) / (Std + eps) per group"),
-    ("train.py", "update_batch", "token advantages of the update batch"),
-    ("ss_grpo.py", "token_advantages", "§3.3 token t in B_{i,k} gets A_{i,k}"),
-    ("policy.py", "TorchEngine.update", "step 6: the update on one process"),
-    ("policy.py", "plan_update", "minibatches (and ranks) of the update"),
-    ("policy.py", "policy_update", "the one SS-GRPO update of both engines"),
-    ("policy.py", "sequence_logprobs", "old / reference log-probs"),
-    ("policy.py", "_minibatch", "forward, loss and backward of one optimizer step"),
-    ("ss_grpo.py", "ss_grpo_loss", "§3.3 PPO-clip + beta k3 loss"),
-    ("policy.py", "TorchEngine.step", "clip and optimizer step"),
-    ("train.py", "reflect", "step 7: the reflection branch"),
-    ("reflection.py", "run_reflection_branch", "§3.4 reflection candidates, privileged judge, bank, GRPO groups"),
-]
-MAX_LINES, MAX_FILES, MAX_STEP_BODY, MAX_FUNCTION = 800, 5, 50, 80
-CONCEPT_MODULES = ("scaffold.py", "judge.py", "ss_grpo.py", "reflection.py", "bank.py", "train.py")
+MAX_LINES, MAX_FILES = 900, 7
+STEP = 1  # the traced step (0-based): the second, so the previous step's reflection batch is applied
+NOT_COUNTED = ("toy", "backends", "tests", "scripts", "benchmarks")
+# The fast toy settings of tests/runfix.py (tests/test_smoke.py: tiny_args + runfix.FAST).
+FAST = ["--set", "world.n_train_entities=40", "--set", "world.n_heldout_entities=8",
+        "--set", "sft.steps=2", "--set", "sft.n_trajectories=40", "--set", "sft.n_reflections=4",
+        "--set", "sft.batch_size=8", "--set", "model_size=\"XS\"", "--set", "vocab_size=400",
+        "--set", "rollout.prompts_per_step=2", "--set", "rollout.n=2",
+        "--set", "rollout.max_response_tokens=48", "--set", "reflection.m=2",
+        "--set", "reflection.max_new_tokens=16", "--set", "eval.n_questions=1",
+        "--set", "eval.samples=1", "--set", "threads=1", "--set", "checkpoint.every=0"]
 
 
-def functions(path: str) -> dict[str, ast.AST]:
-    """Qualified name ("f" or "Class.f") -> the def node, for the module-level functions and methods."""
-    tree = ast.parse(open(os.path.join(ROOT, path)).read())
-    out = {}
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef):
-            out[node.name] = node
-        elif isinstance(node, ast.ClassDef):
-            for sub in node.body:
-                if isinstance(sub, ast.FunctionDef):
-                    out[f"{node.name}.{sub.name}"] = sub
-    return out
+def counted(path: str) -> str | None:
+    """The repository-relative path of a counted project file, else None."""
+    path = os.path.abspath(path)
+    if not path.startswith(ROOT + os.sep) or not path.endswith(".py"):
+        return None
+    rel = os.path.relpath(path, ROOT)
+    return None if rel.split(os.sep)[0] in NOT_COUNTED else rel
 
 
-def span(node: ast.AST) -> tuple[int, int]:
-    """(first line, length in lines) of a def, decorators excluded."""
-    return node.lineno, node.end_lineno - node.lineno + 1
+class LineTrace:
+    """Distinct executed lines per counted file, and each function's first run (in order)."""
+
+    def __init__(self):
+        self.lines: dict[str, set[int]] = {}
+        self.order: list[tuple[str, str, int]] = []  # (file, function, def line) by first call
+        self._seen: set = set()
+        self._rel: dict[str, str | None] = {}
+
+    def _local(self, frame, event, arg):
+        if event == "line":
+            rel = self._rel[frame.f_code.co_filename]
+            self.lines[rel].add(frame.f_lineno)
+        return self._local
+
+    def _global(self, frame, event, arg):
+        fn = frame.f_code.co_filename
+        rel = self._rel.get(fn, 0)
+        if rel == 0:
+            rel = self._rel[fn] = counted(fn)
+        if rel is None:
+            return None
+        self.lines.setdefault(rel, set())
+        key = (rel, frame.f_code.co_qualname, frame.f_code.co_firstlineno)
+        if key not in self._seen:
+            self._seen.add(key)
+            self.order.append(key)
+        return self._local
+
+    def __enter__(self):
+        threading.settrace(self._global)
+        sys.settrace(self._global)
+        return self
+
+    def __exit__(self, *exc):
+        sys.settrace(None)
+        threading.settrace(None)
 
 
-def body_lines(node: ast.FunctionDef) -> int:
-    """Lines of a function's body after its docstring."""
-    body = node.body[1:] if (node.body and isinstance(node.body[0], ast.Expr)
-                             and isinstance(node.body[0].value, ast.Constant)) else node.body
-    return body[-1].end_lineno - body[0].lineno + 1
+def trace(step: int = STEP) -> LineTrace:
+    """Run the fast toy preset for step + 1 steps and trace train.rl_step at `step`."""
+    sys.path.insert(0, ROOT)
+    import train
+
+    tr = LineTrace()
+    real = train.rl_step
+
+    def rl_step(run, s, *a, **kw):
+        if s != step:
+            return real(run, s, *a, **kw)
+        with tr:
+            return real(run, s, *a, **kw)
+
+    train.rl_step = rl_step
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            argv = ["--toy", "--steps", str(step + 1), "--run-dir", os.path.join(tmp, "run"),
+                    "--no-progress", "--set", f"cache_dir=\"{os.path.join(tmp, 'cache')}\""] + FAST
+            if train.main(argv) != 0:
+                raise RuntimeError("the traced toy run failed")
+    finally:
+        train.rl_step = real
+    return tr
 
 
-def measure() -> dict:
-    """The reading path's rows and totals, the step body's length and the concept modules' longest
-    functions. Raises KeyError naming a function of PATH that no longer exists."""
-    rows, cache = [], {}
-    for path, name, what in PATH:
-        fns = cache.setdefault(path, functions(path))
-        if name not in fns:
-            raise KeyError(f"{path} has no function {name}: update scripts/reading_path.py")
-        line, n = span(fns[name])
-        rows.append((path, name, line, n, what))
-    long = []
-    for path in CONCEPT_MODULES:
-        for name, node in functions(path).items():
-            if span(node)[1] > MAX_FUNCTION:
-                long.append((path, name, span(node)[1]))
-    return {"rows": rows, "lines": sum(r[3] for r in rows), "files": sorted({r[0] for r in rows}),
-            "step_body": body_lines(cache["train.py"]["rl_step"]), "long": long}
+def render(tr: LineTrace) -> str:
+    total = sum(len(v) for v in tr.lines.values())
+    files = sorted(f for f, v in tr.lines.items() if v)
+    by_fn: dict = {}
+    import ast
 
-
-def render(res: dict) -> str:
+    for rel in files:  # executed lines per function: the innermost def holding the line
+        tree = ast.parse(open(os.path.join(ROOT, rel)).read())
+        defs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        for ln in tr.lines[rel]:
+            inner = [d for d in defs if d.lineno <= ln <= d.end_lineno]
+            first = max(inner, key=lambda d: d.lineno).lineno if inner else 0
+            by_fn[(rel, first)] = by_fn.get((rel, first), 0) + 1
     out = ["# Reading one RL step", "",
-           "Written by `python scripts/reading_path.py` from the current source; "
-           "`tests/test_imports.py` checks that it is up to date.", "",
-           "Follow one step of Algorithm 1 from `train.rl_step` to the optimizer step, in this order. "
-           "The rollout engine (`scaffold.RolloutEngine.run`), the bank's retrieval "
-           "(`bank.RubricBank.retrieve`) and the windowed curriculum's schedule (`bank.curriculum`, "
-           "§3.5: which batch a step trains on and whether it retrieves in exact or similar mode) are "
-           "read as black boxes here; their tests show what they do.", "",
-           "| # | file:line | function | lines | what |", "|---|---|---|---|---|"]
-    for i, (path, name, line, n, what) in enumerate(res["rows"], 1):
-        out.append(f"| {i} | {path}:{line} | `{name}` | {n} | {what} |")
-    out += ["", f"Total: {res['lines']} lines in {len(res['files'])} files "
-            f"({', '.join(res['files'])}); limits {MAX_LINES} lines, {MAX_FILES} files.",
-            f"The step body (`train.rl_step` after its docstring): {res['step_body']} lines "
-            f"(limit {MAX_STEP_BODY}).",
-            f"Functions over {MAX_FUNCTION} lines in the concept modules ({', '.join(CONCEPT_MODULES)}): "
-            + (", ".join(f"{p}:{n} ({k})" for p, n, k in res["long"]) or "none") + "."]
+           "Written by `python scripts/reading_path.py` from a line trace of one step (`train.rl_step`, "
+           f"step {STEP}) of the toy preset at the fast test settings; `tests/test_reading_path.py` "
+           "checks that it is up to date and under the cap.", "",
+           "These are the functions that run, in the order they first run, with the number of their "
+           "lines that execute. toy/ (the toy world, tiny model, tokenizer and samplers) and backends/ "
+           "(speed and scale) are not counted.", "",
+           "| # | file:line | function | lines run |", "|---|---|---|---|"]
+    i = 0
+    for rel, name, first in tr.order:
+        n = by_fn.pop((rel, first), 0)
+        if n:
+            i += 1
+            out.append(f"| {i} | {rel}:{first} | `{name}` | {n} |")
+    for (rel, first), n in sorted(by_fn.items()):  # module-level lines (none expected)
+        out.append(f"| - | {rel}:{first} | (module level) | {n} |")
+    out += ["", "| file | lines run |", "|---|---|"]
+    out += [f"| {f} | {len(tr.lines[f])} |" for f in files]
+    out += ["", f"Total: {total} lines in {len(files)} files; cap {MAX_LINES} lines in {MAX_FILES} files."]
     return "\n".join(out) + "\n"
 
 
-def problems(res: dict) -> list[str]:
-    out = []
-    if res["lines"] > MAX_LINES:
-        out.append(f"reading path {res['lines']} lines > {MAX_LINES}")
-    if len(res["files"]) > MAX_FILES:
-        out.append(f"reading path spans {len(res['files'])} files > {MAX_FILES}")
-    if res["step_body"] > MAX_STEP_BODY:
-        out.append(f"rl_step body {res['step_body']} lines > {MAX_STEP_BODY}")
-    out += [f"{p}: {n} has {k} lines > {MAX_FUNCTION}" for p, n, k in res["long"]]
-    return out
+def summary(tr: LineTrace) -> tuple[int, int]:
+    """(distinct lines run, files they are in)."""
+    return sum(len(v) for v in tr.lines.values()), sum(1 for v in tr.lines.values() if v)
+
+
+def over_cap(n: int, m: int) -> list[str]:
+    """The cap's verdict on n lines in m files: [] or one problem."""
+    if n > MAX_LINES or m > MAX_FILES:
+        return [f"the step runs {n} lines in {m} files; cap {MAX_LINES} lines in {MAX_FILES} files"]
+    return []
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="exit 1 if docs/reading_path.md is stale "
-                    "or a limit is broken (default: rewrite the file)")
+                    "or the cap is broken (default: rewrite the file)")
     a = ap.parse_args(argv)
-    res = measure()
-    text = render(res)
-    bad = problems(res)
+    tr = trace()
+    text = render(tr)
+    n, m = summary(tr)
+    bad = over_cap(n, m)
     if a.check:
         have = open(DOC).read() if os.path.exists(DOC) else ""
         if have != text:
@@ -145,9 +176,9 @@ def main(argv=None) -> int:
     else:
         with open(DOC, "w") as fh:
             fh.write(text)
-    print(text if not a.check else "", end="")
     for b in bad:
-        print("problem:", b, file=sys.stderr)
+        print("problem:", b)
+    print(f"READING_PATH lines={n} files={m}")
     return 1 if bad else 0
 
 

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from backends import full  # noqa: E402
 import policy  # noqa: E402
-import settings  # noqa: E402
+from backends import config as settings  # noqa: E402
 
 
 def main(model_dir: str, out_dir: str, threshold: int, min_len: int = 40, max_len: int = 56) -> None:

@@ -46,7 +46,7 @@ ADDITIONS = {
                    "judge API and model; its key is a test key in the environment",
 }
 
-RUN_SCRIPTS = ("train.py", "ask.py", "bank.py", "memory_eval.py", "evaluate.py")
+RUN_SCRIPTS = ("train.py", "ask.py", "bank.py", "evaluate.py")
 # Markers of a command that needs a GPU, several processes, a real model or the network.
 NEEDS_MACHINE = ("deepspeed", "torchrun", "--sampler vllm", "--preset full", "--search serper")
 # Packages a README pip line may name besides the project itself.
@@ -175,15 +175,15 @@ def _pyproject_extras(repo: str) -> set:
 
 
 def secret_env_vars(repo: str) -> tuple:
-    """settings.SECRET_ENV_VARS, read from the checkout's settings.py without importing it."""
+    """settings.SECRET_ENV_VARS, read from the checkout's backends/config.py without importing it."""
     import ast
 
-    with open(os.path.join(repo, "settings.py")) as fh:
+    with open(os.path.join(repo, "backends", "config.py")) as fh:
         for node in ast.parse(fh.read()).body:
             if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "SECRET_ENV_VARS"
                                                     for t in node.targets):
                 return tuple(ast.literal_eval(node.value))
-    raise ValueError("settings.py defines no SECRET_ENV_VARS")
+    raise ValueError("backends/config.py defines no SECRET_ENV_VARS")
 
 
 def ci_torch_pin(repo: str) -> str:

@@ -4,7 +4,7 @@
   stops with exit code 3 and a checkpoint instead of running on with judge/failure_rate 0;
 - judge.max_usd reached (HTTPJudge.check_budget raises JudgeBudgetExceeded): checkpoint, exit code 5;
 - an API's 401/403/404 (backends/http.APIStopError): exit code 4 with the server's message."""
-import build
+from backends import build
 import train
 from judge import JudgeResult
 from runfix import fast_args, metric_rows

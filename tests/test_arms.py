@@ -9,7 +9,8 @@ import torch
 import bank as bank_mod
 import ss_grpo
 import train
-import settings
+from backends import cli
+from backends import config as settings
 from runfix import fast_args, metric_rows
 from test_reflection import patch_sampler
 
@@ -57,14 +58,14 @@ def test_terminal_advantages_broadcast_one_score_sec3_3():
     (["--full", "--arm", "meta_policy"], "meta_policy", "runs/full-meta_policy"),
 ])
 def test_arm_flag_sets_arm_and_default_run_dir(argv, arm, run_dir):
-    cfg = train.parse_args(argv)
+    cfg = cli.parse_args(argv)
     assert cfg.arm == arm and cfg.run_dir == run_dir
 
 
 def test_advantage_flag_is_refused_with_a_pointer_to_arm():
     # --advantage flat used to keep reflection and bank on (Meta-Policy, not Baseline RL)
     with pytest.raises(ValueError, match="--arm baseline_rl"):
-        train.parse_args(["--toy", "--advantage", "flat"])
+        cli.parse_args(["--toy", "--advantage", "flat"])
 
 
 @pytest.mark.slow

@@ -5,11 +5,11 @@ import json
 import os
 
 import ask
-import policy
-import runcard
+from toy import model as toy_model
+from backends import runcard
 import scaffold
-import build
-import settings
+from backends import build
+from backends import config as settings
 from toyfix import TINY, policy_segments, replay, teacher, tiny_tokenizer, torch_threads, train_queries
 
 
@@ -58,7 +58,7 @@ def test_ask_runs_a_checkpoint_with_its_run_card(tmp_path, capsys):
     cfg.world = dataclasses.replace(TINY)
     cfg.rollout.max_response_tokens = 24
     with torch_threads(1):
-        policy.build_tiny_qwen3(tok, "XS", seed=0).save_pretrained(d)
+        toy_model.build_tiny_qwen3(tok, "XS", seed=0).save_pretrained(d)
         runcard.save_with_run_card(d, tok, dataclasses.asdict(cfg), scaffold.SYSTEM_PROMPT_COMPACT)
         assert ask.main([d, "What is Harta used for?", "--samples", "2", "--seed", "3"]) == 0
         out = capsys.readouterr().out

@@ -9,7 +9,9 @@ import torch
 
 import train
 
-import settings
+from backends import cli
+
+from backends import config as settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,14 +27,14 @@ def readme_variations() -> list[list[str]]:
 def test_readme_variations_each_default_to_their_own_run_dir():
     cmds = [c for c in readme_variations() if "--advantage" not in c]
     assert len(cmds) >= 3
-    dirs = [train.parse_args(c).run_dir for c in cmds]
+    dirs = [cli.parse_args(c).run_dir for c in cmds]
     assert "runs/toy" not in dirs and len(set(dirs)) == len(dirs), dirs
-    assert train.parse_args(["--toy", "--model", "path/to/hf-model"]).run_dir == "runs/toy-model-hf-model"
-    assert train.parse_args(["--toy", "--model", "runs/toy/final"]).run_dir == "runs/toy-model-toy-final"
-    assert train.parse_args(["--toy", "--faults", "0.3,0.1"]).run_dir == "runs/toy-faults-0.3-0.1"
-    assert train.parse_args(["--toy", "--seed", "1"]).run_dir == "runs/toy-seed1"
-    assert train.parse_args(["--toy", "--model", "m", "--run-dir", "x"]).run_dir == "x"
-    assert train.parse_args(["--full", "--model", "/ckpt/qwen3-8b"]).run_dir == "runs/full"
+    assert cli.parse_args(["--toy", "--model", "path/to/hf-model"]).run_dir == "runs/toy-model-hf-model"
+    assert cli.parse_args(["--toy", "--model", "runs/toy/final"]).run_dir == "runs/toy-model-toy-final"
+    assert cli.parse_args(["--toy", "--faults", "0.3,0.1"]).run_dir == "runs/toy-faults-0.3-0.1"
+    assert cli.parse_args(["--toy", "--seed", "1"]).run_dir == "runs/toy-seed1"
+    assert cli.parse_args(["--toy", "--model", "m", "--run-dir", "x"]).run_dir == "x"
+    assert cli.parse_args(["--full", "--model", "/ckpt/qwen3-8b"]).run_dir == "runs/full"
 
 
 def test_fresh_run_into_a_run_dir_with_checkpoints_is_refused_naming_the_fix(tmp_path, capsys):
@@ -90,7 +92,7 @@ def test_overrides_take_the_type_of_their_field():
 def test_every_field_accepts_its_own_default_as_json():
     import json
 
-    from settings import leaf_fields
+    from backends.config import leaf_fields
 
     for key, _, value in leaf_fields(settings.toy_preset()):
         c = settings.apply_overrides(settings.toy_preset(), [f"{key}={json.dumps(value)}"])
@@ -137,7 +139,7 @@ def _tree(d) -> dict:
 
 
 def test_resume_of_a_finished_run_says_complete_and_changes_nothing(tmp_path, capsys):
-    import checkpoint
+    from backends import checkpoint
 
     d = tmp_path / "run"
     _finished_run(d)

@@ -6,8 +6,8 @@ from hypothesis import given, settings, strategies as st
 
 import ss_grpo
 from bank import CurriculumConfig, curriculum
-from data import DataOrder
-from settings import apply_overrides, full_preset, toy_preset, validate_config
+from backends.data import DataOrder
+from backends.config import apply_overrides, full_preset, toy_preset, validate_config
 
 
 # ---------------------------------------------------------------------------------------------------

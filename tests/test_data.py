@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-import data
+from backends import data
 from toy import sft
 from toy import world
 from toyfix import SYSTEM, teacher, tiny_tokenizer, tiny_world, train_queries

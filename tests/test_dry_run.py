@@ -11,7 +11,7 @@ import torch
 from backends import full, launch_check
 from backends.versions import GPU_PINS
 import train
-import settings
+from backends import config as settings
 
 KEYS = {"GEMINI_API_KEY": "gemini-key-value-123", "SERPER_API_KEY": "serper-key-value-456"}
 

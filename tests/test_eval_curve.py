@@ -9,9 +9,11 @@ import torch
 
 import train
 
-import evaluate
+from backends import cli
 
-import settings
+from backends import heldout
+
+from backends import config as settings
 from runfix import fast_args, metric_rows, sha256
 
 
@@ -21,7 +23,7 @@ def curve_rows(run_dir) -> list[dict]:
 
 def test_preserved_rng_restores_python_numpy_and_torch_streams():
     random.seed(1), np.random.seed(1), torch.manual_seed(1)
-    with evaluate.preserved_rng():
+    with heldout.preserved_rng():
         torch.manual_seed(99)
         random.random(), np.random.rand(), torch.rand(3)
     a = (random.random(), float(np.random.rand()), torch.rand(3))
@@ -31,10 +33,10 @@ def test_preserved_rng_restores_python_numpy_and_torch_streams():
 
 
 def test_eval_every_flag_sets_config():
-    assert train.parse_args(["--toy", "--eval-every", "3"]).eval.every == 3
-    assert train.parse_args(["--toy"]).eval.every == 0
+    assert cli.parse_args(["--toy", "--eval-every", "3"]).eval.every == 3
+    assert cli.parse_args(["--toy"]).eval.every == 0
     with pytest.raises(ValueError, match="eval.every"):
-        settings.validate_config(train.parse_args(["--toy", "--eval-every", "-1"]))
+        settings.validate_config(cli.parse_args(["--toy", "--eval-every", "-1"]))
 
 
 @pytest.mark.slow
@@ -74,13 +76,13 @@ def test_eval_every_writes_a_curve_and_leaves_training_unchanged(tmp_path, toy_c
 def test_eval_curve_resume_keeps_rows_up_to_the_checkpoint(tmp_path):
     path = str(tmp_path / "eval_curve.jsonl")
     s = {"n_questions": 2, "samples": 1, "temperature": 1.0}
-    c = evaluate.EvalCurve(path, s, None)
+    c = heldout.EvalCurve(path, s, None)
     for step in (0, 2, 4):
         c.add(step, {"answer": step / 10})
     with open(path, "a") as fh:
         fh.write('{"step": 6, "eval"')  # a line cut short by a kill
-    c2 = evaluate.EvalCurve(path, s, 3)
+    c2 = heldout.EvalCurve(path, s, 3)
     assert [r["step"] for r in c2.rows] == [0, 2] and c2.get(2) == {"answer": 0.2}
-    c3 = evaluate.EvalCurve(path, {**s, "samples": 2}, 3)  # eval settings changed on resume
+    c3 = heldout.EvalCurve(path, {**s, "samples": 2}, 3)  # eval settings changed on resume
     assert c3.rows == [] and c3.get(0) is None
-    assert evaluate.EvalCurve(path, s, None).rows == []  # a fresh run starts empty
+    assert heldout.EvalCurve(path, s, None).rows == []  # a fresh run starts empty

@@ -532,11 +532,11 @@ def test_generate_answers_takes_the_answer_text_through_the_scaffold():
 
 
 def test_cli_checkpoint_path_offline_with_toy_search(tmp_path, key):
-    import policy
+    from toy import model as toy_model
     import toyfix
 
     tok = toyfix.tiny_tokenizer()
-    model = policy.build_tiny_qwen3(tok, "XS", seed=0)
+    model = toy_model.build_tiny_qwen3(tok, "XS", seed=0)
     ckpt = tmp_path / "ckpt"
     model.save_pretrained(ckpt)
     tok.save_pretrained(ckpt)
@@ -559,14 +559,14 @@ def test_cli_checkpoint_path_offline_with_toy_search(tmp_path, key):
 
 
 def test_build_engine_uses_the_scaffold_and_prompt_of_the_checkpoints_run_card(tmp_path):
-    import policy
-    import runcard
-    import settings
+    from backends import runcard
+    from toy import model as toy_model
+    from backends import config as settings
     import toyfix
     from scaffold import SYSTEM_PROMPT_COMPACT
 
     tok = toyfix.tiny_tokenizer()
-    model = policy.build_tiny_qwen3(tok, "XS", seed=0)
+    model = toy_model.build_tiny_qwen3(tok, "XS", seed=0)
     plain, trained = tmp_path / "plain", tmp_path / "unstructured"
     for d in (plain, trained):
         model.save_pretrained(d)

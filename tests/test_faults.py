@@ -20,12 +20,14 @@ import pytest
 
 import scaffold
 from toy import sft
-import build
+from backends import build
 import train
+from backends import robust
+from backends import cli
 import ss_grpo
-import settings
+from backends import config as settings
 from bank import RubricBank
-from faults import (JUDGE_KINDS, FaultConfig, FaultyJudge, FaultyTool, fault_draw,
+from backends.faults import (JUDGE_KINDS, FaultConfig, FaultyJudge, FaultyTool, fault_draw,
                     validate_fault_config)
 from judge import JudgeResult
 from toy.judge import ToyJudge
@@ -128,10 +130,10 @@ def test_fault_schedule_continues_across_state_dict_round_trip(group):
 
 
 def test_failure_monitor_aborts_only_after_consecutive_steps_over_the_rate():
-    mon = train.FailureMonitor(max_rate=0.5, max_steps=3)
+    mon = robust.FailureMonitor(max_rate=0.5, max_steps=3)
     for s, r in enumerate([0.6, 0.9, 0.5, 0.7, 0.0, 0.8, 0.6]):
         mon.update(r, s)  # 0.5 is not above the rate; the runs of bad steps are 2, 1, 2 long
-    with pytest.raises(train.JudgeFailureAbort) as e:
+    with pytest.raises(robust.JudgeFailureAbort) as e:
         mon.update(1.0, 7)
     msg = str(e.value)
     assert "judge.max_failure_rate = 0.5" in msg and "judge.max_failure_steps = 3" in msg
@@ -170,8 +172,8 @@ WRONG_SHAPES = {
 def test_wrong_shaped_judge_result_is_missing_not_broadcast_sec3_4(group, kind, caplog):
     q, ros = group
     res = ToyJudge(tf.tiny_world()).judge_group(q, ros[:2], step=0)
-    assert train.checked_judge_result(res, 2) == (res, False)  # a good result passes unchanged
-    out, bad = train.checked_judge_result(WRONG_SHAPES[kind](res), 2, 5, q.query)
+    assert robust.checked_judge_result(res, 2) == (res, False)  # a good result passes unchanged
+    out, bad = robust.checked_judge_result(WRONG_SHAPES[kind](res), 2, 5, q.query)
     assert bad and out.R.shape == (2, len(STAGES)) and np.isnan(out.R).all()
     assert out.stats["missing"] == 2 * len(STAGES) and len(out.stats["buffer_sizes"]) == len(STAGES)
     assert len(out.justifications) == 2 and len(out.rubrics) == len(STAGES)
@@ -343,11 +345,11 @@ def test_fault_and_judge_config_errors_name_the_field(item, field):
 
 
 def test_faults_flag_and_validation():
-    cfg = train.parse_args(["--faults", "0.3,0.1"])
+    cfg = cli.parse_args(["--faults", "0.3,0.1"])
     assert cfg.faults.judge_rate == 0.3 and cfg.faults.tool_rate == 0.1
     validate_fault_config(cfg.faults)
     with pytest.raises(ValueError, match="--faults"):
-        train.parse_args(["--faults", "lots"])
+        cli.parse_args(["--faults", "lots"])
 
 
 def test_api_key_in_the_configuration_is_refused_without_printing_it(monkeypatch, capsys):

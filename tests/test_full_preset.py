@@ -10,7 +10,7 @@ import reflection
 import scaffold
 import ss_grpo
 from backends import judge_http
-from settings import full_preset, toy_preset, validate_config
+from backends.config import full_preset, toy_preset, validate_config
 
 # The paper prints Lambda flattened (shared/paper/000_*.txt, §3.3):
 PRINTED_LAMBDA = "1.0 000 0.4 1.0 00 0.6 0.4 1.0 0 0.8 0.8 0.8 1.0"
@@ -41,7 +41,7 @@ def test_full_preset_prompt_and_pack_lengths_appendix(monkeypatch):
     from backends import plan
     assert plan.pack_tokens(cfg) == 26624  # PAPER: max total pack length
     # the vLLM engine's context is the pack (build.build_sampler)
-    import build
+    from backends import build
     from types import SimpleNamespace
 
     seen = {}

@@ -20,6 +20,7 @@ import torch
 
 from backends import full
 import policy
+from toy import model as toy_model
 import ss_grpo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +40,7 @@ N_SEQ, GROUP, MINIBATCHES, MICRO, LR, ETA, WORLD = 16, 8, 2, 2, 1e-3, 0.02, 2
 
 
 def test_appendix_batch_arithmetic_full_preset_32x8_on_8_gpus():
-    from settings import full_preset
+    from backends.config import full_preset
     plan = full.batch_plan(full_preset(), 8)
     # PAPER: 32 prompts x 8 rollouts = 256 sequences; micro-batch 1 -> 256 / (1 x 8) = 32 accumulations
     assert (plan.sequences, plan.per_optimizer_step, plan.per_rank, plan.micro_batch, plan.grad_accum) \
@@ -49,7 +50,7 @@ def test_appendix_batch_arithmetic_full_preset_32x8_on_8_gpus():
 
 
 def test_appendix_batch_arithmetic_rejects_inexact_splits():
-    from settings import full_preset
+    from backends.config import full_preset
     cfg = full_preset()
     with pytest.raises(ValueError, match="micro_batch x world_size"):
         full.batch_plan(cfg, 3)
@@ -59,7 +60,7 @@ def test_appendix_batch_arithmetic_rejects_inexact_splits():
 
 
 def test_appendix_deepspeed_config_zero3_offload_bf16_on_gpu_only():
-    from settings import full_preset
+    from backends.config import full_preset
     gpu = full.deepspeed_config(full_preset(), 8, "cuda")
     assert gpu["zero_optimization"]["stage"] == 3
     assert gpu["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
@@ -128,7 +129,7 @@ def test_toy_mode_and_dry_run_never_import_deepspeed_or_vllm():
 
 
 def test_dry_run_reports_key_names_only_and_lists_problems(monkeypatch):
-    from settings import full_preset
+    from backends.config import full_preset
     cfg = full_preset()
     cfg.judge.backend = "gemini"
     cfg.model = "/models/sft"
@@ -151,13 +152,12 @@ def test_dry_run_reports_key_names_only_and_lists_problems(monkeypatch):
 
 @pytest.fixture(scope="module")
 def zero3_run(tmp_path_factory):
-    import policy
 
     tmp = tmp_path_factory.mktemp("zero3")
     texts = ["The quick brown fox jumps over the lazy dog. " * 4,
              "Research plan, rubrics, evidence and a cited answer. " * 4]
-    tok = policy.train_tokenizer(texts, vocab_size=300)
-    model = policy.build_tiny_qwen3(tok, "XS", seed=0)
+    tok = toy_model.train_tokenizer(texts, vocab_size=300)
+    model = toy_model.build_tiny_qwen3(tok, "XS", seed=0)
     model.save_pretrained(tmp / "init")
     tok.save_pretrained(tmp / "init")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,

@@ -334,7 +334,7 @@ def test_budget_stops_once_reached():
 
 
 def test_judge_cost_plan_of_the_full_preset():
-    import settings
+    from backends import config as settings
 
     cfg = settings.full_preset()
     plan = judge_cost_plan(cfg)

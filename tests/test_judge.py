@@ -14,7 +14,7 @@ from toy import sft
 from judge import BUFFER_CAPS, EvolvingJudge, Rubric, discriminativeness
 from toy.judge import ToyJudge, answer_claims
 from scaffold import ANSWER, PLAN, RESEARCH, REVIEW, STAGES
-from data import Query
+from scaffold import Query
 from scaffold import SearchResult
 
 import toyfix as tf
@@ -680,20 +680,20 @@ def test_static_stage_scores_of_training_rollouts_are_buffer_independent_sec3_4(
     # The logged score/{stage} of a step: the static rubric set's mean stage scores of the step's
     # rollouts, the same whatever the evolving buffers hold (R is not), None for a judge without
     # a static rubric set.
-    import evaluate
+    from backends import heldout
 
     ros = [r for q in queries for r in pool[q.query]]
     n = len(pool[queries[0].query])
     judge = ToyJudge(world)
     want = np.concatenate([judge.evaluate(q, pool[q.query]) for q in queries]).mean(0)
-    got = evaluate.static_stage_scores(judge, queries, ros, n)
+    got = heldout.static_stage_scores(judge, queries, ros, n)
     np.testing.assert_allclose(got, want)
     for step in range(3):  # buffers evolve; the static score does not move
         for q in queries:
             judge.judge_group(q, pool[q.query], step)
-        np.testing.assert_allclose(evaluate.static_stage_scores(judge, queries, ros, n), want)
+        np.testing.assert_allclose(heldout.static_stage_scores(judge, queries, ros, n), want)
     assert 0.0 < want[ANSWER] < 1.0
-    assert evaluate.static_stage_scores(EvolvingJudge(), queries, ros, n) is None
+    assert heldout.static_stage_scores(EvolvingJudge(), queries, ros, n) is None
 
 
 # ----------------------------------------------------------------------------------------------------

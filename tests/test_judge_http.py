@@ -29,7 +29,7 @@ from judge import JudgeConfig
 from loopback import TEST_KEY, FakeServer
 from scaffold import ANSWER, STAGES, Rollout, ToolCall, parse_response
 from toy.world import BM25SearchTool, WorldConfig, make_world
-from data import Query, load_rows
+from scaffold import Query, load_rows
 
 
 @pytest.fixture(autouse=True)

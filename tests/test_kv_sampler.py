@@ -1,4 +1,4 @@
-"""kv_sampler.KVSampler against the reference sampler scaffold.HFSampler (HF generate), §3.1-3.2:
+"""kv_sampler.KVSampler against the reference sampler hf_sampler.HFSampler (HF generate), §3.1-3.2:
 greedy rollouts are the same ids (stop ids, a multi-token stop string, budgets, batching, the tool
 loop of the rollout engine); at T = 1 every next-token log-prob is a full forward's to 1e-5, the
 inverse-CDF draw has the distribution's frequencies, and with draw="multinomial" the draws are
@@ -8,9 +8,11 @@ import pytest
 import torch
 
 import policy
+
+from toy import model as toy_model
 import toyfix as tf
 from toy.kv_sampler import KVSampler, draw_inverse_cdf
-from scaffold import HFSampler
+from toy.hf_sampler import HFSampler
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -28,7 +30,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def model(tok):
-    return policy.build_tiny_qwen3(tok, "XS", seed=0).eval()
+    return toy_model.build_tiny_qwen3(tok, "XS", seed=0).eval()
 
 
 def prompt(tok):
@@ -93,7 +95,7 @@ def test_greedy_stops_at_the_first_stop_id_like_hf_sec3_2(tok, model):
 
 def test_multi_token_stop_string_cut_like_hf_sec3_2(model):
     ptok = tf.plain_tokenizer()
-    m = policy.build_tiny_qwen3(ptok, "XS", seed=1).eval()
+    m = toy_model.build_tiny_qwen3(ptok, "XS", seed=1).eval()
     text = tf.encode(ptok, " Harta year</call_tool> and more text after the call")
     assert len(tf.encode(ptok, "</call_tool>")) > 1  # spelt out: a stop string, not a stop id
     p = tf.encode(ptok, "user: find Harta\nassistant:")
@@ -215,8 +217,8 @@ def test_rollout_engine_greedy_tool_loop_same_rollouts_sec3_2(tok, model):
 
 
 def test_config_sampler_kv_builds_the_kv_sampler(tok, model):
-    import build
-    import settings
+    from backends import build
+    from backends import config as settings
 
     cfg = settings.Config()
     cfg.sampler = "kv"
@@ -243,7 +245,7 @@ def test_inverse_cdf_draw_has_the_distribution_frequencies_sec3_1():
     exact = big.double().cumsum(-1)
     assert float((big.cumsum(-1).double() - exact).abs().max()) < 1e-6
     with pytest.raises(ValueError):
-        KVSampler(policy.build_tiny_qwen3(tf.tiny_tokenizer(), "XS"), tf.tiny_tokenizer(), draw="x")
+        KVSampler(toy_model.build_tiny_qwen3(tf.tiny_tokenizer(), "XS"), tf.tiny_tokenizer(), draw="x")
 
 
 def test_growing_cache_gives_dynamic_cache_floats_bit_for_bit_sec3_1(tok, model, monkeypatch):

@@ -9,6 +9,8 @@ import torch
 
 import policy
 
+from toy import model as toy_model
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V = 97
 
@@ -19,7 +21,7 @@ def model():
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=V, max_position_embeddings=64, tie_word_embeddings=True,
-                      **policy.SIZES["XS"])
+                      **toy_model.SIZES["XS"])
     return Qwen3ForCausalLM(cfg).eval()
 
 

@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 
 import bank as bank_mod
-import memory_eval
+from runfix import load_script
+
+memory_eval = load_script("memory_eval")
 import train
-import build
-import settings
+from backends import build
+from backends import config as settings
 from runfix import fast_args, sha256
 from test_reflection import LESSON, ReflectionTextSampler, patch_sampler
 

@@ -11,9 +11,10 @@ import re
 import numpy as np
 import pytest
 
-import report
+from backends import report
 import train
-import settings
+from backends import cli
+from backends import config as settings
 from runfix import fast_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,7 +80,7 @@ def test_every_logged_metric_key_is_in_the_readme_glossary_and_every_line_has_th
 
 def test_glossary_names_the_fault_and_bank_keys():
     import bank
-    from faults import JUDGE_KINDS, TOOL_KINDS
+    from backends.faults import JUDGE_KINDS, TOOL_KINDS
 
     keys = glossary_keys()
     reasons = [getattr(bank, n) for n in dir(bank) if n.startswith("REASON_") and n != "REASON_OK"]
@@ -142,7 +143,7 @@ def test_filter_counts_read_as_a_sentence():
 
 def test_help_explains_every_flag_with_its_default(capsys):
     with pytest.raises(SystemExit) as e:
-        train.parse_cli(["--help"])
+        cli.parse_cli(["--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
     entries = re.split(r"\n  (?=-)", text.split("options:", 1)[1])[1:]
@@ -155,10 +156,10 @@ def test_help_explains_every_flag_with_its_default(capsys):
 
 
 def test_list_config_prints_every_key_with_its_default_and_doc(capsys):
-    from settings import leaf_fields
+    from backends.config import leaf_fields
 
     with pytest.raises(SystemExit) as e:
-        train.parse_cli(["--list-config"])
+        cli.parse_cli(["--list-config"])
     assert e.value.code == 0
     text = capsys.readouterr().out
     blocks = {b.split(" = ", 1)[0]: b for b in re.split(r"\n(?=\S)", text.strip())}
@@ -210,7 +211,7 @@ def test_report_to_tensorboard_and_wandb_log_what_metrics_jsonl_logs(tmp_path, t
 def test_report_to_refuses_unknown_or_missing_backends(monkeypatch):
     import importlib.util
 
-    import settings
+    from backends import config as settings
 
     cfg = settings.toy_preset()
     cfg.report_to = ["mlflow"]
@@ -221,5 +222,5 @@ def test_report_to_refuses_unknown_or_missing_backends(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else find(n, *a))
     with pytest.raises(ValueError, match="pip install wandb"):
         settings.validate_config(cfg)
-    assert train.parse_args(["--toy", "--report-to", "tensorboard, wandb"]).report_to == [
+    assert cli.parse_args(["--toy", "--report-to", "tensorboard, wandb"]).report_to == [
         "tensorboard", "wandb"]

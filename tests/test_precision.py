@@ -1,4 +1,4 @@
-"""The `precision` setting (scaffold.autocast): "bf16" runs the toy model's forwards (SFT, both
+"""The `precision` setting (hf_sampler.autocast): "bf16" runs the toy model's forwards (SFT, both
 samplers, the update's log-probs) under bfloat16 autocast while weights, optimizer state, log-probs
 and losses stay float32; "fp32" is the float32 path, unchanged. Samplers and the update must agree
 with each other under the same precision, as they do in float32.
@@ -9,9 +9,13 @@ import pytest
 import torch
 
 import policy
+
+from backends import torch_engine
+
+from toy import model as toy_model
 import toyfix as tf
-from scaffold import HFSampler, autocast
-from settings import toy_preset, validate_config
+from toy.hf_sampler import HFSampler, autocast
+from backends.config import toy_preset, validate_config
 from ss_grpo import SSGRPOConfig
 from toy import sft
 from toy.kv_sampler import KVSampler
@@ -31,8 +35,8 @@ def test_bf16_logprobs_are_float32_close_to_fp32_and_not_equal(tok, model):
     ids = torch.tensor([p, p[::-1]])
     att = torch.ones_like(ids)
     cfg = SSGRPOConfig()
-    lp32 = policy.TorchEngine(model, cfg).logprobs(ids, att)
-    lp16 = policy.TorchEngine(model, cfg, precision="bf16").logprobs(ids, att)
+    lp32 = torch_engine.TorchEngine(model, cfg).logprobs(ids, att)
+    lp16 = torch_engine.TorchEngine(model, cfg, precision="bf16").logprobs(ids, att)
     assert lp16.dtype == torch.float32 and lp16.shape == lp32.shape
     # bfloat16 products: an 8-bit mantissa, so the log-probs move by up to a few 1e-2 ...
     assert torch.allclose(lp16, lp32, atol=0.1)
@@ -41,8 +45,8 @@ def test_bf16_logprobs_are_float32_close_to_fp32_and_not_equal(tok, model):
 
 
 def test_bf16_update_keeps_float32_weights_and_optimizer_state(tok):
-    m = policy.build_tiny_qwen3(tok, "XS", seed=3)
-    eng = policy.TorchEngine(m, SSGRPOConfig(), precision="bf16")
+    m = toy_model.build_tiny_qwen3(tok, "XS", seed=3)
+    eng = torch_engine.TorchEngine(m, SSGRPOConfig(), precision="bf16")
     p = prompt(tok)
     batch = policy.UpdateBatch(ids=[p, p[2:]], mask=[[0] * 5 + [1] * (len(p) - 5)] * 2,
                                adv=[[0.0] * 5 + [1.0] * (len(p) - 5),
@@ -76,7 +80,7 @@ def test_bf16_kv_sampler_logprobs_equal_a_bf16_full_forward(tok, model):
     torch.manual_seed(2)
     ids, lps = KVSampler(model, tok, precision="bf16").decode([p, p[:7]], [30, 30], 1.0,
                                                               return_logprobs=True)
-    eng = policy.TorchEngine(model, SSGRPOConfig(), ref_model=model, precision="bf16")
+    eng = torch_engine.TorchEngine(model, SSGRPOConfig(), ref_model=model, precision="bf16")
     for pr, new, lp in zip([p, p[:7]], ids, lps):
         seq = torch.tensor([pr + new])
         with torch.no_grad():
@@ -86,13 +90,13 @@ def test_bf16_kv_sampler_logprobs_equal_a_bf16_full_forward(tok, model):
 
 
 def test_bf16_sft_step_trains_float32_weights(tok):
-    m = policy.build_tiny_qwen3(tok, "XS", seed=1)
+    m = toy_model.build_tiny_qwen3(tok, "XS", seed=1)
     ids = prompt(tok)
     enc = [(ids, [0] * 5 + [1] * (len(ids) - 5))] * 4
     cfg = sft.SFTConfig(steps=3, batch_size=2, warmup=1)
     res = {}
     for precision in ("fp32", "bf16"):
-        mm = policy.build_tiny_qwen3(tok, "XS", seed=1)
+        mm = toy_model.build_tiny_qwen3(tok, "XS", seed=1)
         res[precision] = sft.train_sft(mm, tok, enc, cfg, progress=False, precision=precision)
         assert all(q.dtype == torch.float32 for q in mm.parameters())
     assert abs(res["bf16"]["loss"] - res["fp32"]["loss"]) < 0.1

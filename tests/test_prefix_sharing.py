@@ -11,19 +11,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import policy
-from policy import TorchEngine, UpdateBatch
+
+from toy import model as toy_model
+from backends.torch_engine import TorchEngine
+from policy import UpdateBatch
 from ss_grpo import SSGRPOConfig
 
 V, PAD = 61, 0
 
 
 def tiny_qwen3(seed: int = 0, attn: str | None = None):
-    """A randomly initialised XS Qwen3 (policy.SIZES) over a 61-token vocabulary."""
+    """A randomly initialised XS Qwen3 (toy_model.SIZES) over a 61-token vocabulary."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     cfg = Qwen3Config(vocab_size=V, max_position_embeddings=256, tie_word_embeddings=True,
-                      pad_token_id=PAD, **policy.SIZES["XS"])
+                      pad_token_id=PAD, **toy_model.SIZES["XS"])
     if attn is not None:
         cfg._attn_implementation = attn
     return Qwen3ForCausalLM(cfg).eval()

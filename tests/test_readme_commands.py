@@ -1,7 +1,7 @@
 """Every shell command README.md shows works in a fresh checkout.
 
 tests/readme_commands.py extracts each command of the README's ```bash blocks and classifies it:
-  run       python train.py / ask.py / bank.py / memory_eval.py / evaluate.py / scripts/*.py: run in a
+  run       python train.py / ask.py / bank.py / scripts/memory_eval.py / evaluate.py / scripts/*.py: run in a
             subprocess, in README order, from a scratch copy of the checkout (cwd = that copy, so
             `runs/toy` etc. are relative to it, as in a fresh clone); must exit 0 without a traceback,
             and every `runs/...` path its comment names must exist afterwards.

@@ -15,11 +15,12 @@ from runfix import fast_args, metric_rows
 
 import train
 
-import build
+from backends import build
 
-import settings
+from backends import config as settings
 
-import policy
+
+from backends import torch_engine
 
 LESSON = "Lesson: search every asked aspect with the full name; cite a snippet for every claim."
 
@@ -194,7 +195,7 @@ def test_deferred_reflection_update_runs_before_the_next_rollouts_alg1(tmp_path,
             events.append(("generate", call[1]))
 
     patch_sampler(monkeypatch, Log())
-    update = policy.TorchEngine.update
+    update = torch_engine.TorchEngine.update
     temps = []
 
     def logged(self, batch, pad_id, rng):
@@ -202,7 +203,7 @@ def test_deferred_reflection_update_runs_before_the_next_rollouts_alg1(tmp_path,
         temps.append(batch.temperature)
         return update(self, batch, pad_id, rng)
 
-    monkeypatch.setattr(policy.TorchEngine, "update", logged)
+    monkeypatch.setattr(torch_engine.TorchEngine, "update", logged)
     run = tmp_path / "run"
     assert train.main(fast_args(run, toy_cache, 2, "--set", "reflection.max_new_tokens=96",
                                 "--set", "eval.n_questions=0", "--set",

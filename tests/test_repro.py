@@ -20,6 +20,7 @@ SFT_DIGEST = r"""
 import hashlib, json, sys
 import torch
 import policy, scaffold
+from toy import model as toy_model
 from toy import sft
 from toy.world import BM25SearchTool, SYLLABLES, WorldConfig, make_world
 torch.set_num_threads(1)
@@ -28,9 +29,9 @@ cfg = sft.SFTConfig(n_trajectories=20, n_reflections=20, steps=1, batch_size=40)
 ex, stats = sft.build_sft_data(w, BM25SearchTool(w.docs), scaffold.SYSTEM_PROMPT_COMPACT, cfg,
                                sft.TeacherConfig(p_skip=0.5))
 texts = [d.title + " " + d.text for d in w.docs] + [sft.tok_text(m, s) for m, s in ex]
-tok = policy.train_tokenizer(texts, names=list(w.entities), vocab_size=300, syllables=SYLLABLES)
+tok = toy_model.train_tokenizer(texts, names=list(w.entities), vocab_size=300, syllables=SYLLABLES)
 enc = sft.encode_examples(tok, ex)
-model = policy.build_tiny_qwen3(tok, "XS", seed=0)
+model = toy_model.build_tiny_qwen3(tok, "XS", seed=0)
 torch.manual_seed(0)
 sft.train_sft(model, tok, enc, cfg, progress=False)
 h = hashlib.sha256()

@@ -14,10 +14,10 @@ import sys
 import pytest
 import torch
 
-import checkpoint as ckpt_mod
+from backends import checkpoint as ckpt_mod
 import train
-import build
-import settings
+from backends import build
+from backends import config as settings
 from runfix import fast_args, metric_rows, run_fingerprint
 from test_reflection import ReflectionTextSampler
 

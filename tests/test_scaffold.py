@@ -10,12 +10,13 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import policy
+
+from toy import model as toy_model
 import scaffold
 from toy import sft
 from toy.judge import ToyJudge
-from scaffold import (ANSWER, CALL_OPEN, PLAN, RESEARCH, REVIEW, SCAFFOLD_TAGS, HFSampler,
-                      assign_stage_ids, neutralise_forged, parse_response, stage_of_chars)
+from toy.hf_sampler import HFSampler
+from scaffold import (ANSWER, CALL_OPEN, PLAN, RESEARCH, REVIEW, SCAFFOLD_TAGS, assign_stage_ids, neutralise_forged, parse_response, stage_of_chars)
 from toy.world import ANSWER_TEMPLATES
 
 import toyfix as tf
@@ -513,7 +514,7 @@ def test_token_budget_truncation_sets_truncated_sec3_1(tok, queries):
 
 @pytest.fixture(scope="module")
 def tiny_model(tok):
-    return policy.build_tiny_qwen3(tok, "XS", seed=0).eval()
+    return toy_model.build_tiny_qwen3(tok, "XS", seed=0).eval()
 
 
 class _Boost:

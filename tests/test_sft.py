@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-import policy
+
+from toy import model as toy_model
 import reflection
 import scaffold
 from toy import sft
@@ -227,8 +228,8 @@ def test_warm_start_trains_once_then_loads_from_cache_appendix(tmp_path, monkeyp
     cfg = sft.SFTConfig(n_trajectories=6, n_reflections=2, steps=2, batch_size=4, warmup=1, seed=0)
     tcfg = TeacherConfig()
     args = (world, tf.tiny_tool(), tf.SYSTEM, cfg, tcfg, "XS", 300, str(tmp_path))
-    loads, load = [], policy.load_policy
-    monkeypatch.setattr(policy, "load_policy", lambda p, *a, **k: (loads.append(p), load(p, *a, **k))[1])
+    loads, load = [], toy_model.load_policy
+    monkeypatch.setattr(toy_model, "load_policy", lambda p, *a, **k: (loads.append(p), load(p, *a, **k))[1])
     m1, tok1, info1, path1 = sft.warm_start(*args, progress=False)
     assert info1["cached"] is False and info1["steps"] == 2
     # the run that trained continues from the saved copy, as a run that finds it cached does
@@ -261,8 +262,8 @@ def test_warm_start_trains_once_then_loads_from_cache_appendix(tmp_path, monkeyp
 def test_warm_start_is_shared_by_rl_seeds_and_ignores_global_rng_appendix(tmp_path, monkeypatch):
     # The SFT policy depends on sft.seed only: a run with another --seed (which seeds the global
     # generators first) must find the same cached warm start instead of training an identical one.
-    import build
-    import settings
+    from backends import build
+    from backends import config as settings
     import train
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -1,5 +1,5 @@
 """Thread settings of the toy run: `threads` (training: SFT, updates) and `sample_threads` (the
-samplers' decoding, scaffold.intra_op_threads), and train.py's default OMP_WAIT_POLICY. The sampled
+samplers' decoding, hf_sampler.intra_op_threads), and train.py's default OMP_WAIT_POLICY. The sampled
 tokens depend on the sampling threads only, so a run's rollouts and held-out evaluation do not
 change with the training thread count.
 """
@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-import build
-import settings
-from scaffold import HFSampler, intra_op_threads
+from backends import build
+from backends import config as settings
+from toy.hf_sampler import HFSampler, intra_op_threads
 from toy.kv_sampler import KVSampler
 from test_kv_sampler import model, prompt  # noqa: F401  (the XS model fixture, a chat prompt)
 from toyfix import tok  # noqa: F401  (module fixture)

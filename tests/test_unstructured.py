@@ -11,10 +11,11 @@ import torch
 from hypothesis import given, strategies as st
 
 import scaffold
-import settings
+from backends import config as settings
 import ss_grpo
 import train
-from evaluate import heldout_scores
+from backends import cli
+from backends.heldout import heldout_scores
 from scaffold import (ANSWER, CALL_OPEN, SCAFFOLD_TAGS, THINK_TAGS, assign_stage_ids,
                       parse_unstructured)
 from toy import sft
@@ -267,9 +268,9 @@ def test_unstructured_two_step_toy_run_writes_an_answer_score_fig6(tmp_path, toy
 
 
 def test_unstructured_run_gets_its_own_default_run_dir_fig6():
-    cfg = train.parse_args(["--toy", "--arm", "baseline_rl", "--set", 'rollout.scaffold="unstructured"'])
+    cfg = cli.parse_args(["--toy", "--arm", "baseline_rl", "--set", 'rollout.scaffold="unstructured"'])
     assert cfg.run_dir == "runs/toy-baseline_rl-unstructured"
-    assert train.parse_args(["--toy", "--arm", "baseline_rl"]).run_dir == "runs/toy-baseline_rl"
-    explicit = train.parse_args(["--toy", "--arm", "baseline_rl", "--run-dir", "x", "--set",
+    assert cli.parse_args(["--toy", "--arm", "baseline_rl"]).run_dir == "runs/toy-baseline_rl"
+    explicit = cli.parse_args(["--toy", "--arm", "baseline_rl", "--run-dir", "x", "--set",
                                  'rollout.scaffold="unstructured"'])
     assert explicit.run_dir == "x"

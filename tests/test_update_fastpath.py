@@ -9,20 +9,23 @@ import pytest
 import torch
 
 import policy
+
+from toy import model as toy_model
 import ss_grpo
-from policy import TorchEngine, UpdateBatch
+from backends.torch_engine import TorchEngine
+from policy import UpdateBatch
 from ss_grpo import SSGRPOConfig
 
 V, PAD = 64, 0
 
 
 def tiny_qwen3(seed: int = 0):
-    """A randomly initialised XS Qwen3 (policy.SIZES) over a 64-token vocabulary."""
+    """A randomly initialised XS Qwen3 (toy_model.SIZES) over a 64-token vocabulary."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     cfg = Qwen3Config(vocab_size=V, max_position_embeddings=128, tie_word_embeddings=True,
-                      pad_token_id=PAD, **policy.SIZES["XS"])
+                      pad_token_id=PAD, **toy_model.SIZES["XS"])
     return Qwen3ForCausalLM(cfg).eval()
 
 

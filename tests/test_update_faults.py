@@ -1,5 +1,5 @@
 """The SS-GRPO update (§3.3) under inputs a long run meets sooner or later, on both engines: the one
-update, policy.policy_update, over policy.TorchEngine (one process) and over `OneProcessPolicy`, a
+update, policy.policy_update, over torch_engine.TorchEngine (one process) and over `OneProcessPolicy`, a
 plain-PyTorch engine with ZeRO-3's step semantics (backends/full.py's ZeRO3Policy: the optimizer
 itself discards a step whose gradient norm is not finite), so no DeepSpeed is needed; world size 1,
 so policy.plan_update hands it the whole batch.
@@ -24,7 +24,12 @@ import pytest
 import torch
 
 import policy
-from policy import TorchEngine, UpdateBatch, plan_update, policy_update, token_logprobs
+
+from backends import torch_engine
+
+from toy import model as toy_model
+from backends.torch_engine import TorchEngine
+from policy import UpdateBatch, plan_update, policy_update, token_logprobs
 from ss_grpo import SSGRPOConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,12 +37,12 @@ V, PAD, SEED = 64, 0, 3
 
 
 def tiny_qwen3(seed: int = 0, **config):
-    """A randomly initialised XS Qwen3 (policy.SIZES) over a 64-token vocabulary."""
+    """A randomly initialised XS Qwen3 (toy_model.SIZES) over a 64-token vocabulary."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     cfg = Qwen3Config(vocab_size=V, max_position_embeddings=128, tie_word_embeddings=True,
-                      pad_token_id=PAD, **policy.SIZES["XS"], **config)
+                      pad_token_id=PAD, **toy_model.SIZES["XS"], **config)
     return Qwen3ForCausalLM(cfg).eval()
 
 
@@ -296,11 +301,11 @@ def test_s33_first_minibatch_is_on_policy_with_attention_dropout(monkeypatch):
 def test_disable_dropout_covers_modules_attributes_and_config():
     model = tiny_qwen3(attention_dropout=0.1)
     model.model.extra = torch.nn.Dropout(0.3)
-    n = policy.disable_dropout(model)
+    n = torch_engine.disable_dropout(model)
     assert n == 1 + 2 + 1  # the Dropout module, 2 attention layers, the config field
     assert model.model.extra.p == 0.0
     assert all(layer.self_attn.attention_dropout == 0.0 for layer in model.model.layers)
-    assert policy.disable_dropout(model) == 0  # idempotent
+    assert torch_engine.disable_dropout(model) == 0  # idempotent
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -20,10 +20,11 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-import policy
+
+from toy import model as toy_model
 import scaffold
 import toyfix as tf
-from scaffold import HFSampler
+from toy.hf_sampler import HFSampler
 from backends.vllm_sampler import VLLMSampler, WeightSyncError, cut_at_stop, stop_rule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -241,7 +242,7 @@ def test_rollouts_equal_hfsampler_rollouts_sec3_1(tok):
 def ckpt(tmp_path_factory):
     """A saved tiny Qwen3 (tied embeddings) + tokenizer: real checkpoint names for the sampler."""
     tok = tf.tiny_tokenizer()
-    model = policy.build_tiny_qwen3(tok, "XS", seed=0)
+    model = toy_model.build_tiny_qwen3(tok, "XS", seed=0)
     d = str(tmp_path_factory.mktemp("ckpt"))
     model.save_pretrained(d)
     tok.save_pretrained(d)

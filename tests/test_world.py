@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from toy.world import ASPECTS, BM25SearchTool, WorldConfig, bm25_tokens, make_world
 
-from data import Query, load_rows, parse_row
+from scaffold import Query, load_rows, parse_row
 
 TINY = dict(n_train_entities=40, n_heldout_entities=10)
 

@@ -13,12 +13,13 @@ from typing import Sequence
 
 import pytest
 
-import policy
+
+from toy import model as toy_model
 import scaffold
 from toy import sft
 from toy import world
 from toy.world import BM25SearchTool, WorldConfig, make_world
-from data import load_rows
+from backends.data import load_rows
 
 TINY = WorldConfig(seed=0, n_train_entities=40, n_heldout_entities=10)
 CLEAN_TEACHER = sft.TeacherConfig(p_defect=0.0, p_tool_fail=0.0)
@@ -56,7 +57,7 @@ def tiny_tokenizer():
     for i, q in enumerate(train_queries()[:40]):
         tr = teacher(q, seed=i)
         texts.append(sft.tok_text(scaffold.build_messages(q.query, [], SYSTEM), tr.segments))
-    return policy.train_tokenizer(texts, names=list(w.entities), vocab_size=400,
+    return toy_model.train_tokenizer(texts, names=list(w.entities), vocab_size=400,
                                   syllables=world.SYLLABLES)
 
 
@@ -144,11 +145,11 @@ def plain_tokenizer():
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     tk.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=list(policy.SPECIAL_TOKENS),
+        vocab_size=300, special_tokens=list(toy_model.SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>",
                                   pad_token="<|endoftext|>")
-    tok.chat_template = policy.CHATML_TEMPLATE
+    tok.chat_template = toy_model.CHATML_TEMPLATE
     return tok
 
 

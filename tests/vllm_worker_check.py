@@ -19,7 +19,7 @@ Checks (each a key of the JSON summary; "ok" is their conjunction)
       `reload_from_checkpoint` repairs the engine.
   (d) cost of the fallback: save to tmpfs + in-place `weights_path` reload, and a full rebuild.
 
-The toy model is `policy.build_tiny_qwen3(size="XS")` with a locally trained tokenizer in which the
+The toy model is `toy_model.build_tiny_qwen3(size="XS")` with a locally trained tokenizer in which the
 scaffold tags are single tokens. A random model never writes a tool call, so we edit its (tied)
 embedding: column 0 is set to a constant for every token, which gives the final hidden state a
 large, always positive coordinate 0 and adds the same logit to every token (no effect on the
@@ -60,15 +60,16 @@ def build_toy(workdir: str):
     B = A after one "update" (Gaussian noise on every tensor)."""
     import torch
 
-    import policy
+
+    from toy import model as toy_model
     import scaffold
     from toy import world
 
     w = world.make_world(world.WorldConfig(seed=0, n_train_entities=40, n_heldout_entities=10))
     texts = [d.title + " " + d.text for d in w.docs]
-    tok = policy.train_tokenizer(texts, names=list(w.entities), vocab_size=400,
+    tok = toy_model.train_tokenizer(texts, names=list(w.entities), vocab_size=400,
                                  syllables=world.SYLLABLES)
-    a = policy.build_tiny_qwen3(tok, "XS", seed=0).eval()
+    a = toy_model.build_tiny_qwen3(tok, "XS", seed=0).eval()
     close = tok.convert_tokens_to_ids("</call_tool>")
     opening = tok.convert_tokens_to_ids(scaffold.CALL_OPEN)
     with torch.no_grad():
@@ -77,7 +78,7 @@ def build_toy(workdir: str):
         emb[close, 0] += 0.45
         emb[opening, 0] += 0.6
         emb[tok.eos_token_id, 0] += 0.15
-    b = policy.build_tiny_qwen3(tok, "XS", seed=0).eval()
+    b = toy_model.build_tiny_qwen3(tok, "XS", seed=0).eval()
     b.load_state_dict(a.state_dict())
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -128,7 +129,7 @@ def check_rollouts(sampler, tok, w, hf_a) -> dict:
     """(a): real multi-turn rollouts through scaffold.RolloutEngine with the BM25 tool."""
     import scaffold
     from toy import world
-    from data import load_rows
+    from backends.data import load_rows
 
     rec = Recorder(sampler)
     engine = scaffold.RolloutEngine(rec, tok, {"google_search": world.BM25SearchTool(w.docs)},

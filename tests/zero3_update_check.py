@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from backends import full  # noqa: E402
 import policy  # noqa: E402
-import settings  # noqa: E402
+from backends import config as settings  # noqa: E402
 import ss_grpo  # noqa: E402
 
 

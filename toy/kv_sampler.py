@@ -2,7 +2,7 @@
 
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
 Implements the sampling step of §3.1 (a_t ~ pi_theta(. | h_t), temperature 1.0 in the paper) for
-`scaffold.RolloutEngine`, like `scaffold.HFSampler`, which stays the reference.
+`scaffold.RolloutEngine`, like `hf_sampler.HFSampler`, which stays the reference.
 
 Why: on a small model on CPU, Hugging Face `generate` spends much of each decode step in per-step
 bookkeeping (input preparation, logits processors, stopping criteria) rather than in the model. This
@@ -50,7 +50,7 @@ from typing import Sequence
 
 import torch
 
-from scaffold import HFSampler, autocast
+from toy.hf_sampler import HFSampler, autocast
 
 
 DRAWS = ("cdf", "multinomial")
@@ -157,7 +157,7 @@ class KVSampler(HFSampler):
     torch.multinomial costs several lm-head projections per step on CPU at an 8k vocabulary) or
     "multinomial" (torch.multinomial, HF generate's draw: the same tokens as generate for the same
     seed until a row stops). Randomness comes from torch's global RNG (seed it for determinism).
-    precision: the forwards' `scaffold.autocast` ("fp32" | "bf16"); threads: intra-op threads while
+    precision: the forwards' `hf_sampler.autocast` ("fp32" | "bf16"); threads: intra-op threads while
     generating (0 = unchanged; HFSampler). Raises ValueError for another draw or precision.
     """
 
@@ -181,7 +181,7 @@ class KVSampler(HFSampler):
 
     def _generate(self, prompts, max_new_tokens, temperature):
         """Continue each prompt (list of token ids) by at most max_new_tokens[i] sampled ids
-        (HFSampler's `generate` calls this under `scaffold.intra_op_threads(self.threads)`).
+        (HFSampler's `generate` calls this under `hf_sampler.intra_op_threads(self.threads)`).
 
         temperature: float >= 0 (0 = greedy). Returns one list of new ids per prompt, each ending at
         its first stop (included) or at its budget. Raises ValueError for a negative temperature or

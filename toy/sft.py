@@ -54,7 +54,7 @@ from reflection import reflection_messages
 from scaffold import (CALL_OPEN, SCAFFOLD_TAGS, THINK_TAGS, build_messages, format_tool_error,
                       format_tool_output)
 from toy.world import ANSWER_TEMPLATES, World
-from data import Query
+from scaffold import Query
 
 log = logging.getLogger("rubricem.sft")
 
@@ -357,7 +357,7 @@ def build_sft_data(world: World, tool, tok_system: str, cfg: SFTConfig, tcfg: Te
 
     Returns (examples, stats): examples are (messages, segments) pairs; stats counts filter drops.
     """
-    from data import load_rows
+    from scaffold import load_rows
 
     structured = scaffold == "structured"
     rng = random.Random(cfg.seed)
@@ -400,7 +400,7 @@ def train_sft(model, tok, encoded: list[tuple[list[int], list[int]]], cfg: SFTCo
     """
     from tqdm import tqdm
 
-    from scaffold import autocast, pad_multiple
+    from toy.hf_sampler import autocast, pad_multiple
 
     cast, mult = autocast(precision), pad_multiple(precision)
 
@@ -468,7 +468,7 @@ def train_sft(model, tok, encoded: list[tuple[list[int], list[int]]], cfg: SFTCo
 
 def tok_text(messages: list, segments: Sequence[Segment]) -> str:
     """Plain text of one example, chat markup included (tokenizer training text)."""
-    from policy import CHATML_TEMPLATE  # noqa: F401  (same layout as the template)
+    from toy.model import CHATML_TEMPLATE  # noqa: F401  (same layout as the template)
 
     head = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
     return head + "<|im_start|>assistant\n" + "".join(t for _, t in segments)
@@ -502,7 +502,7 @@ def warm_start(world: World, tool, system: str, cfg: SFTConfig, tcfg: TeacherCon
     option existed); a second run with the same configuration loads `cache_dir/sft-<key>`
     (save_pretrained format) and skips training. The weights are float32 either way.
     """
-    import policy
+    from toy import model as policy
     from toy.world import SYLLABLES
 
     if precision != "fp32":
@@ -534,7 +534,7 @@ def warm_start(world: World, tool, system: str, cfg: SFTConfig, tcfg: TeacherCon
             "steps": res["steps"], "params": sum(p.numel() for p in model.parameters()),
             "mean_tokens": sum(len(e[0]) for e in encoded) / len(encoded), "key": key,
             "precision": precision, "cached": False}
-    from report import format_filter_counts
+    from toy.report import format_filter_counts
 
     log.info("SFT filters: %s", format_filter_counts(stats))
     tmp = path + f".tmp{os.getpid()}"

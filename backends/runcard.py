@@ -42,7 +42,7 @@ def with_default_system(template: str | None, system: str) -> str | None:
 def save_with_run_card(out_dir: str, tokenizer, config: dict, system: str) -> None:
     """Save `tokenizer` into out_dir with `system` as its chat template's default system message, and
     write out_dir/rubricem.json (system prompt and `config`, a JSON-serialisable dict such as
-    dataclasses.asdict(settings.Config)). The tokenizer object itself is left unchanged. Raises OSError
+    dataclasses.asdict(config.Config)). The tokenizer object itself is left unchanged. Raises OSError
     if a write fails."""
     old = tokenizer.chat_template
     try:

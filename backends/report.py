@@ -18,18 +18,14 @@ from typing import Sequence
 import numpy as np
 import torch
 
-import checkpoint as ckpt_mod
+from backends import checkpoint as ckpt_mod
 from scaffold import STAGES
+from toy.report import format_filter_counts
 
 # The short fields of the RL progress bar (train._train_loop's bar.set_postfix).
 PROGRESS_LEGEND = ("rl progress bar: R = mean judge score of this step's rollouts over the 4 stages "
                    "(0-1; 'missing' when the judge gave none), bank = rubric-bank entries")
 
-# sft.sft_filter's reasons, in words.
-FILTER_WORDS = {"no_closing_answer": "no closing </answer>",
-                "non_final_turn_without_valid_call": "a turn before a tool output without a valid call",
-                "missing_required_tag": "a required tag missing",
-                "consecutive_tool_errors": "two tool errors in a row"}
 
 # The run dir's artefacts in the order they are listed, with what each holds.
 ARTEFACTS = (("metrics.jsonl", "metrics, one JSON line per RL step (README: Logged metrics)"),
@@ -38,18 +34,6 @@ ARTEFACTS = (("metrics.jsonl", "metrics, one JSON line per RL step (README: Logg
              ("bank.jsonl", "the rubric bank (python bank.py list FILE)"),
              ("samples.jsonl", "trajectories of the first and last step with stage scores"),
              ("eval.json", "held-out evaluation and timings"))
-
-
-def format_filter_counts(stats: dict) -> str:
-    """sft.build_sft_data's counts ({"generated", "kept", <reason>: n}) as one sentence:
-    "kept 40 of 42 teacher trajectories; dropped: 1 no closing </answer>, 1 ..." (unknown reasons
-    are shown by name)."""
-    gen, kept = int(stats.get("generated", 0)), int(stats.get("kept", 0))
-    drops = [(k, int(v)) for k, v in stats.items() if k not in ("generated", "kept") and v]
-    text = f"kept {kept} of {gen} teacher trajectories"
-    if drops:
-        text += "; dropped: " + ", ".join(f"{n} {FILTER_WORDS.get(k, k)}" for k, n in drops)
-    return text
 
 
 def bootstrap_ci(values: Sequence[float], level: float = 0.95, n_boot: int = 2000,
@@ -72,7 +56,7 @@ def bootstrap_ci(values: Sequence[float], level: float = 0.95, n_boot: int = 200
 
 
 def heldout_lines(e0: dict, e1: dict) -> list[str]:
-    """Lines comparing the SFT start (e0) and the trained policy (e1), two evaluate.evaluate_heldout results on
+    """Lines comparing the SFT start (e0) and the trained policy (e1), two heldout.evaluate_heldout results on
     the same questions: score, answer score and fact recall, each mean with its 95 % CI and the
     paired RL - SFT difference with its CI (when the results carry per-question values). The score
     of an unstructured-scaffold run (its stage/* other than the answer are None) is its answer score."""

@@ -32,7 +32,9 @@ import os
 import random
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
+
+from scaffold import load_rows  # the RL row schema (DR Tulu)
 
 ROLES = ("system", "user", "assistant", "tool")
 TOOL_OPEN, TOOL_CLOSE = "<tool_output>", "</tool_output>"
@@ -236,64 +238,6 @@ def sft_example(messages: Sequence[dict], index: int = -1) -> tuple[list[dict], 
 
 
 # ----------------------------------------------------------------------------------------------------
-# The RL row schema (DR Tulu): parsing rows of the toy world and of real data alike
-
-
-@dataclass
-class Query:
-    """A parsed RL row: the question, its initial rubrics and (toy only) machine-checkable truth."""
-
-    query: str
-    rubrics: list[dict]
-    toy: dict | None = None
-    row_index: int = -1
-
-    @property
-    def facts(self) -> list[dict]:
-        return (self.toy or {}).get("facts", [])
-
-
-def parse_row(row: dict, index: int = -1) -> Query:
-    """Parse one DR Tulu-schema row. Raises ValueError naming the field and row index when the row
-    does not fit: `messages` must be a list of {role, content} dicts ending with the user turn
-    (earlier system turns are allowed, as in some RL datasets), `ground_truth` must be a JSON string (or
-    dict) with a non-empty `query` and a non-empty `rubrics` list of {title, description, weight}."""
-    where = f"row {index}"
-    msgs = row.get("messages") if isinstance(row, dict) else None
-    if (not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs)
-            or msgs[-1].get("role") != "user"):
-        raise ValueError(f"{where}: `messages` must be a list ending with one user turn")
-    gt = row.get("ground_truth")
-    if isinstance(gt, str):
-        try:
-            gt = json.loads(gt)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: `ground_truth` is not valid JSON ({e})") from None
-    if not isinstance(gt, dict):
-        raise ValueError(f"{where}: `ground_truth` must be a JSON object")
-    query = gt.get("query") or msgs[-1].get("content", "")
-    if not isinstance(query, str) or not query.strip():
-        raise ValueError(f"{where}: empty query")
-    rubrics = gt.get("rubrics")
-    if not isinstance(rubrics, list) or not rubrics:
-        raise ValueError(f"{where}: `ground_truth.rubrics` must be a non-empty list")
-    for j, r in enumerate(rubrics):
-        if not isinstance(r, dict) or not str(r.get("description", "")).strip():
-            raise ValueError(f"{where}: rubric {j} has no `description`")
-        w = r.get("weight", 1.0)
-        if not isinstance(w, (int, float)):
-            raise ValueError(f"{where}: rubric {j} `weight` must be a number")
-    return Query(query.strip(), rubrics, gt.get("toy"), index)
-
-
-def load_rows(rows: Iterable[dict]) -> list[Query]:
-    """Parse a dataset of rows; raises ValueError on an empty dataset or the first bad row."""
-    out = [parse_row(r, i) for i, r in enumerate(rows)]
-    if not out:
-        raise ValueError("dataset is empty: no RL rows to train on")
-    return out
-
-# ----------------------------------------------------------------------------------------------------
 # Data order of the RL batches (fresh batches of the windowed curriculum, bank.curriculum)
 
 
@@ -313,10 +257,8 @@ class DataOrder:
         return out
 
 
-
-
 # ----------------------------------------------------------------------------------------------------
-# Configuration (the run config's `data` section; settings.py nests it)
+# Configuration (the run config's `data` section; backends/config.py nests it)
 
 
 # PAPER (appendix): RL data "rl-research/dr-tulu-rl-data".

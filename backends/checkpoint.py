@@ -37,12 +37,13 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from bank import atomic_write_bytes  # one atomic write for the bank, checkpoints and artefacts
 
 
 log = logging.getLogger("rubricem.checkpoint")
@@ -57,44 +58,6 @@ _MODEL = "model"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete, corrupt, or does not fit the current run."""
-
-
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Replace `path` by `data` so that a crash leaves the old or the new file, never a partial one.
-
-    Write a temp file in the same directory (same filesystem, so rename is atomic), flush and fsync
-    it, os.replace it over `path`, then fsync the directory so the rename itself survives power loss.
-    The new file keeps the old file's permission bits (0o644 for a new file).
-    """
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    try:
-        mode = os.stat(path).st_mode & 0o777
-    except FileNotFoundError:
-        mode = 0o644
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    if os.name == "posix":  # other systems cannot open a directory for fsync
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        except OSError:  # some filesystems refuse fsync on directories; the rename is done anyway
-            pass
-        finally:
-            os.close(dfd)
 
 
 def atomic_write_json(path: str, obj: Any, indent: int | None = 1) -> None:
@@ -375,7 +338,7 @@ def load_model_weights(model: torch.nn.Module, path: str) -> None:
                               f"unexpected {list(unexpected)[:5]})")
 
 # ----------------------------------------------------------------------------------------------------
-# Configuration (the run config's `checkpoint` section; settings.py nests it)
+# Configuration (the run config's `checkpoint` section; backends/config.py nests it)
 
 
 @dataclass

@@ -3,25 +3,34 @@
 the rubric bank (`build_run`), plus the held-out evaluation's rollout engines.
 
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
-Toy mode builds the toy world (toy/), full mode the scale backends (backends/), each imported only
-when the configuration asks for it, so a toy run never imports DeepSpeed, vLLM or an HTTP client.
+Toy mode builds the toy world (toy/), full mode the scale backends (backends/: DeepSpeed, vLLM, HTTP
+judge and search, dense retrieval), each of those imported only when the configuration asks for it,
+so a toy run never imports DeepSpeed, vLLM or an HTTP client.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
 import torch
 
-from scaffold import system_prompt
-from settings import Config
+from bank import RubricBank
+from scaffold import RolloutEngine, load_rows, system_prompt
+from toy.hf_sampler import HFSampler
+from toy.judge import ToyJudge
+from toy.kv_sampler import KVSampler
+from toy.model import load_policy
+from toy.sft import warm_start
+from toy.world import BM25SearchTool, make_world
+from backends.config import ARMS, Config
+from backends.data import DataOrder, load_rl_rows
+from backends.faults import FaultyJudge, FaultyTool
 
 
 def setup_policy(cfg: Config, world, tool):
     """(model, tokenizer, info): a local --model directory, or the cached toy SFT warm start of the
     run's scaffold (rollout.scaffold)."""
-    from policy import load_policy
-    from toy.sft import warm_start
 
     system = system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
     if cfg.model:
@@ -44,15 +53,11 @@ def build_environment(cfg: Config):
     backends: the toy world and its BM25 tool, or DR Tulu rows (data.load_rl_rows) and the Serper
     tool (search_http). The toy world is built when anything needs it (toy data, tool or judge, or
     the SFT warm start)."""
-    from toy.world import BM25SearchTool, make_world
-    from data import load_rows
 
     need_world = (not cfg.data.source or cfg.search.backend == "toy" or cfg.judge.backend == "toy"
                   or not cfg.model)
     world = make_world(cfg.world) if need_world else None
     if cfg.search.backend == "serper":
-        import dataclasses
-
         from backends.search_http import SerperSearchTool  # SCALE: web search only when asked for
 
         tool = SerperSearchTool(dataclasses.replace(
@@ -60,8 +65,6 @@ def build_environment(cfg: Config):
     else:
         tool = BM25SearchTool(world.docs)
     if cfg.data.source:
-        from data import load_rl_rows
-
         train_q = load_rl_rows(cfg.data.source, cfg.data.split, cfg.data.limit or None)
         held_q = []
     else:
@@ -77,11 +80,7 @@ def build_judge(cfg: Config, world):
     (Gemini or an OpenAI-compatible server; the key is read from the environment per request). The
     toy judge scores only the Answer stage of an unstructured scaffold's rollouts."""
     if cfg.judge.backend == "toy":
-        from toy.judge import ToyJudge
-
         return ToyJudge(world, cfg.judge.caps, scaffold=cfg.rollout.scaffold)
-    import dataclasses
-
     from backends.judge_http import HTTPJudge  # SCALE: requests / urllib3 only for an HTTP judge
 
     # The run's judge section is the HTTP judge's configuration; its reply cache defaults to the
@@ -92,13 +91,10 @@ def build_judge(cfg: Config, world):
 
 def torch_sampler(cfg: Config, model, tok):
     """A sampler over the in-process `model`: the KV-cache decode loop (kv_sampler.KVSampler) when
-    cfg.sampler is "kv", else HF generate (scaffold.HFSampler), with cfg's precision and
+    cfg.sampler is "kv", else HF generate (hf_sampler.HFSampler), with cfg's precision and
     sample_threads."""
-    from scaffold import HFSampler
 
     if cfg.sampler == "kv":
-        from toy.kv_sampler import KVSampler
-
         return KVSampler(model, tok, precision=cfg.precision, threads=cfg.sample_threads)
     return HFSampler(model, tok, precision=cfg.precision, threads=cfg.sample_threads)
 
@@ -141,7 +137,6 @@ def heldout_engines(cfg: Config, ref_model, model, tok, tool, system: str):
     engine trains) with the clean search tool, so evaluation measures the policy whatever faults
     training saw. Both sample with `torch_sampler` (the KV-cache loop under the toy default
     sampler = "kv", else HF generate; with "vllm" too, since these weights are in this process)."""
-    from scaffold import RolloutEngine
 
     ref_engine = RolloutEngine(torch_sampler(cfg, ref_model, tok), tok,
                                {tool.name: tool}, cfg.rollout.max_response_tokens,
@@ -166,7 +161,7 @@ class Run:
     sampler and the search tool as training sees it (`rl_tool`, with injected faults when asked);
     judge: the stage judge (judge.EvolvingJudge; faults.FaultyJudge around it when asked), `clean_judge`
     the same without injected faults (evaluation); bank: the rubric bank (bank.RubricBank); order:
-    data.DataOrder over `train_q`; arm: settings.Arm, which components the ablation arm runs."""
+    data.DataOrder over `train_q`; arm: ss_grpo.Arm, which components the ablation arm runs."""
 
     cfg: Config
     policy: object
@@ -189,11 +184,6 @@ class Run:
 def build_run(cfg: Config, policy, model, tok, world, tool, train_q: list, held_q: list) -> Run:
     """The sampler, rollout engine, judge, bank and data order of a run whose policy engine exists
     (built by train.train, collectively on every rank for ZeRO-3)."""
-    from bank import RubricBank
-    from data import DataOrder
-    from faults import FaultyJudge, FaultyTool
-    from scaffold import RolloutEngine
-    from settings import ARMS
 
     system = system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
     sampler = build_sampler(cfg, model, tok)

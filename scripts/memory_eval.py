@@ -16,7 +16,7 @@ reflection branch of §3.4:
             reflection just written for that very question), and again without memory, with a
             second sampling seed shared by both.
 Each pass reports with-memory minus without-memory on the held-out answer score and the mean stage
-score (evaluate.evaluate_heldout's static rubrics), means over questions with 95 % paired bootstrap intervals
+score (heldout.evaluate_heldout's static rubrics), means over questions with 95 % paired bootstrap intervals
 over questions (report.bootstrap_ci), and the share of questions that received an item.
 
 Glossary: delta_p = mean_q (s_q^mem - s_q^none) for pass p, s_q the mean over the question's samples.
@@ -31,9 +31,9 @@ Deviations from the paper
        trained meta-policy. Pass 2 always uses the policy's own reflections.
 
 Launch
-    python memory_eval.py runs/toy                          # writes runs/toy/memory.json
+    python scripts/memory_eval.py runs/toy                          # writes runs/toy/memory.json
     python scripts/ablate.py memory --run-dir runs/toy      # the same
-    python memory_eval.py runs/toy-baseline_rl --bank runs/toy/bank.jsonl --n-questions 16
+    python scripts/memory_eval.py runs/toy-baseline_rl --bank runs/toy/bank.jsonl --n-questions 16
 """
 from __future__ import annotations
 
@@ -50,11 +50,13 @@ from typing import Sequence
 import numpy as np
 import torch
 
-import checkpoint as ckpt_mod
-import report
-import build
-import evaluate
-import settings
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from backends import checkpoint as ckpt_mod
+from backends import report
+from backends import build
+from backends import heldout
+from backends import config as settings
 from bank import MODE_EXACT, MODE_SIMILAR, RubricBank, format_for_prompt
 from reflection import run_reflection_branch
 from scaffold import system_prompt
@@ -67,7 +69,7 @@ PASSES = (("pass1", MODE_SIMILAR), ("pass2", MODE_EXACT))
 def build_sampler(model, tok, precision: str = "fp32", threads: int = 0):
     """The sampler every pass and the reflection step use (HF generate over the policy, under the
     run's precision and sampling threads)."""
-    from scaffold import HFSampler
+    from toy.hf_sampler import HFSampler
 
     return HFSampler(model, tok, precision=precision, threads=threads)
 
@@ -79,7 +81,7 @@ def retrieve_items(bank: RubricBank, queries: Sequence, mode: str, k: int) -> li
 
 
 def paired_delta(with_mem: dict, without: dict) -> dict:
-    """with-memory minus without-memory for two evaluate.evaluate_heldout results on the same questions:
+    """with-memory minus without-memory for two heldout.evaluate_heldout results on the same questions:
     for "answer" and "score", the mean difference and its 95 % paired bootstrap interval over
     questions ([lo, hi]), and the per-question differences."""
     out = {}
@@ -106,7 +108,7 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
     ValueError for a run whose judge is not the toy judge (the held-out score needs the toy world's
     static rubrics) or with no held-out questions.
     """
-    from policy import load_policy
+    from toy.model import load_policy
     from scaffold import RolloutEngine
 
     t_start = time.perf_counter()
@@ -144,12 +146,12 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
     bank_path = bank_path or os.path.join(run_dir, "bank.jsonl")
     bank = RubricBank.load(bank_path, missing_ok=True, strict=False, retriever=retriever,
                            max_chars=cfg.bank.max_chars)
-    seed = evaluate.heldout_seed(cfg)
+    seed = heldout.heldout_seed(cfg)
     seeds = {"pass1": seed, "pass2": seed + 1}  # pass 1 = the final evaluation's
 
     def run_pass(name: str, items: list[list[str]] | None) -> tuple[dict, list]:
-        ro = evaluate.sample_heldout(engine, qs, n_s, cfg.eval.temperature, seeds[name], items)
-        return evaluate.heldout_scores(judge, qs, ro, n_s), ro
+        ro = heldout.sample_heldout(engine, qs, n_s, cfg.eval.temperature, seeds[name], items)
+        return heldout.heldout_scores(judge, qs, ro, n_s), ro
 
     out: dict = {"run_dir": run_dir, "bank": bank_path, "bank_size": len(bank), "n_questions": len(qs),
                  "samples": n_s, "top_k": cfg.bank.top_k, "seeds": seeds, "arm": cfg.arm}

@@ -35,13 +35,14 @@ from typing import Any, Iterator, Sequence
 
 import ss_grpo
 from bank import BankConfig, CurriculumConfig
-from checkpoint import CheckpointConfig
-from data import PAPER_RL_DATA, DataConfig
-from faults import FaultConfig, validate_fault_config
+from backends.checkpoint import CheckpointConfig
+from backends.data import PAPER_RL_DATA, DataConfig
+from backends.faults import FaultConfig, validate_fault_config
+from backends.report import REPORT_BACKENDS
 from judge import JudgeConfig
 from reflection import ReflectionConfig
 from scaffold import SCAFFOLDS, STAGES, RolloutConfig, SearchConfig
-from ss_grpo import SSGRPOConfig
+from ss_grpo import ARMS, Arm, SSGRPOConfig  # noqa: F401  (config.ARMS, config.Arm)
 from toy.sft import SFTConfig, TeacherConfig
 from toy.world import WorldConfig
 
@@ -226,7 +227,7 @@ def field_docs(cls) -> dict[str, str]:
 
 def describe_config(cfg) -> list[tuple[str, str, str]]:
     """(dotted key, default as JSON, documentation) for every leaf field of `cfg` (a config dataclass
-    instance, e.g. settings.toy_preset()), in declaration order."""
+    instance, e.g. config.toy_preset()), in declaration order."""
     rows = []
 
     def walk(obj, prefix):
@@ -258,7 +259,7 @@ def format_config_reference(cfg, other=None, other_name: str = "full", width: in
 
 def check_local_inputs(cfg) -> None:
     """Refuse, before a run writes anything, a --model that is not a local directory (the policy is
-    loaded from local files only). cfg: a settings.Config; a dry run is exempt (it reports problems
+    loaded from local files only). cfg: a config.Config; a dry run is exempt (it reports problems
     itself). Raises ValueError naming the field."""
     if cfg.model and not cfg.dry_run and not os.path.isdir(cfg.model):
         raise ValueError(f"model: {cfg.model!r} is not a directory; --model takes a local Hugging Face "
@@ -271,7 +272,7 @@ def check_local_inputs(cfg) -> None:
 
 @dataclass
 class FullConfig:
-    """DeepSpeed and vLLM settings of full mode, carried by settings.Config as `full` (here, not in backends/full.py,
+    """DeepSpeed and vLLM settings of full mode, carried by config.Config as `full` (here, not in backends/full.py,
     so that a toy run never imports that module). Values the paper
     fixes are marked PAPER; the rest are ours (module docstring, deviation 1)."""
 
@@ -352,7 +353,7 @@ class Config:
     model: str = ""
     """"" = toy SFT warm start; else a local HF causal-LM directory"""
     model_size: str = "S"
-    """toy policy size: "XS" | "S" | "M" (policy.SIZES); "S" = 0.5 M parameters"""
+    """toy policy size: "XS" | "S" | "M" (toy_model.SIZES); "S" = 0.5 M parameters"""
     vocab_size: int = 1024
     """toy byte-level BPE vocabulary size (tokenizer trained on the toy world)"""
     cache_dir: str = ".cache/rubricem"
@@ -372,7 +373,7 @@ class Config:
     precision: str = "fp32"
     """ours: the toy model's forward passes (SFT warm start, rollouts, the update's log-probs, the
     held-out evaluation): "fp32" | "bf16" (torch autocast: matrix products in bfloat16, weights,
-    optimizer state, softmax and loss in float32; scaffold.autocast). Engine "torch" only: ZeRO-3
+    optimizer state, softmax and loss in float32; hf_sampler.autocast). Engine "torch" only: ZeRO-3
     sets its own with full.bf16"""
     progress: bool = True
     """progress bars (--no-progress turns them off)"""
@@ -438,32 +439,7 @@ def full_preset() -> Config:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Ablation arms (paper, "Ablation: RL training recipes": 600 steps from the same SFT checkpoint)
-
-
-@dataclass(frozen=True)
-class Arm:
-    """What one ablation arm turns on. advantage: "ss_grpo" (stagewise, G = R Lambda^T, §3.3),
-    "terminal_answer" (one terminal score, R_{i,Answer}, broadcast to every token) or
-    "terminal_mean" (the mean of the four stage scores, broadcast); reflection: the reflection
-    meta-policy branch, its bank upserts and its deferred GRPO update (§3.4); bank: rubric-bank
-    retrieval into the rollout prompts (§3.5)."""
-
-    advantage: str
-    reflection: bool
-    bank: bool
-
-
-ARMS = {
-    "rubricem": Arm("ss_grpo", reflection=True, bank=True),  # PAPER: full RubricEM
-    "ss_grpo": Arm("ss_grpo", reflection=False, bank=False),  # PAPER: "SS-GRPO" alone
-    "meta_policy": Arm("terminal_answer", reflection=True, bank=True),  # PAPER: "Meta-Policy" alone
-    "baseline_rl": Arm("terminal_answer", reflection=False, bank=False),  # PAPER: "Baseline RL", one
-    # terminal rubric score broadcast to all tokens
-    "baseline_rl_info": Arm("terminal_mean", reflection=False, bank=False),  # not in the paper: Baseline
-    # RL matched in judge information (its terminal score averages all four stage scores, so it sees
-    # what SS-GRPO sees, minus the stage-wise credit assignment)
-}
+# Overrides and checks (the ablation arms, ss_grpo.ARMS, are the paper's)
 
 
 def apply_overrides(cfg: Config, items: Sequence[str]) -> Config:
@@ -555,8 +531,6 @@ def validate_config(cfg: Config) -> None:
         from backends.search_http import check_search_config
 
         check_search_config(cfg.search)
-    from report import REPORT_BACKENDS
-
     for name in cfg.report_to:
         if name not in REPORT_BACKENDS:
             raise ValueError(f"report_to: unknown backend {name!r}; expected some of "

@@ -1,0 +1,39 @@
+"""The reading path of one RL step (scripts/reading_path.py): a line trace of one step of the default
+toy run at the fast settings counts the distinct project lines executed outside toy/ and backends/;
+the cap is 900 lines in 7 files, and docs/reading_path.md is the same trace written out."""
+import os
+import re
+import subprocess
+import sys
+
+from runfix import load_script
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_cap_fails_above_900_lines_or_7_files():
+    rp = load_script("reading_path")
+    assert (rp.MAX_LINES, rp.MAX_FILES) == (900, 7)
+    assert rp.over_cap(900, 7) == []
+    assert rp.over_cap(901, 7) and rp.over_cap(900, 8)
+
+
+def test_counted_files_leave_out_toy_and_backends():
+    rp = load_script("reading_path")
+    assert rp.counted(os.path.join(ROOT, "train.py")) == "train.py"
+    assert rp.counted(os.path.join(ROOT, "toy", "world.py")) is None
+    assert rp.counted(os.path.join(ROOT, "backends", "report.py")) is None
+    assert rp.counted("/usr/lib/python3/random.py") is None
+
+
+def test_one_toy_step_is_within_the_cap_and_the_doc_is_its_trace():
+    """`python scripts/reading_path.py --check`: last line READING_PATH lines=N files=M, exit 0 (the
+    doc equals the trace, N <= 900, M <= 7)."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "reading_path.py"), "--check"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    last = r.stdout.strip().splitlines()[-1]
+    m = re.fullmatch(r"READING_PATH lines=(\d+) files=(\d+)", last)
+    assert m, r.stdout[-2000:] + r.stderr[-2000:]
+    assert int(m.group(1)) <= 900 and int(m.group(2)) <= 7, last
+    assert r.returncode == 0, r.stdout[-2000:]
