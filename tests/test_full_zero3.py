@@ -113,7 +113,7 @@ def test_rank_leaves_before_finalization_after_the_process_group_is_torn_down(tm
 
 
 def test_toy_mode_and_dry_run_never_import_deepspeed_or_vllm():
-    code = ("import sys, train, settings\nfrom backends import full\n"
+    code = ("import sys, train\nfrom backends import config as settings\nfrom backends import full\n"
             "text, problems = full.dry_run(settings.full_preset(), {'GEMINI_API_KEY': 'sekrit-123'})\n"
             "assert 'deepspeed' not in sys.modules and 'vllm' not in sys.modules, 'heavy import'\n"
             "print(text)\n")
