@@ -80,6 +80,7 @@ import json
 import logging
 import math
 import os
+import random
 import re
 import sys
 import time
