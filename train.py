@@ -409,7 +409,8 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
     start = int(state["step"]) if state is not None else 0
     logger = Logger(mpath, cfg.report_to, cfg.run_dir, asdict(cfg), start if state is not None else None)
     ls = LoopState(random.Random(cfg.seed + 1), ReflectionBatch(-1), logger, [],
-                   FailureMonitor(cfg.judge.max_failure_rate, cfg.judge.max_failure_steps), reference)
+                   FailureMonitor(cfg.judge.max_failure_rate, cfg.judge.max_failure_steps,
+                                  max_nonfinite=cfg.max_nonfinite_updates), reference)
     try:
         return _run_steps(run, ls, state, ckpt_path, start, sft_info, timings, t_start)
     finally:
@@ -457,9 +458,10 @@ def _run_steps(run: Run, ls: "LoopState", state, ckpt_path, start: int, sft_info
         abort = None
         try:
             ls.monitor.update(m["judge/failure_rate"], step)
+            ls.monitor.update_nonfinite(m, step)  # max_nonfinite_updates (exit code 6)
             getattr(run.judge, "check_budget", lambda: None)()  # judge.max_usd (backends/judge_http)
-        except Exception as e:  # JudgeFailureAbort, JudgeBudgetExceeded (exit code 5)
-            if not isinstance(e, JudgeFailureAbort) and getattr(e, "exit_code", None) != 5:
+        except Exception as e:  # JudgeFailureAbort, UpdateFailureAbort (6), JudgeBudgetExceeded (5)
+            if not isinstance(e, JudgeFailureAbort) and getattr(e, "exit_code", None) not in (5, 6):
                 raise
             abort = e  # stop after this step's checkpoint, so the run can continue once fixed
         # The checkpoint comes before the bank file, so bank.jsonl is never ahead of the latest
@@ -549,7 +551,8 @@ def finish(run: Run, ls: LoopState, ev: HeldOut, sft_info: dict, timings: dict, 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry point. Exit codes: 0 done (or stopped by checkpoint.stop_after), 2 bad
     configuration or unusable input (data file or rows, model directory, checkpoint), 3 judge
-    failures above the abort threshold, 4 an API answered 401/403/404, 5 judge.max_usd reached."""
+    failures above the abort threshold, 4 an API answered 401/403/404, 5 judge.max_usd reached, 6
+    max_nonfinite_updates updates in a row skipped for a non-finite gradient norm."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         cfg, resume = parse_cli(argv)
@@ -580,7 +583,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ckpt_mod.CheckpointError, ValueError, OSError) as e:  # unusable input (data, model, checkpoint)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:  # backends/http.APIStopError (4: a 401/403/404), JudgeBudgetExceeded (5)
+    except RuntimeError as e:  # APIStopError (4: a 401/403/404), JudgeBudgetExceeded (5), UpdateFailureAbort (6)
         if getattr(e, "exit_code", None) is None:
             raise
         print(f"error: {e}", file=sys.stderr)

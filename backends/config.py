@@ -377,6 +377,9 @@ class Config:
     sets its own with full.bf16"""
     progress: bool = True
     """progress bars (--no-progress turns them off)"""
+    max_nonfinite_updates: int = 3
+    """ours: stop (after a checkpoint, exit code 6) when this many updates in a row applied no
+    optimizer step because every gradient norm was non-finite; 0 = never stop"""
     report_to: list = field(default_factory=list)
     """metrics besides metrics.jsonl: "tensorboard" (run_dir/tensorboard) and / or "wandb" (offline
     unless $WANDB_MODE says otherwise); --report-to"""
@@ -479,7 +482,7 @@ def validate_config(cfg: Config) -> None:
     if cfg.rollout.prompts_per_step < 1 or cfg.steps < 0:
         raise ValueError("rollout.prompts_per_step must be >= 1 and steps >= 0")
     for name, lo in (("checkpoint.every", 0), ("checkpoint.keep", 1), ("checkpoint.stop_after", 0),
-                     ("eval.every", 0),
+                     ("eval.every", 0), ("max_nonfinite_updates", 0),
                      ("judge.max_retries", 0), ("judge.max_failure_steps", 1)):
         v = _field(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -629,7 +632,7 @@ def config_from_dict(d: dict, cls=None, prefix: str = ""):
 # Fields a resumed run may change: where and how long it runs, not what it computes. The tool
 # limits are wall-clock safety nets and the failure thresholds only decide when to stop.
 RESUME_MAY_CHANGE = ("steps", "run_dir", "progress", "report_to", "threads", "sample_threads",
-                     "cache_dir", "checkpoint.",
+                     "cache_dir", "checkpoint.", "max_nonfinite_updates",
                      "eval.", "rollout.tool_timeout_s", "rollout.deadline_s", "judge.max_failure_rate",
                      "judge.max_failure_steps", "judge.base_url", "judge.api_key_env",
                      "judge.concurrency", "judge.timeout_s", "judge.backoff", "judge.cache_dir",

@@ -34,7 +34,7 @@ def training_state(step: int, cfg: Config, engine, rng: random.Random, judge, ba
         "judge": judge.state_dict(), "bank": bank.state_dict(), "pending": pending.to_dict(),
         "metrics": [dict(r) for r in logger.rows], "samples": list(samples_out),
         "engine": dict(rollout_engine.stats), "tool": tool.state_dict() if hasattr(tool, "state_dict") else None,
-        "monitor": list(monitor.streak),
+        "monitor": list(monitor.streak), "monitor_nonfinite": int(monitor.nonfinite),
     }
 
 
@@ -58,6 +58,7 @@ def restore_training_state(state: dict, rng: random.Random, judge, bank, rollout
     if state.get("tool") is not None and hasattr(tool, "load_state_dict"):
         tool.load_state_dict(state["tool"])
     monitor.streak = list(state["monitor"])
+    monitor.nonfinite = int(state.get("monitor_nonfinite", 0))  # checkpoints from before it: 0
 
 
 def _open_run(cfg: Config, resume: str | None) -> tuple[str | None, dict | None]:

@@ -22,13 +22,43 @@ class JudgeFailureAbort(RuntimeError):
     consecutive steps; `train` stops (main exits with code 3)."""
 
 
+class UpdateFailureAbort(RuntimeError):
+    """max_nonfinite_updates updates in a row had every optimizer step skipped for a non-finite
+    gradient norm; `train` stops after a checkpoint (main exits with code 6)."""
+
+    exit_code = 6
+
+
 @dataclass
 class FailureMonitor:
-    """Consecutive steps whose judge failure rate exceeded `max_rate` (training state)."""
+    """Consecutive steps whose judge failure rate exceeded `max_rate`, and consecutive updates that
+    applied no optimizer step because every gradient norm was non-finite (training state)."""
 
     max_rate: float
     max_steps: int
     streak: list = field(default_factory=list)  # the failure rates of the current run of bad steps
+    max_nonfinite: int = 3  # Config.max_nonfinite_updates; 0 = never stop
+    nonfinite: int = 0  # updates in a row that skipped every optimizer step
+
+    def update_nonfinite(self, m: dict, step: int) -> None:
+        """Record one RL step's updates from its metrics m: the deferred reflection update first
+        (keys under reflect/, it runs first in the step), then the task update. An update whose
+        optimizer steps were all skipped (update/nonfinite_grad_steps > 0 and no finite grad_norm)
+        lengthens the run of skipped updates; an update that applied a step ends it; a step with no
+        update (an empty batch) leaves it as it is. Raises UpdateFailureAbort when the run reaches
+        max_nonfinite (> 0). Not in the paper: a policy whose ratios keep overflowing learns nothing,
+        so we stop instead of spending compute on it."""
+        for pre in ("reflect/", ""):
+            if m.get(pre + "grad_norm") is not None:
+                self.nonfinite = 0
+            elif m.get(pre + "update/nonfinite_grad_steps"):
+                self.nonfinite += 1
+        if self.max_nonfinite and self.nonfinite >= self.max_nonfinite:
+            raise UpdateFailureAbort(
+                f"{self.nonfinite} updates in a row skipped every optimizer step for a non-finite "
+                f"gradient norm (max_nonfinite_updates = {self.max_nonfinite}, last step {step}); "
+                "stopping after a checkpoint. Lower ss_grpo.lr or check the data, then continue with "
+                "--resume latest, or raise max_nonfinite_updates.")
 
     def update(self, rate: float, step: int) -> None:
         """Record one step's failure rate in [0, 1]; raises JudgeFailureAbort naming the thresholds

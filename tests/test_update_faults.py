@@ -25,7 +25,7 @@ import torch
 
 import policy
 
-from backends import torch_engine
+from backends import robust, torch_engine
 
 from toy import model as toy_model
 from backends.torch_engine import TorchEngine
@@ -331,3 +331,48 @@ def test_s33_zero3_engine_on_policy_with_dropout_and_skips_overflowing_steps(tmp
     assert over["update/nonfinite_grad_steps"] == 1 and 0 < over["grad_norm"] < 1e6
     assert res["skipped_steps"] == 1  # DeepSpeed discarded that step
     assert res["finite"] and not res["unchanged"]  # the first step was applied
+
+
+# Repeated non-finite updates stop the run (train.py exit code 6) instead of spending compute on a
+# policy that learns nothing.
+
+def test_monitor_counts_updates_that_skipped_every_optimizer_step():
+    mon = robust.FailureMonitor(max_rate=0.5, max_steps=3, max_nonfinite=5)
+    skipped = {"update/nonfinite_grad_steps": 2}  # no grad_norm: no finite optimizer step
+    mon.update_nonfinite(skipped, 0)
+    mon.update_nonfinite({"reflect/update/nonfinite_grad_steps": 1, **skipped}, 1)  # two updates
+    assert mon.nonfinite == 3  # the reflection update and the task update of step 1 both count
+    mon2 = robust.FailureMonitor(0.5, 3, max_nonfinite=3)
+    for s, m in enumerate([skipped, skipped, {"grad_norm": 1.0, "update/nonfinite_grad_steps": 1},
+                           skipped, {}, skipped]):
+        mon2.update_nonfinite(m, s)  # a partly applied update ends the run; an empty step keeps it
+    assert mon2.nonfinite == 2
+    with pytest.raises(robust.UpdateFailureAbort) as e:
+        mon2.update_nonfinite(skipped, 6)
+    assert "max_nonfinite_updates = 3" in str(e.value) and e.value.exit_code == 6
+    off = robust.FailureMonitor(0.5, 3, max_nonfinite=0)
+    for s in range(10):
+        off.update_nonfinite(skipped, s)  # 0 = never stop
+
+
+def test_run_stops_with_exit_code_6_and_a_checkpoint_after_repeated_nonfinite_updates(
+        tmp_path, toy_cache, monkeypatch, capsys):
+    import train
+    from backends import torch_engine
+    from runfix import fast_args, metric_rows
+
+    def overflowing_step(self):  # every gradient norm is infinite: the engine drops the gradients
+        self.opt.zero_grad(set_to_none=True)
+        self._fresh = True
+        return float("inf")
+
+    monkeypatch.setattr(torch_engine.TorchEngine, "step", overflowing_step)
+    d = tmp_path / "run"
+    code = train.main(fast_args(d, toy_cache, 6, "--set", "max_nonfinite_updates=2",
+                                "--set", "checkpoint.every=0"))
+    assert code == 6
+    assert "max_nonfinite_updates = 2" in capsys.readouterr().err
+    rows = metric_rows(d)
+    assert rows and all(r.get("grad_norm") is None for r in rows)
+    last = rows[-1]["step"] + 1
+    assert last < 6 and os.path.isdir(d / "checkpoints" / f"step-{last:06d}")  # it can be continued
