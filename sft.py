@@ -1,5 +1,4 @@
-"""The SFT stage (appendix): the paper's trajectory filters, its conversions, tool-output masking, and
-the entry point of the whole SFT pipeline (teacher generation, then ZeRO-3 SFT).
+"""The SFT stage (appendix): the paper's trajectory filters, its conversions and tool-output masking.
 
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
 Implements the SFT recipe of the appendix ("Training configuration"): a teacher writes trajectories in
@@ -37,16 +36,17 @@ Deviations from the paper
 3. An example longer than the maximum length (16,384 tokens) is dropped and counted, not truncated
    (a truncated trajectory would teach an answer without its end).
 
-Launch lines (docs/full_mode.md, "The SFT stage")
-    python sft.py generate --queries queries.jsonl --out data/teacher.jsonl      # teacher over HTTP
-    python sft.py generate --queries queries.jsonl --out data/teacher.jsonl --dry-run
-    deepspeed --num_gpus 8 sft.py train --data data/teacher.jsonl --model Qwen/Qwen3-8B --out ckpt/sft
-    python sft.py train --data data/teacher.jsonl --model Qwen/Qwen3-8B --out ckpt/sft --dry-run
+Launch lines (docs/full_mode.md, "The SFT stage"). The commands live in backends/ (this module is
+imported by the toy SFT, and a command here would import the ZeRO-3 engine, whose configuration
+imports the toy SFT: an import cycle):
+    python -m backends.sft_teacher --queries queries.jsonl --out data/teacher.jsonl [--dry-run]
+    deepspeed --num_gpus 8 --module backends.sft_zero3 --data data/teacher.jsonl \
+        --model /models/Qwen3-8B --out /ckpt/qwen3-8b-sft
+    python -m backends.sft_zero3 --data data/teacher.jsonl --model /models/Qwen3-8B --out x --dry-run
 """
 from __future__ import annotations
 
 import re
-import sys
 from typing import Sequence
 
 from scaffold import CALL_OPEN, SYSTEM_PROMPT, build_messages
@@ -198,26 +198,3 @@ def encode_trajectory(tok, example: dict, max_len: int | None = None) -> tuple[l
     if max_len is not None and len(ids) > max_len:
         return None
     return ids, mask
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python sft.py generate ...` (backends/sft_teacher.py) or `sft.py train ...`
-    (backends/sft_zero3.py); `--help` on either lists its options."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    # SCALE: the deepspeed launcher puts --local_rank=N before our arguments (LOCAL_RANK is set too)
-    argv = [a for a in argv if not a.startswith("--local_rank=")]
-    if not argv or argv[0] not in ("generate", "train"):
-        print("usage: python sft.py {generate,train} [options]  (--help after either for its options)",
-              file=sys.stderr)
-        return 2
-    if argv[0] == "generate":
-        from backends.sft_teacher import main as gen_main
-
-        return gen_main(argv[1:])
-    from backends.sft_zero3 import main as train_main
-
-    return train_main(argv[1:])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

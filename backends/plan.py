@@ -353,7 +353,7 @@ def plan_lines(cfg, world: int, ranks_per_node: int, gpu_bytes: float, gpu_src: 
 
 
 # ----------------------------------------------------------------------------------------------------
-# The SFT stage (sft.py train, backends/sft_zero3.py): memory per GPU at the max length, GPU-hours
+# The SFT stage (backends/sft_zero3.py): memory per GPU at the max length, GPU-hours
 
 SFT_ASSUME = {
     "gpu_flops": 989e12,  # H100 dense bf16 (PAPER: 8 x H100 80GB)

@@ -1,5 +1,6 @@
 """Teacher trajectories for the SFT stage: an LLM behind HTTP (Gemini or OpenAI-compatible) writes
-stage-structured trajectories in the scaffold, calling the real search tool. `python sft.py generate`.
+stage-structured trajectories in the scaffold, calling the real search tool.
+`python -m backends.sft_teacher --queries Q.jsonl --out data/teacher.jsonl [--dry-run]`.
 
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
 Implements the data side of the appendix's SFT ("~11K trajectories from a Gemini-3.1-Pro teacher in
@@ -58,7 +59,7 @@ _CALL_RE = re.compile(r'<call_tool\s+name\s*=\s*["\']([^"\']*)["\']\s*>(.*?)</ca
 
 @dataclass
 class TeacherConfig:
-    """The teacher model and the generation run (flags of `python sft.py generate`)."""
+    """The teacher model and the generation run (flags of `python -m backends.sft_teacher`)."""
 
     backend: str = "gemini"
     """"gemini" (generateContent) | "openai" (chat completions, any compatible server)."""
@@ -154,15 +155,21 @@ class _Meter:
 
 class Teacher:
     """Writes trajectories (module docstring). `tool`: a search tool (query -> list[SearchResult]);
-    `cache_dir`: the reply cache ("" = none). Thread-safe; `close()` releases the HTTP client."""
+    `cache_dir`: the reply cache ("" = none); `tool_names`: the call names (case-folded, spaces and
+    hyphens as underscores) that run the search tool, mapped to "google_search" (default
+    sft.TOOL_ALIASES). Thread-safe; `close()` releases the HTTP client."""
 
-    def __init__(self, config: TeacherConfig, tool, cache_dir: str = ""):
+    def __init__(self, config: TeacherConfig, tool, cache_dir: str = "",
+                 tool_names: dict | None = None):
         from backends.http import DiskCache, HTTPClient
         from backends.pricing import resolve_prices
 
         if config.backend not in ("gemini", "openai"):
             raise ValueError(f"teacher backend must be 'gemini' or 'openai', got {config.backend!r}")
         self.config, self.tool = config, tool
+        if tool_names is None:
+            from sft import TOOL_ALIASES as tool_names
+        self.tool_names = dict(tool_names)
         self.prices = resolve_prices(config.model, config.price_in, config.price_out)
         if config.max_usd > 0 and self.prices is None:
             raise ValueError(f"no price for teacher model {config.model!r} in backends/pricing.py: a "
@@ -267,8 +274,6 @@ class Teacher:
         "finish"} with finish "answer" (no further call), "max_turns". Raises as continue_."""
         from scaffold import (MAX_TOOL_CALLS, SYSTEM_PROMPT, build_user_message, format_tool_error,
                               format_tool_output)
-        from sft import TOOL_ALIASES
-
         system = system or SYSTEM_PROMPT
         turns: list[tuple[str, str]] = [("user", build_user_message(query))]
         segs: list[list] = []
@@ -293,7 +298,7 @@ class Teacher:
             segs.append([False, text])
             if n_calls >= max_calls:
                 env = format_tool_error(f"tool-call limit of {max_calls} reached; write the review and the answer")
-            elif TOOL_ALIASES.get(name) != "google_search":
+            elif self.tool_names.get(name) != "google_search":
                 env = format_tool_error(f"unknown tool {calls[-1].group(1)!r}")
             elif not q:
                 env = format_tool_error("empty query")
@@ -353,8 +358,9 @@ def write_stats(path: str, stats: dict) -> None:
 
 def generate(queries: list[dict], out: str, teacher: Teacher, system: str | None = None) -> dict:
     """Write one trajectory per query not yet in `out` (JSONL), `teacher.config.concurrency` at a
-    time; then `<out>.stats.json`. Returns the stats. An APIStopError ends the run (re-raised after
-    the stats are written); a budget stop or a failed trajectory does not."""
+    time; then `<out>.stats.json` with the count per filter of sft.filter_and_convert over the whole
+    file ("filters"). Returns the stats. An APIStopError ends the run (re-raised after the stats are
+    written); a budget stop or a failed trajectory does not."""
     from sft import filter_and_convert
 
     _repair_tail(out)
@@ -398,8 +404,7 @@ def generate(queries: list[dict], out: str, teacher: Teacher, system: str | None
     with cf.ThreadPoolExecutor(max_workers=max(1, teacher.config.concurrency)) as ex:
         list(ex.map(one, todo))
     with open(out, encoding="utf-8") if os.path.exists(out) else open(os.devnull) as fh:
-        records = [json.loads(line) for line in fh if line.strip()]
-    _, fstats = filter_and_convert(records)
+        fstats = filter_and_convert([json.loads(line) for line in fh if line.strip()])[1]
     stats.update({"seconds": round(time.perf_counter() - t0, 2), "teacher": teacher.config.model,
                   **teacher.meter.as_dict(), "filters": fstats,
                   "price_source": teacher.prices.source if teacher.prices else "unknown"})
@@ -462,8 +467,8 @@ def dry_run_text(cfg: TeacherConfig, n_queries: int) -> str:
 
 
 def main(argv=None) -> int:
-    """`python sft.py generate --queries Q.jsonl --out OUT.jsonl [--dry-run] [options]`."""
-    ap = argparse.ArgumentParser(prog="sft.py generate", description=__doc__.split("\n")[0])
+    """`python -m backends.sft_teacher --queries Q.jsonl --out OUT.jsonl [--dry-run] [options]`."""
+    ap = argparse.ArgumentParser(prog="python -m backends.sft_teacher", description=__doc__.split("\n")[0])
     ap.add_argument("--queries", required=True, help="JSONL of queries (query / messages)")
     ap.add_argument("--out", required=True, help="output JSONL (appended; resumed)")
     ap.add_argument("--limit", type=int, default=0, help="first N queries (0 = all)")
@@ -481,7 +486,7 @@ def main(argv=None) -> int:
     from scaffold import SearchConfig
 
     if cfg.search_backend != "serper":
-        raise SystemExit("sft.py generate: --search-backend must be 'serper' (the toy world's BM25 "
+        raise SystemExit("sft_teacher: --search-backend must be 'serper' (the toy world's BM25 "
                          "has its own scripted teacher, toy/sft.py)")
     tool = SerperSearchTool(SearchConfig(backend="serper", base_url=cfg.search_base_url, k=cfg.search_k))
     teacher = Teacher(cfg, tool, cache_dir=a.out + ".cache")
@@ -489,7 +494,7 @@ def main(argv=None) -> int:
         stats = generate(queries, a.out, teacher)
     except Exception as e:
         if getattr(e, "stops_run", False):
-            print(f"sft.py generate: stopped: {e}")
+            print(f"sft_teacher: stopped: {e}")
             return getattr(e, "exit_code", 4)
         raise
     finally:
@@ -499,3 +504,9 @@ def main(argv=None) -> int:
                                              "calls", "cached_calls", "usd")}))
     print(f"filters: {json.dumps(stats['filters'])}")
     return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -1,5 +1,8 @@
 """The SFT run at scale: the paper's recipe on DeepSpeed ZeRO-3 through the project's ZeRO-3 engine
-(backends/full.ZeRO3Policy). `deepspeed sft.py train ...` / `torchrun ... sft.py train ...`.
+(backends/full.ZeRO3Policy).
+    deepspeed --num_gpus 8 --module backends.sft_zero3 --data data/teacher.jsonl --model /models/Qwen3-8B --out /ckpt/sft
+    torchrun --nproc_per_node 8 -m backends.sft_zero3 --data data/teacher.jsonl --model /models/Qwen3-8B --out /ckpt/sft
+    python -m backends.sft_zero3 --data data/teacher.jsonl --model /models/Qwen3-8B --out /ckpt/sft --dry-run
 
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
 Implements the appendix's SFT training: "DeepSpeed ZeRO-3, 5 epochs, lr 4e-5, cosine with 10 %
@@ -57,7 +60,7 @@ log = logging.getLogger("rubricem.sft_zero3")
 
 @dataclass
 class SFTRunConfig:
-    """The SFT run (flags of `sft.py train`); PAPER values from the appendix."""
+    """The SFT run (flags of `backends.sft_zero3`); PAPER values from the appendix."""
 
     epochs: int = 5
     """PAPER: 5 epochs."""
@@ -153,7 +156,8 @@ def read_records(paths) -> list[dict]:
 
 
 def prepare(tok, records: list[dict], cfg: SFTRunConfig) -> tuple[list, dict]:
-    """Filter, convert and encode: ([(ids, mask)], stats) with the filter counts and "too_long"."""
+    """Filter, convert and encode (sft.py): ([(ids, mask)], stats) with the filter counts and
+    "too_long"."""
     from sft import encode_trajectory, filter_and_convert
 
     examples, stats = filter_and_convert(records, cfg.scaffold, system_prompt(cfg.system))
@@ -306,9 +310,10 @@ def dry_run_text(cfg: SFTRunConfig, model: str, world: int, gpu_gib: float, n_ex
 
 
 def main(argv=None) -> int:
-    """`sft.py train --data D.jsonl [D2.jsonl ...] --model M --out DIR [--dry-run] [options]`."""
-    ap = argparse.ArgumentParser(prog="sft.py train", description=__doc__.split("\n")[0])
-    ap.add_argument("--data", nargs="+", required=True, help="teacher JSONL (sft.py generate) or ChatML JSONL")
+    """`[deepspeed --module | torchrun -m] backends.sft_zero3 --data D.jsonl [D2.jsonl ...] --model M
+    --out DIR [--dry-run] [options]`."""
+    ap = argparse.ArgumentParser(prog="backends.sft_zero3", description=__doc__.split("\n")[0])
+    ap.add_argument("--data", nargs="+", required=True, help="teacher JSONL (backends.sft_teacher) or ChatML JSONL")
     ap.add_argument("--model", required=True, help="base model folder (HF format)")
     ap.add_argument("--out", required=True, help="output folder of the SFT checkpoint")
     ap.add_argument("--dry-run", action="store_true", help="print the memory and GPU-hour plan; train nothing")

@@ -1,8 +1,8 @@
 """The SFT stage end to end on CPU (appendix, "Training configuration"), each command a subprocess:
 
-  1. `python sft.py generate`: a loopback Gemini teacher (tests/sft_loopback.py) writes trajectories in
+  1. `python -m backends.sft_teacher`: a loopback Gemini teacher (tests/sft_loopback.py) writes trajectories in
      the scaffold through the loopback Serper search; a rerun resumes and sends nothing;
-  2. `torchrun --nproc_per_node 2 sft.py train`: 2 SFT steps of a tiny Qwen3 on 2 ZeRO-3 gloo ranks;
+  2. `torchrun --nproc_per_node 2 -m backends.sft_zero3`: 2 SFT steps of a tiny Qwen3 on 2 ZeRO-3 gloo ranks;
   3. `torchrun --nproc_per_node 2 train.py --full --model <the SFT checkpoint>`: 1 full-mode RL step
      (Gemini judge and Serper search on loopback servers), started from that checkpoint.
 The starting model is a tiny Qwen3 with its toy tokenizer (a short toy warm start). ~3-4 min on 2 cores.
@@ -41,7 +41,7 @@ def pipeline(tmp_path_factory):
     qfile = tmp / "queries.jsonl"
     qfile.write_text("".join(json.dumps({"query": q}) + "\n" for q in QUERIES))
     out = tmp / "teacher.jsonl"
-    gen = [sys.executable, os.path.join(ROOT, "sft.py"), "generate", "--queries", str(qfile),
+    gen = [sys.executable, "-m", "backends.sft_teacher", "--queries", str(qfile),
            "--out", str(out), "--backend", "gemini", "--model", "gemini-test", "--price-in", "1",
            "--price-out", "2", "--max-usd", "5", "--concurrency", "3"]
     res = {}
@@ -57,7 +57,7 @@ def pipeline(tmp_path_factory):
     res["records"] = [json.loads(x) for x in out.read_text().splitlines()]
     sft_out = tmp / "sft"
     fm._run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-             os.path.join(ROOT, "sft.py"), "train", "--data", str(out), "--model", str(base),
+             "-m", "backends.sft_zero3", "--data", str(out), "--model", str(base),
              "--out", str(sft_out), "--max-steps", "2", "--batch", "2", "--max-len", "2048",
              "--system", "compact", "--lr", "1e-3", "--warmup-frac", "0.5"])
     rows = tmp / "rows.jsonl"

@@ -103,7 +103,7 @@ def test_dr_tulu_tool_calls_reach_the_search_tool_in_the_teacher():
 
     turns = iter(['<call_tool name="snippet_search">alpha', '<call_tool name="browse_webpage">http://x',
                   "<answer>a [1].</answer>"])
-    t = Teacher(TeacherConfig(backend="openai", model="m"), Tool())
+    t = Teacher(TeacherConfig(backend="openai", model="m"), Tool(), tool_names=sft.TOOL_ALIASES)
     t.continue_ = lambda system, turns_: next(turns)
     tr = t.trajectory("q")
     assert seen == ["alpha", "http://x"] and tr["tool_calls"] == 2
@@ -202,7 +202,7 @@ def _teacher(server, search, tmp, concurrency=1, **kw):
     cfg = TeacherConfig(backend=server.kind, model=server.model, base_url=server.url, concurrency=concurrency,
                         max_retries=0, **kw)
     tool = SerperSearchTool(SearchConfig(backend="serper", base_url=search.url, k=2))
-    return Teacher(cfg, tool, cache_dir=str(tmp / "cache")), tool
+    return Teacher(cfg, tool, cache_dir=str(tmp / "cache"), tool_names=sft.TOOL_ALIASES), tool
 
 
 @pytest.mark.parametrize("kind", ["openai", "gemini"])
