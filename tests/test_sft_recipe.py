@@ -278,3 +278,57 @@ def test_sft_memory_plan_and_gpu_hours_hand_worked():
     assert mp.others["activations (checkpointed, max pack)"] == 16384 * QWEN3_8B["hidden_size"] * 2 * 36
     h, _ = sft_gpu_hours(shape, cfg, 11000, 6000)
     assert h == pytest.approx(11000 * 6000 * 5 * 8 * P / (989e12 * 0.35) / 3600)
+
+
+def test_teacher_tool_errors_reach_filter_4_in_the_stats(tmp_path, monkeypatch):
+    """Two failing searches in a row (Serper answers 500) become two consecutive tool-error outputs,
+    which the stats count under filter (4); the other trajectory is kept."""
+    from loopback import TEST_KEY, FakeServer
+    from sft_loopback import TeacherServer
+
+    from backends.search_http import SerperSearchTool
+    from backends.sft_teacher import Teacher, TeacherConfig, generate
+    from scaffold import SearchConfig
+
+    monkeypatch.setenv("OPENAI_API_KEY", TEST_KEY)
+    monkeypatch.setenv("SERPER_API_KEY", TEST_KEY)
+    qs = [{"id": "ok", "query": "Fine question?"}, {"id": "bad", "query": "FAILSEARCH question?"}]
+    with TeacherServer("openai", model="m-test") as srv, FakeServer("serper") as ss:
+        ss.rule = lambda req: {"status": 500} if "FAILSEARCH" in req["body"]["q"] else None
+        tool = SerperSearchTool(SearchConfig(backend="serper", base_url=ss.url, k=2, max_retries=0))
+        t = Teacher(TeacherConfig(backend="openai", model="m-test", base_url=srv.url, max_retries=0),
+                    tool, cache_dir=str(tmp_path / "cache"))
+        st = generate(qs, str(tmp_path / "t.jsonl"), t)
+        t.close(), tool.close()
+    assert st["written"] == 2 and st["tool_errors"] == 2
+    assert st["filters"]["consecutive_tool_errors"] == 1 and st["filters"]["kept"] == 1
+
+
+def test_chatml_rows_in_dr_tulu_form_are_converted_filtered_and_masked():
+    """SFT data already in single-turn ChatML (e.g. DR Tulu-style trajectories with its tool names
+    and <scratchpad>) goes through the same conversions, filters and mask as teacher records."""
+    from toyfix import tiny_tokenizer
+
+    from backends.sft_zero3 import SFTRunConfig, prepare, read_records
+
+    text = "".join(t for _, t in good()).replace(CALL_OPEN, '<call_tool name="snippet_search">')
+    text = "<scratchpad>think first</scratchpad>" + text
+    rows = [{"messages": [{"role": "system", "content": "theirs"}, {"role": "user", "content": "q?"},
+                          {"role": "assistant", "content": text}]},
+            {"messages": [{"role": "user", "content": "q2?"},
+                          {"role": "assistant", "content": text.replace("</answer>", "")}]}]
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "rows.jsonl")
+        with open(p, "w") as fh:
+            fh.write("".join(json.dumps(r) + "\n" for r in rows))
+        recs = read_records([p])
+    tok = tiny_tokenizer()
+    enc, st = prepare(tok, recs, SFTRunConfig(system="compact"))
+    assert (st["kept"], st["no_closing_answer"], st["examples"], st["too_long"]) == (1, 1, 1, 0)
+    ids, mask = enc[0]
+    trained = tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+    assert trained.startswith("<think>think first</think>") and CALL_OPEN in trained
+    assert "snippet_search" not in trained and "the fact is 7" not in trained  # tool output masked
