@@ -365,8 +365,13 @@ def generate(queries: list[dict], out: str, teacher: Teacher, system: str | None
 
     _repair_tail(out)
     have = done_ids(out)
-    todo = [q for q in queries if q["id"] not in have]
-    stats = {"queries": len(queries), "resumed": len(queries) - len(todo), "written": 0, "failed": 0,
+    todo, seen = [], set(have)
+    for q in queries:  # a query listed twice is written once
+        if q["id"] not in seen:
+            seen.add(q["id"])
+            todo.append(q)
+    stats = {"queries": len(queries), "resumed": len({q["id"] for q in queries} & have), "written": 0,
+             "failed": 0, "duplicates": len(queries) - len({q["id"] for q in queries}),
              "stopped": None}
     lock = threading.Lock()
     stop = threading.Event()
@@ -485,6 +490,11 @@ def main(argv=None) -> int:
     from backends.search_http import SerperSearchTool
     from scaffold import SearchConfig
 
+    missing = [v for v in (cfg.key_env, "SERPER_API_KEY") if not os.environ.get(v)]
+    if cfg.backend == "openai" and cfg.key_env in missing and cfg.base_url:
+        missing.remove(cfg.key_env)  # a self-hosted OpenAI-compatible server may need no key
+    if missing:
+        raise SystemExit(f"sft_teacher: set {' and '.join(missing)} (keys come from the environment only)")
     if cfg.search_backend != "serper":
         raise SystemExit("sft_teacher: --search-backend must be 'serper' (the toy world's BM25 "
                          "has its own scripted teacher, toy/sft.py)")

@@ -332,3 +332,18 @@ def test_chatml_rows_in_dr_tulu_form_are_converted_filtered_and_masked():
     trained = tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
     assert trained.startswith("<think>think first</think>") and CALL_OPEN in trained
     assert "snippet_search" not in trained and "the fact is 7" not in trained  # tool output masked
+
+
+def test_teacher_writes_a_repeated_query_once_and_repairs_a_torn_last_line(tmp_path):
+    from backends.sft_teacher import Teacher, TeacherConfig, generate, read_queries
+
+    q = tmp_path / "q.jsonl"
+    q.write_text('{"query": "a?"}\n{"query": "b?"}\n{"query": "a?"}\n')
+    out = tmp_path / "t.jsonl"
+    out.write_text('{"id": "x", "query": "old", "segments": []}\n{"id": "tor')  # interrupted write
+    t = Teacher(TeacherConfig(backend="openai", model="m"), tool=None)
+    t.continue_ = lambda system, turns: "<answer>done.</answer>"
+    st = generate(read_queries(str(q)), str(out), t)
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert lines[0]["query"] == "old" and sorted(r["query"] for r in lines[1:]) == ["a?", "b?"]
+    assert (st["written"], st["duplicates"], st["resumed"]) == (2, 1, 0)
