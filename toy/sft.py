@@ -51,15 +51,14 @@ from typing import Sequence
 import torch
 
 from reflection import reflection_messages
-from sft import (REQUIRED_TAGS, UNSTRUCTURED_REQUIRED_TAGS, Segment,  # noqa: F401  (re-exported)
-                 sft_filter)
 from scaffold import (CALL_OPEN, SCAFFOLD_TAGS, THINK_TAGS, build_messages, format_tool_error,
                       format_tool_output)
+from sft import (REQUIRED_TAGS, UNSTRUCTURED_REQUIRED_TAGS, Segment,  # noqa: F401  (re-exported)
+                 sft_filter)
 from toy.world import ANSWER_TEMPLATES, World
 from scaffold import Query
 
 log = logging.getLogger("rubricem.sft")
-
 
 
 @dataclass
