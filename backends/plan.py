@@ -350,3 +350,61 @@ def plan_lines(cfg, world: int, ranks_per_node: int, gpu_bytes: float, gpu_src: 
     lines += [f"    {k:<46} {v / 60:8.1f} min" for k, v in st.phases.items()]
     lines += ["  assumptions:"] + [f"    - {x}" for x in st.assumptions]
     return lines, problems
+
+
+# ----------------------------------------------------------------------------------------------------
+# The SFT stage (backends/sft_zero3.py): memory per GPU at the max length, GPU-hours
+
+SFT_ASSUME = {
+    "gpu_flops": 989e12,  # H100 dense bf16 (PAPER: 8 x H100 80GB)
+    "mfu": 0.35,  # ZeRO-3 without offload, gradient checkpointing, micro-batch 1 (ours)
+}
+
+
+def sft_memory_plan(shape: ModelShape, cfg, world: int, gpu_bytes: float) -> MemoryPlan:
+    """The RL plan's per-GPU items for the SFT engine: no pi_ref, no sampler, no embedding model, one
+    sequence of cfg.max_len tokens per micro-batch (cfg: backends.sft_zero3.SFTRunConfig)."""
+    from types import SimpleNamespace
+
+    from backends.config import FullConfig
+
+    full = FullConfig(offload_optimizer=cfg.offload_optimizer, gradient_checkpointing=cfg.gradient_checkpointing,
+                      bf16="on" if cfg.bf16 in ("auto", "on") else "off", vllm_max_model_len=cfg.max_len)
+    as_rl = SimpleNamespace(full=full, ss_grpo=SimpleNamespace(micro_batch=cfg.micro_batch, beta=0.0),
+                            sampler="none", bank=SimpleNamespace(retriever="none"),
+                            rollout=SimpleNamespace(max_response_tokens=cfg.max_len))
+    return memory_plan(shape, as_rl, world, min(world, 8), gpu_bytes, 0.0)
+
+
+def sft_gpu_hours(shape: ModelShape, cfg, n_examples: int, mean_tokens: float,
+                  assume: dict | None = None) -> tuple[float, list[str]]:
+    """(GPU-hours, assumptions) of cfg.epochs passes over n_examples of mean_tokens tokens."""
+    a = {**SFT_ASSUME, **(assume or {})}
+    tokens = n_examples * mean_tokens * cfg.epochs
+    # Eq.: FLOPs = (6 + 2 recompute) P per token (2 P forward, 4 P backward, 2 P checkpoint recompute)
+    flops = tokens * shape.params * (8 if cfg.gradient_checkpointing else 6)
+    hours = flops / (a["gpu_flops"] * a["mfu"]) / 3600
+    return hours, [f"{n_examples} examples x {mean_tokens:.0f} tokens x {cfg.epochs} epochs = "
+                   f"{tokens:.3g} tokens", f"{8 if cfg.gradient_checkpointing else 6} P FLOPs per token "
+                   "(attention's T^2 term ignored: ~10 % at 16k tokens for 8B)",
+                   f"{a['mfu']:g} MFU of {a['gpu_flops'] / 1e12:g} TFLOP/s per GPU"]
+
+
+def sft_plan_lines(shape: ModelShape, cfg, world: int, gpu_bytes: float, n_examples: int,
+                   mean_tokens: float) -> list[str]:
+    """The SFT dry run's memory and GPU-hour sections."""
+    mp = sft_memory_plan(shape, cfg, world, gpu_bytes)
+    tot = MemoryPlan.total(mp.others)
+    lines = ["memory plan (estimate; backends/plan.py)",
+             f"  model: {shape.params / 1e9:.2f}B parameters ({shape.source}); {cfg.max_len} tokens per "
+             f"micro-batch of {cfg.micro_batch}, world {world}",
+             f"  per GPU: {tot / GIB:.1f} GiB of {gpu_bytes / GIB:.1f} GiB"
+             + ("" if tot <= gpu_bytes else "  (DOES NOT FIT: --offload-optimizer or more GPUs)")]
+    lines += _fmt(mp.others)
+    if mp.host_node0:
+        lines.append(f"  host RAM per node: {MemoryPlan.total(mp.host_node0) / GIB:.1f} GiB")
+        lines += _fmt(mp.host_node0)
+    hours, assumptions = sft_gpu_hours(shape, cfg, n_examples, mean_tokens)
+    lines += ["", f"GPU-hours (estimate): {hours:.0f} GPU-hours = {hours / world:.1f} h on {world} GPUs"]
+    lines += ["  assumptions:"] + [f"    - {x}" for x in assumptions]
+    return lines

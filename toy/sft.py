@@ -53,12 +53,12 @@ import torch
 from reflection import reflection_messages
 from scaffold import (CALL_OPEN, SCAFFOLD_TAGS, THINK_TAGS, build_messages, format_tool_error,
                       format_tool_output)
+from sft import (REQUIRED_TAGS, UNSTRUCTURED_REQUIRED_TAGS, Segment,  # noqa: F401  (re-exported)
+                 sft_filter)
 from toy.world import ANSWER_TEMPLATES, World
 from scaffold import Query
 
 log = logging.getLogger("rubricem.sft")
-
-Segment = tuple[bool, str]  # (is_env, text): policy-written text or environment-inserted text
 
 
 @dataclass
@@ -251,40 +251,7 @@ def teacher_reflection(q: Query, trace: TeacherTrace) -> str:
 # Filters
 
 
-_VALID_CALL = re.compile(r'<call_tool\s+name="google_search"\s*>\s*\S.*?</call_tool>\s*$', re.S)
-REQUIRED_TAGS = ("<structured_plan>", "</structured_plan>", "<review>", "</review>", "<answer>")
-UNSTRUCTURED_REQUIRED_TAGS = ("<answer>",)  # ours: the unstructured scaffold has no other block
-
-
-def sft_filter(segments: Sequence[Segment], scaffold: str = "structured") -> str | None:
-    """The paper's four SFT filters. Returns the reason for dropping, or None to keep.
-
-    The required tags of filter (3) are the scaffold's: REQUIRED_TAGS plus <state_evaluation> after
-    a tool output (structured), or UNSTRUCTURED_REQUIRED_TAGS ("unstructured").
-
-    Reasons: "no_closing_answer", "non_final_turn_without_valid_call", "missing_required_tag",
-    "consecutive_tool_errors".
-    """
-    text = "".join(t for _, t in segments)
-    if "</answer>" not in text:
-        return "no_closing_answer"
-    for j, (is_env, t) in enumerate(segments):
-        if not is_env and j + 1 < len(segments) and segments[j + 1][0]:
-            if not _VALID_CALL.search(t):
-                return "non_final_turn_without_valid_call"
-    if scaffold == "structured":
-        tags = REQUIRED_TAGS + (("<state_evaluation>",) if any(e for e, _ in segments) else ())
-    else:
-        tags = UNSTRUCTURED_REQUIRED_TAGS
-    if any(tag not in text for tag in tags):
-        return "missing_required_tag"
-    run = 0
-    for is_env, t in segments:
-        if is_env:
-            run = run + 1 if t.lstrip().startswith("<tool_output>error:") else 0
-            if run >= 2:
-                return "consecutive_tool_errors"
-    return None
+# The filters are the paper's, shared with the full SFT: sft.sft_filter (root module sft.py).
 
 
 # ----------------------------------------------------------------------------------------------------
