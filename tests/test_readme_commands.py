@@ -54,11 +54,13 @@ HB_ROW = {"prompt": [{"role": "user", "content": "I sleep four hours a night. Is
 
 def tiny_train_args(cache_dir) -> list[str]:
     """tests/test_smoke.py tiny_args + tests/runfix.py FAST, without --toy and --run-dir (the
-    README command chooses its preset and run dir)."""
+    README command chooses its preset and run dir), --steps N given as --set steps=N."""
     args = tiny_args("RUN", cache_dir) + FAST
     i = args.index("--run-dir")
     del args[i:i + 2]
     args.remove("--toy")
+    i = args.index("--steps")  # as a config value: --steps would give the run a -stepsN dir of its own
+    args[i:i + 2] = ["--set", f"steps={args[i + 1]}"]
     return args
 
 
