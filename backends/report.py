@@ -30,7 +30,7 @@ PROGRESS_LEGEND = ("rl progress bar: score = mean static-rubric score of this st
 
 
 # The run dir's artefacts in the order they are listed, with what each holds.
-ARTEFACTS = (("metrics.jsonl", "metrics, one JSON line per RL step (README: Logged metrics)"),
+ARTEFACTS = (("metrics.jsonl", "metrics, one JSON line per RL step (docs/metrics.md)"),
              ("reward_curves.png", "stage scores per RL step, smoothed, one panel per stage"),
              ("final", "the trained policy, Hugging Face format (python ask.py DIR asks it)"),
              ("bank.jsonl", "the rubric bank (python bank.py list FILE)"),

@@ -1,6 +1,6 @@
 """What a newcomer reads: the end-of-run summary (artefacts, held-out numbers with 95 % CIs, fact
 recall, warm-start wording), the progress-bar legend, the SFT filter counts, --help and --list-config,
-and metrics.jsonl keys that are all explained in the README's glossary."""
+and metrics.jsonl keys that are all explained in the metrics glossary (docs/metrics.md)."""
 import contextlib
 import io
 import json
@@ -48,8 +48,9 @@ def two_runs(tmp_path_factory, toy_cache):
 
 
 def glossary_keys() -> set:
-    """Every metric key the README's "Logged metrics" table names, {a,b} and {stage} expanded."""
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    """Every metric key the "Logged metrics" table of docs/metrics.md (the glossary the README
+    links) names, {a,b} and {stage} expanded."""
+    text = open(os.path.join(ROOT, "docs", "metrics.md"), encoding="utf-8").read()
     table = text.split("## Logged metrics", 1)[1].split("\n## ", 1)[0]
     keys = set()
     for line in table.splitlines():
@@ -75,7 +76,7 @@ def test_every_logged_metric_key_is_in_the_readme_glossary_and_every_line_has_th
     rows = [json.loads(line) for line in open(d / "a" / "metrics.jsonl")]
     assert len(rows) == 2 and all(list(r) == list(rows[0]) for r in rows)
     missing = sorted(set(rows[0]) - glossary_keys())
-    assert not missing, f"logged but not in README's Logged metrics: {missing}"
+    assert not missing, f"logged but not in docs/metrics.md: {missing}"
 
 
 def test_glossary_names_the_fault_and_bank_keys():
@@ -364,3 +365,16 @@ def test_first_run_console_phases_verdict_samples_and_stopping_final(two_runs, c
                              begin_suppress_tokens=[i for i in range(len(tok)) if i != stop])
     assert out.shape[1] == prompt["input_ids"].shape[1] + 1
     assert "Loading weights" not in capfd.readouterr().err  # third-party bars are off (train.main)
+
+
+@pytest.mark.slow
+def test_docs_tool_loop_example_runs_on_a_trained_policy(two_runs, monkeypatch):
+    """docs/final_policy.md's plain-transformers tool loop runs as written on a run's final/."""
+    d = two_runs[0] / "b" / "final"
+    text = open(os.path.join(ROOT, "docs", "final_policy.md"), encoding="utf-8").read()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    assert 'd = "runs/toy/final"' in code and len(code.splitlines()) <= 25
+    ns: dict = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(code.replace('d = "runs/toy/final"', f"d = {str(d)!r}"), "final_policy.md", "exec"), ns)
+    assert ns["ids"].shape[1] > ns["start"]  # the policy wrote something after the prompt

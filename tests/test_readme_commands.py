@@ -103,6 +103,8 @@ def test_classify(text, kind):
     ("pip install torch && pip install -e .", "expected 'torch=="),
     ("pip install torch==2.13.0 && pip install -e \".[nosuch]\"", "not in pyproject.toml"),
     ("pip install requests", "not one of"),
+    ("pip install torch==2.13.0 --index-url https://example.org/simple", "expected PyTorch's wheel index"),
+    ("pip install -e . --index-url https://download.pytorch.org/whl/cpu", "installs no torch"),
     (". venv2/bin/activate", "without creating that venv"),
     ("export GEMINI_KEY=x", "not NAME=VALUE of a variable the code reads"),
 ])
