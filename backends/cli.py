@@ -15,7 +15,7 @@ def _argument_parser() -> argparse.ArgumentParser:
     """The command line of train.py (flags and --set; parse_cli applies them to a preset)."""
     ap = argparse.ArgumentParser(description="RubricEM training (toy or full mode)",
                                  epilog="Every config key, its default and its meaning: --list-config. "
-                                        "README.md has the quick start and the logged metrics.")
+                                        "README.md has the quick start, docs/metrics.md the logged metrics.")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--toy", action="store_true", help="toy preset: a tiny policy on CPU in a generated "
                    "research world; on 2 cores 5-8 min, about 3 min once the SFT warm start is cached "

@@ -194,11 +194,14 @@ def _run(cmd, cwd, cache_dir) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def readme_runs(tmp_path_factory, toy_cache):
     """{command text: CompletedProcess} for every runnable README command, run in README order from
-    one scratch checkout (a later command sees what an earlier one wrote, as a reader's would)."""
+    one scratch checkout (a later command sees what an earlier one wrote, as a reader's would); a
+    command shown twice (once per install line) runs once."""
     cwd = tmp_path_factory.mktemp("readme-checkout")
     _scratch_checkout(cwd)
     out = {}
     for cmd in RUNNABLE:
+        if cmd.text in out:  # the same command on another machine's install line: a reader runs one
+            continue
         _materialise(cmd, cwd)
         out[cmd.text] = (_run(cmd, cwd, toy_cache), cwd)
     return out
