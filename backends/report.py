@@ -143,7 +143,6 @@ def quiet_third_party() -> None:
     model shards"), so that the run's own bars and phase lines are what the console shows. Call
     before they are first imported; cheap when they are not installed."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     try:
         from transformers.utils import logging as hf_logging
     except ImportError:

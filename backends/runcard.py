@@ -12,6 +12,7 @@ carries the prompt twice:
                       what training rendered for [{"role": "system", ...}, {"role": "user", ...}]
     generation_config.json   stops at `</call_tool>` (write_generation_stops), so plain `generate`
                       hands a tool call back instead of writing the tool's output itself
+    README.md         how to use the folder: ask.py, or the tool loop around plain `generate`
 
 Not part of the paper's method.
 """
@@ -55,6 +56,22 @@ def save_with_run_card(out_dir: str, tokenizer, config: dict, system: str) -> No
     with open(os.path.join(out_dir, CARD), "w", encoding="utf-8") as fh:
         json.dump({"format": FORMAT, "system_prompt": system, "config": config}, fh, indent=1)
     write_generation_stops(out_dir, tokenizer)
+    with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as fh:
+        fh.write(MODEL_CARD)
+
+
+# final/README.md: what a person who finds the folder needs to use it.
+MODEL_CARD = """# A RubricEM policy
+
+A research agent trained with RubricEM (arXiv 2605.10899). It answers in four tagged stages (plan,
+research with tool calls, review, answer) and expects a search tool to answer each
+`<call_tool name="google_search">query</call_tool>` with a `<tool_output>` block.
+
+- Ask it: `python ask.py THIS_DIR "question"` in the rubricem repository (scaffold and search tool
+  as in training; `rubricem.json` holds the run's system prompt and configuration).
+- Plain transformers `generate` stops at each `</call_tool>` (generation_config.json): run the search,
+  append the tool output and generate again (docs/final_policy.md of the repository shows the loop).
+"""
 
 
 # Where plain `generate` must hand over to the environment: after a tool call the search tool answers

@@ -355,6 +355,8 @@ def test_first_run_console_phases_verdict_samples_and_stopping_final(two_runs, c
     tok = AutoTokenizer.from_pretrained(d / "b" / "final")
     model = AutoModelForCausalLM.from_pretrained(d / "b" / "final")
     assert tok.convert_tokens_to_ids("</call_tool>") in model.generation_config.eos_token_id
+    card = (d / "b" / "final" / "README.md").read_text()
+    assert "python ask.py" in card and "</call_tool>" in card and "docs/final_policy.md" in card
     prompt = tok.apply_chat_template([{"role": "user", "content": "q"}], add_generation_prompt=True,
                                      return_tensors="pt", return_dict=True)
     import torch as _torch
