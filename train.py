@@ -436,6 +436,8 @@ def _run_steps(run: Run, ls: "LoopState", state, ckpt_path, start: int, sft_info
     ev = HeldOut(run, start if state is not None else None, timings)
     if cfg.eval.every and start == 0:
         ev.point(0, sft=True)  # the SFT start
+    log.info(report.phase_line("rl", steps=stop_at, start=start, prompts=cfg.rollout.prompts_per_step,
+                               n=cfg.rollout.n))
     if cfg.progress:
         log.info(report.PROGRESS_LEGEND)
     bar = tqdm(range(start, stop_at), desc="rl", initial=start, total=cfg.steps,
@@ -473,9 +475,10 @@ def _run_steps(run: Run, ls: "LoopState", state, ckpt_path, start: int, sft_info
             run.bank.save(os.path.join(cfg.run_dir, "bank.jsonl"))
         if abort is not None:
             raise abort
-        R = out.R
-        bar.set_postfix(R=f"{np.nanmean(R):.3f}" if np.isfinite(R).any() else "missing",
-                        bank=len(run.bank))
+        R, S = out.R, [m[f"score/{s}"] for s in STAGES if m.get(f"score/{s}") is not None]
+        bar.set_postfix({"score": f"{np.mean(S):.3f}" if S else "n/a",
+                         "R": f"{np.nanmean(R):.3f}" if np.isfinite(R).any() else "missing",
+                         "bank": len(run.bank)})
     bar.close()
     if hasattr(run.rl_tool, "close"):
         run.rl_tool.close()  # release tool calls still hung in abandoned worker threads
@@ -488,14 +491,16 @@ def _run_steps(run: Run, ls: "LoopState", state, ckpt_path, start: int, sft_info
 
 
 def keep_samples(samples: list, step: int, out: StepOut, cfg: Config) -> None:
-    """Two trajectories of the first group at the first and last step, for samples.jsonl."""
+    """Every rollout of the first and last step (each group in order), for samples.jsonl."""
     if step not in (0, cfg.steps - 1):
         return
-    for j in (0, cfg.rollout.n - 1):
-        r, res = out.rollouts[j], out.results[0]
-        samples.append({"step": step, "query": r.query.query, "bank_items": r.bank_items,
-                        "trajectory": r.judge_text, "R": res.R[j].tolist(),
-                        "justifications": res.justifications[j]})
+    n = cfg.rollout.n
+    for g, res in enumerate(out.results):
+        for j in range(n):
+            r = out.rollouts[g * n + j]
+            samples.append({"step": step, "query": r.query.query, "bank_items": r.bank_items,
+                            "trajectory": r.judge_text, "R": res.R[j].tolist(),
+                            "justifications": res.justifications[j]})
 
 
 def save_checkpoint(run: Run, ls: LoopState, done: int) -> str:
@@ -527,6 +532,9 @@ def finish(run: Run, ls: LoopState, ev: HeldOut, sft_info: dict, timings: dict, 
     run.sampler.close()
     if ev.enabled:
         t0 = time.perf_counter()
+        log.info(report.phase_line("eval", policies="the trained policy" if ev.curve.get(0) else
+                                   "the SFT start and the trained policy", questions=len(ev.qs),
+                                   samples=cfg.eval.samples))
         # The SFT start evaluated at step 0 of eval_curve.jsonl is this same evaluation (same
         # weights, questions and seed): reused instead of sampled again.
         summary["eval_sft"] = ev.curve.get(0) or ev.evaluate(sft=True)
@@ -535,7 +543,7 @@ def finish(run: Run, ls: LoopState, ev: HeldOut, sft_info: dict, timings: dict, 
         ev.curve.add(cfg.steps, summary["eval_rl"])
         timings["eval_s"] = time.perf_counter() - t0
     plot_rewards(ls.logger.rows, os.path.join(cfg.run_dir, "reward_curves.png"),
-                 ev.curve.rows if ev.curve is not None else None)
+                 ev.curve.rows if ev.curve is not None else None, window=2 * cfg.curriculum.K)
     timings["total_s"] = time.perf_counter() - t_start
     try:  # peak resident memory of this process so far (Linux reports KiB, macOS bytes)
         import resource
@@ -554,6 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     failures above the abort threshold, 4 an API answered 401/403/404, 5 judge.max_usd reached, 6
     max_nonfinite_updates updates in a row skipped for a non-finite gradient norm."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    report.quiet_third_party()  # the run's own phase lines and bars only
     try:
         cfg, resume = parse_cli(argv)
         if not (cfg.mode == "full" and cfg.dry_run):  # the dry run reports every problem at once
@@ -598,8 +607,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(report.sft_line(s["sft"]) if "train_seconds" in s["sft"] else f"policy: {s['sft'].get('source')}")
     if "eval_sft" in s:
         print("\n".join(report.heldout_lines(s["eval_sft"], s["eval_rl"])))
-    print("artefacts:\n" + "\n".join(report.artefact_lines(cfg.run_dir)))
+    no_bank = () if ss_grpo.ARMS[cfg.arm].bank or ss_grpo.ARMS[cfg.arm].reflection else ("bank.jsonl",)
+    print("artefacts:\n" + "\n".join(report.artefact_lines(cfg.run_dir, skip=no_bank)))
     print(f"total time {s['timings']['total_s']:.0f} s")
+    if "eval_sft" in s:
+        print("\n".join(report.verdict_lines(s["eval_sft"], s["eval_rl"], cfg.run_dir)))
     return 0
 
 

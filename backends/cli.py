@@ -15,19 +15,20 @@ def _argument_parser() -> argparse.ArgumentParser:
     """The command line of train.py (flags and --set; parse_cli applies them to a preset)."""
     ap = argparse.ArgumentParser(description="RubricEM training (toy or full mode)",
                                  epilog="Every config key, its default and its meaning: --list-config. "
-                                        "README.md has the quick start and the logged metrics.")
+                                        "README.md has the quick start, docs/metrics.md the logged metrics.")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--toy", action="store_true", help="toy preset: a tiny policy on CPU in a generated "
                    "research world; on 2 cores 5-8 min, about 3 min once the SFT warm start is cached "
                    "(default)")
     g.add_argument("--full", action="store_true", help="full preset: the paper's values (ZeRO-3, vLLM, "
                    "Gemini judge, web search; needs --model); default: off")
-    ap.add_argument("--steps", type=int, help="RL steps (default: the preset's, toy 24, full 1400); with "
-                    "--resume, a larger value continues a finished run")
+    ap.add_argument("--steps", type=int, help="RL steps (default: the preset's, toy 24, full 1400); the "
+                    "run dir gets -stepsN when N differs from the preset's; with --resume, a larger "
+                    "value continues a finished run in its own dir")
     ap.add_argument("--seed", type=int, help="random seed (default: 0); the run dir gets -seedN")
     ap.add_argument("--run-dir", help="where the run's files go (default: the preset's runs/toy or "
-                    "runs/full, with -seedN, -model-NAME, -faults-J-T appended for --seed, --model "
-                    "(toy) and --faults)")
+                    "runs/full, with -seedN, -model-NAME, -faults-J-T, -stepsN appended for --seed, "
+                    "--model (toy), --faults and --steps)")
     ap.add_argument("--model", help="local Hugging Face causal-LM directory as the starting policy (skips "
                     "the toy SFT warm start; default: none, the warm start)")
     ap.add_argument("--arm", choices=list(ARMS),
@@ -84,6 +85,8 @@ def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
     base = cfg.run_dir + (f"-{a.arm}" if a.arm and a.arm != "rubricem" else "")
     run_dir = a.run_dir or variation_run_dir(base, seed=a.seed, model=None if a.full else a.model,
                                              faults=a.faults)
+    if a.steps is not None and a.steps != cfg.steps and not a.run_dir and not a.resume:
+        run_dir += f"-steps{a.steps}"  # a shorter or longer run beside the preset's, never refused there
     if a.resume:
         path = a.resume
         if a.resume == "latest":

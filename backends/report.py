@@ -20,19 +20,21 @@ import torch
 
 from backends import checkpoint as ckpt_mod
 from scaffold import STAGES
-from toy.report import format_filter_counts
+from toy.report import format_filter_counts, warm_start_line
 
 # The short fields of the RL progress bar (train._train_loop's bar.set_postfix).
-PROGRESS_LEGEND = ("rl progress bar: R = mean judge score of this step's rollouts over the 4 stages "
-                   "(0-1; 'missing' when the judge gave none), bank = rubric-bank entries")
+PROGRESS_LEGEND = ("rl progress bar: score = mean static-rubric score of this step's rollouts over the 4 "
+                   "stages (0-1, comparable across steps: watch this one), R = the same under the "
+                   "judge's evolving rubrics (the RL reward; its rubrics change every step, so it is "
+                   "noisy by design; 'missing' when the judge gave none), bank = rubric-bank entries")
 
 
 # The run dir's artefacts in the order they are listed, with what each holds.
-ARTEFACTS = (("metrics.jsonl", "metrics, one JSON line per RL step (README: Logged metrics)"),
-             ("reward_curves.png", "mean judge score per stage and step"),
+ARTEFACTS = (("metrics.jsonl", "metrics, one JSON line per RL step (docs/metrics.md)"),
+             ("reward_curves.png", "stage scores per RL step, smoothed, one panel per stage"),
              ("final", "the trained policy, Hugging Face format (python ask.py DIR asks it)"),
              ("bank.jsonl", "the rubric bank (python bank.py list FILE)"),
-             ("samples.jsonl", "trajectories of the first and last step with stage scores"),
+             ("samples.jsonl", "every rollout of the first and last RL step, with stage scores"),
              ("eval.json", "held-out evaluation and timings"))
 
 
@@ -85,11 +87,82 @@ def heldout_lines(e0: dict, e1: dict) -> list[str]:
     return out
 
 
-def artefact_lines(run_dir: str) -> list[str]:
-    """One line per artefact present in run_dir: its path and what it holds."""
+def paired_gain(e0: dict, e1: dict, key: str = "answer") -> tuple[float, float, float] | None:
+    """(RL - SFT, lo, hi) of a held-out score `key` ("score" | "answer" | "fact_recall"): the mean
+    difference and its paired 95 % bootstrap interval over questions; None when the results carry no
+    per-question values of equal length (e.g. an evaluation without them)."""
+    a, b = (e0.get("per_question") or {}).get(key), (e1.get("per_question") or {}).get(key)
+    if not a or not b or len(a) != len(b):
+        return None
+    lo, hi = bootstrap_ci(np.asarray(b, dtype=np.float64) - np.asarray(a, dtype=np.float64))
+    return float(e1[key] - e0[key]), lo, hi
+
+
+def verdict_lines(e0: dict, e1: dict, run_dir: str) -> list[str]:
+    """The summary's last words: one plain-language verdict on the held-out answer score, read off
+    the paired 95 % interval of RL - SFT (above 0: improved; below 0: lowered; containing 0: no
+    change beyond noise), and where to look next."""
+    g = paired_gain(e0, e1, "answer")
+    if g is None:
+        d = e1["answer"] - e0["answer"]
+        head = (f"verdict: held-out answer score {d:+.3f} (RL - SFT); no per-question values, so no "
+                "interval: too little to call")
+    else:
+        d, lo, hi = g
+        ci = f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+        if lo > 0:
+            head = f"verdict: RL improved the held-out answer score: {ci}"
+        elif hi < 0:
+            head = f"verdict: RL lowered the held-out answer score: {ci}"
+        else:
+            head = (f"verdict: no change in the held-out answer score beyond noise: {ci} (the 95 % "
+                    "interval contains 0)")
+    final = os.path.join(run_dir, "final")
+    return [head, f"next: {os.path.join(run_dir, 'reward_curves.png')} (the trend), "
+                  f"python ask.py {final} (the policy at work), docs/results.md (three seeds)"]
+
+
+def phase_line(phase: str, **kw) -> str:
+    """The one line that announces a phase before its progress bar: "warm_start" (cached=bool,
+    path=str, steps=int), "rl" (steps, start, prompts, n) or "eval" (questions, samples, policies).
+    Raises KeyError for an unknown phase or a missing field."""
+    if phase == "warm_start":
+        return warm_start_line(kw["cached"], kw["path"], kw["steps"])
+    if phase == "rl":
+        left = kw["steps"] - kw["start"]
+        return (f"RL: {left} step{'s' * (left != 1)} of {kw['prompts']} questions x {kw['n']} rollouts"
+                + (f", resuming at step {kw['start']}" if kw["start"] else ""))
+    if phase == "eval":
+        return (f"held-out evaluation: {kw['policies']} on {kw['questions']} questions x "
+                f"{kw['samples']} samples")
+    raise KeyError(f"unknown phase {phase!r}")
+
+
+def quiet_third_party() -> None:
+    """Turn off the progress bars of transformers / huggingface_hub ("Loading weights", "Writing
+    model shards"), so that the run's own bars and phase lines are what the console shows. Call
+    before they are first imported; cheap when they are not installed."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+    except ImportError:
+        return
+    disable_progress_bars()
+
+
+def artefact_lines(run_dir: str, skip: Sequence[str] = ()) -> list[str]:
+    """One line per artefact present in run_dir and not in `skip` (e.g. "bank.jsonl" for an arm
+    without a bank): its path and what it holds."""
     out = []
     for name, what in ARTEFACTS:
         p = os.path.join(run_dir, name)
+        if name in skip:
+            continue
         if os.path.exists(p):
             shown = p + ("/" if os.path.isdir(p) else "")
             out.append(f"  {shown:<40} {what}")
@@ -257,35 +330,80 @@ def _py(v):
     return v
 
 
-def plot_rewards(rows: list[dict], path: str, curve: list[dict] | None = None) -> None:
-    """PNG of the per-stage mean reward R per step (solid), the static-rubric score of the same
-    rollouts (dashed, `score/{stage}`) and, with `curve` (EvalCurve rows), the held-out answer score
-    at each evaluated step (black, dashed with dots); matplotlib, no display needed."""
+def smooth(y: Sequence, w: int) -> np.ndarray:
+    """Trailing moving average over up to w steps (None / NaN left out; NaN where a window holds no
+    value). (T,) -> (T,) float64. Raises ValueError for w < 1."""
+    if w < 1:
+        raise ValueError(f"smoothing window must be >= 1, got {w}")
+    a = np.array([np.nan if v is None else v for v in y], dtype=np.float64)
+    out = np.full(len(a), np.nan)
+    for t in range(len(a)):
+        win = a[max(0, t - w + 1): t + 1]
+        win = win[np.isfinite(win)]
+        if win.size:
+            out[t] = win.mean()
+    return out
+
+
+def curve_panels(rows: list[dict], curve: list[dict] | None = None, window: int = 6) -> list[dict]:
+    """What the per-run figure draws, one dict per stage panel: {"stage", "steps", "raw", "smooth",
+    "key", "label", "heldout"}. The panel's score is the static-rubric score `score/{stage}`
+    (comparable across steps) where the run logged it, else the evolving-rubric R `reward/{stage}`;
+    "raw" per step (NaN where missing), "smooth" its trailing mean over `window` steps (one
+    curriculum window, 2K). "heldout" (Answer panel only, else None) is [(x, answer score), ...] at
+    the evaluated steps only: x = step - 1 for the policy after `step` updates (the SFT start at -1)."""
+    steps = [r["step"] for r in rows]
+    panels = []
+    for s in STAGES:
+        key = f"score/{s}" if any(r.get(f"score/{s}") is not None for r in rows) else f"reward/{s}"
+        raw = np.array([np.nan if r.get(key) is None else r[key] for r in rows], dtype=np.float64)
+        label = ("static-rubric score" if key.startswith("score/") else "evolving-rubric R")
+        held = None
+        if s == "answer" and curve:
+            held = [(int(r["step"]) - 1, float(r["answer"])) for r in curve if r.get("answer") is not None]
+        panels.append({"stage": s, "steps": steps, "raw": raw, "smooth": smooth(raw, window),
+                       "key": key, "label": label, "heldout": held})
+    return panels
+
+
+def plot_rewards(rows: list[dict], path: str, curve: list[dict] | None = None,
+                 window: int = 6) -> list[dict]:
+    """PNG of the run's stage scores: one panel per stage (Plan, Research, Review, Answer), the
+    static-rubric score of the training rollouts per RL step as faint points and its trailing mean
+    over `window` steps as a line (curve_panels); on the Answer panel the held-out answer score at
+    the steps where it was measured (two points without eval.every, a curve with it). Returns the
+    panels drawn ([] for no rows, nothing written). matplotlib, no display needed."""
     if not rows:
-        return
+        return []
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
-    steps = [r["step"] for r in rows]
-    for k, s in enumerate(STAGES):
-        ys = [r.get(f"reward/{s}") for r in rows]
-        ax.plot(steps, [np.nan if y is None else y for y in ys], color=f"C{k}", label=f"{s} R")
-        ys = [r.get(f"score/{s}") for r in rows]
-        if any(y is not None for y in ys):
-            ax.plot(steps, [np.nan if y is None else y for y in ys], color=f"C{k}", ls="--", lw=1,
-                    label=f"{s} static")
-    if curve:
-        # a row at step s evaluates the policy after s updates, drawn where step s - 1 ended
-        ax.plot([r["step"] - 1 for r in curve], [r["answer"] for r in curve], "k--o", ms=3,
-                label="held-out answer")
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("mean stage score (judge)")
-    ax.set_ylim(0, 1)
-    ax.legend(loc="lower right", fontsize=6, ncol=2)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
+    panels = curve_panels(rows, curve, window)
+    fig, axes = plt.subplots(1, len(panels), figsize=(11, 3.4), dpi=110, sharey=True)
+    handles = {}
+    for k, (ax, p) in enumerate(zip(axes, panels)):
+        h = ax.plot(p["steps"], p["raw"], "o", color=f"C{k}", alpha=0.25, ms=3)
+        handles.setdefault("per step (faint)", h[0])
+        h = ax.plot(p["steps"], p["smooth"], color=f"C{k}", lw=2)
+        handles.setdefault(f"mean of the last {window} steps", h[0])
+        if p["heldout"]:
+            xs, ys = zip(*p["heldout"])
+            h = ax.plot(xs, ys, "k-o" if len(xs) > 2 else "ko", ms=4)
+            handles["held-out answer score (at the steps measured)"] = h[0]
+        ax.set_title(f"{p['stage'].capitalize()} ({p['key']})", fontsize=9)
+        ax.set_xlabel("RL step")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("judge score (0-1, higher is better)")
+    static = all(p["key"].startswith("score/") for p in panels)
+    fig.suptitle("Stage scores of the training rollouts under the judge's "
+                 + ("static rubrics (comparable across steps)" if static else
+                    "evolving rubrics R (no static scores logged)"), fontsize=10)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=len(handles), fontsize=8,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path)
     plt.close(fig)
+    return panels

@@ -10,6 +10,9 @@ carries the prompt twice:
                       so plain transformers users get it:
                       tok.apply_chat_template([{"role": "user", "content": q}], ...) renders exactly
                       what training rendered for [{"role": "system", ...}, {"role": "user", ...}]
+    generation_config.json   stops at `</call_tool>` (write_generation_stops), so plain `generate`
+                      hands a tool call back instead of writing the tool's output itself
+    README.md         how to use the folder: ask.py, or the tool loop around plain `generate`
 
 Not part of the paper's method.
 """
@@ -52,6 +55,57 @@ def save_with_run_card(out_dir: str, tokenizer, config: dict, system: str) -> No
         tokenizer.chat_template = old
     with open(os.path.join(out_dir, CARD), "w", encoding="utf-8") as fh:
         json.dump({"format": FORMAT, "system_prompt": system, "config": config}, fh, indent=1)
+    write_generation_stops(out_dir, tokenizer)
+    with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as fh:
+        fh.write(MODEL_CARD)
+
+
+# final/README.md: what a person who finds the folder needs to use it.
+MODEL_CARD = """# A RubricEM policy
+
+A research agent trained with RubricEM (arXiv 2605.10899). It answers in four tagged stages (plan,
+research with tool calls, review, answer) and expects a search tool to answer each
+`<call_tool name="google_search">query</call_tool>` with a `<tool_output>` block.
+
+- Ask it: `python ask.py THIS_DIR "question"` in the rubricem repository (scaffold and search tool
+  as in training; `rubricem.json` holds the run's system prompt and configuration).
+- Plain transformers `generate` stops at each `</call_tool>` (generation_config.json): run the search,
+  append the tool output and generate again (docs/final_policy.md of the repository shows the loop).
+"""
+
+
+# Where plain `generate` must hand over to the environment: after a tool call the search tool answers
+# (scaffold.RolloutEngine, ask.py); generating on would make up the tool's output.
+STOP_STRINGS = ("</call_tool>",)
+
+
+def write_generation_stops(out_dir: str, tokenizer) -> dict:
+    """Add the tool-call stop to out_dir/generation_config.json, so that plain transformers
+    `model.generate(...)` stops at `</call_tool>` as the rollout engine does: a stop string that is
+    one token of `tokenizer` (the toy tokenizer's tags are) joins `eos_token_id` (works without
+    passing the tokenizer); one that is several tokens goes into `stop_strings` (then
+    `generate(..., tokenizer=tok)` is needed, as transformers requires for stop strings). Other
+    fields are kept. Returns the written config dict. Raises OSError if a write fails."""
+    path = os.path.join(out_dir, "generation_config.json")
+    gen = {}
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as fh:
+            gen = json.load(fh)
+    eos = gen.get("eos_token_id", tokenizer.eos_token_id)
+    eos = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    strings = list(gen.get("stop_strings") or [])
+    for stop in STOP_STRINGS:
+        ids = tokenizer.encode(stop, add_special_tokens=False)
+        if len(ids) == 1:
+            eos += [ids[0]] if ids[0] not in eos else []
+        elif stop not in strings:
+            strings.append(stop)
+    gen["eos_token_id"] = eos
+    if strings:
+        gen["stop_strings"] = strings
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(gen, fh, indent=2)
+    return gen
 
 
 def read_run_card(model_dir: str) -> tuple[dict | None, str]:

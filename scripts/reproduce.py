@@ -296,8 +296,8 @@ def results_markdown(seeds, summ, commands, extra, smooth_w, threads) -> str:
 
 
 def console_summary(run_dir: str) -> list[str]:
-    """The end-of-run summary train.py printed (from "run dir:" to "total time"), read from the
-    seed's reproduce.log; [] when the log has none."""
+    """The end-of-run summary train.py printed (from "run dir:" to "total time", and the verdict and
+    next-step lines after it), read from the seed's reproduce.log; [] when the log has none."""
     path = os.path.join(run_dir, "reproduce.log")
     lines = open(path).read().splitlines() if os.path.exists(path) else []
     starts = [i for i, line in enumerate(lines) if line.startswith("run dir: ")]
@@ -305,9 +305,10 @@ def console_summary(run_dir: str) -> list[str]:
         return []
     out = []
     for line in lines[starts[-1]:]:
-        out.append(line)
-        if line.startswith("total time"):
+        if out and out[-1].startswith(("total time", "verdict: ", "next: ")) and \
+                not line.startswith(("verdict: ", "next: ")):
             break
+        out.append(line)
     return out
 
 

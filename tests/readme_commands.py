@@ -243,6 +243,15 @@ def static_problems(cmd: Command, repo: str) -> list[str]:
                         probs.append(f"CPU install with {torch_before[-1]!r} first, expected {pin!r}")
                 i += 2
                 continue
+            if a == "--index-url":  # only PyTorch's own wheel index, for its CPU build
+                url = args[i + 1] if i + 1 < len(args) else ""
+                if not re.fullmatch(r"https://download\.pytorch\.org/whl/(cpu|cu[0-9]+)", url):
+                    probs.append(f"--index-url {url!r}: expected PyTorch's wheel index "
+                                 "(https://download.pytorch.org/whl/cpu or /cuNNN)")
+                if not any(re.match(r"torch\b", x) for x in args):
+                    probs.append("--index-url on a line that installs no torch")
+                i += 2
+                continue
             if a.startswith("-"):
                 probs.append(f"pip option {a!r} the check does not know")
             elif re.split(r"[=<>!~\[ ]", a, maxsplit=1)[0] not in KNOWN_PACKAGES:

@@ -1,6 +1,6 @@
 """What a newcomer reads: the end-of-run summary (artefacts, held-out numbers with 95 % CIs, fact
 recall, warm-start wording), the progress-bar legend, the SFT filter counts, --help and --list-config,
-and metrics.jsonl keys that are all explained in the README's glossary."""
+and metrics.jsonl keys that are all explained in the metrics glossary (docs/metrics.md)."""
 import contextlib
 import io
 import json
@@ -48,8 +48,9 @@ def two_runs(tmp_path_factory, toy_cache):
 
 
 def glossary_keys() -> set:
-    """Every metric key the README's "Logged metrics" table names, {a,b} and {stage} expanded."""
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    """Every metric key the "Logged metrics" table of docs/metrics.md (the glossary the README
+    links) names, {a,b} and {stage} expanded."""
+    text = open(os.path.join(ROOT, "docs", "metrics.md"), encoding="utf-8").read()
     table = text.split("## Logged metrics", 1)[1].split("\n## ", 1)[0]
     keys = set()
     for line in table.splitlines():
@@ -75,7 +76,7 @@ def test_every_logged_metric_key_is_in_the_readme_glossary_and_every_line_has_th
     rows = [json.loads(line) for line in open(d / "a" / "metrics.jsonl")]
     assert len(rows) == 2 and all(list(r) == list(rows[0]) for r in rows)
     missing = sorted(set(rows[0]) - glossary_keys())
-    assert not missing, f"logged but not in README's Logged metrics: {missing}"
+    assert not missing, f"logged but not in docs/metrics.md: {missing}"
 
 
 def test_glossary_names_the_fault_and_bank_keys():
@@ -224,3 +225,158 @@ def test_report_to_refuses_unknown_or_missing_backends(monkeypatch):
         settings.validate_config(cfg)
     assert cli.parse_args(["--toy", "--report-to", "tensorboard, wandb"]).report_to == [
         "tensorboard", "wandb"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The first run at a glance: phase lines, quiet third-party bars, the verdict, the figure, artefacts
+
+
+def _heldout(answers0, answers1):
+    return ({"answer": float(np.mean(answers0)), "per_question": {"answer": list(answers0)}},
+            {"answer": float(np.mean(answers1)), "per_question": {"answer": list(answers1)}})
+
+
+@pytest.mark.parametrize("gain, words", [(0.12, "RL improved the held-out answer score: +0.1"),
+                                         (-0.12, "RL lowered the held-out answer score: -0.1"),
+                                         (0.0, "no change in the held-out answer score beyond noise")])
+def test_verdict_is_read_off_the_paired_interval(gain, words):
+    rng = np.random.default_rng(0)
+    a = rng.uniform(0.3, 0.7, 64)
+    b = a + gain + (rng.normal(0, 0.02, 64) if gain else rng.choice([-0.1, 0.1], 64))
+    e0, e1 = _heldout(a, b)
+    head, nxt = report.verdict_lines(e0, e1, "runs/toy")
+    d, lo, hi = report.paired_gain(e0, e1)
+    assert head.startswith("verdict: " + words), head
+    assert f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]" in head
+    assert (lo > 0) == (gain > 0) and (hi < 0) == (gain < 0)
+    assert "runs/toy/reward_curves.png" in nxt and "python ask.py runs/toy/final" in nxt
+
+
+def test_verdict_without_per_question_values_makes_no_claim():
+    head, _ = report.verdict_lines({"answer": 0.5}, {"answer": 0.6}, "r")
+    assert "+0.100" in head and "too little to call" in head and "improved" not in head
+
+
+def test_phase_lines_announce_warm_start_rl_and_evaluation():
+    assert report.phase_line("warm_start", cached=True, path="C/sft-x", steps=9) == \
+        "SFT warm start: cached, loading C/sft-x"
+    cold = report.phase_line("warm_start", cached=False, path="C/sft-x", steps=1000)
+    assert "not cached yet" in cold and "1000 SFT steps" in cold and "cached in C/sft-x" in cold
+    assert report.phase_line("rl", steps=24, start=0, prompts=8, n=8) == "RL: 24 steps of 8 questions x 8 rollouts"
+    assert "resuming at step 10" in report.phase_line("rl", steps=24, start=10, prompts=8, n=8)
+    assert report.phase_line("eval", policies="p", questions=64, samples=2) == \
+        "held-out evaluation: p on 64 questions x 2 samples"
+    with pytest.raises(KeyError):
+        report.phase_line("nope")
+
+
+def test_curve_panels_smooth_per_stage_and_draw_heldout_only_where_measured(tmp_path):
+    rows = [{"step": t, **{f"score/{s}": (t % 2) * 0.4 + 0.1 for s in ("plan", "research", "review",
+                                                                       "answer")},
+             **{f"reward/{s}": 0.5 for s in ("plan", "research", "review", "answer")}} for t in range(8)]
+    rows[3]["score/plan"] = None
+    curve = [{"step": 0, "answer": 0.4}, {"step": 8, "answer": 0.5}]
+    panels = report.plot_rewards(rows, str(tmp_path / "f.png"), curve, window=2)
+    assert (tmp_path / "f.png").stat().st_size > 10_000
+    assert [p["stage"] for p in panels] == ["plan", "research", "review", "answer"]
+    assert all(p["key"] == f"score/{p['stage']}" for p in panels)  # the static score, not R
+    assert np.allclose(panels[1]["smooth"][1:], 0.3)  # window of 2 averages 0.1 and 0.5
+    assert np.isnan(panels[0]["raw"][3]) and panels[0]["smooth"][3] == pytest.approx(0.1)
+    assert panels[3]["heldout"] == [(-1, 0.4), (7, 0.5)]  # two measured points, nothing between
+    assert all(p["heldout"] is None for p in panels[:3])
+    no_static = [{k: v for k, v in r.items() if not k.startswith("score/")} for r in rows]
+    assert report.curve_panels(no_static)[0]["key"] == "reward/plan"
+    assert report.plot_rewards([], str(tmp_path / "none.png")) == []
+    with pytest.raises(ValueError):
+        report.smooth([1.0], 0)
+
+
+def test_artefact_list_skips_what_the_arm_does_not_have(tmp_path):
+    for name in ("metrics.jsonl", "bank.jsonl"):
+        (tmp_path / name).write_text("")
+    assert any("bank.jsonl" in line for line in report.artefact_lines(str(tmp_path)))
+    lines = report.artefact_lines(str(tmp_path), skip=("bank.jsonl",))
+    assert len(lines) == 1 and "metrics.jsonl" in lines[0]
+
+
+def test_steps_variations_get_their_own_run_dir():
+    assert cli.parse_args(["--toy", "--steps", "6"]).run_dir == "runs/toy-steps6"
+    assert cli.parse_args(["--toy", "--seed", "1", "--steps", "6"]).run_dir == "runs/toy-seed1-steps6"
+    assert cli.parse_args(["--toy", "--steps", "24"]).run_dir == "runs/toy"  # the preset's own
+    assert cli.parse_args(["--toy", "--steps", "6", "--run-dir", "x"]).run_dir == "x"
+    assert cli.parse_args(["--toy", "--steps", "48", "--resume"]).run_dir == "runs/toy"  # continues
+
+
+def test_final_generation_config_stops_at_a_tool_call(tmp_path):
+    """Plain transformers generate on final/ stops at </call_tool>: one token of the toy tokenizer
+    joins eos_token_id; a multi-token stop goes into stop_strings."""
+    from transformers import GenerationConfig
+
+    from backends.runcard import write_generation_stops
+    from toy.model import train_tokenizer
+
+    tok = train_tokenizer(["a b c plan research"], vocab_size=300)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.eos_token_id,
+                                                                 "pad_token_id": 0}))
+    write_generation_stops(str(tmp_path), tok)
+    g = GenerationConfig.from_pretrained(tmp_path)
+    call_end = tok.convert_tokens_to_ids("</call_tool>")
+    assert g.eos_token_id == [tok.eos_token_id, call_end] and g.pad_token_id == 0
+    assert not getattr(g, "stop_strings", None)
+    write_generation_stops(str(tmp_path), tok)  # idempotent
+    assert GenerationConfig.from_pretrained(tmp_path).eos_token_id == [tok.eos_token_id, call_end]
+
+    class Multi:  # a tokenizer without the tag as one token (e.g. Qwen3's)
+        eos_token_id = 7
+
+        def encode(self, text, add_special_tokens=False):
+            return [1, 2, 3]
+
+    d = tmp_path / "multi"
+    d.mkdir()
+    gen = write_generation_stops(str(d), Multi())
+    assert gen == {"eos_token_id": [7], "stop_strings": ["</call_tool>"]}
+
+
+@pytest.mark.slow
+def test_first_run_console_phases_verdict_samples_and_stopping_final(two_runs, capfd):
+    d, (rc_a, out_a, logs_a), (rc_b, out_b, logs_b) = two_runs
+    assert "SFT warm start: cached, loading" in logs_b and "RL: 2 steps of 2 questions x 2 rollouts" in logs_b
+    assert "held-out evaluation: the SFT start and the trained policy on 1 questions x 1 samples" in logs_b
+    assert re.search(r"\nverdict: (RL improved|RL lowered|no change)[^\n]*\[[+-]\d\.\d{3}, [+-]\d\.\d{3}\]",
+                     out_b), out_b
+    assert out_b.rstrip().splitlines()[-1].startswith("next: ")
+    samples = [json.loads(line) for line in open(d / "b" / "samples.jsonl")]
+    assert [s["step"] for s in samples] == [0] * 4 + [1] * 4  # 2 questions x 2 rollouts, both steps
+    # plain transformers generate on final/ stops at the first tool call
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    capfd.readouterr()
+    tok = AutoTokenizer.from_pretrained(d / "b" / "final")
+    model = AutoModelForCausalLM.from_pretrained(d / "b" / "final")
+    assert tok.convert_tokens_to_ids("</call_tool>") in model.generation_config.eos_token_id
+    card = (d / "b" / "final" / "README.md").read_text()
+    assert "python ask.py" in card and "</call_tool>" in card and "docs/final_policy.md" in card
+    prompt = tok.apply_chat_template([{"role": "user", "content": "q"}], add_generation_prompt=True,
+                                     return_tensors="pt", return_dict=True)
+    import torch as _torch
+
+    stop = tok.convert_tokens_to_ids("</call_tool>")
+    with _torch.no_grad():  # force a tool-call end as the first sampled token: generation ends there
+        out = model.generate(**prompt, max_new_tokens=20, do_sample=False,
+                             begin_suppress_tokens=[i for i in range(len(tok)) if i != stop])
+    assert out.shape[1] == prompt["input_ids"].shape[1] + 1
+    assert "Loading weights" not in capfd.readouterr().err  # third-party bars are off (train.main)
+
+
+@pytest.mark.slow
+def test_docs_tool_loop_example_runs_on_a_trained_policy(two_runs, monkeypatch):
+    """docs/final_policy.md's plain-transformers tool loop runs as written on a run's final/."""
+    d = two_runs[0] / "b" / "final"
+    text = open(os.path.join(ROOT, "docs", "final_policy.md"), encoding="utf-8").read()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    assert 'd = "runs/toy/final"' in code and len(code.splitlines()) <= 25
+    ns: dict = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(code.replace('d = "runs/toy/final"', f"d = {str(d)!r}"), "final_policy.md", "exec"), ns)
+    assert ns["ids"].shape[1] > ns["start"]  # the policy wrote something after the prompt

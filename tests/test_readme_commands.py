@@ -54,11 +54,13 @@ HB_ROW = {"prompt": [{"role": "user", "content": "I sleep four hours a night. Is
 
 def tiny_train_args(cache_dir) -> list[str]:
     """tests/test_smoke.py tiny_args + tests/runfix.py FAST, without --toy and --run-dir (the
-    README command chooses its preset and run dir)."""
+    README command chooses its preset and run dir), --steps N given as --set steps=N."""
     args = tiny_args("RUN", cache_dir) + FAST
     i = args.index("--run-dir")
     del args[i:i + 2]
     args.remove("--toy")
+    i = args.index("--steps")  # as a config value: --steps would give the run a -stepsN dir of its own
+    args[i:i + 2] = ["--set", f"steps={args[i + 1]}"]
     return args
 
 
@@ -101,6 +103,8 @@ def test_classify(text, kind):
     ("pip install torch && pip install -e .", "expected 'torch=="),
     ("pip install torch==2.13.0 && pip install -e \".[nosuch]\"", "not in pyproject.toml"),
     ("pip install requests", "not one of"),
+    ("pip install torch==2.13.0 --index-url https://example.org/simple", "expected PyTorch's wheel index"),
+    ("pip install -e . --index-url https://download.pytorch.org/whl/cpu", "installs no torch"),
     (". venv2/bin/activate", "without creating that venv"),
     ("export GEMINI_KEY=x", "not NAME=VALUE of a variable the code reads"),
 ])
@@ -190,11 +194,14 @@ def _run(cmd, cwd, cache_dir) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def readme_runs(tmp_path_factory, toy_cache):
     """{command text: CompletedProcess} for every runnable README command, run in README order from
-    one scratch checkout (a later command sees what an earlier one wrote, as a reader's would)."""
+    one scratch checkout (a later command sees what an earlier one wrote, as a reader's would); a
+    command shown twice (once per install line) runs once."""
     cwd = tmp_path_factory.mktemp("readme-checkout")
     _scratch_checkout(cwd)
     out = {}
     for cmd in RUNNABLE:
+        if cmd.text in out:  # the same command on another machine's install line: a reader runs one
+            continue
         _materialise(cmd, cwd)
         out[cmd.text] = (_run(cmd, cwd, toy_cache), cwd)
     return out

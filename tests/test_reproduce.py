@@ -79,6 +79,7 @@ def test_reproduce_runs_seed_writes_results_and_is_resumable(tmp_path):
     assert new.startswith("intro\n") and new.endswith("outro\n") and "old numbers" not in new
     assert f"{gain:+.3f}" in next(l for l in new.splitlines() if l.startswith("| 0 |"))
     assert "run dir: " in new and "total time" in new  # seed 0's console summary
+    assert "\nverdict: " in new and "\nnext: " in new  # ... with its verdict line
     plain = tmp_path / "plain.md"
     plain.write_text("no markers\n")
     reproduce.write_results(str(plain), block, reproduce.README_BEGIN, reproduce.README_END,

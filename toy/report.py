@@ -1,5 +1,5 @@
-"""The toy SFT warm start's filter counts in words (toy/sft.py logs them; backends/report.py prints
-them in the run summary).
+"""The toy SFT warm start in words: the line that announces it (cached or not, where) and its filter
+counts (toy/sft.py logs them; backends/report.py prints them in the run summary).
 """
 from __future__ import annotations
 
@@ -21,3 +21,13 @@ def format_filter_counts(stats: dict) -> str:
     if drops:
         text += "; dropped: " + ", ".join(f"{n} {FILTER_WORDS.get(k, k)}" for k, n in drops)
     return text
+
+
+def warm_start_line(cached: bool, path: str, steps: int) -> str:
+    """The one line that announces the warm start before its bar: loaded from the cache at `path`,
+    or trained once (`steps` SFT steps, after the teacher data) and then cached there."""
+    if cached:
+        return f"SFT warm start: cached, loading {path}"
+    return (f"SFT warm start: not cached yet; writing teacher data and training it once ({steps} SFT "
+            f"steps; about 4 min on 2 CPU cores for the default toy), then cached in {path} for "
+            "every later run with the same settings")

@@ -56,6 +56,7 @@ from scaffold import (CALL_OPEN, SCAFFOLD_TAGS, THINK_TAGS, build_messages, form
 from sft import (REQUIRED_TAGS, UNSTRUCTURED_REQUIRED_TAGS, Segment,  # noqa: F401  (re-exported)
                  sft_filter)
 from toy.world import ANSWER_TEMPLATES, World
+from toy.report import format_filter_counts, warm_start_line
 from scaffold import Query
 
 log = logging.getLogger("rubricem.sft")
@@ -482,8 +483,9 @@ def warm_start(world: World, tool, system: str, cfg: SFTConfig, tcfg: TeacherCon
         with open(info_path) as fh:
             info = json.load(fh)
         info["cached"] = True
-        log.info("SFT warm start loaded from cache %s", path)
+        log.info(warm_start_line(True, path, cfg.steps))
         return model, tok, info, path
+    log.info(warm_start_line(False, path, cfg.steps))
     t0 = time.perf_counter()
     examples, stats = build_sft_data(world, tool, system, cfg, tcfg, scaffold)
     t_data = time.perf_counter() - t0
@@ -501,8 +503,6 @@ def warm_start(world: World, tool, system: str, cfg: SFTConfig, tcfg: TeacherCon
             "steps": res["steps"], "params": sum(p.numel() for p in model.parameters()),
             "mean_tokens": sum(len(e[0]) for e in encoded) / len(encoded), "key": key,
             "precision": precision, "cached": False}
-    from toy.report import format_filter_counts
-
     log.info("SFT filters: %s", format_filter_counts(stats))
     tmp = path + f".tmp{os.getpid()}"
     model.save_pretrained(tmp)
