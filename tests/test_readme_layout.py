@@ -83,9 +83,10 @@ def test_metrics_glossary_names_the_judge_cost_keys_and_exit_codes():
     m = open(os.path.join(ROOT, "docs", "metrics.md"), encoding="utf-8").read()
     assert "`judge/usd_total`" in m and "throttled" in m
     codes = re.findall(r"^\| ([0-9]) \|", m.split("## Exit codes", 1)[1], re.M)
-    assert codes == ["0", "2", "3", "4", "5"]
+    assert codes == ["0", "2", "3", "4", "5", "6"]
     import train
 
     doc = " ".join(train.main.__doc__.split())
-    for code in ("2 bad configuration", "3 judge failures", "4 an API answered", "5 judge.max_usd"):
+    for code in ("2 bad configuration", "3 judge failures", "4 an API answered", "5 judge.max_usd",
+                 "6 max_nonfinite_updates"):
         assert code in doc, code  # the table documents what main() returns
