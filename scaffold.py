@@ -231,7 +231,13 @@ class ParsedResponse:
     @property
     def well_formed(self) -> bool:
         """Structured: all four stages present, their blocks closed, the answer closed.
-        Unstructured: an answer, closed, and every <think> closed."""
+        Unstructured: an answer, closed, and every <think> closed. Either: one answer block, with
+        no tool call written after it opened (a call inside <answer>, or a second <answer>, is
+        malformed)."""
+        ans = _strip_tool_outputs(self.stage_texts[ANSWER])
+        ans = ans[ans.find("<answer>"):] if "<answer>" in ans else ""
+        if ans.count("<answer>") > 1 or "<call_tool" in ans:
+            return False
         if self.scaffold == "unstructured":
             return self.has_stage[ANSWER] and all(self.closed.values())
         return all(self.has_stage) and all(self.closed.values())
