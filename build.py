@@ -76,10 +76,17 @@ def build_judge(cfg: Config, world):
     """The stage judge of §3.4: ToyJudge (the toy world's ground truth) or judge_http.HTTPJudge
     (Gemini or an OpenAI-compatible server; the key is read from the environment per request). The
     toy judge scores only the Answer stage of an unstructured scaffold's rollouts."""
+    from settings import ARMS
+
     if cfg.judge.backend == "toy":
         from toy.judge import ToyJudge
 
-        return ToyJudge(world, cfg.judge.caps, scaffold=cfg.rollout.scaffold)
+        record = os.path.join(cfg.run_dir, "judge_static.jsonl") if cfg.judge.record_static else None
+        return ToyJudge(world, cfg.judge.caps, scaffold=cfg.rollout.scaffold,
+                        reward=ARMS[cfg.arm].reward, record_path=record)
+    if ARMS[cfg.arm].reward != "judge":
+        raise ValueError(f"arm {cfg.arm!r} rewards with the toy judge's static scores: it needs "
+                         f"judge.backend = 'toy', got {cfg.judge.backend!r}")
     import dataclasses
 
     from backends.judge_http import HTTPJudge  # SCALE: requests / urllib3 only for an HTTP judge

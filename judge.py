@@ -405,6 +405,9 @@ class JudgeConfig:
     max_failure_steps: int = 3
     """...this many steps in a row stops the run (JudgeFailureAbort): training on mostly missing
     rewards would waste compute without learning anything."""
+    record_static: bool = False
+    """Ours, toy judge only: append each judged group's R and static stage scores to
+    run_dir/judge_static.jsonl (the reward ladder's correlations, scripts/reward_ladder.py)."""
 
     @property
     def url_root(self) -> str:
