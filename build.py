@@ -83,7 +83,7 @@ def build_judge(cfg: Config, world):
 
         record = os.path.join(cfg.run_dir, "judge_static.jsonl") if cfg.judge.record_static else None
         return ToyJudge(world, cfg.judge.caps, scaffold=cfg.rollout.scaffold,
-                        reward=ARMS[cfg.arm].reward, record_path=record)
+                        reward=ARMS[cfg.arm].reward, record_path=record, fixes=cfg.judge.toy_fixes)
     if ARMS[cfg.arm].reward != "judge":
         raise ValueError(f"arm {cfg.arm!r} rewards with the toy judge's static scores: it needs "
                          f"judge.backend = 'toy', got {cfg.judge.backend!r}")

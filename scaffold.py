@@ -231,16 +231,25 @@ class ParsedResponse:
     @property
     def well_formed(self) -> bool:
         """Structured: all four stages present, their blocks closed, the answer closed.
-        Unstructured: an answer, closed, and every <think> closed. Either: one answer block, with
-        no tool call written after it opened (a call inside <answer>, or a second <answer>, is
-        malformed)."""
-        ans = _strip_tool_outputs(self.stage_texts[ANSWER])
-        ans = ans[ans.find("<answer>"):] if "<answer>" in ans else ""
-        if ans.count("<answer>") > 1 or "<call_tool" in ans:
-            return False
+        Unstructured: an answer, closed, and every <think> closed."""
         if self.scaffold == "unstructured":
             return self.has_stage[ANSWER] and all(self.closed.values())
         return all(self.has_stage) and all(self.closed.values())
+
+    @property
+    def answer_defect(self) -> str:
+        """Why the answer block is malformed beyond `well_formed` ("" if it is not): a tool call
+        written after <answer> opened, or a second <answer> (tool outputs are not read). Ours."""
+        ans = _strip_tool_outputs(self.stage_texts[ANSWER])
+        ans = ans[ans.find("<answer>"):] if "<answer>" in ans else ""
+        if "<call_tool" in ans:
+            return "tool call inside the answer"
+        return "second answer block" if ans.count("<answer>") > 1 else ""
+
+    @property
+    def well_formed_strict(self) -> bool:
+        """`well_formed` and no `answer_defect` (the toy judge's judge.toy_fixes "answer_block")."""
+        return self.well_formed and not self.answer_defect
 
 
 def _first(text: str, needles: Sequence[str], end: bool = False) -> int:

@@ -55,7 +55,7 @@ def greedy_eval(run_dir: str) -> dict:
     import torch
 
     from build import build_environment, build_judge, heldout_engines
-    from evaluate import evaluate_heldout, heldout_seed
+    from evaluate import heldout_scores, heldout_seed, sample_heldout
     from policy import load_policy
     from scaffold import system_prompt
     from settings import Config, apply_overrides, _flatten
@@ -76,8 +76,28 @@ def greedy_eval(run_dir: str) -> dict:
     qs = held_q[: cfg.eval.n_questions]
     out = {}
     for name, eng in (("sft", ref_engine), ("rl", cur_engine)):
-        out[name] = evaluate_heldout(eng, judge, qs, 1, 0.0, heldout_seed(cfg))
+        ro = sample_heldout(eng, qs, 1, 0.0, heldout_seed(cfg))
+        out[name] = heldout_scores(judge, qs, ro, 1)
+        out[name]["copy"] = copy_rate(judge, ro)
     return out
+
+
+def copy_rate(judge, rollouts) -> dict:
+    """How well the policy copies: of the asked facts whose true document some call returned, the
+    share stated with the true value (toy.judge.ToyJudge.fact_outcomes); and the share of asked
+    facts (with a document) whose document was returned at all."""
+    found = right = asked = 0
+    for ro in rollouts:
+        for key, outcome in judge.fact_outcomes(ro.query, ro).items():
+            f = next(f for f in ro.query.facts if f"{f['entity']} {f['aspect']}" == key)
+            if f["doc_id"] is None:
+                continue
+            asked += 1
+            got = any(r.doc_id == f["doc_id"] for cl in ro.tool_calls for r in cl.results)
+            found += got
+            right += got and outcome.startswith("stated")
+    return {"copied_when_found": right / found if found else None,
+            "found": found / asked if asked else None}
 
 
 def stage_correlations(run_dir: str) -> dict:
@@ -130,6 +150,8 @@ def summarise(run_dir: str, greedy: dict | None) -> dict:
                     "fact_recall": [a["fact_recall"], b["fact_recall"]],
                     "stages": {s: [a[f"stage/{s}"], b[f"stage/{s}"]] for s in STAGES},
                     "well_formed": [a["well_formed"], b["well_formed"]]}
+        if "copy" in a:
+            out[tag]["copy"] = [a["copy"], b["copy"]]
     return out
 
 
@@ -160,7 +182,10 @@ def fmt(name: str, s: dict) -> str:
             lines.append(f"  {tag:6s} answer {e['answer'][0]:.3f} -> {e['answer'][1]:.3f} "
                          f"({g[0]:+.3f} [{g[1]:+.3f}, {g[2]:+.3f}]); mean stage {e['mean_stage'][0]:.3f}"
                          f" -> {e['mean_stage'][1]:.3f} ({gm[0]:+.3f} [{gm[1]:+.3f}, {gm[2]:+.3f}]); "
-                         f"fact recall {e['fact_recall'][0]:.3f} -> {e['fact_recall'][1]:.3f}")
+                         f"fact recall {e['fact_recall'][0]:.3f} -> {e['fact_recall'][1]:.3f}"
+                         + ("; found / copied when found " + " -> ".join(
+                             f"{c['found'] or 0:.3f} / {c['copied_when_found'] or 0:.3f}"
+                             for c in e["copy"]) if "copy" in e else ""))
     lines.append("  train static answer by quarter: "
                  + ", ".join(f"{x:.3f}" for x in s["train_answer_quarters"])
                  + f"; lowest rollout/well_formed {s['well_formed_min']:.3f}")

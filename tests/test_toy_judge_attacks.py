@@ -1,7 +1,9 @@
 """Adversarial tests of the toy judge (toy/judge.py, §3.4) for three attacks a sampled policy found:
 keyword-stuffed reflections that prefix the asked facts to a list of lessons, a tool call written
 inside <answer> followed by a second <answer> block, and reflections that repeat a fact. Each test
-builds the attack by hand on the tiny world and checks that it earns less than honest work."""
+builds the attack by hand on the tiny world and checks that it earns less than honest work, with
+the judge's fixes switched on (judge.toy_fixes; off by default until the published runs are
+regenerated)."""
 import itertools
 import re
 
@@ -69,7 +71,7 @@ def test_honest_specific_lesson_outscores_every_stuffed_reflection_sec3_4(world)
     # the honest lesson's 0.750.
     q = _query(2)
     ro = _uncited_all(q)
-    judge = ToyJudge(world)
+    judge = ToyJudge(world, fixes=ToyJudge.FIXES)
     judged = judge.judge_group(q, [ro, _replay(q, _perfect(q).segments)], 0)
     assert judged.R[0, ANSWER] < 1 and np.all(judged.R[0, :ANSWER] == 1)
     keys = [sft.fact_key(f) for f in q.facts]
@@ -91,7 +93,7 @@ def test_honest_lesson_outscores_stuffing_when_one_fact_was_skipped_sec3_4(world
                              p_no_negative=0.0, p_tool_fail=0.0, p_defect=0.0)
     tr = tf.teacher(q, 0, lazy)  # skips every fact but the first
     ro = _replay(q, tr.segments)
-    judge = ToyJudge(world)
+    judge = ToyJudge(world, fixes=ToyJudge.FIXES)
     judged = judge.judge_group(q, [ro, _replay(q, _perfect(q).segments)], 0)
     honest = sft.teacher_reflection(q, tr)  # "missed: <the skipped fact>. Lesson: search ..."
     keys = [sft.fact_key(f) for f in q.facts]
@@ -129,8 +131,9 @@ def test_tool_call_inside_the_answer_and_a_second_answer_are_malformed_sec3_4(wo
     honest = _answer_call_rollout(q, inside=False)
     assert len(bad.tool_calls) == 2 and bad.text.count("<answer>") == 2
     assert answer_defect(bad) and not answer_defect(honest)
-    assert not bad.parsed.well_formed and honest.parsed.well_formed
-    judge = ToyJudge(world)
+    assert not bad.parsed.well_formed_strict and honest.parsed.well_formed_strict
+    assert bad.parsed.answer_defect == "tool call inside the answer" and not honest.parsed.answer_defect
+    judge = ToyJudge(world, fixes=ToyJudge.FIXES)
     sb, sh = judge.evaluate(q, [bad, honest])
     # The call inside the answer is no research: Research scores exactly as without it, and the
     # evidence it returned supports no claim, so the Answer gains nothing over stating one fact.
@@ -144,8 +147,19 @@ def test_tool_call_inside_the_answer_and_a_second_answer_are_malformed_sec3_4(wo
 def test_a_well_formed_rollout_has_no_answer_defect_sec3_4(world):
     q = _query(2)
     ro = _replay(q, _perfect(q).segments)
-    assert ro.parsed.well_formed and answer_defect(ro) == ""
-    assert ToyJudge(world).evaluate(q, [ro])[0][ANSWER] == pytest.approx(1.0)
+    assert ro.parsed.well_formed_strict and answer_defect(ro) == ""
+    assert ToyJudge(world, fixes=ToyJudge.FIXES).evaluate(q, [ro])[0][ANSWER] == pytest.approx(1.0)
+
+
+def test_fixes_are_off_by_default_and_unknown_ones_raise(world):
+    # Off (the default: the published runs' scores), the attack keeps its old scores.
+    q = _query(2)
+    bad = _answer_call_rollout(q, inside=True)
+    old, new = ToyJudge(world), ToyJudge(world, fixes=ToyJudge.FIXES)
+    assert old.fixes == frozenset() and bad.parsed.well_formed
+    assert old.evaluate(q, [bad])[0][RESEARCH] > new.evaluate(q, [bad])[0][RESEARCH]
+    with pytest.raises(ValueError, match="judge.toy_fixes"):
+        ToyJudge(world, fixes=["nope"])
 
 
 def test_repetition_scores_below_an_honest_lesson_sec3_4(world):
@@ -154,7 +168,7 @@ def test_repetition_scores_below_an_honest_lesson_sec3_4(world):
                              p_no_negative=0.0, p_tool_fail=0.0, p_defect=0.0)
     tr = tf.teacher(q, 0, lazy)
     ro = _replay(q, tr.segments)
-    judge = ToyJudge(world)
+    judge = ToyJudge(world, fixes=ToyJudge.FIXES)
     judged = judge.judge_group(q, [ro, _replay(q, _perfect(q).segments)], 0)
     (k,) = [key for key, v in tr.defects.items() if v == "skipped"]
     honest = f"missed: {k}. Lesson: search every asked aspect with the full name."

@@ -114,7 +114,8 @@ def _answer_stage_calls(ro) -> set[int]:
 def answer_defect(ro) -> str:
     """Why the Answer block of rollout `ro` is malformed ("" if it is not): a tool call written
     after <answer> opened, or a second <answer> block (the policy's text only; tool outputs are
-    the environment's). Such a rollout is not well formed (scaffold.ParsedResponse.well_formed)."""
+    the environment's). With the fix "answer_block" such a rollout is not well formed
+    (scaffold.ParsedResponse.well_formed_strict, which reads the same from the parsed text)."""
     a = ro.text.find("<answer>")
     if a < 0:
         return ""
@@ -145,12 +146,14 @@ _NAME_ASPECT_RE = re.compile(r"\b([A-Z][a-z]{3,10})(?:'s)? (?:habitat|discoverer
 REFLECTION_MAX_CHARS = 600  # ours: toy reflections are one or two sentences
 
 
-def _degenerate(text: str) -> bool:
+def _degenerate(text: str, phrases: bool = False) -> bool:
     """True for degenerate repetition ("Loelfefefefe", "cite cite cite"): a 1-6 character unit 4+
     times in a row, one word 3+ times in a row, or one phrase of 2-4 words 3+ times in a row
-    ("Sunnana year, Sunnana year, Sunnana year"). Sampled text stuck in a loop; no lesson in it."""
+    ("Sunnana year, Sunnana year, Sunnana year"; only with phrases=True, the toy judge's fix
+    "repetition"). Sampled text stuck in a loop; no lesson in it."""
     t = " ".join(text.lower().split())
-    return bool(_REPEAT_RE.search(t) or _WORD_REPEAT_RE.search(t) or _PHRASE_REPEAT_RE.search(t))
+    return bool(_REPEAT_RE.search(t) or _WORD_REPEAT_RE.search(t)
+                or (phrases and _PHRASE_REPEAT_RE.search(t)))
 
 
 def _cut_off(text: str) -> bool:
@@ -219,10 +222,18 @@ class ToyJudge(EvolvingJudge):
     """
 
     REWARDS = ("judge", "static")
+    FIXES = ("answer_block", "false_missed", "repetition")
 
     def __init__(self, world, caps: Sequence[int] = BUFFER_CAPS, scaffold: str = "structured",
-                 reward: str = "judge", record_path: str | None = None):
-        """reward: "judge" (R from the evolving rubric buffers, §3.4) or "static" (R = the static
+                 reward: str = "judge", record_path: str | None = None, fixes: Sequence[str] = ()):
+        """fixes (judge.toy_fixes; none by default, which keeps the scores of the published runs):
+        "answer_block": a tool call written inside <answer>, or a second <answer> block, is
+        malformed: such calls are no research and their evidence supports no claim, and the answer
+        does not count as closed (`answer_defect`); "false_missed": a reflection that lists a fact
+        as missed which was not missed gets no credit for naming it (a false diagnosis);
+        "repetition": each repeated mention of a fact in a reflection costs, and a phrase of 2-4
+        words written 3+ times in a row is degenerate (invalid).
+        reward: "judge" (R from the evolving rubric buffers, §3.4) or "static" (R = the static
         rubric set's stage scores, `evaluate`: the ground-truth oracle rung of the reward ladder,
         settings.ARMS "oracle" / "stage_oracle"; not in the paper). The buffers evolve either way,
         so the reflection branch reads the same rubrics. record_path: append one JSON line per
@@ -232,6 +243,10 @@ class ToyJudge(EvolvingJudge):
             raise ValueError(f"scaffold must be one of {SCAFFOLDS}, got {scaffold!r}")
         if reward not in self.REWARDS:
             raise ValueError(f"reward must be one of {self.REWARDS}, got {reward!r}")
+        bad = [f for f in fixes if f not in self.FIXES]
+        if bad:
+            raise ValueError(f"judge.toy_fixes: unknown {bad}; choose from {self.FIXES}")
+        self.fixes = frozenset(fixes)
         super().__init__(caps)
         self.world = world
         self.reward = reward
@@ -341,7 +356,7 @@ class ToyJudge(EvolvingJudge):
         calls and environment failures left out), the asked `facts` by key, and `found`: the
         (entity, aspect) pairs whose true document some call returned."""
         p = ro.parsed
-        late = _answer_stage_calls(ro)
+        late = _answer_stage_calls(ro) if "answer_block" in self.fixes else set()
         # Evidence gathered by a call written inside the answer is no evidence of research: its
         # handles support nothing, and the call is no research call (the rollout is malformed).
         late_handles = {h for i in late for h in ro.tool_calls[i].handles}
@@ -352,7 +367,7 @@ class ToyJudge(EvolvingJudge):
                 "calls": [cl for i, cl in enumerate(ro.tool_calls)
                           if not cl.refused and not _env_failure(cl) and i not in late],
                 "found": {(d.entity, d.aspect) for d in docs.values() if d.kind == "true"},
-                "malformed_answer": answer_defect(ro)}
+                "malformed_answer": answer_defect(ro) if "answer_block" in self.fixes else ""}
 
     def _supports(self, docs: dict, h: int, entity: str, aspect: str, value: str | None) -> bool:
         d = docs.get(h)
@@ -680,7 +695,7 @@ class ToyJudge(EvolvingJudge):
             return "empty"
         if len(t) > REFLECTION_MAX_CHARS:
             return "too long"
-        if _degenerate(t):
+        if _degenerate(t, phrases="repetition" in self.fixes):
             return "degenerate repetition"
         if _cut_off(t):
             return "cut off"
@@ -701,8 +716,9 @@ class ToyJudge(EvolvingJudge):
                    named that did not fail (a list of every fact gains nothing); a fact named as
                    missed ("missed: Entity aspect") counts as named right only if it was missed (a
                    failure that a search fixes: not searched, or searched and not found), else as
-                   a wrong name (a stated, uncited fact is not "missed"); and each repeated mention
-                   of a fact beyond its first costs 0.25 (repetition is not specificity);
+                   a wrong name (a stated, uncited fact is not "missed"; fix "false_missed"); and
+                   each repeated mention of a fact beyond its first costs 0.25 (repetition is not
+                   specificity; fix "repetition");
             stage: 1 if it names a stage that failed, minus 0.25 per named stage that did not fail
                    (1 when no stage failed);
         cross (similar queries) = share of the failure kinds for which it states the general
@@ -725,9 +741,10 @@ class ToyJudge(EvolvingJudge):
             said = {k for k, rx in _STAGE_WORDS.items() if rx.search(t)}
             # A fact listed as missed that was not missed (stated but uncited, copied from a
             # distractor, hedged) is a false diagnosis: it counts as a wrong name, not a right one.
-            as_missed = {k for m in _MISSED_CLAUSE_RE.finditer(t) for k in facts if k in m.group(1)}
+            as_missed = {k for m in _MISSED_CLAUSE_RE.finditer(t) for k in facts if k in m.group(1)} \
+                if "false_missed" in self.fixes else set()
             false_missed = {k for k in as_missed if "search" not in ctx["fact_kinds"].get(k, ())}
-            repeats = sum(n - 1 for n in counts.values() if n > 1)
+            repeats = sum(n - 1 for n in counts.values() if n > 1) if "repetition" in self.fixes else 0
             if failed:
                 fact_term = (len((named & failed) - false_missed) / len(failed)
                              - len((named - failed) | (false_missed & failed)) / nf)
