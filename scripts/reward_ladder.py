@@ -15,8 +15,10 @@ rerun), then reads back:
   the paired 95 % bootstrap interval of each gain over the held-out questions;
 - fact recall (T = 1 and greedy), the lowest rollout/well_formed of the run, the training static
   answer score by quarter (score/answer in metrics.jsonl), wall time;
-- per stage, the Pearson correlation between R (what the update saw) and the static score over all
-  of the run's training rollouts (run_dir/judge_static.jsonl); 1 for the oracle rungs by design.
+- per stage, the Pearson correlation between the evolving judge's R and the static score over all
+  of the run's training rollouts (run_dir/judge_static.jsonl). In the rubricem rung R is what the
+  update saw; in the oracle rungs the update saw the static scores, and R is what the evolving
+  judge (whose buffers evolve alongside) would have given the same rollouts.
 
     python scripts/reward_ladder.py --seed 0 --out runs/ladder --set threads=1 --set sample_threads=1
     python scripts/reward_ladder.py --eval-only runs/toy            # greedy figures of one run
