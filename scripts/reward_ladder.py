@@ -130,12 +130,13 @@ def summarise(run_dir: str, greedy: dict | None) -> dict:
     """The ladder's figures of one finished run (see the module docstring)."""
     with open(os.path.join(run_dir, "eval.json")) as fh:
         ev = json.load(fh)
-    rows = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
+    mp = os.path.join(run_dir, "metrics.jsonl")
+    rows = [json.loads(x) for x in open(mp)] if os.path.exists(mp) else []  # none after --steps 0
     ans = [r.get("score/answer") for r in rows if r.get("score/answer") is not None]
     q = max(1, len(ans) // 4)
     out = {"run_dir": run_dir, "wall_s": ev.get("timings", {}).get("total_s"),
            "sft_seconds": ev.get("sft", {}).get("train_seconds"),
-           "well_formed_min": min(r["rollout/well_formed"] for r in rows),
+           "well_formed_min": min((r["rollout/well_formed"] for r in rows), default=None),
            "train_answer_quarters": [float(np.mean(ans[i * q:(i + 1) * q])) for i in range(4)]
            if len(ans) >= 4 else ans,
            "corr_R_static": stage_correlations(run_dir)}
@@ -190,7 +191,8 @@ def fmt(name: str, s: dict) -> str:
                              for c in e["copy"]) if "copy" in e else ""))
     lines.append("  train static answer by quarter: "
                  + ", ".join(f"{x:.3f}" for x in s["train_answer_quarters"])
-                 + f"; lowest rollout/well_formed {s['well_formed_min']:.3f}")
+                 + ("" if s["well_formed_min"] is None
+                    else f"; lowest rollout/well_formed {s['well_formed_min']:.3f}"))
     c = s["corr_R_static"]
     if c:
         lines.append("  corr(R, static) per stage over " + str(c.get("rollouts")) + " rollouts: "
