@@ -425,6 +425,13 @@ class JudgeConfig:
     max_failure_steps: int = 3
     """...this many steps in a row stops the run (JudgeFailureAbort): training on mostly missing
     rewards would waste compute without learning anything."""
+    toy_fixes: list = field(default_factory=list)
+    """Ours, toy judge only: fixes of the toy judge that change the published runs' scores, off
+    until the runs are regenerated: "answer_block" (a call inside <answer> or a second <answer> is
+    malformed), "false_missed", "repetition" (reflection scoring); toy.judge.ToyJudge."""
+    record_static: bool = False
+    """Ours, toy judge only: append each judged group's R and static stage scores to
+    run_dir/judge_static.jsonl (the reward ladder's correlations, scripts/reward_ladder.py)."""
 
     @property
     def url_root(self) -> str:

@@ -237,6 +237,21 @@ class ParsedResponse:
             return self.has_stage[ANSWER] and all(self.closed.values())
         return all(self.has_stage) and all(self.closed.values())
 
+    @property
+    def answer_defect(self) -> str:
+        """Why the answer block is malformed beyond `well_formed` ("" if it is not): a tool call
+        written after <answer> opened, or a second <answer> (tool outputs are not read). Ours."""
+        ans = _strip_tool_outputs(self.stage_texts[ANSWER])
+        ans = ans[ans.find("<answer>"):] if "<answer>" in ans else ""
+        if "<call_tool" in ans:
+            return "tool call inside the answer"
+        return "second answer block" if ans.count("<answer>") > 1 else ""
+
+    @property
+    def well_formed_strict(self) -> bool:
+        """`well_formed` and no `answer_defect` (the toy judge's judge.toy_fixes "answer_block")."""
+        return self.well_formed and not self.answer_defect
+
 
 def _first(text: str, needles: Sequence[str], end: bool = False) -> int:
     best = len(text)

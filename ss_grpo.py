@@ -706,6 +706,9 @@ class Arm:
     advantage: str
     reflection: bool
     bank: bool
+    reward: str = "judge"
+    """"judge": R from the evolving judge (§3.4); "static": R = the toy judge's static stage scores,
+    the ground truth (the reward ladder's oracle rungs; not in the paper; toy judge only)"""
 
 
 ARMS = {
@@ -717,6 +720,11 @@ ARMS = {
     "baseline_rl_info": Arm("terminal_mean", reflection=False, bank=False),  # not in the paper: Baseline
     # RL matched in judge information (its terminal score averages all four stage scores, so it sees
     # what SS-GRPO sees, minus the stage-wise credit assignment)
+    # The reward ladder (not in the paper; toy judge only): the same updates on ground-truth rewards.
+    "oracle": Arm("terminal_answer", reflection=False, bank=False, reward="static"),  # flat GRPO on
+    # the static Answer score
+    "stage_oracle": Arm("ss_grpo", reflection=False, bank=False, reward="static"),  # SS-GRPO on the
+    # static stage scores
 }
 
 

@@ -362,7 +362,9 @@ def step_metrics(run: Run, out: StepOut, before: dict) -> dict:
                                     - before["engine"]["deadline_refusals"])
     for kind in TOOL_KINDS if run.cfg.faults.tool_rate > 0 else ():
         m[f"tools/faults/{kind}"] = run.rl_tool.counts[kind] - before["tool"].get(kind, 0)
-    m["rollout/well_formed"] = float(np.mean([r.parsed.well_formed for r in rollouts]))
+    strict = "answer_block" in run.cfg.judge.toy_fixes  # a call inside <answer> is malformed too
+    m["rollout/well_formed"] = float(np.mean([r.parsed.well_formed_strict if strict else r.parsed.well_formed
+                                              for r in rollouts]))
     m["rollout/truncated"] = float(np.mean([r.truncated for r in rollouts]))
     m["rollout/forged_tool_outputs"] = int(sum(r.parsed.forged_tool_outputs for r in rollouts))
     m.update(run.bank.metrics())

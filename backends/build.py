@@ -80,7 +80,12 @@ def build_judge(cfg: Config, world):
     (Gemini or an OpenAI-compatible server; the key is read from the environment per request). The
     toy judge scores only the Answer stage of an unstructured scaffold's rollouts."""
     if cfg.judge.backend == "toy":
-        return ToyJudge(world, cfg.judge.caps, scaffold=cfg.rollout.scaffold)
+        record = os.path.join(cfg.run_dir, "judge_static.jsonl") if cfg.judge.record_static else None
+        return ToyJudge(world, cfg.judge.caps, scaffold=cfg.rollout.scaffold,
+                        reward=ARMS[cfg.arm].reward, record_path=record, fixes=cfg.judge.toy_fixes)
+    if ARMS[cfg.arm].reward != "judge":
+        raise ValueError(f"arm {cfg.arm!r} rewards with the toy judge's static scores: it needs "
+                         f"judge.backend = 'toy', got {cfg.judge.backend!r}")
     from backends.judge_http import HTTPJudge  # SCALE: requests / urllib3 only for an HTTP judge
 
     # The run's judge section is the HTTP judge's configuration; its reply cache defaults to the

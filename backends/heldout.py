@@ -89,7 +89,9 @@ def heldout_scores(judge, queries: Sequence, ro: Sequence, samples: int) -> dict
     return {"score": float(Sg.mean()), "answer": float(S[:, 3].mean()),
             **{f"stage/{s}": float(S[:, k].mean()) if graded[k] else None
                for k, s in enumerate(STAGES)},
-            "well_formed": float(np.mean([r.parsed.well_formed for r in ro])),
+            "well_formed": float(np.mean([r.parsed.well_formed_strict  # toy judge's "answer_block"
+                                          if "answer_block" in getattr(judge, "fixes", ()) else
+                                          r.parsed.well_formed for r in ro])),
             "tool_call_rate": float(np.mean([r.n_tool_calls >= 1 for r in ro])),
             "mean_tool_calls": float(np.mean([r.n_tool_calls for r in ro])),
             "fact_recall": float(np.mean(facts)), "rollouts": len(ro),

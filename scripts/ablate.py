@@ -74,7 +74,9 @@ from backends import checkpoint as ckpt_mod  # noqa: E402
 from backends import report  # noqa: E402
 from backends import config as settings  # noqa: E402
 
-ARM_ORDER = list(settings.ARMS)  # rubricem, ss_grpo, meta_policy, baseline_rl, baseline_rl_info
+# rubricem, ss_grpo, meta_policy, baseline_rl, baseline_rl_info: the paper's arms (the reward
+# ladder's oracle arms, rewarded with ground truth, are not part of the grid)
+ARM_ORDER = [a for a, arm in settings.ARMS.items() if arm.reward == "judge"]
 PAPER_NAMES = {"rubricem": "RubricEM", "ss_grpo": "SS-GRPO", "meta_policy": "Meta-Policy",
                "baseline_rl": "Baseline RL", "baseline_rl_info": "Baseline RL (info-matched, ours)"}
 MEMORY_ARMS = ("rubricem", "baseline_rl")  # the arms of the paper's memory-reuse figure

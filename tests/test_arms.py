@@ -20,11 +20,14 @@ EXPECTED = {  # arm: (advantage kind, reflection branch, bank retrieval)
     "meta_policy": ("terminal_answer", True, True),
     "baseline_rl": ("terminal_answer", False, False),
     "baseline_rl_info": ("terminal_mean", False, False),
+    "oracle": ("terminal_answer", False, False),  # the reward ladder: static rewards
+    "stage_oracle": ("ss_grpo", False, False),
 }
 
 
 def test_arm_table_sec3_3_sec3_4():
     assert {a: (s.advantage, s.reflection, s.bank) for a, s in settings.ARMS.items()} == EXPECTED
+    assert {a for a, s in settings.ARMS.items() if s.reward == "static"} == {"oracle", "stage_oracle"}
     assert settings.toy_preset().arm == "rubricem" and settings.full_preset().arm == "rubricem"
 
 

@@ -34,7 +34,9 @@ Deviations from the paper
 from __future__ import annotations
 
 
+import json
 import re
+import threading
 from typing import Sequence
 
 import numpy as np
@@ -99,10 +101,43 @@ def _env_failure(cl) -> bool:
     return bool(cl.error) and cl.name == _TOOL and bool(cl.query.strip())
 
 
+def _answer_stage_calls(ro) -> set[int]:
+    """Indices into ro.tool_calls of the calls written after the response's first <answer>: the
+    environment inserted each call's output at ro.env_spans[i] (one span per call, in order), so a
+    span that starts after the answer opened belongs to a call made inside the Answer block."""
+    a = ro.text.find("<answer>")
+    if a < 0 or len(ro.env_spans) != len(ro.tool_calls):
+        return set()
+    return {i for i, (start, _) in enumerate(ro.env_spans) if start > a}
+
+
+def answer_defect(ro) -> str:
+    """Why the Answer block of rollout `ro` is malformed ("" if it is not): a tool call written
+    after <answer> opened, or a second <answer> block (the policy's text only; tool outputs are
+    the environment's). With the fix "answer_block" such a rollout is not well formed
+    (scaffold.ParsedResponse.well_formed_strict, which reads the same from the parsed text)."""
+    a = ro.text.find("<answer>")
+    if a < 0:
+        return ""
+    own, pos = [], 0
+    for s, e in sorted(ro.env_spans) + [(len(ro.text), len(ro.text))]:
+        own.append(ro.text[max(pos, a):s] if s > a else "")
+        pos = max(pos, e)
+    tail = "".join(own)
+    if "<call_tool" in tail or _answer_stage_calls(ro):
+        return "tool call inside the answer"
+    if tail.count("<answer>") > 1:
+        return "second answer block"
+    return ""
+
+
 # ---- reflection validity: degenerate, cut-off or off-topic candidates are never bank material ----
 
 _REPEAT_RE = re.compile(r"(.{1,6}?)\1{3,}")  # a unit of 1-6 characters written 4+ times in a row
 _WORD_REPEAT_RE = re.compile(r"\b(\w+)\b(?:\W+\1\b){2,}")  # the same word 3+ times in a row
+# The same phrase of 2-4 words 3+ times in a row ("Sunnana year, Sunnana year, Sunnana year").
+_PHRASE_REPEAT_RE = re.compile(r"\b(\w+(?:\W+\w+){1,3})\b(?:\W+\1\b){2,}")
+_MISSED_CLAUSE_RE = re.compile(r"\bmissed:?([^.;:]*)", re.I)  # "missed: A year, B use." -> facts
 _END_RE = re.compile(r"[.!?][\"')\]]*$")
 _LABEL_RE = re.compile(r"(?:^|[.;!?]\s+)([A-Za-z]+):")
 _LABELS = ("missed", "lesson", "lessons", "avoid", "need", "note", "fix")
@@ -111,11 +146,14 @@ _NAME_ASPECT_RE = re.compile(r"\b([A-Z][a-z]{3,10})(?:'s)? (?:habitat|discoverer
 REFLECTION_MAX_CHARS = 600  # ours: toy reflections are one or two sentences
 
 
-def _degenerate(text: str) -> bool:
+def _degenerate(text: str, phrases: bool = False) -> bool:
     """True for degenerate repetition ("Loelfefefefe", "cite cite cite"): a 1-6 character unit 4+
-    times in a row, or one word 3+ times in a row. Sampled text stuck in a loop; no lesson in it."""
+    times in a row, one word 3+ times in a row, or one phrase of 2-4 words 3+ times in a row
+    ("Sunnana year, Sunnana year, Sunnana year"; only with phrases=True, the toy judge's fix
+    "repetition"). Sampled text stuck in a loop; no lesson in it."""
     t = " ".join(text.lower().split())
-    return bool(_REPEAT_RE.search(t) or _WORD_REPEAT_RE.search(t))
+    return bool(_REPEAT_RE.search(t) or _WORD_REPEAT_RE.search(t)
+                or (phrases and _PHRASE_REPEAT_RE.search(t)))
 
 
 def _cut_off(text: str) -> bool:
@@ -183,11 +221,37 @@ class ToyJudge(EvolvingJudge):
     never free text that a policy could stuff with keywords.
     """
 
-    def __init__(self, world, caps: Sequence[int] = BUFFER_CAPS, scaffold: str = "structured"):
+    REWARDS = ("judge", "static")
+    FIXES = ("answer_block", "false_missed", "repetition")
+
+    def __init__(self, world, caps: Sequence[int] = BUFFER_CAPS, scaffold: str = "structured",
+                 reward: str = "judge", record_path: str | None = None, fixes: Sequence[str] = ()):
+        """fixes (judge.toy_fixes; none by default, which keeps the scores of the published runs):
+        "answer_block": a tool call written inside <answer>, or a second <answer> block, is
+        malformed: such calls are no research and their evidence supports no claim, and the answer
+        does not count as closed (`answer_defect`); "false_missed": a reflection that lists a fact
+        as missed which was not missed gets no credit for naming it (a false diagnosis);
+        "repetition": each repeated mention of a fact in a reflection costs, and a phrase of 2-4
+        words written 3+ times in a row is degenerate (invalid).
+        reward: "judge" (R from the evolving rubric buffers, §3.4) or "static" (R = the static
+        rubric set's stage scores, `evaluate`: the ground-truth oracle rung of the reward ladder,
+        settings.ARMS "oracle" / "stage_oracle"; not in the paper). The buffers evolve either way,
+        so the reflection branch reads the same rubrics. record_path: append one JSON line per
+        judged group, {"step", "R", "static"} ((n, 4) lists, NaN as null), for the correlation
+        of R with the static scores (scripts/reward_ladder.py); None records nothing."""
         if scaffold not in SCAFFOLDS:
             raise ValueError(f"scaffold must be one of {SCAFFOLDS}, got {scaffold!r}")
+        if reward not in self.REWARDS:
+            raise ValueError(f"reward must be one of {self.REWARDS}, got {reward!r}")
+        bad = [f for f in fixes if f not in self.FIXES]
+        if bad:
+            raise ValueError(f"judge.toy_fixes: unknown {bad}; choose from {self.FIXES}")
+        self.fixes = frozenset(fixes)
         super().__init__(caps)
         self.world = world
+        self.reward = reward
+        self.record_path = record_path
+        self._record_lock = threading.Lock()
         # The stages this judge grades: all four, or the Answer stage alone for the unstructured
         # scaffold (its other cells are NaN: not applicable).
         self.stages = tuple(range(len(STAGES))) if scaffold == "structured" else (ANSWER,)
@@ -245,6 +309,23 @@ class ToyJudge(EvolvingJudge):
     def propose(self, query, rollouts, step) -> list[Rubric]:
         return self.pool(query)
 
+    def judge_group(self, query, rollouts: Sequence[Rollout], step: int) -> JudgeResult:
+        """EvolvingJudge.judge_group (§3.4); with reward = "static" its R is replaced by the static
+        stage scores (`evaluate`); with a record_path, both are appended there."""
+        res = super().judge_group(query, rollouts, step)
+        if self.reward == "judge" and self.record_path is None:
+            return res
+        static = self.evaluate(query, rollouts)
+        if self.record_path is not None:
+            row = {"step": int(step), "query": query.query,
+                   "R": [[None if not np.isfinite(x) else float(x) for x in r] for r in res.R],
+                   "static": [[None if not np.isfinite(x) else float(x) for x in r] for r in static]}
+            with self._record_lock, open(self.record_path, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+        if self.reward == "static":
+            res.R = static
+        return res
+
     def initial_rubrics(self, query) -> list[Rubric]:
         out = super().initial_rubrics(query)
         facts = {_key(f): f for f in query.facts}
@@ -275,12 +356,18 @@ class ToyJudge(EvolvingJudge):
         calls and environment failures left out), the asked `facts` by key, and `found`: the
         (entity, aspect) pairs whose true document some call returned."""
         p = ro.parsed
-        docs = {h: self.world.doc(res.doc_id) for h, res in ro.evidence.items()}
+        late = _answer_stage_calls(ro) if "answer_block" in self.fixes else set()
+        # Evidence gathered by a call written inside the answer is no evidence of research: its
+        # handles support nothing, and the call is no research call (the rollout is malformed).
+        late_handles = {h for i in late for h in ro.tool_calls[i].handles}
+        docs = {h: self.world.doc(res.doc_id) for h, res in ro.evidence.items() if h not in late_handles}
         return {"p": p, "docs": docs, "ro": ro, "entities": set((query.toy or {}).get("entities", [])),
                 "claims": answer_claims(p.fields["answer"]) if p else [],
                 "facts": {_key(f): f for f in query.facts},
-                "calls": [cl for cl in ro.tool_calls if not cl.refused and not _env_failure(cl)],
-                "found": {(d.entity, d.aspect) for d in docs.values() if d.kind == "true"}}
+                "calls": [cl for i, cl in enumerate(ro.tool_calls)
+                          if not cl.refused and not _env_failure(cl) and i not in late],
+                "found": {(d.entity, d.aspect) for d in docs.values() if d.kind == "true"},
+                "malformed_answer": answer_defect(ro) if "answer_block" in self.fixes else ""}
 
     def _supports(self, docs: dict, h: int, entity: str, aspect: str, value: str | None) -> bool:
         d = docs.get(h)
@@ -520,8 +607,9 @@ class ToyJudge(EvolvingJudge):
         return sum(bool(cl["handles"]) for cl in claims) / len(claims) if claims else 0.0
 
     def _c_ans_closed(self, c) -> float:
-        """The answer tag is closed (the answer was not cut off)."""
-        return float(c["p"].closed["answer"])
+        """The answer tag is closed (the answer was not cut off) and the answer is one block
+        without a tool call (`answer_defect`)."""
+        return float(c["p"].closed["answer"] and not c["malformed_answer"])
 
     def _c_ans_nodistractor(self, c) -> float:
         """Share of stated values not copied from a retrieved old record or look-alike document."""
@@ -582,6 +670,7 @@ class ToyJudge(EvolvingJudge):
         ctx = self._context(query, rollout)
         static = self.pool(query) + self.initial_rubrics(query)
         stages, keys, kinds = set(), set(), set()
+        by_fact: dict[str, set] = {}
         for k in range(len(STAGES)):
             scored = k < len(judged.rubrics) and np.isfinite(judged.R[row, k])
             rubs = judged.rubrics[k] if scored else [r for r in static if r.stage == k]
@@ -589,9 +678,12 @@ class ToyJudge(EvolvingJudge):
                 if r.check is None or not self._check(r.check, ctx, facts) < 1.0:
                     continue  # met, or an LLM rubric the toy judge cannot re-score
                 stages.add(k)
+                kind = self._failure_kind(r.check, ctx, facts)
                 if len(r.check) > 1 and r.check[1] in facts:
                     keys.add(r.check[1])
-                kinds.add(self._failure_kind(r.check, ctx, facts))
+                    by_fact.setdefault(r.check[1], set()).add(kind)
+                kinds.add(kind)
+        ctx["fact_kinds"] = by_fact  # failed fact key -> the lesson kinds that fix it
         return ctx, stages, keys, kinds
 
     def _reflection_defect(self, text: str, entities: set) -> str:
@@ -603,7 +695,7 @@ class ToyJudge(EvolvingJudge):
             return "empty"
         if len(t) > REFLECTION_MAX_CHARS:
             return "too long"
-        if _degenerate(t):
+        if _degenerate(t, phrases="repetition" in self.fixes):
             return "degenerate repetition"
         if _cut_off(t):
             return "cut off"
@@ -621,7 +713,12 @@ class ToyJudge(EvolvingJudge):
         Returns m ReflectionScores with within, cross, score = (within + cross) / 2 in [0,1]:
         within (same query again) = mean of
             facts: share of the failed facts named ("Entity aspect") minus the share of asked facts
-                   named that did not fail (a list of every fact gains nothing);
+                   named that did not fail (a list of every fact gains nothing); a fact named as
+                   missed ("missed: Entity aspect") counts as named right only if it was missed (a
+                   failure that a search fixes: not searched, or searched and not found), else as
+                   a wrong name (a stated, uncited fact is not "missed"; fix "false_missed"); and
+                   each repeated mention of a fact beyond its first costs 0.25 (repetition is not
+                   specificity; fix "repetition");
             stage: 1 if it names a stage that failed, minus 0.25 per named stage that did not fail
                    (1 when no stage failed);
         cross (similar queries) = share of the failure kinds for which it states the general
@@ -639,12 +736,21 @@ class ToyJudge(EvolvingJudge):
             if defect:
                 out.append(ReflectionScore(0.0, 0.0, 0.0, f"invalid: {defect}", valid=False))
                 continue
-            named = {k for k in facts if k in t}
+            counts = {k: t.count(k) for k in facts}
+            named = {k for k, n in counts.items() if n}
             said = {k for k, rx in _STAGE_WORDS.items() if rx.search(t)}
+            # A fact listed as missed that was not missed (stated but uncited, copied from a
+            # distractor, hedged) is a false diagnosis: it counts as a wrong name, not a right one.
+            as_missed = {k for m in _MISSED_CLAUSE_RE.finditer(t) for k in facts if k in m.group(1)} \
+                if "false_missed" in self.fixes else set()
+            false_missed = {k for k in as_missed if "search" not in ctx["fact_kinds"].get(k, ())}
+            repeats = sum(n - 1 for n in counts.values() if n > 1) if "repetition" in self.fixes else 0
             if failed:
-                fact_term = len(named & failed) / len(failed) - len(named - failed) / nf
+                fact_term = (len((named & failed) - false_missed) / len(failed)
+                             - len((named - failed) | (false_missed & failed)) / nf)
             else:
                 fact_term = 1.0 - len(named) / nf
+            fact_term -= 0.25 * repeats
             # Nothing failed: any stage may carry the general lesson, so none is penalised.
             stage_term = float(bool(said & stages)) - 0.25 * len(said - stages) if stages else 1.0
             within = 0.5 * (float(np.clip(fact_term, 0, 1)) + float(np.clip(stage_term, 0, 1)))

@@ -82,6 +82,20 @@ class TeacherConfig:
     """per kind: truncated answer, invalid call, missing review block"""
     p_memory: float = 0.30
     """share of prompts with retrieved memory items"""
+    # Stage-local flaws (ours; 0 = off, and then no random draw is made, so the teacher's data are
+    # those of a configuration without these fields). Each one makes a decision of one stage go
+    # wrong with this probability and changes nothing in the other stages, so only that stage's
+    # rubrics can see it: set above 0.5, the wrong behaviour is the teacher's most likely one.
+    p_plan_unsearched: float = 0.0
+    """Plan (per trajectory): the research plan lists the first asked fact's search only (the
+    research still runs every search)"""
+    p_eval_bare: float = 0.0
+    """Research (per trajectory): the state evaluations give found values without their snippet
+    ids ("E a: v", not "E a: v [h]")"""
+    p_writing_gap: float = 0.0
+    """Review (per trajectory): the writing plan lists only the first fact it found"""
+    p_unknown_omitted: float = 0.0
+    """Answer (per fact): a fact no snippet gave is left out of the answer (no "No source gives ..." sentence)"""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -137,9 +151,18 @@ def teacher_trajectory(q: Query, tool, world: World, rng: random.Random, cfg: Te
     neg = "" if rng.random() < cfg.p_no_negative else "; avoid: look-alike names and old records"
     if not neg and structured:
         defects["_negative"] = "no negative constraint"
+    # Stage-local flaws draw only when switched on (see TeacherConfig), each from its own stream
+    # seeded by the trajectory's, so the draws above and below stay those of the default teacher.
+    local = random.Random(rng.random()) if _local_flaws(cfg) else None
+    bare = local is not None and local.random() < cfg.p_eval_bare
+    unplanned = [fact_key(f) for f in facts[1:]] \
+        if local is not None and local.random() < cfg.p_plan_unsearched else []
+    if unplanned and structured:
+        defects["_plan_search"] = "research plan omits " + ", ".join(unplanned)
     plan = (f"<structured_plan><analysis>Report on {' and '.join(ents)}: {', '.join(aspects)}."
             f"</analysis><rubrics>{need}{neg}</rubrics><research_plan>"
-            + "; ".join(f"search {fact_key(f)}" for f in facts if fact_key(f) not in skip)
+            + "; ".join(f"search {fact_key(f)}" for f in facts
+                        if fact_key(f) not in skip and fact_key(f) not in unplanned)
             + "</research_plan></structured_plan>\n") if structured else ""
     segs: list[Segment] = []
     cur = plan
@@ -184,6 +207,9 @@ def teacher_trajectory(q: Query, tool, world: World, rng: random.Random, cfg: Te
             handle += len(results)
             found[k] = (hit[0], hit[1]) if hit else None
             ev = f"{k}: {hit[1]} [{hit[0]}]" if hit else f"{k}: not found"
+            if hit and bare:
+                ev = f"{k}: {hit[1]}"  # the value without its snippet id
+                defects["_eval_bare"] = "state evaluation without a snippet id"
             cur = f"{note_open}{ev}{note_close}\n"
             break
         else:
@@ -193,8 +219,12 @@ def teacher_trajectory(q: Query, tool, world: World, rng: random.Random, cfg: Te
         k = fact_key(f)
         h = found.get(k)
         review_items.append(f"{k}: [{h[0]}]" if h else f"{k}: missing")
+    planned = [fact_key(f) for f in facts if fact_key(f) not in skip]
+    if local is not None and len(planned) > 1 and local.random() < cfg.p_writing_gap:
+        planned = planned[:1]  # the writing plan forgets the later findings
+        defects["_writing_gap"] = "writing plan lists one fact"
     review = (f"<review><rubrics_review>{'; '.join(review_items)}</rubrics_review><writing_plan>"
-              f"{', '.join(fact_key(f) for f in facts if fact_key(f) not in skip)}</writing_plan>"
+              f"{', '.join(planned)}</writing_plan>"
               "</review>\n")
     if not structured:
         review = ""  # the unstructured scaffold has no review
@@ -208,6 +238,9 @@ def teacher_trajectory(q: Query, tool, world: World, rng: random.Random, cfg: Te
             continue
         h = found.get(k)
         if h is None:
+            if local is not None and local.random() < cfg.p_unknown_omitted:
+                defects["_unknown_omitted"] = "left out a fact no source gave"
+                continue
             sentences.append(f"No source gives the {f['aspect']} of {f['entity']}.")
             continue
         s = ANSWER_TEMPLATES[f["aspect"]].format(name=f["entity"], value=h[1])
@@ -222,6 +255,14 @@ def teacher_trajectory(q: Query, tool, world: World, rng: random.Random, cfg: Te
         defects["_kind"] = "truncated answer"
     segs.append((False, cur + review + answer))
     return TeacherTrace(segs, defects)
+
+
+_LOCAL_FLAWS = ("p_plan_unsearched", "p_eval_bare", "p_writing_gap", "p_unknown_omitted")
+
+
+def _local_flaws(cfg: TeacherConfig) -> bool:
+    """True if any stage-local flaw is switched on (then the teacher draws them, else it does not)."""
+    return any(getattr(cfg, f) > 0 for f in _LOCAL_FLAWS)
 
 
 def teacher_reflection(q: Query, trace: TeacherTrace) -> str:
@@ -242,6 +283,15 @@ def teacher_reflection(q: Query, trace: TeacherTrace) -> str:
         lessons.append("cite a snippet for every claim")
     if "_negative" in trace.defects:
         lessons.append("list what to avoid in the plan")
+    # The stage-local flaws (TeacherConfig.p_plan_unsearched and after; absent by default).
+    if "_plan_search" in trace.defects:
+        lessons.append("plan one search per asked aspect")
+    if "_eval_bare" in trace.defects:
+        lessons.append("give the snippet id or not found in each state evaluation")
+    if "_writing_gap" in trace.defects:
+        lessons.append("list every found fact in the writing plan")
+    if "_unknown_omitted" in trace.defects:
+        lessons.append("say when a fact is not found")
     if not lessons:
         lessons.append("one search per asked aspect, cite each claim")
     parts.append("Lesson: " + "; ".join(lessons) + ".")
@@ -453,7 +503,8 @@ def warm_start_key(world_config, system: str, cfg: SFTConfig, tcfg: TeacherConfi
     the system prompt and the scaffold. The structured scaffold's key leaves the scaffold out, so
     warm starts cached before the scaffold ablation existed stay valid; every other scaffold is in
     the key, so two scaffolds' warm starts never share a cache entry."""
-    return cache_key({"world": asdict(world_config), "teacher": asdict(tcfg), "sft": asdict(cfg),
+    teacher = {k: v for k, v in asdict(tcfg).items() if not (k in _LOCAL_FLAWS and v == 0)}
+    return cache_key({"world": asdict(world_config), "teacher": teacher, "sft": asdict(cfg),
                       "size": size, "vocab": vocab_size, "system": system, "v": 1,
                       **({} if scaffold == "structured" else {"scaffold": scaffold}),
                       **(extra_key or {})})
