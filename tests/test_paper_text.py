@@ -87,7 +87,10 @@ def test_ablation_arms_are_the_papers_four_recipes_fig5():
     assert "向所有 token 广播单个终端奖励" in BASELINE_TEXT
     assert arm["Baseline RL"].advantage in ss_grpo.TERMINAL_SCORES
     paper = {re.sub(r"[\s-]+", "_", n.lower()) for n in names}
-    assert set(settings.ARMS) - paper == {"baseline_rl_info"}  # the one arm of ours, not the paper's
+    # ours, not the paper's: the information-matched Baseline RL, and the reward ladder's two rungs on
+    # the toy judge's ground truth (the only arms that do not reward with the evolving judge)
+    assert set(settings.ARMS) - paper == {"baseline_rl_info", "oracle", "stage_oracle"}
+    assert {a for a, s in settings.ARMS.items() if s.reward != "judge"} == {"oracle", "stage_oracle"}
 
 
 # ----------------------------------------------------------------------------------------------------
