@@ -457,7 +457,7 @@ def _run_steps(run: Run, ls: "LoopState", state, ckpt_path, start: int, sft_info
         abort = None
         try:
             ls.monitor.update(m["judge/failure_rate"], step)
-            getattr(run.judge, "check_budget", lambda: None)()  # judge.max_usd (backends/judge_http)
+            getattr(run.judge, "check_budget", lambda: None)()  # judge_http.max_usd (backends/judge_http)
         except Exception as e:  # JudgeFailureAbort, JudgeBudgetExceeded (exit code 5)
             if not isinstance(e, JudgeFailureAbort) and getattr(e, "exit_code", None) != 5:
                 raise
@@ -549,7 +549,7 @@ def finish(run: Run, ls: LoopState, ev: HeldOut, sft_info: dict, timings: dict, 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry point. Exit codes: 0 done (or stopped by checkpoint.stop_after), 2 bad
     configuration or unusable input (data file or rows, model directory, checkpoint), 3 judge
-    failures above the abort threshold, 4 an API answered 401/403/404, 5 judge.max_usd reached."""
+    failures above the abort threshold, 4 an API answered 401/403/404, 5 judge_http.max_usd reached."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         cfg, resume = parse_cli(argv)

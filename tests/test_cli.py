@@ -13,6 +13,8 @@ from backends import cli
 
 from backends import config as settings
 
+from backends import presets
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -76,7 +78,7 @@ def test_bad_settings_exit_2_naming_the_field_and_write_nothing(tmp_path, capsys
 
 
 def test_overrides_take_the_type_of_their_field():
-    c = settings.apply_overrides(settings.toy_preset(), [
+    c = settings.apply_overrides(presets.toy_preset(), [
         "ss_grpo.lr=1", "steps=1e3", "rollout.n=4", "progress=false", "curriculum.enabled=Yes",
         "model_size=XS", 'cache_dir="a b"', "data.source=", 'faults.tool_kinds=["error"]',
         "judge.caps=[1,1,1,1]", "ss_grpo.lam=[[1,0,0,0],[0,1,0,0],[0,0,1,0],[0,0,0,1]]"])
@@ -94,8 +96,8 @@ def test_every_field_accepts_its_own_default_as_json():
 
     from backends.config import leaf_fields
 
-    for key, _, value in leaf_fields(settings.toy_preset()):
-        c = settings.apply_overrides(settings.toy_preset(), [f"{key}={json.dumps(value)}"])
+    for key, _, value in leaf_fields(presets.toy_preset()):
+        c = settings.apply_overrides(presets.toy_preset(), [f"{key}={json.dumps(value)}"])
         assert dict(((k, v) for k, _, v in leaf_fields(c)))[key] == value, key
 
 
@@ -119,7 +121,7 @@ def _finished_run(d, steps: int = 3):
 
     ck = d / "checkpoints" / f"step-{steps:06d}"
     os.makedirs(ck)
-    cfg = dataclasses.asdict(settings.toy_preset())
+    cfg = dataclasses.asdict(presets.toy_preset())
     cfg["steps"], cfg["run_dir"] = steps, str(d)
     torch.save({"step": steps, "config": json.loads(json.dumps(cfg))}, ck / "state.pt")
     data = (ck / "state.pt").read_bytes()
