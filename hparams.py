@@ -117,7 +117,8 @@ class JudgeConfig:
     """not in the paper; we stop the run (JudgeFailureAbort) when a step's share of failed judge
     calls exceeds this..."""
     max_failure_steps: int = 3
-    """...this many steps in a row: training on mostly missing rewards wastes compute"""
+    """not in the paper; ...this many steps in a row (max_failure_rate): training on mostly missing
+    rewards wastes compute"""
 
 
 @dataclass
