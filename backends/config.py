@@ -1,7 +1,18 @@
-"""Command-line settings of train.py: typed `--set key=value` overrides, the configuration reference
-(`--list-config`) and the default run directory of each command-line variation.
+"""The run configuration (`Config`) and its plumbing: typed `--set key=value` overrides, the
+configuration reference (`--list-config`), the checks, renamed keys, saved configs and the default run
+directory of each command-line variation.
 
 Not part of the paper's method: plumbing that makes a run's settings checkable before any work starts.
+Where the settings live:
+    hparams.py                 the paper layer (PaperConfig: arm, seed, steps, rollout, search, ss_grpo,
+                               judge, bank, reflection, curriculum), each knob with its paper reference
+    Config (here)              PaperConfig + the run's plumbing (run_dir, engine, sampler, threads, ...)
+                               + data, checkpoint, faults (backends/data.py, checkpoint.py, faults.py)
+    the registry (SECTIONS)    eval (backends/heldout.py), toy_model, world, teacher, sft (toy/), full,
+                               judge_http, search_http (backends/full.py, judge_http.py, search_http.py),
+                               registered by backends/presets.py, which also builds the presets
+Old key spellings (ALIASES: judge.base_url, search.rpm, model_size, ...) still work, with a one-line
+deprecation notice, in --set and in a saved config.json.
 
     python train.py --list-config                       # every key, its default and what it means
     python train.py --toy --set ss_grpo.lr=abc          # refused at parse time: exit code 2
@@ -288,7 +299,7 @@ def _own_field_docs(cls) -> dict[str, str]:
 
 def describe_config(cfg) -> list[tuple[str, str, str]]:
     """(dotted key, default as JSON, documentation) for every leaf field of `cfg` (a config dataclass
-    instance, e.g. config.toy_preset()), in declaration order."""
+    instance, e.g. presets.toy_preset()), in declaration order."""
     rows = []
 
     def walk(obj, prefix):

@@ -9,7 +9,7 @@ give the same losses and weights as one plain PyTorch process.
 
 What is here
     dist_env / init_distributed       rank, world size, master address from the launcher's environment
-    FullConfig                        DeepSpeed / vLLM settings, config.Config.full (`--set full.x=...`)
+    FullConfig                        DeepSpeed / vLLM settings, the run config's `full` section (`--set full.x=...`)
     batch_plan                        256 sequences per step -> micro-batch x accumulation x ranks
     deepspeed_config                  the ZeRO-3 JSON, built from the `full` preset
     ZeRO3Policy                       pi_theta under ZeRO-3: logprobs, backward, step, save_pretrained,
