@@ -187,9 +187,9 @@ class PaperConfig:
     """The method's settings: the ablation arm, the run length and the sections of §3.1-3.5."""
 
     arm: str = "rubricem"
-    """PAPER (§4 ablations): "rubricem" | "ss_grpo" | "meta_policy" | "baseline_rl" |
-    "baseline_rl_info" (ours: the mean of the four stage scores); selects the advantage, the
-    reflection branch and bank retrieval together (ss_grpo.ARMS)"""
+    """PAPER (§4 "Ablation: RL training recipes", Fig. 5): "rubricem" | "ss_grpo" | "meta_policy" |
+    "baseline_rl" | "baseline_rl_info" (ours: the mean of the four stage scores); selects the
+    advantage, the reflection branch and bank retrieval together (ss_grpo.ARMS)"""
     seed: int = 0
     """not in the paper; we seed data order, sampling, warm start and evaluation with it (--seed)"""
     steps: int = 24
