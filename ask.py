@@ -28,7 +28,7 @@ import torch
 
 import bank as bank_mod
 from scaffold import STAGES, SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT, Query, RolloutEngine
-from backends import build, config
+from backends import build, presets
 from backends.runcard import read_run_card
 
 log = logging.getLogger("rubricem.ask")
@@ -42,7 +42,7 @@ def load_setup(model_dir: str, system: str | None = None):
     model_dir, one process, HF sampling, and the toy world's questions as data. Raises ValueError for
     an unreadable run card."""
     card, where = read_run_card(model_dir)
-    cfg = config.config_from_dict(card["config"]) if card and "config" in card else config.toy_preset()
+    cfg = presets.load_config(card["config"]) if card and "config" in card else presets.toy_preset()
     cfg.model, cfg.engine, cfg.sampler, cfg.dry_run = model_dir, "torch", "hf", False
     cfg.data.source, cfg.rollout.prompts_per_step = "", 1  # questions come from the command line
     named = {"compact": SYSTEM_PROMPT_COMPACT, "full": SYSTEM_PROMPT}

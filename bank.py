@@ -416,27 +416,6 @@ class BM25Retriever:
 PAPER_EMBED_MODEL = "Qwen/Qwen3-Embedding-0.6B"
 
 
-@dataclass
-class BankConfig:
-    """Rubric-bank settings (§3.4, §3.5, appendix); RubricBank.from_config builds the bank."""
-
-    top_k: int = DEFAULT_TOP_K  # PAPER: "retrieval top-k = 2"
-    """Items retrieved per query in "cross-episode similar" mode."""
-    max_chars: int = DEFAULT_MAX_CHARS
-    """Longest admitted reflection, in Unicode code points; not in the paper (see DEFAULT_MAX_CHARS)."""
-    keep_best: bool = False
-    """False: the newest valid reflection replaces the stored one (the paper's upsert); True: keep the
-    higher judge score. Not in the paper."""
-    save_every: int = 10  # PAPER: "bank saved every 10 steps"
-    """Training steps between two bank saves."""
-    retriever: str = "bm25"
-    """Similarity backend: "bm25" (toy) or "dense" (backends/retrieval.DenseRetriever over
-    `embed_model`; the full preset). RubricBank.from_config builds "bm25" only; train.py builds the
-    dense retriever itself."""
-    embed_model: str = PAPER_EMBED_MODEL  # PAPER: Qwen3-Embedding-0.6B
-    """Embedding model of the dense retriever (a hub id or a local directory)."""
-
-
 class RubricBank:
     """The agent rubric bank (§3.4): one reflection per query, keyed by query_key, with exact and
     similar retrieval (§3.5) and atomic JSONL persistence.
@@ -470,8 +449,8 @@ class RubricBank:
         self.skipped_lines = 0
 
     @classmethod
-    def from_config(cls, cfg: BankConfig, retriever: Retriever | None = None) -> "RubricBank":
-        """Build a bank from BankConfig; raises ValueError for an unknown `cfg.retriever`."""
+    def from_config(cls, cfg, retriever: Retriever | None = None) -> "RubricBank":
+        """Build a bank from the run's `bank` section (hparams.BankConfig); raises ValueError for an unknown `cfg.retriever`."""
         if retriever is None and cfg.retriever != "bm25":
             raise ValueError(f"unknown retriever {cfg.retriever!r}; available: 'bm25' (or pass retriever=)")
         return cls(max_chars=cfg.max_chars, keep_best=cfg.keep_best, retriever=retriever)
@@ -835,19 +814,3 @@ def curriculum(step: int, K: int = 3, enabled: bool = True) -> tuple[int, str]:
     w, j = divmod(step, 2 * K)
     # PAPER §3.5: steps 1..K fresh B_1..B_K (similar), steps K+1..2K replay B_1..B_K (exact)
     return (w * K + j, "similar") if j < K else (w * K + j - K, "exact")
-
-
-
-
-# ----------------------------------------------------------------------------------------------------
-# Configuration (the run config's `curriculum` section; backends/config.py nests it; `bank` is BankConfig)
-
-
-@dataclass
-class CurriculumConfig:
-    """The windowed curriculum of §3.5 (`curriculum`)."""
-
-    K: int = 3
-    """PAPER: window K = 3 (2K = 6 steps)"""
-    enabled: bool = True
-    """false: every step a fresh batch with similar retrieval (no replay)"""

@@ -537,13 +537,13 @@ def build_engine(model_dir: str, preset: str = "toy", search: str = "", sampler:
     directory), ValueError (an unreadable run card)."""
     from backends import build
 
-    from backends import config
+    from backends import presets
     from backends.runcard import read_run_card
     from scaffold import RolloutEngine, system_prompt
 
     if not model_dir or not os.path.isdir(model_dir):
         raise FileNotFoundError(f"--model must be a local checkpoint directory, got {model_dir!r}")
-    cfg = config.toy_preset() if preset == "toy" else config.full_preset()
+    cfg = presets.toy_preset() if preset == "toy" else presets.full_preset()
     cfg.model, cfg.seed, cfg.sampler, cfg.engine = model_dir, seed, sampler, "torch"
     cfg.data.source = ""  # the benchmark supplies the queries; train.py's data is not read
     cfg.search.backend = search or cfg.search.backend
@@ -1244,9 +1244,10 @@ Paper averages: RubricEM-8B 55.5, its SFT start 49.2, DR Tulu-8B RL 53.6."""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    from judge import JudgeConfig
+    from backends.judge_http import HTTPJudgeConfig
+    from hparams import JudgeConfig
 
-    d = JudgeConfig(backend="gemini", cache_dir=".cache/rubricem/judge")
+    d, dh = JudgeConfig(backend="gemini"), HTTPJudgeConfig(cache_dir=".cache/rubricem/judge")
     p = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.split("\n")[0], epilog=HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("benchmark", choices=sorted(BENCHMARKS))
@@ -1280,7 +1281,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     j.add_argument("--judge-max-retries", type=int, default=d.max_retries)
     j.add_argument("--judge-timeout", type=float, default=300.0, help="seconds per request")
     j.add_argument("--judge-cache-dir", default=os.path.join(".cache", "rubricem", "eval-judge"))
-    j.add_argument("--judge-backoff", type=float, default=d.backoff_s)
+    j.add_argument("--judge-backoff", type=float, default=dh.backoff_s)
     j.add_argument("--thinking-budget", type=int, default=-1,
                    help="gemini thinkingBudget: -1 the model's default, 0 off (Flash), N tokens")
     j.add_argument("--price-in", type=float, default=-1.0,
@@ -1315,17 +1316,18 @@ BACKEND_ONLY = {"thinking_budget": "gemini", "gemini_schema_field": "gemini",
 
 
 def judge_config(a: argparse.Namespace):
-    """The evaluation judge's JudgeConfig from the CLI; raises ValueError for prices given half."""
+    """The evaluation judge's (judge section, judge_http section) from the CLI (hparams.JudgeConfig,
+    judge_http.HTTPJudgeConfig); raises ValueError for prices given half."""
+    from backends.judge_http import judge_configs
     from backends.pricing import resolve_prices
-    from judge import JudgeConfig
 
-    hc = JudgeConfig(backend=a.judge, model=a.judge_model, base_url=a.judge_base_url,
+    hc = judge_configs(backend=a.judge, model=a.judge_model, base_url=a.judge_base_url,
                      timeout_s=a.judge_timeout, max_retries=a.judge_max_retries,
                      backoff_s=a.judge_backoff, concurrency=a.judge_concurrency, rpm=a.judge_rpm,
                      tpm=a.judge_tpm, cache_dir=a.judge_cache_dir, prompt_version="eval-v1",
                      price_in=a.price_in, price_out=a.price_out, thinking_budget=a.thinking_budget,
                      openai_response_format=a.openai_response_format)
-    resolve_prices(hc.model, hc.price_in, hc.price_out)
+    resolve_prices(hc[0].model, hc[1].price_in, hc[1].price_out)
     return hc
 
 
@@ -1350,7 +1352,9 @@ def build_report(a: argparse.Namespace, hc, result: dict, stats: dict, gen_info:
     an early stop), the evaluation settings (no training-only fields) and every example."""
     from backends.pricing import resolve_prices, unknown_price_message
 
-    prices = resolve_prices(hc.model, hc.price_in, hc.price_out)
+    jc, http = hc  # judge_config's pair
+    prices = resolve_prices(jc.model, http.price_in, http.price_out)
+    judge_settings = {**asdict(jc), **asdict(http)}
     notes = []
     if a.benchmark == "drb":
         notes.append("DRB target articles: " + (
@@ -1363,8 +1367,8 @@ def build_report(a: argparse.Namespace, hc, result: dict, stats: dict, gen_info:
                 "language": a.language, "limit": a.limit,
                 "sampling": "first N" if a.limit_first else "random.Random(0).sample",
                 "responses": a.responses or "", "generation": gen_info,
-                "judge": {k: getattr(hc, k) for k in JUDGE_REPORT_FIELDS
-                          if k not in BACKEND_ONLY or BACKEND_ONLY[k] == hc.backend},
+                "judge": {k: judge_settings[k] for k in JUDGE_REPORT_FIELDS
+                          if k not in BACKEND_ONLY or BACKEND_ONLY[k] == jc.backend},
                 "ternary": a.ternary,
                 "drb_articles": ("cleaned" if clean else "raw") if a.benchmark == "drb" else None,
                 "bootstrap": {"n": BOOTSTRAP_N, "seed": a.seed}, "researchqa_batch": RQA_BATCH,
@@ -1372,7 +1376,7 @@ def build_report(a: argparse.Namespace, hc, result: dict, stats: dict, gen_info:
     return {"benchmark": a.benchmark, "summary": result["summary"], "paper": {
         "RubricEM-8B": PAPER_SCORES[a.benchmark], "averages": PAPER_AVERAGES},
         "judge": stats, "price": prices.source if prices else unknown_price_message(
-            hc.model, "--price-in / --price-out"),
+            jc.model, "--price-in / --price-out"),
         "calls": result["calls"], "stopped": result["stopped"], "cleaning": result["cleaning"],
         "notes": notes, "settings": settings, "examples": result["examples"]}
 
@@ -1423,7 +1427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     deadline = time.monotonic() + a.deadline if a.deadline > 0 else None
     clean = a.benchmark == "drb" and not a.drb_raw
-    with HTTPJudge(hc) as judge:
+    with HTTPJudge(*hc) as judge:
         judge.client.deadline = deadline  # no request runs past it
         result = grade(a.benchmark, rows, answers, judge, a.judge_concurrency, a.ternary, a.seed,
                        progress, deadline, clean)

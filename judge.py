@@ -125,7 +125,7 @@ def judge_all(judge, queries: Sequence, groups: Sequence[Sequence[Rollout]], ste
     """Algorithm 1 step 4: `judge.judge_group` for every (query, group) of a step; the results in
     query order. A judge with `concurrent_groups` (the HTTP judge) judges the groups of different
     queries in threads, so a step's judge phase waits about one proposal and one scoring round trip
-    instead of one per group (the judge bounds its requests in flight by judge.concurrency); groups
+    instead of one per group (the judge bounds its requests in flight by judge_http.concurrency); groups
     of the same query (a batch that wraps around an epoch) still go in order, since they share a
     rubric buffer. Other judges go group by group."""
     if not judge.concurrent_groups or len(queries) < 2:
@@ -344,99 +344,3 @@ def _justify(rubrics: Sequence[Rubric], s: np.ndarray) -> str:
     if fail:
         out.append("failed: " + "; ".join(fail))
     return " | ".join(out) or "all rubric scores missing"
-
-# ----------------------------------------------------------------------------------------------------
-# Configuration (the run config's `judge` section; backends/config.py nests it)
-
-
-# The HTTP judge's public endpoints and key variables (backends/judge_http.py).
-DEFAULT_BASE_URLS = {"gemini": "https://generativelanguage.googleapis.com/v1beta",
-                     "openai": "https://api.openai.com/v1"}
-DEFAULT_KEY_ENVS = {"gemini": "GEMINI_API_KEY", "openai": "OPENAI_API_KEY"}
-
-
-@dataclass
-class JudgeConfig:
-    """The stage judge: its backend, and for the HTTP judge where and how to call the model (one
-    config for the training run and for backends/judge_http.HTTPJudge used on its own). Holds the
-    *name* of the key's environment variable, never the key. Times in seconds; prices in USD per
-    1M tokens."""
-
-    backend: str = "toy"
-    """"toy" (ToyJudge, the toy world's ground truth) | "gemini" (generateContent REST API) |
-    "openai" (chat completions: OpenAI, vLLM, SGLang); the key comes from the environment."""
-    model: str = "gemini-2.5-flash"  # PAPER: "Gemini Flash" (the exact version is ours)
-    """HTTP judge model id."""
-    base_url: str = ""
-    """API root without a trailing slash; "" = the backend's public endpoint (DEFAULT_BASE_URLS);
-    tests point it at a loopback server."""
-    api_key_env: str = ""
-    """Environment variable holding the key; "" = GEMINI_API_KEY / OPENAI_API_KEY. Optional for openai."""
-    caps: list = field(default_factory=lambda: list(BUFFER_CAPS))  # PAPER: 3, 2, 2, 3
-    """Rubric-buffer caps per stage (Plan, Research, Review, Answer)."""
-    concurrency: int = 8
-    """Maximum parallel HTTP judge requests (thread pool + semaphore)."""
-    timeout_s: float = 120.0
-    """Connect and read timeout of one request; a read timeout is re-asked (counts as a retry)."""
-    max_retries: int = 3
-    """Ours: bound on transport retries (429/5xx/connect) and, separately, on re-asks (timeout,
-    invalid reply) of one judge call before its cells become missing."""
-    backoff_s: float = 1.0
-    """Base of the exponential backoff: waits backoff_s * 2^(attempt-1), capped at backoff_max_s."""
-    backoff_max_s: float = 30.0
-    """Cap of one backoff wait."""
-    cache_dir: str = ""
-    """Disk cache of validated HTTP replies. In a training run "" = cache_dir/judge (the run's cache
-    folder); for an HTTPJudge built on its own, "" disables it."""
-    prompt_version: str = "v1"
-    """Part of the cache key: change it when the prompts change."""
-    price_in: float = -1.0
-    """USD per 1M input tokens; -1 = the dated table in backends/pricing.py (a model not in it has an
-    unknown cost: give price_in and price_out, e.g. 0 for a self-hosted server)."""
-    price_out: float = -1.0
-    """USD per 1M output tokens (thinking tokens included); -1 = backends/pricing.py."""
-    max_usd: float = 0.0
-    """Ours: stop the run (a checkpoint, then exit) once the judge has spent this many USD in
-    total (judge/usd_total); 0 = no cap. Needs a known price."""
-    rpm: int = 0
-    """Ours: at most this many judge requests started per minute (0 = no limit; 429s are backed
-    off in any case, backends/http.py)."""
-    tpm: int = 0
-    """Ours: at most this many judge tokens (input + output, estimated) per minute (0 = no limit)."""
-    retry_after_max_s: float = 120.0
-    """A 429's Retry-After up to this long is waited out (pausing every judge request); a longer
-    one fails the call at once."""
-    thinking_budget: int = -1
-    """Gemini generationConfig.thinkingConfig.thinkingBudget: -1 = not sent (the model's default,
-    dynamic thinking on 2.5 models); 0 disables thinking where the model allows it (2.5 Flash,
-    not 2.5 Pro); N > 0 caps thinking tokens."""
-    temperature: float = 0.0
-    """Judge sampling temperature; 0 keeps rewards as reproducible as the API allows (our choice)."""
-    max_output_tokens: int = 0
-    """0 = the server's default."""
-    gemini_schema_field: str = "responseSchema"
-    """"responseSchema" (OpenAPI subset) or "responseJsonSchema" (JSON Schema) in generationConfig."""
-    openai_response_format: str = "json_schema"
-    """"json_schema" (strict structured output) or "json_object" for servers without schema support."""
-    max_text_chars: int = 40000
-    """Each untrusted block (one stage of a response, one candidate) is cut to this many characters."""
-    max_failure_rate: float = 0.5
-    """Ours: a step whose share of failed judge calls exceeds this..."""
-    max_failure_steps: int = 3
-    """...this many steps in a row stops the run (JudgeFailureAbort): training on mostly missing
-    rewards would waste compute without learning anything."""
-    toy_fixes: list = field(default_factory=list)
-    """Ours, toy judge only: fixes of the toy judge that change the published runs' scores, off
-    until the runs are regenerated: "answer_block" (a call inside <answer> or a second <answer> is
-    malformed), "false_missed", "repetition" (reflection scoring); toy.judge.ToyJudge."""
-    record_static: bool = False
-    """Ours, toy judge only: append each judged group's R and static stage scores to
-    run_dir/judge_static.jsonl (the reward ladder's correlations, scripts/reward_ladder.py)."""
-
-    @property
-    def url_root(self) -> str:
-        return (self.base_url or DEFAULT_BASE_URLS[self.backend]).rstrip("/")
-
-    @property
-    def key_env(self) -> str:
-        return self.api_key_env or DEFAULT_KEY_ENVS[self.backend]

@@ -553,7 +553,7 @@ def _minibatch(engine: PolicyEngine, local: UpdateBatch, mb: list, n_micro: int,
 def policy_update(engine: PolicyEngine, local: UpdateBatch, cfg, pad_id: int, plan: UpdatePlan,
                   per_step: list | None = None) -> dict:
     """The SS-GRPO update (§3.3) of one batch on any engine: this rank's shard `local` and `plan`
-    (from `plan_update`; one process: the whole batch, world_size 1). cfg: ss_grpo.SSGRPOConfig.
+    (from `plan_update`; one process: the whole batch, world_size 1). cfg: hparams.SSGRPOConfig.
 
     Old log-probs (and pi_ref's when beta > 0) are computed once, before the first optimizer step
     moves theta. The first optimizer step's sequences need no separate old pass: theta has not

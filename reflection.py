@@ -44,35 +44,6 @@ from ss_grpo import group_advantages
 
 
 @dataclass
-class ReflectionConfig:
-    """Reflection branch settings (PAPER values: m = 8, temperature 0.7, 1 trajectory per query). Whether
-    the branch runs at all is the ablation arm's choice (ss_grpo.ARMS)."""
-
-    m: int = 8
-    """PAPER: 8 candidates"""
-    temperature: float = 0.7
-    """PAPER: 0.7"""
-    trajectories_per_query: int = 1
-    """PAPER: reflection trajectories sampled = 1 (per query: Algorithm 1 launches a reflection job
-    for every query of the step)"""
-    max_new_tokens: int = 64
-    """ours: toy reflections are one or two sentences (the full preset: 512, see settings.full_preset)"""
-    system_prompt: str = "task"
-    """"task": the rollout's system prompt (the toy SFT teaches reflections under it); "reflect":
-    REFLECT_SYSTEM, which asks for plain prose and demands no stage tags (the bank refuses tagged
-    text; the full preset)"""
-    train: bool = True
-    """add the GRPO group to the next update (False: bank only)"""
-    loss_coef: float = 1.0
-    """c in L = c * L_reflect for the deferred reflection update (its A_j are scaled by c); the
-    paper gives the two objectives no relative weight (c = 1, the full preset)"""
-    score_at_temperature: bool = True
-    """the deferred reflection update scores the candidates under the distribution they were sampled
-    from, softmax(logits / temperature) (ss_grpo deviation 8); False scores them at temperature 1,
-    as this code did before commit 0221060 (the paper does not say)"""
-
-
-@dataclass
 class ReflectionBatch:
     """A pending GRPO group: sequences (prompt + candidate ids), per-token loss masks (1 on candidate
     tokens) and per-sequence advantages A_j; applied at the next update (one-step lag)."""
@@ -104,7 +75,7 @@ REFLECT_SYSTEM = ("You are a research assistant reviewing one of your own attemp
                   "again and similar questions. Do not use XML tags and do not redo the task.")
 
 
-def reflection_system(cfg: ReflectionConfig, task_system: str) -> str:
+def reflection_system(cfg, task_system: str) -> str:
     """The system prompt of the reflection meta-policy: cfg.system_prompt "task" -> task_system,
     "reflect" -> REFLECT_SYSTEM. Raises ValueError for another value."""
     if cfg.system_prompt == "task":
@@ -157,7 +128,7 @@ def pick_trajectories(n_rollouts: int, group_size: int, per_query: int, rng: ran
 
 
 def run_reflection_branch(step: int, rollouts: Sequence[Rollout], judged: dict, judge, bank, sampler,
-                          tok, system: str, cfg: ReflectionConfig, rng: random.Random,
+                          tok, system: str, cfg, rng: random.Random,
                           std: str = "sample", eps: float = 1e-6,
                           group_size: int | None = None) -> tuple[ReflectionBatch, dict]:
     """One reflection step (§3.4, Algorithm 1) over all queries of a training step.

@@ -54,7 +54,7 @@ Deviations from the paper
     6. Masked tokens (tool output, template glue, prompt, padding) are removed with torch.where on
        the inputs as well as the outputs, so garbage (NaN/inf) log-probs under the mask give exactly
        zero loss and zero gradient; the paper only says tool-output tokens get no gradient.
-    7. Option, off by default (`SSGRPOConfig.skipped_stage_credit`): a rollout that skips a stage
+    7. Option, off by default (`ss_grpo.skipped_stage_credit`, hparams.SSGRPOConfig): a rollout that skips a stage
        gives that stage's advantage to the token that skipped it (skipped_stage_credit,
        A_tok[i, t*] = A[i, k]); under the paper's rule no token carries a skipped stage's A[i, k].
     8. pi_theta, pi_theta_old and pi_ref in rho and k3 are the distributions that drew the tokens:
@@ -67,7 +67,7 @@ Deviations from the paper
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional, Sequence
 
@@ -666,7 +666,7 @@ def terminal_mean(R: torch.Tensor) -> torch.Tensor:
 TERMINAL_SCORES = {"terminal_answer": terminal_answer, "terminal_mean": terminal_mean}
 
 
-def task_advantages(R: np.ndarray, n: int, cfg: "SSGRPOConfig", kind: str = "ss_grpo"
+def task_advantages(R: np.ndarray, n: int, cfg, kind: str = "ss_grpo"
                     ) -> tuple[torch.Tensor, dict]:
     """(N, 4) float32 advantages for N = groups x n rollouts from stage scores R (N, 4), NaN =
     missing, and the logged frac_zero_std_groups. kind (Arm.advantage): "ss_grpo" (§3.3 stagewise) or
@@ -726,40 +726,3 @@ ARMS = {
     "stage_oracle": Arm("ss_grpo", reflection=False, bank=False, reward="static"),  # SS-GRPO on the
     # static stage scores
 }
-
-
-# ----------------------------------------------------------------------------------------------------
-# Configuration (the run config's `ss_grpo` section; backends/config.py nests it)
-
-
-@dataclass
-class SSGRPOConfig:
-    """SS-GRPO (§3.3): Lambda, advantage normalisation, PPO clip, KL, loss aggregation, optimizer."""
-
-    lam: list = field(default_factory=lambda: [list(r) for r in PAPER_LAMBDA])
-    """PAPER"""
-    std: str = DEFAULT_STD
-    """Std in A = (G - mean) / (Std + eps): "sample" | "population"."""
-    eps: float = DEFAULT_EPS
-    """eps in A = (G - mean) / (Std + eps); not fixed by the paper"""
-    eta: float = DEFAULT_ETA
-    """PPO clip"""
-    beta: float = PAPER_BETA
-    """PAPER: KL beta 0.001, k3 estimator"""
-    agg: str = DEFAULT_AGG
-    """loss aggregation: "token_mean" | "paper" | "seq_mean_token_mean"."""
-    lr: float = 2e-4
-    """toy: ours; full: PAPER 5e-7 constant"""
-    minibatches: int = 2
-    """optimizer steps per batch (deviation 2)"""
-    micro_batch: int = 32
-    """sequences per forward pass (gradient accumulation within a minibatch)"""
-    grad_clip: float = 1.0
-    """max global gradient norm per optimizer step"""
-    share_prefix: bool = True
-    """ours: pack the sequences of a micro-batch that share a long prompt (a reflection group's m
-    candidates) into one row (policy.pack_rows): the same values, fewer tokens; not with
-    agg = "seq_mean_token_mean", whose per-row means need one sequence per row"""
-    skipped_stage_credit: bool = False
-    """ours, off by default (not in the paper): a rollout that skips a stage gives that stage's
-    advantage to the token that skipped it (skipped_stage_credit; docs/results.md)"""

@@ -463,7 +463,7 @@ def _run_steps(run: Run, ls: "LoopState", state, ckpt_path, start: int, sft_info
         try:
             ls.monitor.update(m["judge/failure_rate"], step)
             ls.monitor.update_nonfinite(m, step)  # max_nonfinite_updates (exit code 6)
-            getattr(run.judge, "check_budget", lambda: None)()  # judge.max_usd (backends/judge_http)
+            getattr(run.judge, "check_budget", lambda: None)()  # judge_http.max_usd (backends/judge_http)
         except Exception as e:  # JudgeFailureAbort, UpdateFailureAbort (6), JudgeBudgetExceeded (5)
             if not isinstance(e, JudgeFailureAbort) and getattr(e, "exit_code", None) not in (5, 6):
                 raise
@@ -561,7 +561,7 @@ def finish(run: Run, ls: LoopState, ev: HeldOut, sft_info: dict, timings: dict, 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry point. Exit codes: 0 done (or stopped by checkpoint.stop_after), 2 bad
     configuration or unusable input (data file or rows, model directory, checkpoint), 3 judge
-    failures above the abort threshold, 4 an API answered 401/403/404, 5 judge.max_usd reached, 6
+    failures above the abort threshold, 4 an API answered 401/403/404, 5 judge_http.max_usd reached, 6
     max_nonfinite_updates updates in a row skipped for a non-finite gradient norm."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     report.quiet_third_party()  # the run's own phase lines and bars only

@@ -23,7 +23,7 @@ from toy.kv_sampler import KVSampler
 from toy.model import load_policy
 from toy.sft import warm_start
 from toy.world import BM25SearchTool, make_world
-from backends.config import ARMS, Config
+from backends.config import ARMS, Config, attach_sections, needed_sections
 from backends.data import DataOrder, load_rl_rows
 from backends.faults import FaultyJudge, FaultyTool
 
@@ -41,8 +41,8 @@ def setup_policy(cfg: Config, world, tool):
         return model, tok, {"source": cfg.model}
     # The warm start depends on sft.seed (part of the cache key), not on the RL seed: it reseeds
     # every generator it uses, so runs with different --seed share one cached SFT policy.
-    model, tok, info, path = warm_start(world, tool, system, cfg.sft, cfg.teacher, cfg.model_size,
-                                        cfg.vocab_size, cfg.cache_dir, progress=cfg.progress,
+    model, tok, info, path = warm_start(world, tool, system, cfg.sft, cfg.teacher, cfg.toy_model.size,
+                                        cfg.toy_model.vocab_size, cfg.cache_dir, progress=cfg.progress,
                                         scaffold=cfg.rollout.scaffold, precision=cfg.precision)
     info["source"] = path
     return model, tok, info
@@ -54,6 +54,7 @@ def build_environment(cfg: Config):
     tool (search_http). The toy world is built when anything needs it (toy data, tool or judge, or
     the SFT warm start)."""
 
+    attach_sections(cfg, *needed_sections(cfg))  # e.g. search_http when a caller set serper
     need_world = (not cfg.data.source or cfg.search.backend == "toy" or cfg.judge.backend == "toy"
                   or not cfg.model)
     world = make_world(cfg.world) if need_world else None
@@ -61,7 +62,8 @@ def build_environment(cfg: Config):
         from backends.search_http import SerperSearchTool  # SCALE: web search only when asked for
 
         tool = SerperSearchTool(dataclasses.replace(
-            cfg.search, cache_dir=cfg.search.cache_dir or os.path.join(cfg.cache_dir, "search")))
+            cfg.search_http, cache_dir=cfg.search_http.cache_dir or os.path.join(cfg.cache_dir, "search")),
+            k=cfg.search.k)
     else:
         tool = BM25SearchTool(world.docs)
     if cfg.data.source:
@@ -88,10 +90,11 @@ def build_judge(cfg: Config, world):
                          f"judge.backend = 'toy', got {cfg.judge.backend!r}")
     from backends.judge_http import HTTPJudge  # SCALE: requests / urllib3 only for an HTTP judge
 
-    # The run's judge section is the HTTP judge's configuration; its reply cache defaults to the
-    # run's cache folder.
-    return HTTPJudge(dataclasses.replace(
-        cfg.judge, cache_dir=cfg.judge.cache_dir or os.path.join(cfg.cache_dir, "judge")))
+    # The run's judge and judge_http sections configure it; its reply cache defaults to the run's
+    # cache folder.
+    attach_sections(cfg, "judge_http")
+    return HTTPJudge(cfg.judge, dataclasses.replace(
+        cfg.judge_http, cache_dir=cfg.judge_http.cache_dir or os.path.join(cfg.cache_dir, "judge")))
 
 
 def torch_sampler(cfg: Config, model, tok):
@@ -111,6 +114,8 @@ def build_sampler(cfg: Config, model, tok):
     if cfg.sampler != "vllm":
         return torch_sampler(cfg, model, tok)
     from backends.vllm_sampler import VLLMSampler  # SCALE: vLLM only when asked for
+
+    attach_sections(cfg, "full")
 
     # SCALE: on GPU the fraction of GPU memory for weights + KV cache; on CPU vLLM reads the same
     # setting as a fraction of RAM it checks is free, and the KV cache has its own size.

@@ -7,8 +7,8 @@ import argparse
 from typing import Sequence
 
 from backends import checkpoint as ckpt_mod
-from backends.config import (ARMS, Config, apply_overrides, config_from_dict, format_config_reference,
-                      full_preset, toy_preset, variation_run_dir)
+from backends.config import ARMS, Config, apply_overrides, format_config_reference, variation_run_dir
+from backends.presets import full_preset, load_config, reference_config, toy_preset
 
 
 def _argument_parser() -> argparse.ArgumentParser:
@@ -96,7 +96,7 @@ def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
         if path:
             meta = ckpt_mod.verify_checkpoint(path, deep=False).get("meta", {})
             if "config" in meta:
-                cfg = config_from_dict(meta["config"])
+                cfg = load_config(meta["config"])
     cfg.run_dir = run_dir
     if a.steps is not None:
         cfg.steps = a.steps
@@ -129,10 +129,10 @@ def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
 
 
 class _ListConfig(argparse.Action):
-    """--list-config: print the configuration reference (settings.format_config_reference), exit 0."""
+    """--list-config: print the configuration reference (config.format_config_reference), exit 0."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        print(format_config_reference(toy_preset(), full_preset()), end="")
+        print(format_config_reference(reference_config(), full_preset()), end="")
         parser.exit(0)
 
 

@@ -1,7 +1,18 @@
-"""Command-line settings of train.py: typed `--set key=value` overrides, the configuration reference
-(`--list-config`) and the default run directory of each command-line variation.
+"""The run configuration (`Config`) and its plumbing: typed `--set key=value` overrides, the
+configuration reference (`--list-config`), the checks, renamed keys, saved configs and the default run
+directory of each command-line variation.
 
 Not part of the paper's method: plumbing that makes a run's settings checkable before any work starts.
+Where the settings live:
+    hparams.py                 the paper layer (PaperConfig: arm, seed, steps, rollout, search, ss_grpo,
+                               judge, bank, reflection, curriculum), each knob with its paper reference
+    Config (here)              PaperConfig + the run's plumbing (run_dir, engine, sampler, threads, ...)
+                               + data, checkpoint, faults (backends/data.py, checkpoint.py, faults.py)
+    the registry (SECTIONS)    eval (backends/heldout.py), toy_model, world, teacher, sft (toy/), full,
+                               judge_http, search_http (backends/full.py, judge_http.py, search_http.py),
+                               registered by backends/presets.py, which also builds the presets
+Old key spellings (ALIASES: judge.base_url, search.rpm, model_size, ...) still work, with a one-line
+deprecation notice, in --set and in a saved config.json.
 
     python train.py --list-config                       # every key, its default and what it means
     python train.py --toy --set ss_grpo.lr=abc          # refused at parse time: exit code 2
@@ -24,6 +35,7 @@ import importlib.util
 import inspect
 import io
 import json
+import logging
 import math
 import os
 import re
@@ -31,20 +43,17 @@ import textwrap
 import tokenize
 import typing
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import ss_grpo
-from bank import BankConfig, CurriculumConfig
 from backends.checkpoint import CheckpointConfig
-from backends.data import PAPER_RL_DATA, DataConfig
+from backends.data import DataConfig
 from backends.faults import FaultConfig, validate_fault_config
-from backends.report import REPORT_BACKENDS
-from judge import JudgeConfig
-from reflection import ReflectionConfig
-from scaffold import SCAFFOLDS, STAGES, RolloutConfig, SearchConfig
-from ss_grpo import ARMS, Arm, SSGRPOConfig  # noqa: F401  (config.ARMS, config.Arm)
-from toy.sft import SFTConfig, TeacherConfig
-from toy.world import WorldConfig
+from hparams import PaperConfig
+from scaffold import SCAFFOLDS, STAGES
+from ss_grpo import ARMS, Arm  # noqa: F401  (config.ARMS, config.Arm)
+
+log = logging.getLogger("rubricem.config")
 
 # ----------------------------------------------------------------------------------------------------
 # Default run directories
@@ -75,6 +84,59 @@ def variation_run_dir(base: str, seed: int | None = None, model: str | None = No
 
 
 # ----------------------------------------------------------------------------------------------------
+# Renamed keys: the old spelling still works (a one-line deprecation notice), in --set and in a saved
+# config.json (resume, ask.py, evaluate.py)
+
+# The HTTP judge's and web search's transport knobs moved to their backends' sections
+# (backends/judge_http.HTTPJudgeConfig, backends/search_http.SearchHTTPConfig); the toy policy's size
+# and vocabulary to toy/model.ToyModelConfig.
+_JUDGE_HTTP = ("base_url", "api_key_env", "concurrency", "timeout_s", "backoff_s",
+               "backoff_max_s", "cache_dir", "prompt_version", "price_in", "price_out", "max_usd", "rpm",
+               "tpm", "retry_after_max_s", "thinking_budget", "temperature", "max_output_tokens",
+               "gemini_schema_field", "openai_response_format", "max_text_chars")
+_SEARCH_HTTP = ("base_url", "api_key_env", "timeout_s", "max_retries", "backoff_s", "backoff_max_s",
+                "cache_dir", "max_snippet_chars", "rpm")
+ALIASES: dict[str, str] = {**{f"judge.{k}": f"judge_http.{k}" for k in _JUDGE_HTTP},
+                           **{f"search.{k}": f"search_http.{k}" for k in _SEARCH_HTTP},
+                           "model_size": "toy_model.size", "vocab_size": "toy_model.vocab_size"}
+
+
+def canonical_key(key: str) -> str:
+    """The current spelling of a config key (dotted); an old one (ALIASES) logs a one-line notice."""
+    new = ALIASES.get(key)
+    if new is None:
+        return key
+    log.warning("config key %s is deprecated: it is now %s", key, new)
+    return new
+
+
+def migrate_config_dict(d: dict) -> dict:
+    """A copy of a saved config (an asdict dict, e.g. config.json) with the old keys of ALIASES moved
+    to their current place (one notice for all). A dict without old keys comes back equal."""
+    out, moved = json.loads(json.dumps(d)), []
+    for old, new in ALIASES.items():
+        *osec, oname = old.split(".")
+        src = out
+        for p in osec:
+            src = src.get(p) if isinstance(src, dict) else None
+        if not isinstance(src, dict) or oname not in src:
+            continue
+        value = src.pop(oname)
+        moved.append(old)
+        *nsec, nname = new.split(".")
+        dst = out
+        for p in nsec:
+            if not isinstance(dst.get(p), dict):
+                dst[p] = {}
+            dst = dst[p]
+        dst.setdefault(nname, value)
+    if moved:
+        log.warning("saved config with %d deprecated keys (%s, ...): read under their current names "
+                    "(backends/config.py ALIASES)", len(moved), moved[0])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
 # Typed overrides
 
 
@@ -90,7 +152,7 @@ def leaf_fields(cfg, prefix: str = "") -> Iterator[tuple[str, type, Any]]:
         v = getattr(cfg, f.name)
         if dataclasses.is_dataclass(v):
             yield from leaf_fields(v, f"{prefix}{f.name}.")
-        else:
+        elif not (v is None and f.name in SECTION_FIELDS):  # a section this run does not use
             yield f"{prefix}{f.name}", hints[f.name], v
 
 
@@ -167,9 +229,11 @@ def set_override(cfg, item: str) -> None:
     if "=" not in item:
         raise ValueError(f"--set expects key=value, got {item!r}")
     key, raw = item.split("=", 1)
-    key = key.strip()
+    key = canonical_key(key.strip())
     obj, parts = cfg, key.split(".")
     for i, p in enumerate(parts):
+        if obj is cfg and len(parts) > 1 and p in SECTION_FIELDS:
+            attach_sections(cfg, p)  # a section the preset left out (e.g. judge_http on the toy)
         if not (dataclasses.is_dataclass(obj) and p in {f.name for f in dataclasses.fields(obj)}):
             known = [k for k, _, _ in leaf_fields(cfg)]
             close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
@@ -194,7 +258,15 @@ def set_override(cfg, item: str) -> None:
 def field_docs(cls) -> dict[str, str]:
     """{field name: its documentation} for a dataclass, read from its source: the comment after the
     field on its line, the comment-only lines that continue it, and a string literal right below the
-    field (an attribute docstring). Fields without any get ""."""
+    field (an attribute docstring), its base classes' fields included. Fields without any get ""."""
+    out: dict[str, str] = {}
+    for base in reversed(cls.__mro__[1:]):
+        if dataclasses.is_dataclass(base):
+            out.update(_own_field_docs(base))
+    return {**out, **_own_field_docs(cls)}
+
+
+def _own_field_docs(cls) -> dict[str, str]:
     try:
         src = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
@@ -227,7 +299,7 @@ def field_docs(cls) -> dict[str, str]:
 
 def describe_config(cfg) -> list[tuple[str, str, str]]:
     """(dotted key, default as JSON, documentation) for every leaf field of `cfg` (a config dataclass
-    instance, e.g. config.toy_preset()), in declaration order."""
+    instance, e.g. presets.toy_preset()), in declaration order."""
     rows = []
 
     def walk(obj, prefix):
@@ -236,7 +308,7 @@ def describe_config(cfg) -> list[tuple[str, str, str]]:
             v = getattr(obj, f.name)
             if dataclasses.is_dataclass(v):
                 walk(v, f"{prefix}{f.name}.")
-            else:
+            elif not (v is None and f.name in SECTION_FIELDS):  # a section this run does not use
                 rows.append((f"{prefix}{f.name}", json.dumps(v), docs.get(f.name, "")))
 
     walk(cfg, "")
@@ -266,96 +338,70 @@ def check_local_inputs(cfg) -> None:
                          "causal-LM directory (e.g. a toy run's final/)")
 
 # ----------------------------------------------------------------------------------------------------
-# The run configuration: one typed tree (each section owned by its module), `toy` and `full`
-# presets, the ablation arms, overrides and checks
+# The run configuration: the paper layer (hparams.PaperConfig) plus the run's plumbing and the
+# sections that live with their own module
+
+
+# Sections defined beside the code they configure, attached by name through this registry: the toy
+# world's (toy/) and the held-out evaluation's are registered by the toy preset (backends/presets.py);
+# the scale backends' (full, judge_http, search_http) are registered there too, but their modules are
+# imported only when a run uses them, so a toy run never loads them. This module imports neither.
+# A section whose value is None is one the run does not use (a toy run's full / judge_http /
+# search_http); validate_config attaches the ones its backends need.
+SECTIONS: dict[str, Callable[[], Any]] = {}
+_DEFAULT_ON: set[str] = set()
+
+
+def register_section(name: str, factory: Callable[[], Any], *, default: bool = True) -> None:
+    """Register the factory of the section `name` (a field of Config typed Any): it builds the
+    section's defaults. default=True attaches it to every new Config; False only on demand
+    (attach_sections, a `--set name.key=...`, a saved config that holds it)."""
+    SECTIONS[name] = factory
+    (_DEFAULT_ON.add if default else _DEFAULT_ON.discard)(name)
+
+
+def _section(name: str) -> Callable[[], Any]:
+    return lambda: SECTIONS[name]() if name in _DEFAULT_ON else None
+
+
+def attach_sections(cfg, *names: str):
+    """Give each of `names` that is None in `cfg` its registered defaults; returns cfg. Raises
+    ValueError for a section nobody registered (import backends.presets, which registers them)."""
+    for name in names:
+        if getattr(cfg, name) is None:
+            if name not in SECTIONS:
+                raise ValueError(f"config section {name!r} is not registered (backends/presets.py "
+                                 "registers every section: build configs with presets.toy_preset)")
+            setattr(cfg, name, SECTIONS[name]())
+    return cfg
+
+
+def needed_sections(cfg) -> list[str]:
+    """The attached-on-demand sections the run's backends read: `full` for full mode, ZeRO-3 or vLLM,
+    `judge_http` for an HTTP judge, `search_http` for web search."""
+    out = []
+    if cfg.mode == "full" or cfg.engine == "zero3" or cfg.sampler == "vllm":
+        out.append("full")
+    if cfg.judge.backend != "toy":
+        out.append("judge_http")
+    if cfg.search.backend != "toy":
+        out.append("search_http")
+    return out
 
 
 @dataclass
-class FullConfig:
-    """DeepSpeed and vLLM settings of full mode, carried by config.Config as `full` (here, not in backends/full.py,
-    so that a toy run never imports that module). Values the paper
-    fixes are marked PAPER; the rest are ours (module docstring, deviation 1)."""
-
-    zero_stage: int = 3
-    """PAPER: "ZeRO-3"."""
-    offload_optimizer: bool = True
-    """PAPER: "with CPU offload"."""
-    offload_param: bool = False
-    """ours: parameters stay on GPU (2 GB per GPU for 8B over 8 GPUs)"""
-    gradient_checkpointing: bool = True
-    """PAPER: "gradient checkpointing"."""
-    bf16: str = "auto"
-    """"auto" = on for GPU, off for CPU; "on" | "off"."""
-    optimizer: str = "auto"
-    """"auto" = DeepSpeed AdamW on GPU, torch AdamW on CPU; "torch" | "deepspeed"."""
-    adam_betas: tuple = (0.9, 0.95)
-    """ours, as the toy path (train.py)"""
-    weight_decay: float = 0.0
-    """ours, as the toy path"""
-    reference: str = "zero3"
-    """pi_ref placement: ZeRO-3 partitioned for inference (see docstring)"""
-    logprob_chunk: int = 1024
-    """positions per vocabulary projection in policy.token_logprobs"""
-    world_size_hint: int = 8
-    """dry run without a launcher: assume one node of 8 GPUs (the paper's SFT node)"""
-    dist_timeout_min: float = 180.0
-    """ours: collective timeout; ranks > 0 wait in a collective while rank 0 samples, judges and
-    reflects, which for 256 long rollouts can take far longer than torch's 10-30 minute default"""
-    max_prompt_tokens: int = 8192
-    """PAPER: max prompt length 8,192 tokens; with rollout.max_response_tokens (PAPER: 18,432) the
-    longest sequence (pack) is 26,624 tokens"""
-    vllm_max_model_len: int = 0
-    """0 = max_prompt_tokens + rollout.max_response_tokens (PAPER: 26,624; see build.build_sampler);
-    the engine's context length"""
-    gpu_memory_gib: float = 80.0
-    """dry run without a visible GPU: each GPU's memory the memory plan is checked against (ours: an
-    80 GB H100; backends/plan.py)"""
-    host_memory_gib: float = 0.0
-    """dry run: host RAM per node the memory plan is checked against (0 = this machine's, checked only
-    when it has GPUs)"""
-    vllm_gpu_memory_utilization: float = 0.5
-    """ours: leaves room for the ZeRO-3 shards on rank 0's GPU (on CPU: the fraction of RAM vLLM
-    requires to be free at start)"""
-    vllm_cpu_kv_cache_gib: int = 2
-    """CPU only: vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)"""
-
-
-@dataclass
-class EvalConfig:
-    """Held-out evaluation of a toy run (not in the paper): questions, samples, temperature."""
-
-    n_questions: int = 64
-    """held-out questions evaluated at the end (0 = no evaluation)"""
-    samples: int = 2
-    """rollouts per held-out question"""
-    temperature: float = 1.0
-    """sampling temperature of the held-out evaluation"""
-    every: int = 0
-    """ours: also evaluate the current policy every this many RL steps, same questions and settings,
-    into eval_curve.jsonl (0 = only the SFT start and the end)"""
-
-
-@dataclass
-class Config:
-    """Everything a run needs. `toy_preset()` / `full_preset()` fill it; `--set a.b=v` overrides."""
+class Config(PaperConfig):
+    """Everything a run needs: the paper's settings (hparams.PaperConfig, first), the run's plumbing,
+    then the backends' sections. backends/presets.toy_preset() / full_preset() fill it;
+    `--set a.b=v` overrides."""
 
     mode: str = "toy"
     """preset the run started from: "toy" | "full" (set by --toy / --full)"""
-    arm: str = "rubricem"
-    """ablation arm (ARMS): "rubricem" | "ss_grpo" | "meta_policy" | "baseline_rl" |
-    "baseline_rl_info"; selects the advantage, the reflection branch and bank retrieval together"""
-    seed: int = 0
-    """seeds data order, sampling, warm start and evaluation (--seed)"""
-    steps: int = 24
-    """toy: four curriculum windows of 2K = 6 steps"""
     run_dir: str = "runs/toy"
     """where metrics, checkpoints, final/ and eval.json go (--run-dir)"""
     model: str = ""
-    """"" = toy SFT warm start; else a local HF causal-LM directory"""
-    model_size: str = "S"
-    """toy policy size: "XS" | "S" | "M" (toy_model.SIZES); "S" = 0.5 M parameters"""
-    vocab_size: int = 1024
-    """toy byte-level BPE vocabulary size (tokenizer trained on the toy world)"""
+    """"" = toy SFT warm start; else a local HF causal-LM directory (the paper starts RL from its SFT
+    checkpoint)"""
     cache_dir: str = ".cache/rubricem"
     """SFT warm-start cache; HTTP judge and search caches"""
     threads: int = 2
@@ -393,52 +439,31 @@ class Config:
     rollouts and next-token distributions, about 2x faster on CPU; the toy default) | "hf"
     (transformers generate, the reference path) | "vllm" (backends/vllm_sampler.VLLMSampler)"""
     data: DataConfig = field(default_factory=DataConfig)
-    search: SearchConfig = field(default_factory=SearchConfig)
-    full: FullConfig = field(default_factory=FullConfig)
-    """DeepSpeed settings (engine = "zero3")"""
-    world: WorldConfig = field(default_factory=WorldConfig)
-    teacher: TeacherConfig = field(default_factory=TeacherConfig)
-    sft: SFTConfig = field(default_factory=SFTConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    ss_grpo: SSGRPOConfig = field(default_factory=SSGRPOConfig)
-    judge: JudgeConfig = field(default_factory=JudgeConfig)
-    bank: BankConfig = field(default_factory=BankConfig)
-    reflection: ReflectionConfig = field(default_factory=ReflectionConfig)
-    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
     """injected faults (off by default)"""
+    eval: Any = field(default_factory=_section("eval"))
+    """backends/heldout.EvalConfig: the held-out evaluation of a toy run"""
+    toy_model: Any = field(default_factory=_section("toy_model"))
+    """toy/model.ToyModelConfig: the toy policy's size and vocabulary"""
+    world: Any = field(default_factory=_section("world"))
+    """toy/world.WorldConfig: the generated research world"""
+    teacher: Any = field(default_factory=_section("teacher"))
+    """toy/sft.TeacherConfig: the scripted teacher's mistakes"""
+    sft: Any = field(default_factory=_section("sft"))
+    """toy/sft.SFTConfig: the toy SFT warm start"""
+    full: Any = field(default_factory=_section("full"))
+    """backends/full.FullConfig: DeepSpeed and vLLM (None: not used by this run)"""
+    judge_http: Any = field(default_factory=_section("judge_http"))
+    """backends/judge_http.HTTPJudgeConfig: the HTTP judge's transport (None: not used)"""
+    search_http: Any = field(default_factory=_section("search_http"))
+    """backends/search_http.SearchHTTPConfig: web search's transport (None: not used)"""
 
 
-def toy_preset() -> Config:
-    """Toy mode: 5-8 minutes on a 2-core CPU with the SFT warm start (the machine's speed varies
-    between sittings), 2-3 once it is cached (docs/results.md; values are ours)."""
-    return Config()
+REPORT_BACKENDS = {"tensorboard": "tensorboard", "wandb": "wandb"}  # report_to name -> package
 
-
-def full_preset() -> Config:
-    """Full mode: the paper's RL configuration (appendix)."""
-    c = Config(mode="full", steps=1400, run_dir="runs/full")  # PAPER: final run 1400 steps
-    c.engine, c.sampler = "zero3", "vllm"  # PAPER: ZeRO-3 training, vLLM sampling
-    c.data.source = PAPER_RL_DATA  # PAPER: rl-research/dr-tulu-rl-data
-    c.search.backend = "serper"  # PAPER: web search tool (google_search)
-    c.judge.backend = "gemini"  # PAPER: Gemini Flash judge and rubric generator
-    c.bank.retriever = "dense"  # PAPER: Qwen3-Embedding-0.6B bank retrieval
-    c.rollout = RolloutConfig(prompts_per_step=32, n=8, temperature=1.0,  # PAPER: 32 x 8
-                              max_response_tokens=18432, max_tool_calls=10,  # PAPER
-                              system_prompt="full")
-    c.ss_grpo.lr = 5e-7  # PAPER: lr 5e-7 constant
-    c.ss_grpo.minibatches = 1
-    c.ss_grpo.micro_batch = 1
-    c.eval = EvalConfig(n_questions=0)
-    # not in the paper (it gives no length): a reflection is a retrospective rubric plus takeaways
-    # (Fig. 2) that returns as a memory note inside the 8,192-token prompt (top-k 2). 512 tokens
-    # leave two notes (<= 3,000 characters each, ~1,500 tokens) well inside it; 64 (toy) cut them.
-    c.reflection.max_new_tokens = 512
-    c.reflection.system_prompt = "reflect"  # plain prose: the bank refuses stage tags
-    c.bank.max_chars = 3000
-    return c
+# The fields of Config whose sections come from the registry (SECTIONS).
+SECTION_FIELDS = ("eval", "toy_model", "world", "teacher", "sft", "full", "judge_http", "search_http")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -462,7 +487,9 @@ def apply_overrides(cfg: Config, items: Sequence[str]) -> Config:
 
 
 def validate_config(cfg: Config) -> None:
-    """Clear errors naming the field for configurations that cannot run."""
+    """Clear errors naming the field for configurations that cannot run. First attaches the
+    sections the run's backends need (needed_sections) with their defaults."""
+    attach_sections(cfg, *needed_sections(cfg))
     check_no_secrets(cfg)  # first: the messages below quote values, and a key must never be printed
     K = len(STAGES)
     try:
@@ -527,13 +554,9 @@ def validate_config(cfg: Config) -> None:
                          "tested against a loopback server instead (tests/loopback.py)")
     validate_fault_config(cfg.faults, "faults")
     if cfg.judge.backend != "toy":  # the HTTP judge's own settings (backends/judge_http.py)
-        from backends.judge_http import check_http_config
-
-        check_http_config(cfg.judge)
-    if cfg.search.backend == "serper":
-        from backends.search_http import check_search_config
-
-        check_search_config(cfg.search)
+        cfg.judge_http.check(cfg.judge)
+    if cfg.search.backend == "serper":  # web search's (backends/search_http.py)
+        cfg.search_http.check(cfg.search.k)
     for name in cfg.report_to:
         if name not in REPORT_BACKENDS:
             raise ValueError(f"report_to: unknown backend {name!r}; expected some of "
@@ -614,15 +637,22 @@ def check_no_secrets(cfg: Config) -> None:
 
 
 def config_from_dict(d: dict, cls=None, prefix: str = ""):
-    """Inverse of dataclasses.asdict for the config tree (e.g. config.json or a checkpoint's config).
-    Raises ValueError naming an unknown field; fields absent from `d` keep their defaults."""
-    cls = cls or Config
+    """Inverse of dataclasses.asdict for the config tree (e.g. config.json or a checkpoint's config,
+    old key spellings included: migrate_config_dict). Raises ValueError naming an unknown field;
+    fields absent from `d` keep their defaults; a registered section saved as null stays None."""
+    if cls is None:
+        cls, d = Config, migrate_config_dict(d)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kw = {}
     for k, v in d.items():
         if k not in fields:
             raise ValueError(f"unknown config field {prefix + k!r}")
         sub = fields[k].default_factory
+        if cls is Config and k in SECTION_FIELDS and isinstance(v, dict):
+            if k not in SECTIONS:
+                raise ValueError(f"config section {k!r} is not registered: read saved configs with "
+                                 "backends.presets.load_config")
+            sub = type(SECTIONS[k]())
         if isinstance(sub, type) and dataclasses.is_dataclass(sub) and isinstance(v, dict):
             v = config_from_dict(v, sub, f"{prefix}{k}.")
         kw[k] = v
@@ -634,18 +664,22 @@ def config_from_dict(d: dict, cls=None, prefix: str = ""):
 RESUME_MAY_CHANGE = ("steps", "run_dir", "progress", "report_to", "threads", "sample_threads",
                      "cache_dir", "checkpoint.", "max_nonfinite_updates",
                      "eval.", "rollout.tool_timeout_s", "rollout.deadline_s", "judge.max_failure_rate",
-                     "judge.max_failure_steps", "judge.base_url", "judge.api_key_env",
-                     "judge.concurrency", "judge.timeout_s", "judge.backoff", "judge.cache_dir",
-                     "judge.price_", "judge.max_usd", "judge.rpm", "judge.tpm",
-                     "judge.retry_after_max_s", "search.base_url", "search.api_key_env", "search.timeout_s",
-                     "search.backoff", "search.cache_dir", "search.rpm", "full.dist_timeout_min",
+                     "judge.max_failure_steps", "judge_http.base_url", "judge_http.api_key_env",
+                     "judge_http.concurrency", "judge_http.timeout_s", "judge_http.backoff",
+                     "judge_http.cache_dir", "judge_http.price_", "judge_http.max_usd", "judge_http.rpm",
+                     "judge_http.tpm", "judge_http.retry_after_max_s", "search_http.base_url",
+                     "search_http.api_key_env", "search_http.timeout_s", "search_http.backoff",
+                     "search_http.cache_dir", "search_http.rpm", "full.dist_timeout_min",
                      "full.gpu_memory_gib", "full.host_memory_gib")
 
 
 def resume_config_diff(saved: dict, cfg: Config) -> list[str]:
     """Dotted names of the fields in which `cfg` differs from a checkpoint's config (`saved`, an
-    asdict dict), leaving out RESUME_MAY_CHANGE."""
-    a = _flatten(json.loads(json.dumps(saved)))
+    asdict dict, old key spellings included), leaving out RESUME_MAY_CHANGE and the sections that
+    either side does not use (None: e.g. a toy run's judge_http)."""
+    a = _flatten(migrate_config_dict(saved))
     b = _flatten(json.loads(json.dumps(asdict(cfg))))
+    unused = {k for k in SECTION_FIELDS if (k in saved and saved[k] is None) or getattr(cfg, k, None) is None}
     keys = sorted(set(a) | set(b))
-    return [k for k in keys if not k.startswith(RESUME_MAY_CHANGE) and a.get(k) != b.get(k)]
+    return [k for k in keys if not k.startswith(RESUME_MAY_CHANGE) and k.split(".", 1)[0] not in unused
+            and a.get(k) != b.get(k)]

@@ -9,7 +9,7 @@ give the same losses and weights as one plain PyTorch process.
 
 What is here
     dist_env / init_distributed       rank, world size, master address from the launcher's environment
-    FullConfig                        DeepSpeed / vLLM settings, settings.Config.full (`--set full.x=...`)
+    FullConfig                        DeepSpeed / vLLM settings, the run config's `full` section (`--set full.x=...`)
     batch_plan                        256 sequences per step -> micro-batch x accumulation x ranks
     deepspeed_config                  the ZeRO-3 JSON, built from the `full` preset
     ZeRO3Policy                       pi_theta under ZeRO-3: logprobs, backward, step, save_pretrained,
@@ -77,7 +77,6 @@ from typing import Iterator, Sequence
 import torch
 
 from policy import UpdateBatch, plan_update, policy_update
-from backends.config import FullConfig
 
 log = logging.getLogger("rubricem.full")
 
@@ -295,8 +294,58 @@ def all_reduce_sum(values: Sequence[float]) -> list[float]:
 # Configuration and batch arithmetic
 
 
+@dataclass
+class FullConfig:
+    """DeepSpeed and vLLM settings of full mode: the run config's `full` section (registered by
+    backends/presets.py; a toy run leaves it out and never imports this module). Values the paper
+    fixes are marked PAPER; the rest are ours (module docstring, deviation 1)."""
+
+    zero_stage: int = 3
+    """PAPER: "ZeRO-3"."""
+    offload_optimizer: bool = True
+    """PAPER: "with CPU offload"."""
+    offload_param: bool = False
+    """ours: parameters stay on GPU (2 GB per GPU for 8B over 8 GPUs)"""
+    gradient_checkpointing: bool = True
+    """PAPER: "gradient checkpointing"."""
+    bf16: str = "auto"
+    """"auto" = on for GPU, off for CPU; "on" | "off"."""
+    optimizer: str = "auto"
+    """"auto" = DeepSpeed AdamW on GPU, torch AdamW on CPU; "torch" | "deepspeed"."""
+    adam_betas: tuple = (0.9, 0.95)
+    """ours, as the toy path (train.py)"""
+    weight_decay: float = 0.0
+    """ours, as the toy path"""
+    reference: str = "zero3"
+    """pi_ref placement: ZeRO-3 partitioned for inference (see docstring)"""
+    logprob_chunk: int = 1024
+    """positions per vocabulary projection in policy.token_logprobs"""
+    world_size_hint: int = 8
+    """dry run without a launcher: assume one node of 8 GPUs (the paper's SFT node)"""
+    dist_timeout_min: float = 180.0
+    """ours: collective timeout; ranks > 0 wait in a collective while rank 0 samples, judges and
+    reflects, which for 256 long rollouts can take far longer than torch's 10-30 minute default"""
+    max_prompt_tokens: int = 8192
+    """PAPER: max prompt length 8,192 tokens; with rollout.max_response_tokens (PAPER: 18,432) the
+    longest sequence (pack) is 26,624 tokens"""
+    vllm_max_model_len: int = 0
+    """0 = max_prompt_tokens + rollout.max_response_tokens (PAPER: 26,624; see build.build_sampler);
+    the engine's context length"""
+    gpu_memory_gib: float = 80.0
+    """dry run without a visible GPU: each GPU's memory the memory plan is checked against (ours: an
+    80 GB H100; backends/plan.py)"""
+    host_memory_gib: float = 0.0
+    """dry run: host RAM per node the memory plan is checked against (0 = this machine's, checked only
+    when it has GPUs)"""
+    vllm_gpu_memory_utilization: float = 0.5
+    """ours: leaves room for the ZeRO-3 shards on rank 0's GPU (on CPU: the fraction of RAM vLLM
+    requires to be free at start)"""
+    vllm_cpu_kv_cache_gib: int = 2
+    """CPU only: vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)"""
+
+
 def full_config(cfg) -> FullConfig:
-    """The FullConfig of a settings.Config (`cfg.full`), or the defaults for an object without one."""
+    """The FullConfig of a config.Config (`cfg.full`), or the defaults for an object without one."""
     fc = getattr(cfg, "full", None)
     return fc if isinstance(fc, FullConfig) else FullConfig()
 
@@ -343,7 +392,7 @@ def batch_plan(cfg, world_size: int) -> BatchPlan:
 
 
 def deepspeed_config(cfg, world_size: int, device: str, full: FullConfig | None = None) -> dict:
-    """The DeepSpeed JSON for the policy engine, from a settings.Config (the `full` preset).
+    """The DeepSpeed JSON for the policy engine, from a config.Config (the `full` preset).
 
     device: "cuda" or "cpu". bf16 follows FullConfig.bf16 ("auto": on for cuda only). The optimizer is
     a torch AdamW client optimizer on CPU (`zero_allow_untested_optimizer`) and DeepSpeed's AdamW on
@@ -866,7 +915,7 @@ def synthetic_batch(vocab_size: int, n_seq: int, group: int = 8, seed: int = 0, 
 def selftest_config(n_seq: int, group: int, minibatches: int, micro: int, lr: float,
                     eta: float | None = None):
     """The `full` preset with a small batch: n_seq = prompts x group sequences per RL step."""
-    from backends.config import full_preset
+    from backends.presets import full_preset
     cfg = full_preset()
     cfg.rollout.prompts_per_step, cfg.rollout.n = n_seq // group, group
     cfg.ss_grpo.minibatches, cfg.ss_grpo.micro_batch, cfg.ss_grpo.lr = minibatches, micro, lr
@@ -941,9 +990,13 @@ def _key_envs(cfg) -> list[tuple[str, str]]:
     """(purpose, environment variable NAME) pairs the configured backends read their keys from."""
     out = []
     if cfg.judge.backend in ("gemini", "openai"):
-        out.append((f"judge ({cfg.judge.backend})", cfg.judge.key_env))
+        from backends.judge_http import HTTPJudgeConfig  # SCALE: an HTTP judge is configured
+
+        out.append((f"judge ({cfg.judge.backend})",
+                    (cfg.judge_http or HTTPJudgeConfig()).key_env(cfg.judge.backend)))
     if cfg.search.backend == "serper":
-        out.append(("search (google_search, Serper)", "SERPER_API_KEY"))
+        out.append(("search (google_search, Serper)",
+                    cfg.search_http.api_key_env if cfg.search_http else "SERPER_API_KEY"))
     return out
 
 
@@ -1058,7 +1111,7 @@ def _memory_section(cfg, ws: int, n_gpu: int, environ) -> tuple[list[str], list[
 
 
 def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
-    """Resolve `cfg` (a settings.Config, normally the `full` preset) into a launch plan without training.
+    """Resolve `cfg` (a config.Config, normally the `full` preset) into a launch plan without training.
 
     Collects every problem it finds instead of stopping at the first: the configuration
     (settings.validate_config), the local paths the run reads (policy model directory, data.source,
@@ -1202,7 +1255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # torch deprecation notices raised inside DeepSpeed's collectives, once per call: not ours to fix.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     if a.cmd == "dry-run":
-        from backends.config import full_preset
+        from backends.presets import full_preset
         return main_dry_run(full_preset())
     full = FullConfig(optimizer=a.optimizer, gradient_checkpointing=not a.no_grad_ckpt)
     res = selftest(a.model, a.out, updates=a.updates, n_seq=a.n_seq, group=a.group,

@@ -11,6 +11,7 @@ import logging
 import os
 import random
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -21,6 +22,25 @@ from backends.build import Run, eval_settings, heldout_engines
 from scaffold import STAGES
 
 log = logging.getLogger("rubricem.evaluate")  # the name these messages had in evaluate.py
+
+
+# ----------------------------------------------------------------------------------------------------
+# Configuration (the run config's `eval` section, registered by backends/presets.py)
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation of a toy run (not in the paper): questions, samples, temperature."""
+
+    n_questions: int = 64
+    """held-out questions evaluated at the end (0 = no evaluation)"""
+    samples: int = 2
+    """rollouts per held-out question"""
+    temperature: float = 1.0
+    """sampling temperature of the held-out evaluation"""
+    every: int = 0
+    """ours: also evaluate the current policy every this many RL steps, same questions and settings,
+    into eval_curve.jsonl (0 = only the SFT start and the end)"""
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ are NaN.
 
 Equations
 - Cost of a request: usd = tokens_in / 1e6 * price_in + tokens_out / 1e6 * price_out (USD per 1M
-  tokens from backends/pricing.py's dated table, or judge.price_in / price_out); summed in
+  tokens from backends/pricing.py's dated table, or judge_http.price_in / price_out); summed in
   `stats()["judge/usd_total"]` (`_Meter.add_usage`). A model without a known price has an unknown
   cost (judge/usd_total None), never another model's.
 - Reflection score: score = (within + cross) / 2; `HTTPJudge.score_reflections`. Ours: §3.4 names the
@@ -30,7 +30,7 @@ Equations
 Failure semantics (`# SCALE:` lines): requests go through backends/http.HTTPClient, which honours the
 environment's proxy, retries 429/500/502/503/504 (waiting the server's Retry-After, a 429 pausing every
 judge request and halving the requests in flight) and connect errors, at most `max_retries` each,
-within judge.rpm / judge.tpm; a 401/403/404 raises `APIStopError` with the server's message, which
+within judge_http.rpm / judge_http.tpm; a 401/403/404 raises `APIStopError` with the server's message, which
 stops the run (it is not a missing cell). We re-ask on read timeouts, on a
 connection dropped before the reply, and on replies that hold no JSON object that validates (at
 most `max_retries` re-asks; so a call sends at most (1 + max_retries)^2 requests). A valid object
@@ -58,8 +58,8 @@ Deviations from the paper
 4. The disk cache replays the judgment of an identical prompt even at temperature > 0: a resumed run
    pays nothing for groups it already judged and gets the same rewards.
 5. "Gemini Flash" has no version in the paper; `gemini-2.5-flash` is our default. Prices are the
-   dated list prices of backends/pricing.py, for cost accounting and judge.max_usd only; check them
-   against the provider's page. `judge.thinking_budget` (Gemini thinkingConfig.thinkingBudget) is
+   dated list prices of backends/pricing.py, for cost accounting and judge_http.max_usd only; check them
+   against the provider's page. `judge_http.thinking_budget` (Gemini thinkingConfig.thinkingBudget) is
    ours: the paper does not say how much the judge thinks.
 6. Proposed rubric weights are clipped to [0.1, 10] (not a reason to re-ask); an empty reflection
    candidate scores 0 on both criteria without a call (there is nothing to judge).
@@ -72,6 +72,7 @@ Usage (full mode; see docs/http_judge.md for a self-hosted vLLM server):
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import json
 import logging
@@ -81,6 +82,7 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -88,34 +90,120 @@ import numpy as np
 from backends.http import (APIStopError, DeadlineExceeded, DiskCache, HTTPClient, cache_key,
                            server_message)
 from backends.pricing import resolve_prices, unknown_price_message
-from judge import (DEFAULT_BASE_URLS, EvolvingJudge, JudgeConfig, JudgeResult, ReflectionScore,
-                   Rubric)
+from hparams import JudgeConfig
+from judge import EvolvingJudge, JudgeResult, ReflectionScore, Rubric
 from scaffold import STAGES, Rollout, parse_response
 
 log = logging.getLogger("rubricem.judge_http")
 
 
-def check_http_config(c: JudgeConfig) -> None:
-    """Raise ValueError naming the field when a judge configuration cannot drive HTTPJudge."""
+# ----------------------------------------------------------------------------------------------------
+# Configuration (the run config's `judge_http` section; the paper's judge settings are hparams.JudgeConfig)
+
+# The HTTP judge's public endpoints and key variables.
+DEFAULT_BASE_URLS = {"gemini": "https://generativelanguage.googleapis.com/v1beta",
+                     "openai": "https://api.openai.com/v1"}
+DEFAULT_KEY_ENVS = {"gemini": "GEMINI_API_KEY", "openai": "OPENAI_API_KEY"}
+
+
+@dataclass
+class HTTPJudgeConfig:
+    """How the HTTP judge calls its model: endpoint, key, concurrency, retries, cache, prices, rate
+    limits, request options (not in the paper: transport). Which model judges (judge.backend,
+    judge.model) and the buffer caps are the paper's (hparams.JudgeConfig). Holds the *name* of the
+    key's environment variable, never the key. Times in seconds; prices in USD per 1M tokens."""
+
+    base_url: str = ""
+    """API root without a trailing slash; "" = the backend's public endpoint (DEFAULT_BASE_URLS);
+    tests point it at a loopback server."""
+    api_key_env: str = ""
+    """Environment variable holding the key; "" = GEMINI_API_KEY / OPENAI_API_KEY. Optional for openai."""
+    concurrency: int = 8
+    """Maximum parallel HTTP judge requests (thread pool + semaphore)."""
+    timeout_s: float = 120.0
+    """Connect and read timeout of one request; a read timeout is re-asked (counts as a retry)."""
+    backoff_s: float = 1.0
+    """Base of the exponential backoff: waits backoff_s * 2^(attempt-1), capped at backoff_max_s."""
+    backoff_max_s: float = 30.0
+    """Cap of one backoff wait."""
+    cache_dir: str = ""
+    """Disk cache of validated HTTP replies. In a training run "" = cache_dir/judge (the run's cache
+    folder); for an HTTPJudge built on its own, "" disables it."""
+    prompt_version: str = "v1"
+    """Part of the cache key: change it when the prompts change."""
+    price_in: float = -1.0
+    """USD per 1M input tokens; -1 = the dated table in backends/pricing.py (a model not in it has an
+    unknown cost: give price_in and price_out, e.g. 0 for a self-hosted server)."""
+    price_out: float = -1.0
+    """USD per 1M output tokens (thinking tokens included); -1 = backends/pricing.py."""
+    max_usd: float = 0.0
+    """Ours: stop the run (a checkpoint, then exit) once the judge has spent this many USD in
+    total (judge/usd_total); 0 = no cap. Needs a known price."""
+    rpm: int = 0
+    """Ours: at most this many judge requests started per minute (0 = no limit; 429s are backed
+    off in any case, backends/http.py)."""
+    tpm: int = 0
+    """Ours: at most this many judge tokens (input + output, estimated) per minute (0 = no limit)."""
+    retry_after_max_s: float = 120.0
+    """A 429's Retry-After up to this long is waited out (pausing every judge request); a longer
+    one fails the call at once."""
+    thinking_budget: int = -1
+    """Gemini generationConfig.thinkingConfig.thinkingBudget: -1 = not sent (the model's default,
+    dynamic thinking on 2.5 models); 0 disables thinking where the model allows it (2.5 Flash,
+    not 2.5 Pro); N > 0 caps thinking tokens."""
+    temperature: float = 0.0
+    """Judge sampling temperature; 0 keeps rewards as reproducible as the API allows (our choice)."""
+    max_output_tokens: int = 0
+    """0 = the server's default."""
+    gemini_schema_field: str = "responseSchema"
+    """"responseSchema" (OpenAPI subset) or "responseJsonSchema" (JSON Schema) in generationConfig."""
+    openai_response_format: str = "json_schema"
+    """"json_schema" (strict structured output) or "json_object" for servers without schema support."""
+    max_text_chars: int = 40000
+    """Each untrusted block (one stage of a response, one candidate) is cut to this many characters."""
+
+    def url_root(self, backend: str) -> str:
+        """The API root of `backend` ("gemini" | "openai"), without a trailing slash."""
+        return (self.base_url or DEFAULT_BASE_URLS[backend]).rstrip("/")
+
+    def key_env(self, backend: str) -> str:
+        """The environment variable that holds `backend`'s key."""
+        return self.api_key_env or DEFAULT_KEY_ENVS[backend]
+
+    def check(self, judge: JudgeConfig) -> None:
+        """check_http_config(judge, self): raises ValueError naming the field."""
+        check_http_config(judge, self)
+
+
+def judge_configs(**kw) -> tuple[JudgeConfig, HTTPJudgeConfig]:
+    """(judge section, judge_http section) from keyword arguments of both, split by field name, e.g.
+    judge_configs(backend="openai", model="m", base_url=url). Raises TypeError for a name of neither."""
+    names = {f.name for f in dataclasses.fields(JudgeConfig)}
+    return (JudgeConfig(**{k: v for k, v in kw.items() if k in names}),
+            HTTPJudgeConfig(**{k: v for k, v in kw.items() if k not in names}))
+
+
+def check_http_config(c: JudgeConfig, h: HTTPJudgeConfig) -> None:
+    """Raise ValueError naming the field when the judge and judge_http sections cannot drive HTTPJudge."""
     if c.backend not in DEFAULT_BASE_URLS:
         raise ValueError(f"judge.backend must be 'gemini' or 'openai' for the HTTP judge, got {c.backend!r}")
-    if c.gemini_schema_field not in ("responseSchema", "responseJsonSchema"):
-        raise ValueError("judge.gemini_schema_field must be 'responseSchema' or 'responseJsonSchema'")
-    if c.openai_response_format not in ("json_schema", "json_object"):
-        raise ValueError("judge.openai_response_format must be 'json_schema' or 'json_object'")
-    if c.max_retries < 0 or c.concurrency < 1 or c.timeout_s <= 0:
-        raise ValueError("judge: need max_retries >= 0, concurrency >= 1 and timeout_s > 0")
-    if c.rpm < 0 or c.tpm < 0 or c.retry_after_max_s < 0 or c.max_usd < 0:
-        raise ValueError("judge: need rpm, tpm, retry_after_max_s and max_usd >= 0 (0 = no limit)")
-    if c.thinking_budget < -1:
-        raise ValueError("judge.thinking_budget must be -1 (model default), 0 (off) or a token count")
-    prices = resolve_prices(c.model, c.price_in, c.price_out)  # ValueError when only one is given
-    if c.max_usd > 0 and prices is None:
-        raise ValueError("judge.max_usd needs a known price: " + unknown_price_message(c.model))
+    if h.gemini_schema_field not in ("responseSchema", "responseJsonSchema"):
+        raise ValueError("judge_http.gemini_schema_field must be 'responseSchema' or 'responseJsonSchema'")
+    if h.openai_response_format not in ("json_schema", "json_object"):
+        raise ValueError("judge_http.openai_response_format must be 'json_schema' or 'json_object'")
+    if c.max_retries < 0 or h.concurrency < 1 or h.timeout_s <= 0:
+        raise ValueError("judge.max_retries must be >= 0; judge_http: need concurrency >= 1 and timeout_s > 0")
+    if h.rpm < 0 or h.tpm < 0 or h.retry_after_max_s < 0 or h.max_usd < 0:
+        raise ValueError("judge_http: need rpm, tpm, retry_after_max_s and max_usd >= 0 (0 = no limit)")
+    if h.thinking_budget < -1:
+        raise ValueError("judge_http.thinking_budget must be -1 (model default), 0 (off) or a token count")
+    prices = resolve_prices(c.model, h.price_in, h.price_out)  # ValueError when only one is given
+    if h.max_usd > 0 and prices is None:
+        raise ValueError("judge_http.max_usd needs a known price: " + unknown_price_message(c.model))
 
 
 class JudgeBudgetExceeded(RuntimeError):
-    """The judge's cumulative cost reached judge.max_usd (`HTTPJudge.check_budget`); the training
+    """The judge's cumulative cost reached judge_http.max_usd (`HTTPJudge.check_budget`); the training
     loop stops after the step's checkpoint (exit code 5)."""
 
     exit_code = 5
@@ -408,23 +496,26 @@ class HTTPJudge(EvolvingJudge):
 
     concurrent_groups = True  # its calls wait on the network: judge.judge_all runs groups in threads
 
-    def __init__(self, config: JudgeConfig | None = None, caps: Sequence[int] | None = None):
-        """config: the run config's judge section (judge.JudgeConfig; default: Gemini Flash);
+    def __init__(self, config: JudgeConfig | None = None, http: HTTPJudgeConfig | None = None,
+                 caps: Sequence[int] | None = None):
+        """config: the run config's judge section (hparams.JudgeConfig; default: Gemini Flash);
+        http: its judge_http section (HTTPJudgeConfig; default: the public endpoint, no cache);
         caps: the rubric-buffer caps (default config.caps). Raises ValueError (check_http_config)."""
         self.config = config or JudgeConfig(backend="gemini")
-        check_http_config(self.config)
+        self.http = http or HTTPJudgeConfig()
+        check_http_config(self.config, self.http)
         super().__init__(caps if caps is not None else self.config.caps)
-        cfg = self.config
-        self.cache = DiskCache(cfg.cache_dir)
-        self.meter = _Meter(resolve_prices(cfg.model, cfg.price_in, cfg.price_out))
+        cfg, http = self.config, self.http
+        self.cache = DiskCache(http.cache_dir)
+        self.meter = _Meter(resolve_prices(cfg.model, http.price_in, http.price_out))
         if self.meter.prices is None:
             log.warning("%s", unknown_price_message(cfg.model))
         # SCALE: one rate-limit-aware client: proxy, Retry-After, AIMD concurrency, rpm / tpm
-        self.client = HTTPClient("judge", max_retries=cfg.max_retries, backoff_s=cfg.backoff_s,
-                                 backoff_max_s=cfg.backoff_max_s, timeout_s=cfg.timeout_s,
-                                 concurrency=cfg.concurrency, rpm=cfg.rpm, tpm=cfg.tpm,
-                                 retry_after_max_s=cfg.retry_after_max_s, retry_reads=False)
-        self._pool = ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="judge-http")
+        self.client = HTTPClient("judge", max_retries=cfg.max_retries, backoff_s=http.backoff_s,
+                                 backoff_max_s=http.backoff_max_s, timeout_s=http.timeout_s,
+                                 concurrency=http.concurrency, rpm=http.rpm, tpm=http.tpm,
+                                 retry_after_max_s=http.retry_after_max_s, retry_reads=False)
+        self._pool = ThreadPoolExecutor(max_workers=http.concurrency, thread_name_prefix="judge-http")
         self._lock = threading.Lock()
         # LLM justifications of recent scoring calls, for the privileged reflection judge.
         self._why: collections.OrderedDict = collections.OrderedDict()
@@ -459,16 +550,16 @@ class HTTPJudge(EvolvingJudge):
         return out
 
     def check_budget(self) -> None:
-        """Raise JudgeBudgetExceeded once the cumulative cost reached judge.max_usd (> 0). The
+        """Raise JudgeBudgetExceeded once the cumulative cost reached judge_http.max_usd (> 0). The
         training loop calls it after each step's checkpoint, so a step may overshoot the cap by at
         most its own cost (the dry run prints the cost per step)."""
-        cap = self.config.max_usd
+        cap = self.http.max_usd
         with self.meter.lock:
             spent = self.meter.c["cost_usd"]
         if cap > 0 and spent >= cap:
             raise JudgeBudgetExceeded(
-                f"judge spent ${spent:,.2f}, reaching judge.max_usd = ${cap:,.2f}; stopping after "
-                "this step's checkpoint. Raise judge.max_usd and continue with --resume latest.")
+                f"judge spent ${spent:,.2f}, reaching judge_http.max_usd = ${cap:,.2f}; stopping after "
+                "this step's checkpoint. Raise judge_http.max_usd and continue with --resume latest.")
 
     def state_dict(self) -> dict:
         """Buffers and counters (judge.EvolvingJudge) plus the HTTP meter, so cost accounting survives
@@ -487,35 +578,35 @@ class HTTPJudge(EvolvingJudge):
     # transport ---------------------------------------------------------------------------------
     def _request(self, system: str, user: str, schema: dict) -> tuple[str, dict, dict]:
         """(url, headers, body) of one request. The key is read here and only placed in headers."""
-        cfg = self.config
-        key = os.environ.get(cfg.key_env, "")
+        cfg, http = self.config, self.http
+        key = os.environ.get(http.key_env(cfg.backend), "")
         headers = {"Content-Type": "application/json"}
         if cfg.backend == "gemini":
             if not key:
-                raise JudgeCallError(f"environment variable {cfg.key_env} is not set")
+                raise JudgeCallError(f"environment variable {http.key_env(cfg.backend)} is not set")
             headers["x-goog-api-key"] = key
-            gen = {"temperature": cfg.temperature, "responseMimeType": "application/json",
-                   cfg.gemini_schema_field: gemini_schema(schema, cfg.gemini_schema_field)}
-            if cfg.max_output_tokens:
-                gen["maxOutputTokens"] = cfg.max_output_tokens
-            if cfg.thinking_budget >= 0:  # -1: not sent, the model's default (dynamic on 2.5)
-                gen["thinkingConfig"] = {"thinkingBudget": cfg.thinking_budget}
+            gen = {"temperature": http.temperature, "responseMimeType": "application/json",
+                   http.gemini_schema_field: gemini_schema(schema, http.gemini_schema_field)}
+            if http.max_output_tokens:
+                gen["maxOutputTokens"] = http.max_output_tokens
+            if http.thinking_budget >= 0:  # -1: not sent, the model's default (dynamic on 2.5)
+                gen["thinkingConfig"] = {"thinkingBudget": http.thinking_budget}
             body = {"contents": [{"role": "user", "parts": [{"text": user}]}],
                     "systemInstruction": {"parts": [{"text": system}]}, "generationConfig": gen}
-            return f"{cfg.url_root}/models/{cfg.model}:generateContent", headers, body
+            return f"{http.url_root(cfg.backend)}/models/{cfg.model}:generateContent", headers, body
         if key:  # self-hosted servers often need none
             headers["Authorization"] = f"Bearer {key}"
         fmt = ({"type": "json_schema", "json_schema": {"name": "judgment", "schema": schema,
                                                         "strict": True}}
-               if cfg.openai_response_format == "json_schema" else {"type": "json_object"})
-        if cfg.openai_response_format == "json_object":  # no schema on the wire: put it in the prompt
+               if http.openai_response_format == "json_schema" else {"type": "json_object"})
+        if http.openai_response_format == "json_object":  # no schema on the wire: put it in the prompt
             user = user + schema_instruction(schema)
-        body = {"model": cfg.model, "temperature": cfg.temperature, "response_format": fmt,
+        body = {"model": cfg.model, "temperature": http.temperature, "response_format": fmt,
                 "messages": [{"role": "system", "content": system},
                              {"role": "user", "content": user}]}
-        if cfg.max_output_tokens:
-            body["max_tokens"] = cfg.max_output_tokens
-        return f"{cfg.url_root}/chat/completions", headers, body
+        if http.max_output_tokens:
+            body["max_tokens"] = http.max_output_tokens
+        return f"{http.url_root(cfg.backend)}/chat/completions", headers, body
 
     def _reply_text(self, data: Any, ticket: list | None = None) -> str:
         """Model text and usage accounting from a 200 reply; ValueError if the wire shape is wrong.
@@ -548,13 +639,13 @@ class HTTPJudge(EvolvingJudge):
         """
         import requests  # SCALE: full backend only
 
-        cfg, m = self.config, self.meter
+        cfg, http, m = self.config, self.http, self.meter
         m.inc("calls")
         # Everything that can change the verdict: a verdict of another server, model, prompt,
         # schema, temperature or thinking budget is never replayed.
-        key = cache_key(cfg.backend, cfg.url_root, cfg.model, cfg.prompt_version, system, user, schema,
-                        cfg.temperature, cfg.openai_response_format if cfg.backend == "openai" else "",
-                        cfg.thinking_budget if cfg.backend == "gemini" else -1)
+        key = cache_key(cfg.backend, http.url_root(cfg.backend), cfg.model, http.prompt_version, system, user, schema,
+                        http.temperature, http.openai_response_format if cfg.backend == "openai" else "",
+                        http.thinking_budget if cfg.backend == "gemini" else -1)
         hit = self.cache.get(key)
         if hit is not None:
             try:
@@ -568,14 +659,14 @@ class HTTPJudge(EvolvingJudge):
             if attempt:
                 # SCALE: re-ask after a read timeout or an invalid reply, with capped backoff.
                 m.inc("retries")
-                time.sleep(min(cfg.backoff_max_s, cfg.backoff_s * 2 ** (attempt - 1)))
+                time.sleep(min(http.backoff_max_s, http.backoff_s * 2 ** (attempt - 1)))
             try:
                 url, headers, body = self._request(system, user, schema)
             except JudgeCallError as e:
                 reason = str(e)
                 break
             t0 = time.perf_counter()
-            est = (len(system) + len(user)) // 4 + (cfg.max_output_tokens or 1000)  # for judge.tpm
+            est = (len(system) + len(user)) // 4 + (http.max_output_tokens or 1000)  # for judge_http.tpm
             try:
                 resp, n_retry, n429, ticket = self.client.post(url, body, headers, tokens=est)
             except APIStopError:
@@ -608,7 +699,7 @@ class HTTPJudge(EvolvingJudge):
             if repaired:  # JSON wrapped in a fence, prose or a <think> block: valid, but counted
                 m.inc("json_repaired")
             self.cache.put(key, value, {"backend": cfg.backend, "model": cfg.model,
-                                        "prompt_version": cfg.prompt_version})
+                                        "prompt_version": http.prompt_version})
             return value
         m.inc("failures")
         log.warning("judge call failed (%s, %s): %s; its cells are missing", cfg.backend, cfg.model,
@@ -623,7 +714,7 @@ class HTTPJudge(EvolvingJudge):
         born_step=step), deduplicated by rid. Raises JudgeCallError after the retry bound (the base
         class then proposes nothing and counts a failure).
         """
-        lim = self.config.max_text_chars
+        lim = self.http.max_text_chars
         buf = self.buffers.get(query.query, [[] for _ in STAGES])
         active = [r for b in buf for r in b] + self.initial_rubrics(query)
         caps = ", ".join(f"{STAGES[k]} {c}" for k, c in enumerate(self.caps))
@@ -660,11 +751,11 @@ class HTTPJudge(EvolvingJudge):
         if not rubrics or not n:
             return S
         uniq = list(dict.fromkeys(ids))
-        head = (f"Query:\n{_fence(query.query, 'query', self.config.max_text_chars)}\n\n"
+        head = (f"Query:\n{_fence(query.query, 'query', self.http.max_text_chars)}\n\n"
                 f"Rubrics by stage:\n{_rubric_lines(rubrics)}\n\n")
 
         def one(ro: Rollout):
-            user = (head + "Response:\n" + _stage_blocks(ro, "response", self.config.max_text_chars)
+            user = (head + "Response:\n" + _stage_blocks(ro, "response", self.http.max_text_chars)
                     + f"\n\nScore each of these {len(uniq)} rubric ids: {', '.join(uniq)}.")
             return self.ask(SYSTEM_SCORE, user, schema_scores(uniq), lambda o: validate_scores(o, uniq))
 
@@ -694,7 +785,7 @@ class HTTPJudge(EvolvingJudge):
         score = (within + cross) / 2. After the retry bound every non-empty candidate gets NaN.
         Empty candidates score 0 without a call (deviation 6). Never raises on model errors.
         """
-        lim = self.config.max_text_chars
+        lim = self.http.max_text_chars
         out: list[ReflectionScore | None] = [None] * len(candidates)
         ids = []
         for j, c in enumerate(candidates):

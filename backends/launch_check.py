@@ -3,7 +3,7 @@ API keys and whether the launcher forwards them, what DeepSpeedCPUAdam needs to 
 
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
 Plumbing only. Who talks to which API: global rank 0 alone samples, judges, searches and reflects
-(train.py; backends/full.py ZeRO3Engine), so the judge key ($GEMINI_API_KEY, or judge.key_env) and the
+(train.py; backends/full.py ZeRO3Engine), so the judge key ($GEMINI_API_KEY, or judge_http.api_key_env) and the
 search key ($SERPER_API_KEY) are read on global rank 0 only; ranks > 0 make no HTTP call.
 
 The multi-node trap: `deepspeed --hostfile H` starts the ranks of other nodes over ssh (pdsh) and

@@ -153,7 +153,7 @@ class MemoryPlan:
 
 def memory_plan(shape: ModelShape, cfg, world: int, ranks_per_node: int, gpu_bytes: float,
                 host_bytes: float) -> MemoryPlan:
-    """The plan of the module docstring for `cfg` (a settings.Config: cfg.full, cfg.ss_grpo.micro_batch,
+    """The plan of the module docstring for `cfg` (a config.Config: cfg.full, cfg.ss_grpo.micro_batch,
     cfg.sampler, cfg.bank.retriever, the pack length) on `world` ranks, `ranks_per_node` per node,
     GPUs of `gpu_bytes` and nodes of `host_bytes`. Raises ValueError for world < 1."""
     if world < 1 or ranks_per_node < 1:
@@ -247,7 +247,7 @@ ASSUME = {
     "tool_calls_per_rollout": 5.0,  # of at most 10
     "search_s": 1.5,  # one Serper call
     "judge_call_s": 6.0,  # one Gemini Flash call with thinking
-    "judge_concurrency": 8,  # judge.concurrency (its default; the configured value is used)
+    "judge_concurrency": 8,  # judge_http.concurrency (its default; the configured value is used)
     "gpu_flops": 989e12,  # H100 dense bf16
     "mfu": 0.25,  # ZeRO-3 with optimizer offload and checkpointing
     "cpu_adam_params_per_s": 1.0e9,  # DeepSpeedCPUAdam, per rank
@@ -259,7 +259,7 @@ def step_time(shape: ModelShape, cfg, world: int, kv_tokens: int, assume: dict |
     """Estimated seconds per RL step: rollouts (one vLLM engine on rank 0), search, judge, update,
     weight syncs. `kv_tokens`: the engine's KV capacity in tokens (MemoryPlan.kv_tokens; 0 = unknown,
     then one context). Every figure in ASSUME (or `assume` overrides) is printed."""
-    a = {**ASSUME, "judge_concurrency": int(getattr(cfg.judge, "concurrency", ASSUME["judge_concurrency"])),
+    a = {**ASSUME, "judge_concurrency": int(getattr(cfg.judge_http, "concurrency", ASSUME["judge_concurrency"])),
          **(assume or {})}
     P, W = shape.params, world
     seqs = cfg.rollout.prompts_per_step * cfg.rollout.n

@@ -13,12 +13,12 @@ Equations
 - Tokens per call are stated assumptions (`PLAN_ASSUMPTIONS`, each overridable), chiefly the mean
   response length as a share of rollout.max_response_tokens.
 - Judge minutes per step: max(waves, rpm floor, tpm floor), where waves = latency * (ceil(P / c) +
-  ceil(P n / c) + reflection calls) with c = judge.concurrency (proposals of all groups run
+  ceil(P n / c) + reflection calls) with c = judge_http.concurrency (proposals of all groups run
   together, then the scorings; reflection calls are made one after another), rpm floor = calls /
-  judge.rpm and tpm floor = tokens / judge.tpm.
+  judge_http.rpm and tpm floor = tokens / judge_http.tpm.
 
-A model that is not in the table has an *unknown* cost unless its prices are given (judge.price_in
-and judge.price_out in a training config; --price-in / --price-out in evaluate.py): it is never
+A model that is not in the table has an *unknown* cost unless its prices are given (judge_http.price_in
+and judge_http.price_out in a training config; --price-in / --price-out in evaluate.py): it is never
 billed at another model's price.
 """
 from __future__ import annotations
@@ -87,7 +87,7 @@ def resolve_prices(model: str, price_in: float = -1.0, price_out: float = -1.0) 
     return table_prices(model)
 
 
-def unknown_price_message(model: str, flags: str = "judge.price_in / judge.price_out") -> str:
+def unknown_price_message(model: str, flags: str = "judge_http.price_in / judge_http.price_out") -> str:
     return (f"no price for judge model {model!r} in backends/pricing.py (prices checked "
             f"{PRICES_CHECKED}); its cost is reported as unknown. Give {flags} in USD per 1M "
             "tokens (0 for a self-hosted server).")
@@ -113,7 +113,7 @@ PLAN_ASSUMPTIONS = {
 
 
 def judge_cost_plan(cfg, **assume) -> dict:
-    """Judge calls, tokens and USD per step and per run for a training config (settings.Config).
+    """Judge calls, tokens and USD per step and per run for a training config (config.Config).
 
     assume: overrides of PLAN_ASSUMPTIONS. Returns {"model", "prices" (USD per 1M or None),
     "price_source", "assumptions", "per_step": {"calls": {proposal, scoring, reflection, total},
@@ -123,17 +123,17 @@ def judge_cost_plan(cfg, **assume) -> dict:
     from ss_grpo import ARMS
 
     a = {**PLAN_ASSUMPTIONS, **assume}
-    j, ro = cfg.judge, cfg.rollout
+    jc, h, ro = cfg.judge, cfg.judge_http, cfg.rollout
     P, n, steps = ro.prompts_per_step, ro.n, cfg.steps
     problems: list[str] = []
-    if j.backend == "toy":
+    if jc.backend == "toy":
         zero = {"calls": {"proposal": 0, "scoring": 0, "reflection": 0, "total": 0},
                 "tokens_in": 0, "tokens_out": 0, "usd": 0.0, "judge_minutes": 0.0}
         return {"model": "toy", "prices": None, "price_source": "toy judge (no API calls)",
                 "assumptions": a, "per_step": zero, "per_run": dict(zero), "steps": steps,
-                "max_usd": j.max_usd, "problems": problems}
-    think = 0 if j.thinking_budget == 0 or j.backend != "gemini" else (
-        a["thinking_tokens"] if j.thinking_budget < 0 else min(j.thinking_budget, a["thinking_tokens"]))
+                "max_usd": h.max_usd if h else 0.0, "problems": problems}
+    think = 0 if h.thinking_budget == 0 or jc.backend != "gemini" else (
+        a["thinking_tokens"] if h.thinking_budget < 0 else min(h.thinking_budget, a["thinking_tokens"]))
     resp = a["response_share"] * ro.max_response_tokens
     base = a["system_tokens"] + a["query_tokens"]
     R = a["rubrics_scored"]
@@ -151,37 +151,37 @@ def judge_cost_plan(cfg, **assume) -> dict:
     tin = sum(calls[k] * per[k][0] for k in per)
     tout = sum(calls[k] * per[k][1] for k in per)
     try:
-        prices = resolve_prices(j.model, j.price_in, j.price_out)
+        prices = resolve_prices(jc.model, h.price_in, h.price_out)
     except ValueError as e:
         prices, _ = None, problems.append(f"judge prices: {e}")
     if prices is None:
-        problems.append(unknown_price_message(j.model))
+        problems.append(unknown_price_message(jc.model))
         usd = None
     else:
         usd = sum(calls[k] * prices.request_cost(int(per[k][0]), int(per[k][1])) for k in per)
-    c, lat = max(1, j.concurrency), a["latency_s"]
+    c, lat = max(1, h.concurrency), a["latency_s"]
     # Eq.: minutes = max(latency * (ceil(P/c) + ceil(P n/c) + reflection calls), calls/rpm, tokens/tpm)
     waves_min = lat * (math.ceil(P / c) + math.ceil(P * n / c) + refl) / 60
-    minutes = max(waves_min, calls["total"] / j.rpm if j.rpm else 0.0,
-                  (tin + tout) / j.tpm if j.tpm else 0.0)
+    minutes = max(waves_min, calls["total"] / h.rpm if h.rpm else 0.0,
+                  (tin + tout) / h.tpm if h.tpm else 0.0)
     step = {"calls": calls, "tokens_in": int(tin), "tokens_out": int(tout), "usd": usd,
             "judge_minutes": minutes}
     run = {"calls": {k: v * steps for k, v in calls.items()}, "tokens_in": int(tin) * steps,
            "tokens_out": int(tout) * steps, "usd": None if usd is None else usd * steps,
            "judge_minutes": minutes * steps}
-    if j.max_usd > 0 and usd is not None and usd * steps > j.max_usd:
-        problems.append(f"the estimated bill ${usd * steps:,.0f} exceeds judge.max_usd = "
-                        f"${j.max_usd:,.0f}: the run will stop after about {int(j.max_usd // usd)} "
+    if h.max_usd > 0 and usd is not None and usd * steps > h.max_usd:
+        problems.append(f"the estimated bill ${usd * steps:,.0f} exceeds judge_http.max_usd = "
+                        f"${h.max_usd:,.0f}: the run will stop after about {int(h.max_usd // usd)} "
                         "steps")
-    if j.max_usd > 0 and prices is None:
-        problems.append("judge.max_usd needs a known price")
-    if j.tpm and (tin + tout) / j.tpm > 10:
-        problems.append(f"judge.tpm = {j.tpm:,}: a step's ~{int(tin + tout):,} judge tokens need at "
-                        f"least {(tin + tout) / j.tpm:.0f} min per step")
-    return {"model": j.model, "prices": None if prices is None else
+    if h.max_usd > 0 and prices is None:
+        problems.append("judge_http.max_usd needs a known price")
+    if h.tpm and (tin + tout) / h.tpm > 10:
+        problems.append(f"judge_http.tpm = {h.tpm:,}: a step's ~{int(tin + tout):,} judge tokens need at "
+                        f"least {(tin + tout) / h.tpm:.0f} min per step")
+    return {"model": jc.model, "prices": None if prices is None else
             {"in": prices.price_in, "out": prices.price_out}, "price_source":
             "unknown" if prices is None else prices.source, "assumptions": a, "per_step": step,
-            "per_run": run, "steps": steps, "max_usd": j.max_usd, "thinking_tokens_per_call": think,
+            "per_run": run, "steps": steps, "max_usd": h.max_usd, "thinking_tokens_per_call": think,
             "problems": problems}
 
 
@@ -200,8 +200,8 @@ def format_cost_plan(plan: dict) -> str:
              f"  per run ({plan['steps']} steps): {r['calls']['total']:,} calls, "
              f"{r['tokens_in'] / 1e9:.2f}B input + {r['tokens_out'] / 1e9:.3f}B output tokens, "
              f"{usd(r['usd'])}, ~{r['judge_minutes'] / 60:.0f} h of judge time"
-             + (f"; budget judge.max_usd = ${plan['max_usd']:,.0f}" if plan.get("max_usd") else
-                "; no budget cap (judge.max_usd = 0)"),
+             + (f"; budget judge_http.max_usd = ${plan['max_usd']:,.0f}" if plan.get("max_usd") else
+                "; no budget cap (judge_http.max_usd = 0)"),
              "  assumptions: mean response = {:.0%} of rollout.max_response_tokens, {} rubrics per "
              "scoring call, {} thinking tokens per call, {:g} s per call (estimates; the run logs "
              "judge/usd_total)".format(plan["assumptions"]["response_share"],

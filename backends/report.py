@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from backends import checkpoint as ckpt_mod
+from backends.config import REPORT_BACKENDS
 from scaffold import STAGES
 from toy.report import format_filter_counts, warm_start_line
 
@@ -234,9 +235,6 @@ class MetricsLog:
         if self.path:
             with open(self.path, "a") as fh:
                 fh.write(json.dumps(self.rows[-1]) + "\n")
-
-
-REPORT_BACKENDS = {"tensorboard": "tensorboard", "wandb": "wandb"}  # --report-to name -> package
 
 
 class TensorBoardLog:

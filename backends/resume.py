@@ -15,7 +15,7 @@ from backends import checkpoint as ckpt_mod
 from backends.data import DataOrder
 from backends.report import Logger
 from backends.robust import FailureMonitor
-from backends.config import RESUME_MAY_CHANGE, Config, _flatten, resume_config_diff
+from backends.config import RESUME_MAY_CHANGE, Config, _flatten, migrate_config_dict, resume_config_diff
 
 
 def training_state(step: int, cfg: Config, engine, rng: random.Random, judge, bank, pending,
@@ -76,7 +76,7 @@ def _open_run(cfg: Config, resume: str | None) -> tuple[str | None, dict | None]
     state = ckpt_mod.load_state(path)
     diff = resume_config_diff(state["config"], cfg)
     if diff:
-        saved = _flatten(json.loads(json.dumps(state["config"])))
+        saved = _flatten(migrate_config_dict(state["config"]))
         now = _flatten(json.loads(json.dumps(asdict(cfg))))
         shown = "; ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diff[:8])
         raise ckpt_mod.CheckpointError(f"cannot resume from {path}: the configuration differs in "

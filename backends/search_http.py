@@ -11,7 +11,7 @@ text=snippet), in the API's order, at most k.
 
 Failure semantics: requests go through backends/http.HTTPClient (the environment's proxy; connect
 errors and read timeouts retried by urllib3; 429/5xx retried waiting the server's Retry-After, a 429
-pausing every search request; at most `max_retries` of each; at most `search.rpm` requests per
+pausing every search request; at most `max_retries` of each; at most `search_http.rpm` requests per
 minute, `# SCALE:`); after the bound, or on any other HTTP error or a malformed reply, the call raises
 `SearchError` with a short reason. A 401/403/404 raises `backends.http.APIStopError` with the
 server's message instead: the rollout engine lets it through and the run stops. The
@@ -28,26 +28,67 @@ Deviations from the paper
 
 Usage:
     export SERPER_API_KEY=...
-    tools = {"google_search": SerperSearchTool(SearchConfig(backend="serper", k=5))}   # scaffold.RolloutEngine(tools=...)
+    tools = {"google_search": SerperSearchTool(SearchHTTPConfig(), k=5)}   # scaffold.RolloutEngine(tools=...)
 """
 from __future__ import annotations
 
 import logging
 import os
 import threading
+from dataclasses import dataclass
 
 from backends.http import DiskCache, HTTPClient, cache_key, server_message
-from scaffold import SearchConfig, SearchResult
+from scaffold import SearchResult
 
 log = logging.getLogger("rubricem.search_http")
 
 
-def check_search_config(c: SearchConfig) -> None:
-    """Raise ValueError naming the field when a search configuration cannot drive SerperSearchTool."""
-    if c.k < 1 or c.max_retries < 0 or c.timeout_s <= 0:
-        raise ValueError("search: need k >= 1, max_retries >= 0 and timeout_s > 0")
-    if getattr(c, "rpm", 0) < 0:
-        raise ValueError("search.rpm must be >= 0 (0 = no limit)")
+# ----------------------------------------------------------------------------------------------------
+# Configuration (the run config's `search_http` section; search.backend and search.k are the paper
+# layer's, hparams.SearchConfig)
+
+
+@dataclass
+class SearchHTTPConfig:
+    """How the web search tool calls its API (not in the paper: transport): endpoint, key, timeouts,
+    retries, cache, rate limit. Holds the *name* of the key's environment variable, never the key."""
+
+    base_url: str = "https://google.serper.dev"
+    """Serper-compatible API root without a trailing slash (tests point it at a loopback server)."""
+    api_key_env: str = "SERPER_API_KEY"
+    """Environment variable holding the Serper key."""
+    timeout_s: float = 15.0
+    """Connect and read timeout of one search request."""
+    max_retries: int = 3
+    """Bound per kind (connect errors, read timeouts, 429/5xx statuses) before SearchError."""
+    backoff_s: float = 0.5
+    """Backoff base: waits backoff_s * 2^(retry-1), capped at backoff_max_s (the first retry is
+    immediate in urllib3 2)."""
+    backoff_max_s: float = 8.0
+    """Cap of one backoff wait."""
+    cache_dir: str = ""
+    """Disk cache of result lists. In a training run "" = cache_dir/search (the run's cache folder);
+    for a SerperSearchTool built on its own, "" disables it."""
+    max_snippet_chars: int = 1000
+    """Each search result's text is cut to this many characters."""
+    rpm: int = 0
+    """Ours: at most this many search requests started per minute (0 = no limit; a 429's
+    Retry-After is honoured in any case, backends/http.py)."""
+
+    def check(self, k: int = 5) -> None:
+        """check_search_config(self, k): raises ValueError naming the field."""
+        check_search_config(self, k)
+
+
+def check_search_config(c: SearchHTTPConfig, k: int = 5) -> None:
+    """Raise ValueError naming the field when the search_http section (and search.k) cannot drive
+    SerperSearchTool."""
+    if k < 1:
+        raise ValueError(f"search.k must be >= 1, got {k!r}")
+    if c.max_retries < 0 or c.timeout_s <= 0:
+        raise ValueError("search_http: need max_retries >= 0 and timeout_s > 0")
+    if c.rpm < 0:
+        raise ValueError("search_http.rpm must be >= 0 (0 = no limit)")
 
 
 class SearchError(RuntimeError):
@@ -59,17 +100,18 @@ class SerperSearchTool:
 
     name = "google_search"
 
-    def __init__(self, config: SearchConfig | None = None):
-        """config: the run config's search section (scaffold.SearchConfig; default: Serper's public
-        endpoint, no disk cache). Raises ValueError (check_search_config)."""
-        self.config = config or SearchConfig(backend="serper")
-        check_search_config(self.config)
+    def __init__(self, config: SearchHTTPConfig | None = None, k: int = 5):
+        """config: the run config's search_http section (default: Serper's public endpoint, no disk
+        cache); k: results per query (search.k, Serper "num"). Raises ValueError (check_search_config)."""
+        self.config = config or SearchHTTPConfig()
+        self.k = k
+        check_search_config(self.config, k)
         self.cache = DiskCache(self.config.cache_dir)
         c = self.config
-        # SCALE: proxy, Retry-After, 429 back-off and search.rpm (backends/http.py)
+        # SCALE: proxy, Retry-After, 429 back-off and search_http.rpm (backends/http.py)
         self.client = HTTPClient("search", max_retries=c.max_retries, backoff_s=c.backoff_s,
                                  backoff_max_s=c.backoff_max_s, timeout_s=c.timeout_s, concurrency=4,
-                                 rpm=getattr(c, "rpm", 0), retry_reads=True)
+                                 rpm=c.rpm, retry_reads=True)
         self._lock = threading.Lock()
         self.counters = {"calls": 0, "requests": 0, "retries": 0, "failures": 0, "cache_hits": 0}
 
@@ -100,7 +142,7 @@ class SerperSearchTool:
         if not q:
             return []
         self._inc("calls")
-        key = cache_key("serper", c.base_url.rstrip("/"), q, c.k)
+        key = cache_key("serper", c.base_url.rstrip("/"), q, self.k)
         hit = self.cache.get(key)
         if hit is not None:
             try:
@@ -115,7 +157,7 @@ class SerperSearchTool:
             raise SearchError(f"environment variable {c.api_key_env} is not set")
         try:
             resp, n_retry, _, _ = self.client.post(f"{c.base_url.rstrip('/')}/search",
-                                                   {"q": q, "num": c.k}, {"X-API-KEY": api_key})
+                                                   {"q": q, "num": self.k}, {"X-API-KEY": api_key})
         except requests.exceptions.RequestException as e:
             self._inc("requests")
             self._inc("failures")
@@ -134,7 +176,7 @@ class SerperSearchTool:
             organic = resp.json().get("organic", [])
             out = [SearchResult(str(r["link"]), str(r.get("title", "")),
                                 str(r.get("snippet", ""))[: c.max_snippet_chars])
-                   for r in organic[: c.k]]
+                   for r in organic[: self.k]]
         except (ValueError, KeyError, TypeError, AttributeError):
             self._inc("failures")
             raise SearchError("search API reply is not the expected JSON") from None

@@ -64,7 +64,7 @@ class TorchEngine:
 
     model: pi_theta, also the weights the HF / KV sampler generates with; ref_model: the frozen pi_ref
     (default: a copy of the starting policy); opt: the optimizer (default: AdamW at cfg.lr).
-    cfg: ss_grpo.SSGRPOConfig. precision: the forwards' `autocast` ("fp32" | "bf16"; ValueError
+    cfg: hparams.SSGRPOConfig. precision: the forwards' `autocast` ("fp32" | "bf16"; ValueError
     otherwise). Dropout is disabled in the model (disable_dropout)."""
 
     world_size = 1

@@ -4,7 +4,7 @@ that answers every call after a fixed latency L.
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
 Step 4 of Algorithm 1 (§3.4): for each of the step's P query groups of n rollouts, one rubric-proposal
 call over the group, then one scoring call per rollout (judge_http.HTTPJudge; scoring calls of one
-group run in parallel, at most judge.concurrency at a time). Judged one group after another, with
+group run in parallel, at most judge_http.concurrency at a time). Judged one group after another, with
 n <= concurrency a step's judge phase takes about
 
     sequential groups:  P * (L + ceil(n / C) * L)            (2 P L for n <= C)
@@ -65,16 +65,16 @@ def groups(P: int, n: int):
 
 def phase(server, latency: float, P: int, n: int, C: int, concurrent: bool) -> tuple[float, int]:
     """(seconds, requests) of one judge phase over P fresh groups."""
-    from backends.judge_http import HTTPJudge
-    from judge import JudgeConfig, judge_all
+    from backends.judge_http import HTTPJudge, judge_configs
+    from judge import judge_all
 
     server.rule = lambda req: {"sleep": latency}
     before = len(server.requests)
     with tempfile.TemporaryDirectory() as d:
-        cfg = JudgeConfig(backend="gemini", model=server.model, base_url=server.url,
+        cfg = judge_configs(backend="gemini", model=server.model, base_url=server.url,
                               timeout_s=max(30.0, 10 * latency), max_retries=0, concurrency=C,
                               cache_dir=os.path.join(d, "cache"))
-        with HTTPJudge(cfg) as judge:
+        with HTTPJudge(*cfg) as judge:
             gs = groups(P, n)
             judge.concurrent_groups = concurrent
             t0 = time.perf_counter()
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
                     help="server latency per call, seconds")
     ap.add_argument("--groups", type=int, default=8, help="P: query groups per step (toy: 8)")
     ap.add_argument("--n", type=int, default=8, help="rollouts per group (PAPER: 8)")
-    ap.add_argument("--concurrency", type=int, default=8, help="C: judge.concurrency")
+    ap.add_argument("--concurrency", type=int, default=8, help="C: judge_http.concurrency")
     a = ap.parse_args(argv)
     from loopback import TEST_KEY, FakeServer
 

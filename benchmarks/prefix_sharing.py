@@ -43,7 +43,7 @@ def main(argv=None) -> int:
 
 
     from toy import model as toy_model
-    from backends import config as settings
+    from backends import presets
     from backends.torch_engine import TorchEngine
     from policy import UpdateBatch
 
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
           f"{sum(sum(m) for m in batch.mask)} tokens_if_each_prompt_once={packed} "
           f"params={sum(p.numel() for p in model.parameters())} vocab={len(tok)}", flush=True)
 
-    cfg0 = settings.toy_preset().ss_grpo
+    cfg0 = presets.toy_preset().ss_grpo
     times: dict[str, list] = {"update_off": [], "update_on": [], "prefill_all": [],
                               "prefill_distinct": []}
     for rep in range(a.reps):

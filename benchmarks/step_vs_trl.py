@@ -150,15 +150,15 @@ class ProjectSide:
 
     def __init__(self, name: str, model, ref_model, opt, tok, h, a):
         from backends import torch_engine
+        import hparams
         from toy import hf_sampler
-        import ss_grpo
         from toy import kv_sampler
 
         self.name, self.model, self.ref, self.opt, self.tok, self.h, self.a = \
             name, model, ref_model, opt, tok, h, a
         cls = {"kv": kv_sampler.KVSampler, "hf": hf_sampler.HFSampler}[name]
         self.sampler = cls(model, tok, stop_strings=(), precision=a.precision)  # eos only, as TRL
-        self.cfg = ss_grpo.SSGRPOConfig(minibatches=1, micro_batch=32, beta=h.ARGS.beta,
+        self.cfg = hparams.SSGRPOConfig(minibatches=1, micro_batch=32, beta=h.ARGS.beta,
                                         lr=h.ARGS.learning_rate, eta=0.2,
                                         agg="seq_mean_token_mean", grad_clip=1.0)
         self.engine = torch_engine.TorchEngine(model, self.cfg, ref_model, opt, precision=a.precision)

@@ -10,7 +10,7 @@ sensitive than wall time to other processes on the cores), tokens, tool calls.
 
 Run (the toy preset's rollout shape on the tests' small warm start):
     python benchmarks/toy_rollouts.py --reps 2 -- --toy --set world.n_train_entities=40 \\
-        --set sft.steps=2 --set sft.n_trajectories=40 --set 'model_size="XS"' --set vocab_size=400
+        --set sft.steps=2 --set sft.n_trajectories=40 --set 'toy_model.size="XS"' --set toy_model.vocab_size=400
 Last line:
     TOY_ROLLOUTS hf_cpu_s=<median> kv_cpu_s=<median> speedup=<hf/kv>
 """

@@ -73,6 +73,7 @@ sys.path.insert(0, ROOT)
 from backends import checkpoint as ckpt_mod  # noqa: E402
 from backends import report  # noqa: E402
 from backends import config as settings  # noqa: E402
+from backends import presets  # noqa: E402
 
 # rubricem, ss_grpo, meta_policy, baseline_rl, baseline_rl_info: the paper's arms (the reward
 # ladder's oracle arms, rewarded with ground truth, are not part of the grid)
@@ -591,7 +592,7 @@ def threads_of(grid: str, arms: Sequence[str], seeds: Sequence[int], sets: Seque
     if seen:
         return ", ".join(str(t) for t in sorted(seen, key=str))
     asked = [s.split("=", 1)[1] for s in sets if s.startswith("threads=")]
-    return asked[-1] if asked else str(settings.toy_preset().threads)
+    return asked[-1] if asked else str(presets.toy_preset().threads)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -629,11 +630,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if a.scaffold and "baseline_rl" not in a.arms:
         a.arms.append("baseline_rl")  # the structured side of the scaffold comparison
     a.seeds = [int(x) for x in a.seeds.split(",")] if a.seeds else (QUICK_SEEDS if a.quick else [0, 1, 2])
-    a.steps = a.steps or (QUICK_STEPS if a.quick else settings.toy_preset().steps)
+    a.steps = a.steps or (QUICK_STEPS if a.quick else presets.toy_preset().steps)
     a.eval_every = a.eval_every or max(1, a.steps // 6)
     a.sets = (QUICK_SET if a.quick else []) + a.set
     try:  # a bad override stops here, before any run starts
-        settings.apply_overrides(settings.toy_preset(), a.sets)
+        settings.apply_overrides(presets.toy_preset(), a.sets)
     except ValueError as e:
         ap.error(str(e))
     return a

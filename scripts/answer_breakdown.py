@@ -71,12 +71,12 @@ def heldout_rollouts(run_dir: str, temperatures) -> tuple:
     eval.json. Rollouts are query-major, `samples` per question."""
     from backends import build
     from backends import heldout
-    from backends import config as settings
+    from backends import presets
     from scaffold import system_prompt
     from transformers import AutoModelForCausalLM
 
     with open(os.path.join(run_dir, "config.json")) as fh:
-        cfg = settings.config_from_dict(json.load(fh))
+        cfg = presets.load_config(json.load(fh))
     with open(os.path.join(run_dir, "eval.json")) as fh:
         ev = json.load(fh)
     cfg.progress = False

@@ -136,8 +136,8 @@ PYEOF
   if RUBRICEM_PEAK_MEM_DIR="$OUT/peak" GEMINI_API_KEY=sk-TESTKEY-1234567890 SERPER_API_KEY=sk-TESTKEY-1234567890 \
      timeout 420 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train.py --full \
        --model "$OUT/tiny" --steps "$STEPS" --run-dir "$OUT/rl" --no-progress \
-       --set data.source="\"$OUT/rows.jsonl\"" --set judge.base_url="\"$GURL\"" --set judge.model='"gemini-test"' \
-       --set search.base_url="\"$SURL\"" --set sampler="\"$SAMPLER\"" --set bank.retriever='"dense"' \
+       --set data.source="\"$OUT/rows.jsonl\"" --set judge_http.base_url="\"$GURL\"" --set judge.model='"gemini-test"' \
+       --set search_http.base_url="\"$SURL\"" --set sampler="\"$SAMPLER\"" --set bank.retriever='"dense"' \
        --set bank.embed_model="\"$EMBED\"" --set full.optimizer="$OPT" \
        --set rollout.prompts_per_step="$PROMPTS" --set rollout.n=4 --set rollout.max_response_tokens="$RESP" \
        --set reflection.m=4 --set reflection.max_new_tokens=32 --set ss_grpo.minibatches=2 \

@@ -56,7 +56,7 @@ from backends import checkpoint as ckpt_mod
 from backends import report
 from backends import build
 from backends import heldout
-from backends import config as settings
+from backends import presets
 from bank import MODE_EXACT, MODE_SIMILAR, RubricBank, format_for_prompt
 from reflection import run_reflection_branch
 from scaffold import system_prompt
@@ -116,7 +116,7 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
     for p in (cfg_path, final):
         if not os.path.exists(p):
             raise FileNotFoundError(f"{p} not found: memory_reuse needs a finished train.py run")
-    cfg = settings.config_from_dict(json.load(open(cfg_path)))
+    cfg = presets.load_config(json.load(open(cfg_path)))
     if cfg.judge.backend != "toy":
         raise ValueError("memory_reuse scores with the toy judge's static rubrics: it needs a toy run")
     if cfg.rollout.scaffold != "structured":

@@ -32,7 +32,7 @@ NOT_COUNTED = ("toy", "backends", "tests", "scripts", "benchmarks")
 # The fast toy settings of tests/runfix.py (tests/test_smoke.py: tiny_args + runfix.FAST).
 FAST = ["--set", "world.n_train_entities=40", "--set", "world.n_heldout_entities=8",
         "--set", "sft.steps=2", "--set", "sft.n_trajectories=40", "--set", "sft.n_reflections=4",
-        "--set", "sft.batch_size=8", "--set", "model_size=\"XS\"", "--set", "vocab_size=400",
+        "--set", "sft.batch_size=8", "--set", "toy_model.size=\"XS\"", "--set", "toy_model.vocab_size=400",
         "--set", "rollout.prompts_per_step=2", "--set", "rollout.n=2",
         "--set", "rollout.max_response_tokens=48", "--set", "reflection.m=2",
         "--set", "reflection.max_new_tokens=16", "--set", "eval.n_questions=1",

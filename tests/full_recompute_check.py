@@ -19,7 +19,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from backends import full  # noqa: E402
 import policy  # noqa: E402
-from backends import config as settings  # noqa: E402
 
 
 def main(model_dir: str, out_dir: str, threshold: int, min_len: int = 40, max_len: int = 56) -> None:
@@ -44,7 +43,7 @@ def main(model_dir: str, out_dir: str, threshold: int, min_len: int = 40, max_le
     policy._recompute_head, policy._project = spy_decide, spy_project
     cfg = full.selftest_config(8, 4, 1, 2, 1e-3)
     cfg.ss_grpo.beta = 0.0  # no reference model: the policy's passes are what we watch
-    ds = full.deepspeed_config(cfg, env.world_size, full.device_kind(), settings.FullConfig())
+    ds = full.deepspeed_config(cfg, env.world_size, full.device_kind(), full.FullConfig())
     pol = full.ZeRO3Policy.from_pretrained(model_dir, ds, cfg.ss_grpo.lr)
     vocab = pol.module.config.vocab_size
     batch = full.synthetic_batch(vocab, 8, group=4, seed=0, min_len=min_len, max_len=max_len)

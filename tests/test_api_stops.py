@@ -2,7 +2,7 @@
 - a judge whose every group result has the wrong shape trains on nothing: it counts as a judge
   failure toward the abort rule (judge.max_failure_rate for judge.max_failure_steps steps), so the run
   stops with exit code 3 and a checkpoint instead of running on with judge/failure_rate 0;
-- judge.max_usd reached (HTTPJudge.check_budget raises JudgeBudgetExceeded): checkpoint, exit code 5;
+- judge_http.max_usd reached (HTTPJudge.check_budget raises JudgeBudgetExceeded): checkpoint, exit code 5;
 - an API's 401/403/404 (backends/http.APIStopError): exit code 4 with the server's message."""
 from backends import build
 import train
@@ -29,7 +29,7 @@ def test_always_wrong_shaped_judge_aborts_sec3_4(tmp_path, toy_cache, monkeypatc
 def test_budget_reached_stops_after_the_checkpoint_with_exit_5(tmp_path, toy_cache, monkeypatch):
     from backends.judge_http import JudgeBudgetExceeded
 
-    class Billed(ToyJudge):  # spends $1 per step against a $2 cap (judge.max_usd)
+    class Billed(ToyJudge):  # spends $1 per step against a $2 cap (judge_http.max_usd)
         spent = 0.0
 
         def judge_group(self, query, rollouts, step):
@@ -38,7 +38,7 @@ def test_budget_reached_stops_after_the_checkpoint_with_exit_5(tmp_path, toy_cac
         def check_budget(self):
             self.spent += 1.0
             if self.spent >= 2.0:
-                raise JudgeBudgetExceeded(f"judge spent ${self.spent:.2f}, reaching judge.max_usd")
+                raise JudgeBudgetExceeded(f"judge spent ${self.spent:.2f}, reaching judge_http.max_usd")
 
     monkeypatch.setattr(build, "build_judge", lambda cfg, world: Billed(world, cfg.judge.caps))
     d = tmp_path / "run"

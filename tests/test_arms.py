@@ -8,9 +8,11 @@ import torch
 
 import bank as bank_mod
 import ss_grpo
+import hparams
 import train
 from backends import cli
 from backends import config as settings
+from backends import presets
 from runfix import fast_args, metric_rows
 from test_reflection import patch_sampler
 
@@ -28,13 +30,13 @@ EXPECTED = {  # arm: (advantage kind, reflection branch, bank retrieval)
 def test_arm_table_sec3_3_sec3_4():
     assert {a: (s.advantage, s.reflection, s.bank) for a, s in settings.ARMS.items()} == EXPECTED
     assert {a for a, s in settings.ARMS.items() if s.reward == "static"} == {"oracle", "stage_oracle"}
-    assert settings.toy_preset().arm == "rubricem" and settings.full_preset().arm == "rubricem"
+    assert presets.toy_preset().arm == "rubricem" and presets.full_preset().arm == "rubricem"
 
 
 def test_terminal_advantages_broadcast_one_score_sec3_3():
     g = torch.Generator().manual_seed(0)
     R = torch.rand(8, 4, generator=g, dtype=torch.float64).numpy()  # 2 groups of 4
-    cfg = ss_grpo.SSGRPOConfig()
+    cfg = hparams.SSGRPOConfig()
     A_ans, _ = ss_grpo.task_advantages(R, 4, cfg, "terminal_answer")
     A_mean, _ = ss_grpo.task_advantages(R, 4, cfg, "terminal_mean")
     A_ss, _ = ss_grpo.task_advantages(R, 4, cfg, "ss_grpo")
@@ -97,4 +99,4 @@ def test_each_arm_runs_exactly_its_components(arm, tmp_path, toy_cache, monkeypa
     assert len(retrieves) == (2 * P if retrieval else 0)
     assert r1["retrieval/mode_exact"] == 1
     assert r1["retrieval/hits"] == (1.0 if retrieval else 0.0)
-    assert settings.config_from_dict(json.load(open(run / "config.json"))).arm == arm
+    assert presets.load_config(json.load(open(run / "config.json"))).arm == arm

@@ -9,7 +9,7 @@ from toy import model as toy_model
 from backends import runcard
 import scaffold
 from backends import build
-from backends import config as settings
+from backends import presets
 from toyfix import TINY, policy_segments, replay, teacher, tiny_tokenizer, torch_threads, train_queries
 
 
@@ -54,7 +54,7 @@ def test_format_trajectory_prints_stages_tool_calls_and_outputs_sec3_2():
 def test_ask_runs_a_checkpoint_with_its_run_card(tmp_path, capsys):
     d = str(tmp_path / "final")
     tok = tiny_tokenizer()
-    cfg = settings.toy_preset()
+    cfg = presets.toy_preset()
     cfg.world = dataclasses.replace(TINY)
     cfg.rollout.max_response_tokens = 24
     with torch_threads(1):
@@ -68,7 +68,7 @@ def test_ask_runs_a_checkpoint_with_its_run_card(tmp_path, capsys):
     assert res["system"] == scaffold.SYSTEM_PROMPT_COMPACT and len(res["rollouts"]) == 1
     r = res["rollouts"][0]
     assert scaffold.SYSTEM_PROMPT_COMPACT in tok.decode(r.prompt_ids) and len(r.response_ids) <= 24
-    assert res["question"] == build.build_environment(settings.config_from_dict(
+    assert res["question"] == build.build_environment(presets.load_config(
         json.load(open(os.path.join(d, runcard.CARD)))["config"]))[3][0].query  # a held-out question
     # Unusable input: exit code 2 with the reason.
     assert ask.main([str(tmp_path / "nope"), "q"]) == 2

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import example, given, strategies as st
 
 import bank as bank_mod
-from bank import (BankConfig, BankEntry, BM25Retriever, RubricBank, Retriever, content_tokens,
-                  copy_fraction, format_for_prompt, query_key, validate_reflection)
+from bank import BankEntry, BM25Retriever, RubricBank, Retriever, content_tokens, copy_fraction, format_for_prompt, query_key, validate_reflection
+from hparams import BankConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BANK_PY = os.path.join(ROOT, "bank.py")

@@ -13,6 +13,8 @@ from backends import cli
 
 from backends import config as settings
 
+from backends import presets
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -76,14 +78,14 @@ def test_bad_settings_exit_2_naming_the_field_and_write_nothing(tmp_path, capsys
 
 
 def test_overrides_take_the_type_of_their_field():
-    c = settings.apply_overrides(settings.toy_preset(), [
+    c = settings.apply_overrides(presets.toy_preset(), [
         "ss_grpo.lr=1", "steps=1e3", "rollout.n=4", "progress=false", "curriculum.enabled=Yes",
-        "model_size=XS", 'cache_dir="a b"', "data.source=", 'faults.tool_kinds=["error"]',
+        "toy_model.size=XS", 'cache_dir="a b"', "data.source=", 'faults.tool_kinds=["error"]',
         "judge.caps=[1,1,1,1]", "ss_grpo.lam=[[1,0,0,0],[0,1,0,0],[0,0,1,0],[0,0,0,1]]"])
     assert c.ss_grpo.lr == 1.0 and type(c.ss_grpo.lr) is float
     assert c.steps == 1000 and type(c.steps) is int and c.rollout.n == 4
     assert c.progress is False and c.curriculum.enabled is True
-    assert c.model_size == "XS" and c.cache_dir == "a b" and c.data.source == ""
+    assert c.toy_model.size == "XS" and c.cache_dir == "a b" and c.data.source == ""
     assert c.faults.tool_kinds == ("error",) and c.judge.caps == [1, 1, 1, 1]
     assert all(type(x) is float for row in c.ss_grpo.lam for x in row)
     settings.validate_config(c)
@@ -94,8 +96,8 @@ def test_every_field_accepts_its_own_default_as_json():
 
     from backends.config import leaf_fields
 
-    for key, _, value in leaf_fields(settings.toy_preset()):
-        c = settings.apply_overrides(settings.toy_preset(), [f"{key}={json.dumps(value)}"])
+    for key, _, value in leaf_fields(presets.toy_preset()):
+        c = settings.apply_overrides(presets.toy_preset(), [f"{key}={json.dumps(value)}"])
         assert dict(((k, v) for k, _, v in leaf_fields(c)))[key] == value, key
 
 
@@ -119,7 +121,7 @@ def _finished_run(d, steps: int = 3):
 
     ck = d / "checkpoints" / f"step-{steps:06d}"
     os.makedirs(ck)
-    cfg = dataclasses.asdict(settings.toy_preset())
+    cfg = dataclasses.asdict(presets.toy_preset())
     cfg["steps"], cfg["run_dir"] = steps, str(d)
     torch.save({"step": steps, "config": json.loads(json.dumps(cfg))}, ck / "state.pt")
     data = (ck / "state.pt").read_bytes()

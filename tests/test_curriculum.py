@@ -5,9 +5,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import ss_grpo
-from bank import CurriculumConfig, curriculum
+from bank import curriculum
+from hparams import CurriculumConfig
 from backends.data import DataOrder
-from backends.config import apply_overrides, full_preset, toy_preset, validate_config
+from backends.config import apply_overrides, validate_config
+from backends.presets import full_preset, toy_preset
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch
 from backends import full, launch_check
 from backends.versions import GPU_PINS
 import train
-from backends import config as settings
+from backends import presets
 
 KEYS = {"GEMINI_API_KEY": "gemini-key-value-123", "SERPER_API_KEY": "serper-key-value-456"}
 
@@ -24,7 +24,7 @@ def ready(tmp_path, monkeypatch):
     (tmp_path / "sft").mkdir()
     (tmp_path / "sft" / "config.json").write_text("{}")
     (tmp_path / "rows.jsonl").write_text("{}\n")
-    cfg = settings.full_preset()
+    cfg = presets.full_preset()
     cfg.model, cfg.data.source = str(tmp_path / "sft"), str(tmp_path / "rows.jsonl")
     missing: set = set()
     # the tested versions (constraints/gpu.txt) where pinned, 9.9 for the rest
@@ -92,7 +92,7 @@ def test_dry_run_collects_every_problem_at_once(ready, tmp_path, monkeypatch):
 def test_dry_run_never_prints_a_key_that_leaked_into_the_configuration(ready, monkeypatch):
     cfg, env, _ = ready
     monkeypatch.setenv("GEMINI_API_KEY", KEYS["GEMINI_API_KEY"])
-    cfg.judge.base_url = f"https://judge.example/?key={KEYS['GEMINI_API_KEY']}"
+    cfg.judge_http.base_url = f"https://judge.example/?key={KEYS['GEMINI_API_KEY']}"
     cfg.data.source = f"/data/{KEYS['GEMINI_API_KEY']}.jsonl"
     text, problems = full.dry_run(cfg, {**env, **dict(KEYS)})
     assert KEYS["GEMINI_API_KEY"] not in text + "".join(problems)

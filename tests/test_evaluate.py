@@ -17,8 +17,7 @@ from hypothesis import strategies as st
 pytest.importorskip("requests", reason="the HTTP judge needs the `full` extra (requests, urllib3)")
 
 import evaluate as ev
-from backends.judge_http import HTTPJudge
-from judge import JudgeConfig
+from backends.judge_http import HTTPJudge, judge_configs
 from loopback import TEST_KEY, FakeServer
 
 
@@ -40,7 +39,7 @@ def make_judge(server: FakeServer, **kw) -> HTTPJudge:
     base = dict(backend=server.kind, model=server.model, base_url=server.url, timeout_s=5.0,
                 max_retries=3, backoff_s=0.001, backoff_max_s=0.002, concurrency=4, cache_dir="")
     base.update(kw)
-    return HTTPJudge(JudgeConfig(**base))
+    return HTTPJudge(*judge_configs(**base))
 
 
 def write_jsonl(path, rows):
@@ -562,6 +561,7 @@ def test_build_engine_uses_the_scaffold_and_prompt_of_the_checkpoints_run_card(t
     from backends import runcard
     from toy import model as toy_model
     from backends import config as settings
+    from backends import presets
     import toyfix
     from scaffold import SYSTEM_PROMPT_COMPACT
 
@@ -571,7 +571,7 @@ def test_build_engine_uses_the_scaffold_and_prompt_of_the_checkpoints_run_card(t
     for d in (plain, trained):
         model.save_pretrained(d)
         tok.save_pretrained(d)
-    cfg = settings.toy_preset()
+    cfg = presets.toy_preset()
     cfg.rollout.scaffold = "unstructured"
     runcard.save_with_run_card(str(trained), tok, dataclasses.asdict(cfg), "Think, search, answer.")
     engine, info = ev.build_engine(str(trained), "toy", cache_dir=str(tmp_path / "cache"))

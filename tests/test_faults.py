@@ -25,13 +25,16 @@ import train
 from backends import robust
 from backends import cli
 import ss_grpo
+import hparams
 from backends import config as settings
+from backends import presets
 from bank import RubricBank
 from backends.faults import (JUDGE_KINDS, FaultConfig, FaultyJudge, FaultyTool, fault_draw,
                     validate_fault_config)
 from judge import JudgeResult
 from toy.judge import ToyJudge
-from reflection import ReflectionConfig, run_reflection_branch
+from reflection import run_reflection_branch
+from hparams import ReflectionConfig
 from runfix import fast_args, metric_rows
 from scaffold import CALL_OPEN, RESEARCH, STAGES
 
@@ -83,7 +86,7 @@ def test_judge_fault_retried_then_missing_only_in_its_cell_with_zero_advantage_s
     q, ros = group
     n = len(ros)
     clean = ScriptedFaults({}, max_retries=2).judge_group(q, ros, 0).R
-    A_clean, _ = ss_grpo.task_advantages(clean, n, ss_grpo.SSGRPOConfig())
+    A_clean, _ = ss_grpo.task_advantages(clean, n, hparams.SSGRPOConfig())
     assert np.isfinite(clean).all()
     i, k = next((i, k) for i in range(n) for k in (RESEARCH, 0, 2, 3) if A_clean[i, k] != 0)
     a = _cell_attempt(i, k)
@@ -99,7 +102,7 @@ def test_judge_fault_retried_then_missing_only_in_its_cell_with_zero_advantage_s
     expect = clean.copy()
     expect[i, k] = np.nan
     np.testing.assert_array_equal(R, expect)
-    A, _ = ss_grpo.task_advantages(R, n, ss_grpo.SSGRPOConfig())
+    A, _ = ss_grpo.task_advantages(R, n, hparams.SSGRPOConfig())
     assert A[i, k] == 0 and A_clean[i, k] != 0 and np.isfinite(A.numpy()).all()
     others = [(r, c) for r in range(n) for c in range(len(STAGES)) if (r, c) != (i, k)]
     assert any(A[r, c] != 0 for r, c in others)
@@ -341,7 +344,7 @@ def test_reflection_failing_admission_is_counted_not_stored_sec3_4(group, text, 
 ])
 def test_fault_and_judge_config_errors_name_the_field(item, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):  # a type error at parse time,
-        settings.validate_config(settings.apply_overrides(settings.toy_preset(), [item]))  # a range error here
+        settings.validate_config(settings.apply_overrides(presets.toy_preset(), [item]))  # a range error here
 
 
 def test_faults_flag_and_validation():

@@ -5,7 +5,7 @@ import os
 from types import SimpleNamespace
 
 from backends import full, launch_check
-from backends.config import full_preset
+from backends.presets import full_preset
 
 KEYS = [("judge (gemini)", "GEMINI_API_KEY"), ("search (google_search, Serper)", "SERPER_API_KEY")]
 LAUNCH2 = {"WORLD_SIZE": "16", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_SIZE": "8", "CROSS_SIZE": "2"}

@@ -74,8 +74,8 @@ def _full_run(tmp, name, model, rows, ranks, *extra, python=sys.executable, torc
     with FakeServer("gemini", model="gemini-test") as gj, FakeServer("serper") as ss:
         args = ["--full", "--model", str(model), "--steps", str(STEPS), "--run-dir", str(tmp / name),
                 "--no-progress", "--set", f'data.source="{rows}"',
-                "--set", f'judge.base_url="{gj.url}"', "--set", 'judge.model="gemini-test"',
-                "--set", f'search.base_url="{ss.url}"', "--set", 'sampler="hf"',
+                "--set", f'judge_http.base_url="{gj.url}"', "--set", 'judge.model="gemini-test"',
+                "--set", f'search_http.base_url="{ss.url}"', "--set", 'sampler="hf"',
                 "--set", "full.vllm_cpu_kv_cache_gib=1", "--set", "full.vllm_gpu_memory_utilization=0.3",
                 "--set", 'bank.retriever="bm25"', "--set", "rollout.prompts_per_step=2",
                 "--set", "rollout.n=4", "--set", "rollout.max_response_tokens=96",
@@ -103,7 +103,7 @@ def runs(tmp_path_factory):
     warm = ["--toy", "--steps", "0", "--run-dir", str(tmp / "warm"), "--no-progress",
             "--set", "world.n_train_entities=40", "--set", "world.n_heldout_entities=8",
             "--set", "sft.steps=150", "--set", "sft.n_trajectories=300", "--set", "sft.n_reflections=20",
-            "--set", "sft.batch_size=8", "--set", 'model_size="XS"', "--set", "vocab_size=400",
+            "--set", "sft.batch_size=8", "--set", 'toy_model.size="XS"', "--set", "toy_model.vocab_size=400",
             "--set", "eval.n_questions=0", "--set", f'cache_dir="{tmp / "warm-cache"}"',
             "--set", "threads=1"]
     _run([sys.executable, os.path.join(ROOT, "train.py"), *warm])

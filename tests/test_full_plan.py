@@ -8,7 +8,7 @@ import math
 import pytest
 
 from backends import full, plan
-from backends.config import full_preset
+from backends.presets import full_preset
 
 P8B = 8_190_735_360  # Qwen3-8B: 2 x 151,936 x 4,096 (untied) + 36 x 192,946,432 + 4,096
 GIB80 = 80 * 2 ** 30

@@ -10,7 +10,8 @@ import reflection
 import scaffold
 import ss_grpo
 from backends import judge_http
-from backends.config import full_preset, toy_preset, validate_config
+from backends.config import validate_config
+from backends.presets import full_preset, toy_preset
 
 # The paper prints Lambda flattened (shared/paper/000_*.txt, §3.3):
 PRINTED_LAMBDA = "1.0 000 0.4 1.0 00 0.6 0.4 1.0 0 0.8 0.8 0.8 1.0"

@@ -70,8 +70,8 @@ def _full(tmp, name, model, rows, *extra):
     with FakeServer("gemini", model="gemini-test") as gj, FakeServer("serper") as ss:
         args = ["--full", "--model", str(model), "--steps", "2", "--run-dir", str(tmp / name),
                 "--no-progress", "--set", f'data.source="{rows}"',
-                "--set", f'judge.base_url="{gj.url}"', "--set", 'judge.model="gemini-test"',
-                "--set", f'search.base_url="{ss.url}"', "--set", 'sampler="hf"',
+                "--set", f'judge_http.base_url="{gj.url}"', "--set", 'judge.model="gemini-test"',
+                "--set", f'search_http.base_url="{ss.url}"', "--set", 'sampler="hf"',
                 # the full preset's retriever and optimizer (the point of this test)
                 "--set", 'bank.retriever="dense"', "--set", f'bank.embed_model="{_minilm()}"',
                 "--set", 'full.optimizer="deepspeed"',
@@ -99,7 +99,7 @@ def runs(tmp_path_factory):
     warm = ["--toy", "--steps", "0", "--run-dir", str(tmp / "warm"), "--no-progress",
             "--set", "world.n_train_entities=40", "--set", "world.n_heldout_entities=8",
             "--set", "sft.steps=60", "--set", "sft.n_trajectories=200", "--set", "sft.n_reflections=20",
-            "--set", "sft.batch_size=8", "--set", 'model_size="XS"', "--set", "vocab_size=400",
+            "--set", "sft.batch_size=8", "--set", 'toy_model.size="XS"', "--set", "toy_model.vocab_size=400",
             "--set", "eval.n_questions=0", "--set", f'cache_dir="{tmp / "warm-cache"}"',
             "--set", "threads=1"]
     fm._run([sys.executable, os.path.join(ROOT, "train.py"), *warm])

@@ -4,7 +4,7 @@ import os
 import tomllib
 
 from backends import full, versions
-from backends.config import full_preset
+from backends.presets import full_preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -40,7 +40,7 @@ N_SEQ, GROUP, MINIBATCHES, MICRO, LR, ETA, WORLD = 16, 8, 2, 2, 1e-3, 0.02, 2
 
 
 def test_appendix_batch_arithmetic_full_preset_32x8_on_8_gpus():
-    from backends.config import full_preset
+    from backends.presets import full_preset
     plan = full.batch_plan(full_preset(), 8)
     # PAPER: 32 prompts x 8 rollouts = 256 sequences; micro-batch 1 -> 256 / (1 x 8) = 32 accumulations
     assert (plan.sequences, plan.per_optimizer_step, plan.per_rank, plan.micro_batch, plan.grad_accum) \
@@ -50,7 +50,7 @@ def test_appendix_batch_arithmetic_full_preset_32x8_on_8_gpus():
 
 
 def test_appendix_batch_arithmetic_rejects_inexact_splits():
-    from backends.config import full_preset
+    from backends.presets import full_preset
     cfg = full_preset()
     with pytest.raises(ValueError, match="micro_batch x world_size"):
         full.batch_plan(cfg, 3)
@@ -60,7 +60,7 @@ def test_appendix_batch_arithmetic_rejects_inexact_splits():
 
 
 def test_appendix_deepspeed_config_zero3_offload_bf16_on_gpu_only():
-    from backends.config import full_preset
+    from backends.presets import full_preset
     gpu = full.deepspeed_config(full_preset(), 8, "cuda")
     assert gpu["zero_optimization"]["stage"] == 3
     assert gpu["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
@@ -113,8 +113,8 @@ def test_rank_leaves_before_finalization_after_the_process_group_is_torn_down(tm
 
 
 def test_toy_mode_and_dry_run_never_import_deepspeed_or_vllm():
-    code = ("import sys, train\nfrom backends import config as settings\nfrom backends import full\n"
-            "text, problems = full.dry_run(settings.full_preset(), {'GEMINI_API_KEY': 'sekrit-123'})\n"
+    code = ("import sys, train\nfrom backends import full, presets\n"
+            "text, problems = full.dry_run(presets.full_preset(), {'GEMINI_API_KEY': 'sekrit-123'})\n"
             "assert 'deepspeed' not in sys.modules and 'vllm' not in sys.modules, 'heavy import'\n"
             "print(text)\n")
     env = {**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""}
@@ -129,7 +129,7 @@ def test_toy_mode_and_dry_run_never_import_deepspeed_or_vllm():
 
 
 def test_dry_run_reports_key_names_only_and_lists_problems(monkeypatch):
-    from backends.config import full_preset
+    from backends.presets import full_preset
     cfg = full_preset()
     cfg.judge.backend = "gemini"
     cfg.model = "/models/sft"

@@ -20,10 +20,9 @@ from backends.http import APIStopError, HTTPClient, RateLimiter, parse_retry_aft
 from backends.judge_http import HTTPJudge, JudgeBudgetExceeded, schema_scores
 from backends.pricing import (PRICE_TABLE, format_cost_plan, judge_cost_plan, resolve_prices,
                               table_prices)
-from backends.search_http import SerperSearchTool
-from judge import JudgeConfig
+from backends.search_http import SearchHTTPConfig, SerperSearchTool
+from hparams import JudgeConfig
 from loopback import TEST_KEY, FakeProxy, FakeServer
-from scaffold import SearchConfig
 from test_judge_http import GOOD, fake_query, fake_rollout, make_judge
 
 PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "http_proxy", "https_proxy",
@@ -69,7 +68,7 @@ def test_proxy_is_taken_from_the_environment(env):
 def test_search_goes_through_the_environment_proxy(env):
     with FakeProxy() as proxy, FakeServer("serper") as s:
         env.setenv("HTTP_PROXY", proxy.url)
-        tool = SerperSearchTool(SearchConfig(backend="serper", base_url=s.url, k=2))
+        tool = SerperSearchTool(SearchHTTPConfig(base_url=s.url), k=2)
         assert len(tool("kuvebro habitat")) == 2
         tool.close()
         assert len(proxy.seen) == 1 and proxy.seen[0].endswith("/search")
@@ -207,7 +206,7 @@ def test_auth_and_not_found_stop_at_once_with_the_server_message(status):
 def test_search_401_stops_instead_of_a_tool_error():
     with FakeServer("serper") as s:
         s.rule = lambda req: {"status": 401, "message": "Unauthorized."}
-        tool = SerperSearchTool(SearchConfig(backend="serper", base_url=s.url, max_retries=3))
+        tool = SerperSearchTool(SearchHTTPConfig(base_url=s.url, max_retries=3))
         with pytest.raises(APIStopError, match="Unauthorized"):
             tool("query")
         tool.close()
@@ -335,8 +334,9 @@ def test_budget_stops_once_reached():
 
 def test_judge_cost_plan_of_the_full_preset():
     from backends import config as settings
+    from backends import presets
 
-    cfg = settings.full_preset()
+    cfg = presets.full_preset()
     plan = judge_cost_plan(cfg)
     P, n = cfg.rollout.prompts_per_step, cfg.rollout.n
     c = plan["per_step"]["calls"]
@@ -347,20 +347,20 @@ def test_judge_cost_plan_of_the_full_preset():
     text = format_cost_plan(plan)
     assert "per step: 320 calls" in text and "$" in text
     # Eq.: minutes = latency * (ceil(P/c) + ceil(P n/c) + reflection calls) / 60 (no rpm / tpm)
-    c = cfg.judge.concurrency
+    c = cfg.judge_http.concurrency
     waves = -(-P // c) + -(-P * n // c) + P
     assert plan["per_step"]["judge_minutes"] == pytest.approx(5.0 * waves / 60)
-    cfg.judge.rpm = 10  # 320 calls at 10 per minute: the rpm floor dominates
+    cfg.judge_http.rpm = 10  # 320 calls at 10 per minute: the rpm floor dominates
     assert judge_cost_plan(cfg)["per_step"]["judge_minutes"] == pytest.approx(32.0)
-    cfg.judge.rpm = 0
+    cfg.judge_http.rpm = 0
     cfg.judge.model = "my-local-judge"
     plan = judge_cost_plan(cfg)
     assert plan["per_step"]["usd"] is None and "unknown" in format_cost_plan(plan)
     assert any("price_in" in p for p in plan["problems"])
-    cfg.judge.price_in, cfg.judge.price_out = 0.0, 0.0
+    cfg.judge_http.price_in, cfg.judge_http.price_out = 0.0, 0.0
     assert judge_cost_plan(cfg)["per_step"]["usd"] == 0.0
-    cfg.judge.thinking_budget = 0  # thinking off: fewer output tokens
-    cfg.judge.model, cfg.judge.price_in, cfg.judge.price_out = "gemini-2.5-flash", -1.0, -1.0
+    cfg.judge_http.thinking_budget = 0  # thinking off: fewer output tokens
+    cfg.judge.model, cfg.judge_http.price_in, cfg.judge_http.price_out = "gemini-2.5-flash", -1.0, -1.0
     assert judge_cost_plan(cfg)["per_step"]["tokens_out"] < plan["per_step"]["tokens_out"]
 
 

@@ -24,8 +24,7 @@ import scaffold
 from toy import sft
 from judge import BUFFER_CAPS, JudgeResult
 from toy.judge import ToyJudge
-from backends.judge_http import TRUNCATED_NOTE, HTTPJudge, JudgeCallError
-from judge import JudgeConfig
+from backends.judge_http import TRUNCATED_NOTE, HTTPJudge, JudgeCallError, judge_configs
 from loopback import TEST_KEY, FakeServer
 from scaffold import ANSWER, STAGES, Rollout, ToolCall, parse_response
 from toy.world import BM25SearchTool, WorldConfig, make_world
@@ -68,7 +67,7 @@ def make_judge(server: FakeServer, tmp_path=None, **kw) -> HTTPJudge:
                 max_retries=2, backoff_s=0.01, backoff_max_s=0.02, concurrency=4,
                 cache_dir=str(tmp_path / "cache") if tmp_path is not None else "")
     base.update(kw)
-    return HTTPJudge(JudgeConfig(**base))
+    return HTTPJudge(*judge_configs(**base))
 
 
 @pytest.fixture
@@ -346,8 +345,8 @@ def test_s34_connection_refused_gives_nan(key):
     with FakeServer("gemini") as s:
         url = s.url
     q = fake_query()
-    j = HTTPJudge(JudgeConfig(backend="gemini", model="gemini-test", base_url=url, max_retries=1, backoff_s=0.01,
-                                  timeout_s=1.0, cache_dir=""))
+    j = HTTPJudge(*judge_configs(backend="gemini", model="gemini-test", base_url=url, max_retries=1,
+                                 backoff_s=0.01, timeout_s=1.0, cache_dir=""))
     with j:
         S = j.score_rubrics(q, [fake_rollout(q, GOOD)], init_rubrics(j, q))
         assert np.isnan(S).all() and j.stats()["judge/failures"] == 1
@@ -413,7 +412,7 @@ def test_s34_api_key_never_leaks(gemini, tmp_path, caplog):
         j.judge_group(q, [fake_rollout(q, PARTIAL)], step=1)  # failures are logged
         state = json.dumps(j.state_dict())
         stats = json.dumps(j.stats())
-        cfg = j.config
+        cfg = j.http
     assert "judge call failed" in caplog.text and "generateContent" in caplog.text  # urllib3 logged
     for where in (caplog.text, repr(cfg), json.dumps(dataclasses.asdict(cfg)), state, stats,
                   repr(j.__dict__)):
@@ -629,8 +628,8 @@ def test_s34_http_scoring_equals_toy_judge_on_loopback(gemini):
                                     for i, v in zip(ids, s)]}}
 
     gemini.rule = serve_toy
-    cfg = JudgeConfig(backend="gemini", model="gemini-test", base_url=gemini.url, backoff_s=0.01, cache_dir="")
-    with PoolJudge(cfg) as hj:
+    cfg = judge_configs(backend="gemini", model="gemini-test", base_url=gemini.url, backoff_s=0.01, cache_dir="")
+    with PoolJudge(*cfg) as hj:
         for step in range(2):
             a, b = toy.judge_group(q, ros, step), hj.judge_group(q, ros, step)
             np.testing.assert_array_equal(a.R, b.R)

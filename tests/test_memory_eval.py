@@ -13,7 +13,7 @@ from runfix import load_script
 memory_eval = load_script("memory_eval")
 import train
 from backends import build
-from backends import config as settings
+from backends import presets
 from runfix import fast_args, sha256
 from test_reflection import LESSON, ReflectionTextSampler, patch_sampler
 
@@ -47,7 +47,7 @@ def test_pass1_similar_then_reflect_then_pass2_exact_fig6d(tmp_path, toy_cache, 
                         lambda self, q, mode, k=2: seen.append((q, mode, len(self))) or
                         retrieve(self, q, mode, k))
     res = memory_eval.memory_reuse(str(run))
-    held = [q.query for q in build.build_environment(settings.config_from_dict(
+    held = [q.query for q in build.build_environment(presets.load_config(
         json.load(open(run / "config.json"))))[3][:2]]
     # pass 1 asks the run's bank (4 training lessons) in similar mode, pass 2 the copy in exact mode
     assert seen[:2] == [(q, "similar", 4) for q in held]

@@ -15,6 +15,7 @@ from backends import report
 import train
 from backends import cli
 from backends import config as settings
+from backends import presets
 from runfix import fast_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -164,9 +165,9 @@ def test_list_config_prints_every_key_with_its_default_and_doc(capsys):
     assert e.value.code == 0
     text = capsys.readouterr().out
     blocks = {b.split(" = ", 1)[0]: b for b in re.split(r"\n(?=\S)", text.strip())}
-    keys = [k for k, _, _ in leaf_fields(settings.toy_preset())]
+    keys = [k for k, _, _ in leaf_fields(presets.reference_config())]
     assert list(blocks) == keys
-    for key, typ, value in leaf_fields(settings.toy_preset()):
+    for key, typ, value in leaf_fields(presets.reference_config()):
         head, _, doc = blocks[key].partition("\n")
         assert head.startswith(f"{key} = {json.dumps(value)}"), head
         assert doc.startswith("    ") and doc.strip(), f"{key} has no documentation"
@@ -214,7 +215,9 @@ def test_report_to_refuses_unknown_or_missing_backends(monkeypatch):
 
     from backends import config as settings
 
-    cfg = settings.toy_preset()
+    from backends import presets
+
+    cfg = presets.toy_preset()
     cfg.report_to = ["mlflow"]
     with pytest.raises(ValueError, match="unknown backend 'mlflow'"):
         settings.validate_config(cfg)

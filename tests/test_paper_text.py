@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from backends import config as settings
+
+from backends import presets
 import ss_grpo
 import train
 from judge import BUFFER_CAPS, JudgeResult
@@ -61,7 +63,7 @@ def test_lambda_is_the_printed_matrix_read_upper_triangular_sec3_3():
     assert "λ_{k, j} R_{i, j}" in STAGE_RETURN
     G, _ = ss_grpo.stage_returns(torch.eye(4, dtype=torch.float64), ss_grpo.PAPER_LAMBDA)
     np.testing.assert_allclose(G.numpy(), lam.T)  # row j of G: stage j's score credited to each k
-    assert settings.full_preset().ss_grpo.lam == ss_grpo.PAPER_LAMBDA
+    assert presets.full_preset().ss_grpo.lam == ss_grpo.PAPER_LAMBDA
 
 
 def test_buffer_caps_are_the_papers_per_stage_caps_sec3_4():
@@ -130,7 +132,7 @@ def _rollout(q):
 
 
 def _run():
-    cfg = settings.toy_preset()
+    cfg = presets.toy_preset()
     cfg.rollout.n, cfg.rollout.prompts_per_step = N_PER_QUERY, 2
     cfg.ss_grpo.skipped_stage_credit = False
     queries = [SimpleNamespace(query="hi"), SimpleNamespace(query="lo")]

@@ -15,8 +15,9 @@ from backends import torch_engine
 from toy import model as toy_model
 import toyfix as tf
 from toy.hf_sampler import HFSampler, autocast
-from backends.config import toy_preset, validate_config
-from ss_grpo import SSGRPOConfig
+from backends.config import validate_config
+from backends.presets import toy_preset
+from hparams import SSGRPOConfig
 from toy import sft
 from toy.kv_sampler import KVSampler
 from test_kv_sampler import model, prompt  # noqa: F401  (the XS model fixture, a chat prompt)

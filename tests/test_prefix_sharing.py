@@ -15,7 +15,7 @@ import policy
 from toy import model as toy_model
 from backends.torch_engine import TorchEngine
 from policy import UpdateBatch
-from ss_grpo import SSGRPOConfig
+from hparams import SSGRPOConfig
 
 V, PAD = 61, 0
 

@@ -173,7 +173,7 @@ def _run(cmd, cwd, cache_dir) -> subprocess.CompletedProcess:
     if script != "evaluate.py":
         return subprocess.run(argv, cwd=cwd, env=_env(), capture_output=True, text=True,
                               timeout=TIMEOUT_S)
-    from judge import JudgeConfig
+    from hparams import JudgeConfig
     from loopback import TEST_KEY, FakeServer
 
     a = cmd.argv

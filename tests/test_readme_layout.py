@@ -87,6 +87,6 @@ def test_metrics_glossary_names_the_judge_cost_keys_and_exit_codes():
     import train
 
     doc = " ".join(train.main.__doc__.split())
-    for code in ("2 bad configuration", "3 judge failures", "4 an API answered", "5 judge.max_usd",
+    for code in ("2 bad configuration", "3 judge failures", "4 an API answered", "5 judge_http.max_usd",
                  "6 max_nonfinite_updates"):
         assert code in doc, code  # the table documents what main() returns

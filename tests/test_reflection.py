@@ -10,7 +10,8 @@ from toy import sft
 import toyfix as tf
 from bank import RubricBank
 from judge import ReflectionScore
-from reflection import ReflectionConfig, pick_trajectories, run_reflection_branch
+from reflection import pick_trajectories, run_reflection_branch
+from hparams import ReflectionConfig
 from runfix import fast_args, metric_rows
 
 import train
@@ -18,6 +19,8 @@ import train
 from backends import build
 
 from backends import config as settings
+
+from backends import presets
 
 
 from backends import torch_engine
@@ -249,7 +252,7 @@ def test_reflection_update_advantages_scaled_by_loss_coef_sec3_4():
     Policy.update = lambda self, batch, pad_id, rng: temps.append(batch.temperature) or {}
     train.apply_reflection_batch(Policy(), pend, None, 0, random.Random(0), 1.0, 0.7)
     assert temps == [0.7]
-    cfg = settings.toy_preset()
+    cfg = presets.toy_preset()
     for bad in (-0.1, float("inf"), float("nan"), True, "1"):
         cfg.reflection.loss_coef = bad
         with pytest.raises(ValueError, match="reflection.loss_coef"):

@@ -11,8 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 reproduce = load_script("reproduce")
 
 TINY = ["steps=2", "world.n_train_entities=40", "world.n_heldout_entities=8", "sft.steps=10",
-        "sft.n_trajectories=200", "sft.n_reflections=20", "sft.batch_size=8", 'model_size="XS"',
-        "vocab_size=400", "rollout.prompts_per_step=2", "rollout.n=4", "rollout.max_response_tokens=96",
+        "sft.n_trajectories=200", "sft.n_reflections=20", "sft.batch_size=8", 'toy_model.size="XS"',
+        "toy_model.vocab_size=400", "rollout.prompts_per_step=2", "rollout.n=4", "rollout.max_response_tokens=96",
         "reflection.m=4", "reflection.max_new_tokens=16", "eval.n_questions=3", "eval.samples=1"]
 
 

@@ -18,6 +18,7 @@ from backends import checkpoint as ckpt_mod
 import train
 from backends import build
 from backends import config as settings
+from backends import presets
 from runfix import fast_args, metric_rows, run_fingerprint
 from test_reflection import ReflectionTextSampler
 
@@ -222,13 +223,13 @@ def test_resume_refuses_a_changed_configuration_naming_the_field(tmp_path, toy_c
 
 
 def test_config_round_trips_through_json_sec3_5():
-    c = settings.toy_preset()
+    c = presets.toy_preset()
     c.faults.judge_kinds = ("timeout",)
     d = __import__("json").loads(__import__("json").dumps(__import__("dataclasses").asdict(c)))
-    back = settings.config_from_dict(d)
+    back = presets.load_config(d)
     assert settings.resume_config_diff(d, back) == []
     with pytest.raises(ValueError, match="checkpoint.nope"):
-        settings.config_from_dict({"checkpoint": {"nope": 1}})
+        presets.load_config({"checkpoint": {"nope": 1}})
 
 
 @pytest.mark.parametrize("item, field", [
@@ -239,4 +240,4 @@ def test_config_round_trips_through_json_sec3_5():
 ])
 def test_checkpoint_config_errors_name_the_field(item, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):  # a type error at parse time,
-        settings.validate_config(settings.apply_overrides(settings.toy_preset(), [item]))  # a range error here
+        settings.validate_config(settings.apply_overrides(presets.toy_preset(), [item]))  # a range error here

@@ -11,8 +11,7 @@ pytest.importorskip("requests", reason="the HTTP backends need the `full` extra 
 import scaffold
 from loopback import TEST_KEY, FakeServer
 from backends.http import APIStopError
-from backends.search_http import SearchError, SerperSearchTool
-from scaffold import SearchConfig
+from backends.search_http import SearchError, SearchHTTPConfig, SerperSearchTool
 from scaffold import SearchResult
 
 
@@ -35,7 +34,8 @@ def tool_for(server, tmp_path=None, **kw) -> SerperSearchTool:
     base = dict(base_url=server.url, k=3, timeout_s=2.0, max_retries=2, backoff_s=0.01,
                 backoff_max_s=0.02, cache_dir=str(tmp_path / "search") if tmp_path is not None else "")
     base.update(kw)
-    return SerperSearchTool(SearchConfig(**{"backend": "serper", **base}))
+    k = base.pop("k")
+    return SerperSearchTool(SearchHTTPConfig(**base), k=k)
 
 
 def test_s31_request_format_and_header(serper):

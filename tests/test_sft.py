@@ -263,15 +263,16 @@ def test_warm_start_is_shared_by_rl_seeds_and_ignores_global_rng_appendix(tmp_pa
     # The SFT policy depends on sft.seed only: a run with another --seed (which seeds the global
     # generators first) must find the same cached warm start instead of training an identical one.
     from backends import build
-    from backends import config as settings
+    from backends import presets
     import train
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     world = tf.tiny_world()
     cfgs = []
     for seed in (0, 1):
-        c = settings.toy_preset()
-        c.seed, c.cache_dir, c.progress, c.model_size, c.vocab_size = seed, str(tmp_path), False, "XS", 300
+        c = presets.toy_preset()
+        c.seed, c.cache_dir, c.progress = seed, str(tmp_path), False
+        c.toy_model.size, c.toy_model.vocab_size = "XS", 300
         c.world = tf.TINY
         c.sft = sft.SFTConfig(n_trajectories=6, n_reflections=2, steps=2, batch_size=4, warmup=1)
         cfgs.append(c)

@@ -13,7 +13,7 @@ def tiny_args(run_dir, cache_dir, steps=2):
     return ["--toy", "--steps", str(steps), "--run-dir", str(run_dir), "--no-progress",
             "--set", "world.n_train_entities=40", "--set", "world.n_heldout_entities=8",
             "--set", "sft.steps=10", "--set", "sft.n_trajectories=200", "--set", "sft.n_reflections=20",
-            "--set", "sft.batch_size=8", "--set", "model_size=\"XS\"", "--set", "vocab_size=400",
+            "--set", "sft.batch_size=8", "--set", "toy_model.size=\"XS\"", "--set", "toy_model.vocab_size=400",
             "--set", "rollout.prompts_per_step=2", "--set", "rollout.n=4",
             "--set", "rollout.max_response_tokens=96", "--set", "reflection.m=4",
             "--set", "reflection.max_new_tokens=16", "--set", "eval.n_questions=2",

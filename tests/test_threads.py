@@ -12,6 +12,7 @@ import torch
 
 from backends import build
 from backends import config as settings
+from backends import presets
 from toy.hf_sampler import HFSampler, intra_op_threads
 from toy.kv_sampler import KVSampler
 from test_kv_sampler import model, prompt  # noqa: F401  (the XS model fixture, a chat prompt)
@@ -69,7 +70,7 @@ def test_sampled_tokens_do_not_depend_on_the_training_threads(tok, model):
 
 
 def test_build_passes_sample_threads_to_every_toy_sampler(tok, model):
-    cfg = settings.toy_preset()
+    cfg = presets.toy_preset()
     assert (cfg.threads, cfg.sample_threads) == (2, 1)
     cfg.sample_threads = 3
     for name in ("kv", "hf"):
@@ -82,7 +83,7 @@ def test_build_passes_sample_threads_to_every_toy_sampler(tok, model):
 @pytest.mark.parametrize("name,want", [("kv", "KVSampler"), ("hf", "HFSampler"),
                                        ("vllm", "HFSampler")])
 def test_heldout_evaluation_samples_with_the_toy_sampler(tok, model, name, want):
-    cfg = settings.toy_preset()
+    cfg = presets.toy_preset()
     cfg.sampler = name
     engines = build.heldout_engines(cfg, model, model, tok, type("T", (), {"name": "search"})(), "")
     assert [type(e.sampler).__name__ for e in engines] == [want, want]
@@ -92,7 +93,7 @@ def test_heldout_evaluation_samples_with_the_toy_sampler(tok, model, name, want)
 @pytest.mark.parametrize("field,value", [("threads", 0), ("threads", True), ("threads", 1.5),
                                          ("sample_threads", -1)])
 def test_thread_settings_are_validated(field, value):
-    cfg = settings.toy_preset()
+    cfg = presets.toy_preset()
     setattr(cfg, field, value)
     with pytest.raises(ValueError, match=field):
         settings.validate_config(cfg)

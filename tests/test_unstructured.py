@@ -12,7 +12,9 @@ from hypothesis import given, strategies as st
 
 import scaffold
 from backends import config as settings
+from backends import presets
 import ss_grpo
+import hparams
 import train
 from backends import cli
 from backends.heldout import heldout_scores
@@ -137,7 +139,7 @@ def test_unstructured_rollout_masks_tool_outputs_and_broadcasts_one_advantage_fi
     assert set(ro.stage_ids) == {ANSWER}
     # Terminal-score GRPO: R's other cells are NaN (not graded); every sampled token gets A_i.
     R = np.array([[np.nan, np.nan, np.nan, 0.8], [np.nan, np.nan, np.nan, 0.2]])
-    A, _ = ss_grpo.task_advantages(R, 2, ss_grpo.SSGRPOConfig(), "terminal_answer")
+    A, _ = ss_grpo.task_advantages(R, 2, hparams.SSGRPOConfig(), "terminal_answer")
     tokA = ss_grpo.token_advantages(A[:1], torch.tensor([ro.stage_ids]), torch.tensor([ro.loss_mask]))[0]
     assert A[0, ANSWER] > 0
     assert torch.equal(tokA, A[0, ANSWER] * torch.tensor(ro.loss_mask, dtype=A.dtype))
@@ -220,7 +222,7 @@ def test_toy_judge_grades_the_unstructured_answer_with_the_same_answer_rubrics_f
                                        ("meta_policy", "the reflection meta-policy"),
                                        ("baseline_rl_info", "all four stage scores")])
 def test_unstructured_scaffold_refuses_arms_that_need_stages_or_reflection_fig6(arm, needs):
-    cfg = settings.toy_preset()
+    cfg = presets.toy_preset()
     cfg.arm, cfg.rollout.scaffold = arm, "unstructured"
     with pytest.raises(ValueError, match=rf"rollout.scaffold = 'unstructured'.*arm = '{arm}' needs "
                                          rf".*{needs}.*baseline_rl"):
@@ -230,7 +232,7 @@ def test_unstructured_scaffold_refuses_arms_that_need_stages_or_reflection_fig6(
     cfg.judge.backend = "gemini"
     with pytest.raises(ValueError, match="judge.backend"):
         settings.validate_config(cfg)
-    cfg = settings.toy_preset()
+    cfg = presets.toy_preset()
     cfg.rollout.scaffold = "react"
     with pytest.raises(ValueError, match="rollout.scaffold must be one of"):
         settings.validate_config(cfg)

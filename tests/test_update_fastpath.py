@@ -14,7 +14,7 @@ from toy import model as toy_model
 import ss_grpo
 from backends.torch_engine import TorchEngine
 from policy import UpdateBatch
-from ss_grpo import SSGRPOConfig
+from hparams import SSGRPOConfig
 
 V, PAD = 64, 0
 

@@ -30,7 +30,7 @@ from backends import robust, torch_engine
 from toy import model as toy_model
 from backends.torch_engine import TorchEngine
 from policy import UpdateBatch, plan_update, policy_update, token_logprobs
-from ss_grpo import SSGRPOConfig
+from hparams import SSGRPOConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V, PAD, SEED = 64, 0, 3

@@ -20,7 +20,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from backends import full  # noqa: E402
 import policy  # noqa: E402
-from backends import config as settings  # noqa: E402
 import ss_grpo  # noqa: E402
 
 
@@ -28,7 +27,7 @@ def main(model_dir: str, out_path: str) -> None:
     full.init_distributed()
     cfg = full.selftest_config(8, 2, 2, 4, 1e-3, eta=0.02)
     cfg.ss_grpo.beta = 0.0  # no reference model: nothing here needs one
-    ds = full.deepspeed_config(cfg, 1, "cpu", settings.FullConfig())
+    ds = full.deepspeed_config(cfg, 1, "cpu", full.FullConfig())
     pol = full.ZeRO3Policy.from_pretrained(model_dir, ds, cfg.ss_grpo.lr)
     seen = []
     loss_fn = ss_grpo.ss_grpo_loss

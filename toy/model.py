@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
@@ -42,6 +43,17 @@ SIZES = {
     "M": dict(hidden_size=192, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
               head_dim=32, intermediate_size=576),
 }
+
+
+@dataclass
+class ToyModelConfig:
+    """The toy policy (the run config's `toy_model` section; not in the paper, whose policy is
+    Qwen3-8B): its size and its tokenizer's vocabulary."""
+
+    size: str = "S"
+    """"XS" | "S" | "M" (SIZES); "S" = 0.5 M parameters"""
+    vocab_size: int = 1024
+    """byte-level BPE vocabulary size (the tokenizer is trained on the toy world)"""
 
 
 def _scramble_names(text: str, names_re: re.Pattern | None, rng: random.Random,

@@ -1,0 +1,141 @@
+"""The configuration's layout: the paper layer's knobs in hparams.py (at most 60 leaves, each with its
+paper reference), the backends' sections with their backends, the old key spellings as aliases, and
+configs saved before the sections moved (tests/data/configs_before_sections.json: the toy and full
+presets as config.json held them) still loading and resuming."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+import hparams
+from backends import config, presets
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OLD = json.load(open(os.path.join(ROOT, "tests", "data", "configs_before_sections.json")))
+# What a paper-layer knob's documentation must hold: a paper reference or why it is not the paper's.
+REFERENCE = ("PAPER", "§", "appendix", "not in the paper")
+
+
+def project_imports(path: str) -> set[str]:
+    """Top-level names of every module imported anywhere in the file."""
+    out = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+    return out
+
+
+def test_paper_layer_has_at_most_60_leaves_each_with_a_paper_reference():
+    rows = config.describe_config(hparams.PaperConfig())
+    assert 30 <= len(rows) <= 60, len(rows)
+    for key, _, doc in rows:
+        assert any(r in doc for r in REFERENCE), f"{key}: no paper reference in {doc!r}"
+
+
+def test_paper_layer_holds_no_transport_or_toy_knob():
+    keys = {k for k, _, _ in config.leaf_fields(hparams.PaperConfig())}
+    for old in config.ALIASES:  # every moved key left the paper layer
+        assert old not in keys
+    assert not keys & {"full", "eval", "world", "sft", "teacher", "toy_model"}
+    # The paper layer sits above the paper modules and below every backend.
+    assert not {m for m in project_imports(os.path.join(ROOT, "hparams.py"))
+                if m.startswith(("backends", "toy"))}
+
+
+def test_config_module_imports_no_toy_module_and_no_scale_backend():
+    mods = project_imports(os.path.join(ROOT, "backends", "config.py"))
+    assert not {m for m in mods if m.startswith("toy")}, mods
+    assert not mods & {"backends.full", "backends.judge_http", "backends.search_http",
+                       "backends.heldout", "backends.presets"}
+    code = "import sys, backends.config; print(sorted(m for m in sys.modules if m.startswith('toy')))"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_backend_sections_are_defined_in_their_backends_modules():
+    cfg = presets.reference_config()
+    where = {"full": "backends.full", "judge_http": "backends.judge_http",
+             "search_http": "backends.search_http", "eval": "backends.heldout",
+             "toy_model": "toy.model", "world": "toy.world", "sft": "toy.sft", "teacher": "toy.sft"}
+    assert set(where) == set(config.SECTION_FIELDS)
+    for name, module in where.items():
+        assert type(getattr(cfg, name)).__module__ == module, name
+
+
+def test_toy_preset_leaves_the_scale_sections_out_and_validation_attaches_what_a_run_needs():
+    cfg = presets.toy_preset()
+    assert cfg.full is None and cfg.judge_http is None and cfg.search_http is None
+    config.validate_config(cfg)
+    assert cfg.judge_http is None  # the toy judge needs no transport
+    cfg.judge.backend, cfg.data.source = "openai", "rows.jsonl"
+    config.validate_config(cfg)
+    assert cfg.judge_http.key_env("openai") == "OPENAI_API_KEY"
+    full = presets.full_preset()
+    assert full.full.zero_stage == 3 and full.search_http.api_key_env == "SERPER_API_KEY"
+
+
+@pytest.mark.parametrize("old", sorted(config.ALIASES))
+def test_every_old_key_spelling_still_sets_its_new_key_with_a_deprecation_line(old, caplog):
+    new = config.ALIASES[old]
+    ref = dict((k, v) for k, _, v in config.leaf_fields(presets.reference_config()))
+    assert new in ref and old not in ref
+    value = ref[new]
+    changed = (value + 1 if isinstance(value, int) and not isinstance(value, bool) else
+               value + 0.5 if isinstance(value, float) else "XS" if new == "toy_model.size" else
+               "json_object" if new.endswith("openai_response_format") else
+               "responseJsonSchema" if new.endswith("gemini_schema_field") else value + "-x")
+    caplog.set_level(logging.WARNING, logger="rubricem.config")
+    cfg = config.apply_overrides(presets.toy_preset(), [f"{old}={json.dumps(changed)}"])
+    section, _, name = new.rpartition(".")
+    assert getattr(getattr(cfg, section) if section else cfg, name) == changed
+    lines = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert len(lines) == 1 and old in lines[0] and new in lines[0] and "\n" not in lines[0]
+
+
+def test_old_spellings_on_the_command_line():
+    from backends import cli
+
+    cfg = cli.parse_args(["--set", "judge.base_url=http://127.0.0.1:9", "--set", "model_size=XS",
+                          "--set", "search.rpm=7", "--set", "vocab_size=400"])
+    assert cfg.judge_http.base_url == "http://127.0.0.1:9" and cfg.search_http.rpm == 7
+    assert (cfg.toy_model.size, cfg.toy_model.vocab_size) == ("XS", 400)
+
+
+@pytest.mark.parametrize("preset", ["toy", "full"])
+def test_configs_saved_before_the_sections_moved_load_and_resume(preset, caplog):
+    caplog.set_level(logging.WARNING, logger="rubricem.config")
+    saved = OLD[preset]
+    assert "base_url" in saved["judge"] and "model_size" in saved  # the old layout
+    now = presets.toy_preset() if preset == "toy" else presets.full_preset()
+    assert config.resume_config_diff(saved, now) == []
+    back = presets.load_config(saved)
+    assert dataclasses.asdict(back)["toy_model"] == dataclasses.asdict(now.toy_model)
+    assert back.judge_http.base_url == saved["judge"]["base_url"]
+    assert back.search_http.rpm == saved["search"]["rpm"]
+    assert config.resume_config_diff(saved, back) == []
+    assert sum("deprecated keys" in r.getMessage() for r in caplog.records) >= 1
+    # A change that matters is still refused: resume_config_diff does not ignore the moved keys.
+    changed = json.loads(json.dumps(saved))
+    changed["judge"]["temperature"] = 0.5
+    changed["model_size"] = "M"
+    assert config.resume_config_diff(changed, now) == (
+        ["judge_http.temperature", "toy_model.size"] if preset == "full" else ["toy_model.size"])
+
+
+def test_a_new_config_json_round_trips():
+    for cfg in (presets.toy_preset(), presets.full_preset()):
+        d = json.loads(json.dumps(dataclasses.asdict(cfg)))
+        assert config.migrate_config_dict(d) == d
+        back = presets.load_config(d)
+        assert json.loads(json.dumps(dataclasses.asdict(back))) == d
+        assert config.resume_config_diff(d, back) == []
