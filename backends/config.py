@@ -682,4 +682,27 @@ def resume_config_diff(saved: dict, cfg: Config) -> list[str]:
     unused = {k for k in SECTION_FIELDS if (k in saved and saved[k] is None) or getattr(cfg, k, None) is None}
     keys = sorted(set(a) | set(b))
     return [k for k in keys if not k.startswith(RESUME_MAY_CHANGE) and k.split(".", 1)[0] not in unused
-            and a.get(k) != b.get(k)]
+            and a.get(k, _field_default(cfg, k)) != b.get(k)]
+
+
+def _field_default(cfg: Config, key: str):
+    """The declared default of the field at dotted `key` (JSON form), for a key that a checkpoint
+    written before the field existed does not hold: a run that leaves it at its default computes
+    what the checkpoint's run computed. A key that cannot be resolved has no default (a change)."""
+    *path, name = key.split(".")
+    obj = cfg
+    for p in path:
+        obj = getattr(obj, p, None)
+    f = {x.name: x for x in dataclasses.fields(obj)}.get(name) if dataclasses.is_dataclass(obj) else None
+    if f is None:
+        return object()
+    if f.default is not dataclasses.MISSING:
+        v = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        v = f.default_factory()
+    else:
+        return object()
+    try:
+        return json.loads(json.dumps(asdict(v) if dataclasses.is_dataclass(v) else v))
+    except TypeError:
+        return object()

@@ -366,10 +366,7 @@ def sft_memory_plan(shape: ModelShape, cfg, world: int, gpu_bytes: float) -> Mem
     sequence of cfg.max_len tokens per micro-batch (cfg: backends.sft_zero3.SFTRunConfig)."""
     from types import SimpleNamespace
 
-    from backends.config import FullConfig
-
-    full = FullConfig(offload_optimizer=cfg.offload_optimizer, gradient_checkpointing=cfg.gradient_checkpointing,
-                      bf16="on" if cfg.bf16 in ("auto", "on") else "off", vllm_max_model_len=cfg.max_len)
+    full = cfg.full_config()  # full.FullConfig (plan.py imports no backend module: full imports it)
     as_rl = SimpleNamespace(full=full, ss_grpo=SimpleNamespace(micro_batch=cfg.micro_batch, beta=0.0),
                             sampler="none", bank=SimpleNamespace(retriever="none"),
                             rollout=SimpleNamespace(max_response_tokens=cfg.max_len))

@@ -488,7 +488,7 @@ def main(argv=None) -> int:
         print(dry_run_text(cfg, len(queries)))
         return 0
     from backends.search_http import SerperSearchTool
-    from scaffold import SearchConfig
+    from backends.search_http import SearchHTTPConfig
 
     missing = [v for v in (cfg.key_env, "SERPER_API_KEY") if not os.environ.get(v)]
     if cfg.backend == "openai" and cfg.key_env in missing and cfg.base_url:
@@ -498,7 +498,7 @@ def main(argv=None) -> int:
     if cfg.search_backend != "serper":
         raise SystemExit("sft_teacher: --search-backend must be 'serper' (the toy world's BM25 "
                          "has its own scripted teacher, toy/sft.py)")
-    tool = SerperSearchTool(SearchConfig(backend="serper", base_url=cfg.search_base_url, k=cfg.search_k))
+    tool = SerperSearchTool(SearchHTTPConfig(base_url=cfg.search_base_url), k=cfg.search_k)
     teacher = Teacher(cfg, tool, cache_dir=a.out + ".cache")
     try:
         stats = generate(queries, a.out, teacher)

@@ -94,6 +94,14 @@ class SFTRunConfig:
     """the system prompt of the examples and of the run card: "full" (scaffold.SYSTEM_PROMPT), or
     "compact" (toy models)"""
 
+    def full_config(self):
+        """The ZeRO-3 engine settings (full.FullConfig) this SFT run implies, for the memory plan."""
+        from backends.full import FullConfig
+
+        return FullConfig(offload_optimizer=self.offload_optimizer,
+                          gradient_checkpointing=self.gradient_checkpointing,
+                          bf16="on" if self.bf16 in ("auto", "on") else "off", vllm_max_model_len=self.max_len)
+
 
 def system_prompt(name: str) -> str:
     from scaffold import SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT
@@ -102,9 +110,9 @@ def system_prompt(name: str) -> str:
 
 
 def sft_deepspeed_config(cfg: SFTRunConfig, world: int, device: str) -> tuple[dict, object]:
-    """(DeepSpeed JSON, config.FullConfig) of the SFT engine: ZeRO-3, the SFT batch arithmetic
+    """(DeepSpeed JSON, full.FullConfig) of the SFT engine: ZeRO-3, the SFT batch arithmetic
     (train_batch_size nominal: the accumulation boundary is set by the loop), bf16 per cfg.bf16."""
-    from backends.config import FullConfig
+    from backends.full import FullConfig
 
     full = FullConfig(offload_optimizer=cfg.offload_optimizer, gradient_checkpointing=cfg.gradient_checkpointing,
                       bf16=cfg.bf16, optimizer=cfg.optimizer, weight_decay=cfg.weight_decay)
@@ -239,7 +247,7 @@ def train(policy, encoded: list, cfg: SFTRunConfig, rank: int, world: int, pad: 
 def write_checkpoint(policy, tok, out: str, cfg: SFTRunConfig, info: dict, rank: int) -> None:
     """HF weights (collective gathered save) + tokenizer + run card + sft_info.json into out (via
     out.tmp and a rename on rank 0)."""
-    from backends.config import full_preset
+    from backends.presets import full_preset
     from backends.full import barrier
     from backends.runcard import CARD, save_with_run_card
 

@@ -62,8 +62,8 @@ def build(cfg, out: str, progress: bool = False) -> dict:
     system = system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
     parent = os.path.dirname(os.path.abspath(out)) or "."
     with tempfile.TemporaryDirectory(dir=parent) as cache:
-        _, _, info, path = warm_start(world, tool, system, cfg.sft, cfg.teacher, cfg.model_size,
-                                      cfg.vocab_size, cache, progress=progress,
+        _, _, info, path = warm_start(world, tool, system, cfg.sft, cfg.teacher, cfg.toy_model.size,
+                                      cfg.toy_model.vocab_size, cache, progress=progress,
                                       scaffold=cfg.rollout.scaffold, precision=cfg.precision)
         tmp = out + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -76,8 +76,8 @@ def build(cfg, out: str, progress: bool = False) -> dict:
         manifest = {"key": info["key"], "threads": cfg.threads, "files": files,
                     "config": {"world": dataclasses.asdict(cfg.world),
                                "teacher": dataclasses.asdict(cfg.teacher),
-                               "sft": dataclasses.asdict(cfg.sft), "model_size": cfg.model_size,
-                               "vocab_size": cfg.vocab_size, "scaffold": cfg.rollout.scaffold,
+                               "sft": dataclasses.asdict(cfg.sft), "model_size": cfg.toy_model.size,
+                               "vocab_size": cfg.toy_model.vocab_size, "scaffold": cfg.rollout.scaffold,
                                "precision": cfg.precision, "system": system},
                     "params": info["params"], "final_loss": info["final_loss"], "steps": info["steps"]}
         with open(os.path.join(tmp, "warm_start.json"), "w") as fh:
@@ -87,7 +87,8 @@ def build(cfg, out: str, progress: bool = False) -> dict:
 
 
 def main(argv=None) -> int:
-    from backends.config import apply_overrides, toy_preset
+    from backends.config import apply_overrides
+    from backends.presets import toy_preset
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

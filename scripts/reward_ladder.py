@@ -58,16 +58,15 @@ def greedy_eval(run_dir: str) -> dict:
 
     from backends.build import build_environment, build_judge, heldout_engines
     from backends.heldout import heldout_scores, heldout_seed, sample_heldout
-    from policy import load_policy
+    from backends.presets import load_config
     from scaffold import system_prompt
-    from backends.config import Config, apply_overrides, _flatten
+    from toy.model import load_policy
 
     with open(os.path.join(run_dir, "config.json")) as fh:
         saved = json.load(fh)
     with open(os.path.join(run_dir, "eval.json")) as fh:
         ev = json.load(fh)
-    cfg = apply_overrides(Config(), [f"{k}={json.dumps(v)}" for k, v in _flatten(saved).items()
-                                     if k not in ("report_to",)])
+    cfg = load_config(saved)
     torch.set_num_threads(max(1, cfg.sample_threads or cfg.threads))
     world, tool, _, held_q = build_environment(cfg)
     judge = build_judge(dataclasses.replace(cfg, arm="rubricem"), world)  # static scores only

@@ -101,7 +101,8 @@ def measure(cfg, n: int, seed: int = 0) -> dict:
 
 
 def main(argv=None) -> int:
-    from backends.config import apply_overrides, toy_preset
+    from backends.config import apply_overrides
+    from backends.presets import toy_preset
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from backends.config import apply_overrides, toy_preset
+from backends.config import apply_overrides
+from backends.presets import toy_preset
 
 from toyfix import torch_threads
 
@@ -15,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import build_warm_start  # noqa: E402
 
 TINY = ["threads=1", "sft.steps=4", "sft.n_trajectories=200", "sft.n_reflections=20",
-        "world.n_train_entities=40", "world.n_heldout_entities=10", "vocab_size=400"]
+        "world.n_train_entities=40", "world.n_heldout_entities=10", "toy_model.vocab_size=400"]
 
 
 def _digest(d):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from backends import build
-from backends import config as settings
+from backends import config as settings, presets
 from toy import sft
 from toy.judge import ToyJudge
 
@@ -51,7 +51,7 @@ def test_ladder_arms_pick_the_static_judge():
     assert settings.ARMS["oracle"].advantage == "terminal_answer"
     assert settings.ARMS["stage_oracle"].advantage == "ss_grpo"
     assert all(a.reward == "judge" for k, a in settings.ARMS.items() if k not in ("oracle", "stage_oracle"))
-    cfg = settings.toy_preset()
+    cfg = presets.toy_preset()
     cfg.arm = "stage_oracle"
     assert build.build_judge(cfg, tf.tiny_world()).reward == "static"
     cfg.arm, cfg.judge.record_static = "rubricem", True

@@ -197,11 +197,11 @@ def test_lr_schedule_cosine_with_ten_percent_warmup_appendix():
 def _teacher(server, search, tmp, concurrency=1, **kw):
     from backends.search_http import SerperSearchTool
     from backends.sft_teacher import Teacher, TeacherConfig
-    from scaffold import SearchConfig
+    from backends.search_http import SearchHTTPConfig
 
     cfg = TeacherConfig(backend=server.kind, model=server.model, base_url=server.url, concurrency=concurrency,
                         max_retries=0, **kw)
-    tool = SerperSearchTool(SearchConfig(backend="serper", base_url=search.url, k=2))
+    tool = SerperSearchTool(SearchHTTPConfig(base_url=search.url), k=2)
     return Teacher(cfg, tool, cache_dir=str(tmp / "cache"), tool_names=sft.TOOL_ALIASES), tool
 
 
@@ -288,14 +288,14 @@ def test_teacher_tool_errors_reach_filter_4_in_the_stats(tmp_path, monkeypatch):
 
     from backends.search_http import SerperSearchTool
     from backends.sft_teacher import Teacher, TeacherConfig, generate
-    from scaffold import SearchConfig
+    from backends.search_http import SearchHTTPConfig
 
     monkeypatch.setenv("OPENAI_API_KEY", TEST_KEY)
     monkeypatch.setenv("SERPER_API_KEY", TEST_KEY)
     qs = [{"id": "ok", "query": "Fine question?"}, {"id": "bad", "query": "FAILSEARCH question?"}]
     with TeacherServer("openai", model="m-test") as srv, FakeServer("serper") as ss:
         ss.rule = lambda req: {"status": 500} if "FAILSEARCH" in req["body"]["q"] else None
-        tool = SerperSearchTool(SearchConfig(backend="serper", base_url=ss.url, k=2, max_retries=0))
+        tool = SerperSearchTool(SearchHTTPConfig(base_url=ss.url, max_retries=0), k=2)
         t = Teacher(TeacherConfig(backend="openai", model="m-test", base_url=srv.url, max_retries=0),
                     tool, cache_dir=str(tmp_path / "cache"))
         st = generate(qs, str(tmp_path / "t.jsonl"), t)
