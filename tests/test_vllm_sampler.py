@@ -392,3 +392,18 @@ def test_real_vllm_sampler_in_the_training_loop_syncs_after_every_update(tmp_pat
     assert [r["sampler/syncs"] for r in rows] == [1, 3]
     assert all(r["sampler/sync_bytes"] == n_bytes and r["time/sync_s"] > 0 for r in rows)
     assert all(r["tokens/total"] > 0 and r["grad_norm"] > 0 for r in rows)
+
+
+def test_per_request_seeds_sec3_1(tok):
+    """generate(..., seeds=[...]) gives request i the seed seeds[i] whatever else was sampled before
+    (backends/rollout_engine.request_seed: the concurrent engine's determinism); a wrong count raises."""
+    stream = lambda p: [3] * 50  # noqa: E731
+    s, llm = fake_sampler(tok, stream, seed=5, max_model_len=40)
+    p = [4, 5, 6]
+    s.generate([p], [4], 1.0)  # advances the sampler's own per-request sequence
+    s.generate([p, p, p], [4, 0, 4], 1.0, seeds=[11, 12, 13])
+    assert [sp.seed for _, sp in llm.requests[-2:]] == [11, 13]  # the empty request is skipped
+    s.generate([p], [4], 1.0)
+    assert llm.requests[-1][1].seed not in (11, 13)  # without seeds: the sampler's sequence again
+    with pytest.raises(ValueError):
+        s.generate([p, p], [4, 4], 1.0, seeds=[1])
