@@ -260,3 +260,24 @@ def test_request_seed_depends_on_every_part():
     assert len(s) == 12 and all(0 <= x < 2 ** 31 - 1 for x in s)
     assert request_seed(5, 3, 1) == request_seed(5, 3, 1)
 
+
+
+def test_full_step_benchmark_runs_both_schedules_on_two_ranks():
+    """benchmarks/full_step.py end to end at its smallest (2 gloo ranks, 2 groups x 2, 2 steps, short
+    sleeps): both schedules run, sample the same step-0 rollouts, and the last line has the figures.
+    No timing is asserted (a shared machine); the figures are in docs/full_mode.md."""
+    import re
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""}
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "full_step.py"), "--groups", "2",
+                        "--n", "2", "--steps", "2", "--m", "2", "--max-tokens", "256", "--judge-sleep",
+                        "0.05", "--search-sleep", "0.02"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    lines = p.stdout.strip().splitlines()
+    assert "same_rollouts(step 0, both schedules)=True" in lines
+    assert any(x.startswith("rollout/sampling_ranks=2 ") for x in lines)
+    m = re.fullmatch(r"FULL_STEP step_s=([\d.]+) sequential_step_s=([\d.]+) ratio=([\d.]+)", lines[-1])
+    assert m and float(m.group(1)) > 0 and float(m.group(2)) > 0
