@@ -194,6 +194,10 @@ def build_run(cfg: Config, policy, model, tok, world, tool, train_q: list, held_
                                    cfg.rollout.max_tool_calls, system, cfg.rollout.temperature,
                                    tool_timeout_s=cfg.rollout.tool_timeout_s,
                                    deadline_s=cfg.rollout.deadline_s, scaffold=cfg.rollout.scaffold)
+    if cfg.sampler == "vllm" and cfg.full.rollout_schedule == "async":
+        from backends.rollout_engine import AsyncTurns  # no turn barrier, concurrent tool calls
+
+        rollout_engine = AsyncTurns(rollout_engine, cfg.full.tool_concurrency)
     clean_judge = build_judge(cfg, world)
     judge = (FaultyJudge(clean_judge, cfg.faults, cfg.judge.max_retries)
              if cfg.faults.judge_rate > 0 else clean_judge)

@@ -318,6 +318,12 @@ class FullConfig:
     requires to be free at start)"""
     vllm_cpu_kv_cache_gib: int = 2
     """CPU only: vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)"""
+    rollout_schedule: str = "lockstep"
+    """sampler "vllm" only: "lockstep" (every tool turn waits for every rollout, calls one at a time)
+    or "async" (a rollout moves on when its own tool result arrives, calls concurrent, one seed per
+    request; backends/rollout_engine.py, docs/full_mode.md)"""
+    tool_concurrency: int = 8
+    """ours: tool calls in flight at once under rollout_schedule "async" (>= 1)"""
 
 
 @dataclass
@@ -504,9 +510,12 @@ def validate_config(cfg: Config) -> None:
     for name, allowed in (("engine", ("torch", "zero3")), ("sampler", ("hf", "kv", "vllm")),
                           ("precision", ("fp32", "bf16")),
                           ("judge.backend", ("toy", "gemini", "openai")),
-                          ("search.backend", ("toy", "serper")), ("bank.retriever", ("bm25", "dense"))):
+                          ("search.backend", ("toy", "serper")), ("bank.retriever", ("bm25", "dense")),
+                          ("full.rollout_schedule", ("lockstep", "async"))):
         if _field(cfg, name) not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {_field(cfg, name)!r}")
+    if cfg.full.tool_concurrency < 1:
+        raise ValueError(f"full.tool_concurrency must be >= 1, got {cfg.full.tool_concurrency}")
     if cfg.judge.backend == "toy" and cfg.data.source:
         raise ValueError("judge.backend 'toy' scores against the toy world's ground truth: it needs "
                          "data.source = \"\" (the toy world's questions); use an HTTP judge "

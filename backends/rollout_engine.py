@@ -389,3 +389,27 @@ def reflection_branch(step: int, rollouts, judged, judge, bank, sampler, tok, sy
                                          rng, std, eps, group_size=group_size, map_fn=pool.map)
 
     return branch
+
+
+class AsyncTurns:
+    """scaffold.RolloutEngine's interface (run(queries, n, bank_items, temperature), prompt_ids,
+    stats, ...) with ConcurrentRolloutEngine's "async" schedule underneath, for train.py's full loop
+    (build.build_run, `full.rollout_schedule = "async"`, sampler "vllm"). The step's seed is the one
+    train.sample_rollouts gave the sampler (`sampler.reseed(seed)`, VLLMSampler.seed); every request
+    then carries request_seed(seed, rollout index, turn). The counters are the wrapped engine's."""
+
+    def __init__(self, engine, tool_concurrency: int = 8):
+        self._engine = engine
+        self._ce = ConcurrentRolloutEngine(engine, tool_concurrency, "async")
+
+    @property
+    def stats(self) -> dict:
+        return self._engine.stats
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def run(self, queries: Sequence, n: int = 1, bank_items: Sequence[Sequence[str]] | None = None,
+            temperature: float | None = None) -> list[Rollout]:
+        seed = getattr(self._engine.sampler, "seed", None)
+        return self._ce.run(queries, n, bank_items, 0 if seed is None else int(seed), temperature)

@@ -68,6 +68,7 @@ class BenchSampler:
 
         self.model, self.tok, self.call_prob, self.max_calls, self.body = model, tok, call_prob, max_calls, body
         self.lock = threading.Lock()
+        self.seed = None
         self.stats: dict = {"tokens": 0, "requests": 0, "busy_s": 0.0}
         added = set(tok.get_added_vocab().values()) | set(tok.all_special_ids)
         self.mask = torch.zeros(len(tok))
@@ -80,8 +81,9 @@ class BenchSampler:
 
         self.reflect = tok.encode(REFLECT_INSTRUCTION, add_special_tokens=False)
 
-    def reseed(self, seed) -> None:  # seeds come with each request
-        pass
+    def reseed(self, seed) -> None:
+        """The step's seed (read by rollout_engine.AsyncTurns); each request still carries its own."""
+        self.seed = seed
 
     def sync_weights(self, named_params, copy: bool = True) -> None:
         pass

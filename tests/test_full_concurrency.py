@@ -281,3 +281,30 @@ def test_full_step_benchmark_runs_both_schedules_on_two_ranks():
     assert any(x.startswith("rollout/sampling_ranks=2 ") for x in lines)
     m = re.fullmatch(r"FULL_STEP step_s=([\d.]+) sequential_step_s=([\d.]+) ratio=([\d.]+)", lines[-1])
     assert m and float(m.group(1)) > 0 and float(m.group(2)) > 0
+
+
+def test_async_turns_in_the_training_loop_interface(model_tok):
+    """rollout_engine.AsyncTurns, what build.build_run puts in run.rollout_engine for
+    full.rollout_schedule = "async": scaffold.RolloutEngine's run() signature, seeded by the
+    sampler's reseed, the same rollouts as the lockstep comparison schedule, counters shared with the
+    wrapped engine (checkpoints save them); the settings are validated."""
+    from backends.config import Config, validate_config
+    from backends.rollout_engine import AsyncTurns
+
+    qs = list(train_queries()[:3])
+    ce = _engine(model_tok, SlowTool(), "lockstep")
+    ref = ce.run(qs, 2, None, seed=6)
+    inner = _engine(model_tok, SlowTool()).engine
+    eng = AsyncTurns(inner, 4)
+    eng.sampler.reseed(6)
+    out = eng.run(qs, n=2, bank_items=[[], [], []])
+    assert _key(out) == _key(ref)
+    assert eng.stats is inner.stats and eng.max_response_tokens == inner.max_response_tokens
+    assert eng.prompt_ids(qs[0].query) == ref[0].prompt_ids
+    cfg = Config()
+    cfg.full.rollout_schedule = "barrier-free"
+    with pytest.raises(ValueError, match="full.rollout_schedule"):
+        validate_config(cfg)
+    cfg.full.rollout_schedule, cfg.full.tool_concurrency = "async", 0
+    with pytest.raises(ValueError, match="full.tool_concurrency"):
+        validate_config(cfg)
