@@ -41,14 +41,12 @@ import collections
 import concurrent.futures as cf
 import copy
 import hashlib
-import logging
 import threading
 import time
 from typing import Callable, Protocol, Sequence
 
 from scaffold import Rollout, finalize
 
-log = logging.getLogger("rubricem.rollout_engine")
 
 SCHEDULES = ("async", "lockstep")
 
@@ -95,6 +93,9 @@ class ConcurrentRolloutEngine:
     `stats` adds up the engine's tool counters (tool_errors, tool_refusals, tool_timeouts,
     deadline_refusals) plus sampler_calls and max_tool_calls_pending (calls handed to the pool,
     running or queued; at most tool_concurrency of them run).
+
+    engine: a scaffold.RolloutEngine whose sampler takes seeds (SeededSampler); tool_concurrency
+    >= 1; max_batch >= 1 or None. Raises ValueError for an unknown schedule or a bound below 1.
     """
 
     def __init__(self, engine, tool_concurrency: int = 8, schedule: str = "async",
@@ -162,7 +163,9 @@ class ConcurrentRolloutEngine:
         sampling seed; index_offset: the global index of this call's first rollout (a rank's
         share starts at shard(...).start * n); sink: a list to hold the rollouts from the start,
         so on_group_done(g) can read group g's from sink[g * n:(g + 1) * n].
-        Returns len(queries) * n finalised Rollouts (`sink` itself when given)."""
+        Returns len(queries) * n finalised Rollouts (`sink` itself when given). Tool faults never
+        end a rollout (scaffold.RolloutEngine's rules); a tool error marked `stops_run` (an API's
+        401/403/404, backends/http.py) is raised here, as is anything the sampler raises."""
         e = self.engine
         temp = e.temperature if temperature is None else temperature
         e._deadline = time.monotonic() + e.deadline_s if e.deadline_s else None

@@ -26,11 +26,13 @@ at a time, a seed per request: rollout_engine.request_seed), but the turn struct
 because a random-weight model writes no tool calls: each turn samples 8-24 tokens of text, then
 either a search call (probability 0.6, at most 3 per rollout) or an answer and end of turn, all drawn
 from the request's seed; a reflection request (its prompt holds reflection.REFLECT_INSTRUCTION)
-samples plain text up to its budget, then end of turn. Both schedules therefore sample the same step-0 rollouts (checked:
-`same_rollouts`); later steps differ only because the concurrent schedule's rollouts of step t+1 see
-the weights before step t's reflection update (the one-step lag).
+samples plain text up to its budget, then end of turn. Both schedules therefore sample the same
+step-0 rollouts (checked: `same_rollouts`); later steps differ only because the concurrent
+schedule's rollouts of step t+1 see the weights before step t's reflection update (the one-step
+lag). Not modelled: bank retrieval (prompts carry no bank items) and the ZeRO-3 update (rank 0
+updates a plain copy, then broadcasts every parameter: the weight sync).
 
-Run (about 1-2 min on 2 cores):
+Run (2-5 min on 2 shared cores; `--also-one-rank` adds a third sitting):
     python benchmarks/full_step.py                               # 2 ranks, 8 groups x 4, 3 steps
     python benchmarks/full_step.py --judge-sleep 0.5 --search-sleep 0.2 --also-one-rank
 Last line:
