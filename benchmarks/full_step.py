@@ -383,6 +383,20 @@ def summary(name: str, res: list) -> dict:
             "sampling_ranks": r0["sampling_ranks"]}
 
 
+def _rank_scaling(a, urls) -> int:
+    """The rollout phase of the concurrent schedule on all ranks vs on one sampling rank."""
+    con = summary("concurrent", run_schedule("concurrent", a, urls))
+    b = argparse.Namespace(**vars(a))
+    b.sampling_ranks = 1
+    one = summary("concurrent, 1 sampling rank", run_schedule("concurrent", b, urls))
+    same = one["fingerprints"] == con["fingerprints"]
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"ROLLOUT_RANKS ranks={con['sampling_ranks']} rollout_s={con['phases']['rollout_s']:.2f} "
+          f"one_rank_rollout_s={one['phases']['rollout_s']:.2f} "
+          f"ratio={con['phases']['rollout_s'] / one['phases']['rollout_s']:.2f} same_rollouts={same}")
+    return 0 if same else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=2, help="gloo ranks (processes)")
@@ -400,6 +414,9 @@ def main(argv=None) -> int:
     ap.add_argument("--judge-concurrency", type=int, default=8, help="judge.concurrency")
     ap.add_argument("--also-one-rank", action="store_true",
                     help="also run the concurrent schedule with one sampling rank (rank scaling)")
+    ap.add_argument("--rank-scaling-only", action="store_true",
+                    help="only the concurrent schedule with all ranks and with one sampling rank; "
+                         "the last line is then ROLLOUT_RANKS")
     a = ap.parse_args(argv)
     a.sampling_ranks = a.sampling_ranks or a.ranks
     if a.groups * (a.steps + 1) > 40:
@@ -416,6 +433,8 @@ def main(argv=None) -> int:
         gem.rule = lambda req: {"sleep": a.judge_sleep}
         ser.rule = lambda req: {"sleep": a.search_sleep}
         urls = {"gemini": gem.url, "serper": ser.url, "key": TEST_KEY}
+        if a.rank_scaling_only:
+            return _rank_scaling(a, urls)
         seq = summary("sequential", run_schedule("sequential", a, urls))
         con = summary("concurrent", run_schedule("concurrent", a, urls))
         one = None
