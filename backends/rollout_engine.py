@@ -357,6 +357,21 @@ class AsyncReflection:
         return batch, metrics
 
 
+def pool_map(n: int) -> Callable:
+    """A `map` whose calls run on a fresh pool of n >= 1 threads (closed before it returns); results
+    in input order, the first exception raised. The reflection branch's privileged judge calls go
+    through it with an HTTP judge (build.build_run: Run.judge_map), whose client bounds the requests
+    in flight and the rate (judge.concurrency, rpm / tpm). Raises ValueError for n < 1."""
+    if n < 1:
+        raise ValueError(f"pool size must be >= 1, got {n}")
+
+    def pmap(fn, xs):
+        with cf.ThreadPoolExecutor(n, thread_name_prefix="judge-map") as pool:
+            return list(pool.map(fn, xs))
+
+    return pmap
+
+
 class SeededView:
     """A SeededSampler seen through the plain scaffold.Sampler contract: the i-th prompt of each
     generate call samples with request_seed(base, i, call), call counting this view's generate calls

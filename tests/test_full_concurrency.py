@@ -308,3 +308,27 @@ def test_async_turns_in_the_training_loop_interface(model_tok):
     cfg.full.rollout_schedule, cfg.full.tool_concurrency = "async", 0
     with pytest.raises(ValueError, match="full.tool_concurrency"):
         validate_config(cfg)
+
+
+def test_pool_map_keeps_order_bounds_threads_and_raises():
+    """rollout_engine.pool_map (Run.judge_map for the HTTP judge): input order whatever the finish
+    order, at most n calls at once, the first error raised, no thread left behind."""
+    from backends.rollout_engine import pool_map
+
+    lock, state = threading.Lock(), {"now": 0, "max": 0}
+
+    def slow(x):
+        with lock:
+            state["now"] += 1
+            state["max"] = max(state["max"], state["now"])
+        time.sleep(0.02 * (5 - x % 5))
+        with lock:
+            state["now"] -= 1
+        return x * x
+
+    assert pool_map(3)(slow, range(10)) == [x * x for x in range(10)]
+    assert 2 <= state["max"] <= 3
+    with pytest.raises(ZeroDivisionError):
+        pool_map(2)(lambda x: 1 / x, [1, 0, 2])
+    with pytest.raises(ValueError):
+        pool_map(0)
