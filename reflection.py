@@ -130,7 +130,7 @@ def pick_trajectories(n_rollouts: int, group_size: int, per_query: int, rng: ran
 def run_reflection_branch(step: int, rollouts: Sequence[Rollout], judged: dict, judge, bank, sampler,
                           tok, system: str, cfg, rng: random.Random,
                           std: str = "sample", eps: float = 1e-6,
-                          group_size: int | None = None) -> tuple[ReflectionBatch, dict]:
+                          group_size: int | None = None, map_fn=map) -> tuple[ReflectionBatch, dict]:
     """One reflection step (§3.4, Algorithm 1) over all queries of a training step.
 
     rollouts: the step's rollouts, query-major, `group_size` per query (None: one group of all).
@@ -141,6 +141,8 @@ def run_reflection_branch(step: int, rollouts: Sequence[Rollout], judged: dict, 
     valid candidate of each is upserted into the bank (key: sha256 of its query); each trajectory's m
     candidates form their own GRPO group (normalised on their own).
 
+    map_fn: how the privileged judge calls of the trajectories run (map: one after another; full
+    mode passes a thread pool's map, backends/rollout_engine.py); results are used in pick order.
     Returns (batch for the next update, metrics). Never raises on model output; a judge failure
     gives NaN scores, whose candidates get advantage 0.
     """
@@ -159,12 +161,12 @@ def run_reflection_branch(step: int, rollouts: Sequence[Rollout], judged: dict, 
     flat = sampler.generate([p for p in prompts for _ in range(cfg.m)],
                             [cfg.max_new_tokens] * (len(picks) * cfg.m), cfg.temperature)
     all_scores, within, cross = [], [], []
+    cands_all = [[list(c) for c in flat[p * cfg.m:(p + 1) * cfg.m]] for p in range(len(picks))]  # (m,) ids each
+    texts_all = [[reflection_text(tok, c) for c in cands] for cands in cands_all]
+    scored_all = list(map_fn(lambda p: judge.score_reflections(
+        rollouts[picks[p]].query, rollouts[picks[p]], *judged[picks[p]], texts_all[p]), range(len(picks))))
     for p, (idx, prompt) in enumerate(zip(picks, prompts)):
-        ro = rollouts[idx]
-        res, row = judged[idx]
-        cands = [list(c) for c in flat[p * cfg.m:(p + 1) * cfg.m]]  # (m,) candidate ids
-        texts = [reflection_text(tok, c) for c in cands]
-        scored = judge.score_reflections(ro.query, ro, res, row, texts)
+        ro, cands, texts, scored = rollouts[idx], cands_all[p], texts_all[p], scored_all[p]
         s = np.array([r.score for r in scored], dtype=np.float64)
         all_scores += s.tolist()
         within += [r.within for r in scored]

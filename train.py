@@ -330,7 +330,7 @@ def reflect(run: Run, step: int, rollouts: list, judged: dict, rng: random.Rando
     cfg = run.cfg
     return run_reflection_branch(step, rollouts, judged, run.judge, run.bank, run.sampler, run.tok,
                                  run.system, cfg.reflection, rng, cfg.ss_grpo.std, cfg.ss_grpo.eps,
-                                 group_size=cfg.rollout.n)
+                                 group_size=cfg.rollout.n, map_fn=run.judge_map)
 
 
 def step_metrics(run: Run, out: StepOut, before: dict) -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -189,6 +190,7 @@ class Run:
     train_q: list
     held_q: list
     arm: object
+    judge_map: Callable = map  # how the reflection branch's privileged judge calls run (see build_run)
 
 
 def build_run(cfg: Config, policy, model, tok, world, tool, train_q: list, held_q: list) -> Run:
@@ -204,6 +206,10 @@ def build_run(cfg: Config, policy, model, tok, world, tool, train_q: list, held_
                                    cfg.rollout.max_tool_calls, system, cfg.rollout.temperature,
                                    tool_timeout_s=cfg.rollout.tool_timeout_s,
                                    deadline_s=cfg.rollout.deadline_s, scaffold=cfg.rollout.scaffold)
+    if cfg.sampler == "vllm" and cfg.full.rollout_schedule == "async":
+        from backends.rollout_engine import AsyncTurns  # no turn barrier, concurrent tool calls
+
+        rollout_engine = AsyncTurns(rollout_engine, cfg.full.tool_concurrency)
     clean_judge = build_judge(cfg, world)
     judge = (FaultyJudge(clean_judge, cfg.faults, cfg.judge.max_retries)
              if cfg.faults.judge_rate > 0 else clean_judge)
@@ -214,5 +220,10 @@ def build_run(cfg: Config, policy, model, tok, world, tool, train_q: list, held_
         retriever = DenseRetriever(cfg.bank.embed_model)
     bank = RubricBank(max_chars=cfg.bank.max_chars, retriever=retriever)
     order = DataOrder(len(train_q), cfg.rollout.prompts_per_step, cfg.seed)
+    judge_map = map  # a thread-safe judge (the HTTP judge) scores the reflections concurrently
+    if getattr(judge, "concurrent_groups", False):
+        from backends.rollout_engine import pool_map
+
+        judge_map = pool_map(cfg.judge.concurrency)
     return Run(cfg, policy, model, tok, system, sampler, rollout_engine, tool, rl_tool, judge, clean_judge,
-               bank, order, train_q, held_q, ARMS[cfg.arm])
+               bank, order, train_q, held_q, ARMS[cfg.arm], judge_map)

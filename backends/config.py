@@ -537,6 +537,12 @@ def validate_config(cfg: Config) -> None:
                           ("search.backend", ("toy", "serper")), ("bank.retriever", ("bm25", "dense"))):
         if _field(cfg, name) not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {_field(cfg, name)!r}")
+    if getattr(cfg, "full", None) is not None:  # the full section: attached when a run uses it
+        if cfg.full.rollout_schedule not in ("lockstep", "async"):
+            raise ValueError(f"full.rollout_schedule must be one of ('lockstep', 'async'), got "
+                             f"{cfg.full.rollout_schedule!r}")
+        if cfg.full.tool_concurrency < 1:
+            raise ValueError(f"full.tool_concurrency must be >= 1, got {cfg.full.tool_concurrency}")
     if cfg.judge.backend == "toy" and cfg.data.source:
         raise ValueError("judge.backend 'toy' scores against the toy world's ground truth: it needs "
                          "data.source = \"\" (the toy world's questions); use an HTTP judge "

@@ -342,6 +342,12 @@ class FullConfig:
     requires to be free at start)"""
     vllm_cpu_kv_cache_gib: int = 2
     """CPU only: vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)"""
+    rollout_schedule: str = "lockstep"
+    """sampler "vllm" only: "lockstep" (every tool turn waits for every rollout, calls one at a time)
+    or "async" (a rollout moves on when its own tool result arrives, calls concurrent, one seed per
+    request; backends/rollout_engine.py, docs/full_mode.md)"""
+    tool_concurrency: int = 8
+    """ours: tool calls in flight at once under rollout_schedule "async" (>= 1)"""
 
 
 def full_config(cfg) -> FullConfig:

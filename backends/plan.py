@@ -12,6 +12,8 @@ What is here
     param_count                       parameters of a Qwen3 / Qwen2 / Llama-style decoder
     memory_plan -> MemoryPlan         bytes per GPU (rank 0, other ranks) and per node, item by item
     step_time -> StepTime             seconds per RL step by phase, with every assumption named
+                                      (today's sequential schedule)
+    step_time_concurrent              the same for the concurrent schedule (backends/rollout_engine.py)
     plan_lines                        both as dry-run text, plus the problems (a plan that does not fit)
 
 Memory model (bytes; P parameters, W ranks, T = max pack tokens, b = micro-batch; GB = 1e9 B)
@@ -301,6 +303,75 @@ def step_time(shape: ModelShape, cfg, world: int, kv_tokens: int, assume: dict |
     return StepTime(phases, assumptions, float(sum(phases.values())))
 
 
+# Assumptions of the concurrent schedule's estimate besides ASSUME (ours; printed with it).
+ASSUME_CONCURRENT = {
+    "sampling_ranks": 0,  # ranks with a co-located vLLM engine (0: every rank; backends/rollout_engine.py)
+    "judge_rounds_exposed": 2,  # the last group's proposal + scoring round trips after its rollouts
+    "reflection_m": 8,  # PAPER: 8 candidates per reflection
+    "reflection_tokens": 512,  # reflection.max_new_tokens of the full preset
+}
+
+
+def step_time_concurrent(shape: ModelShape, cfg, world: int, kv_tokens: int,
+                         assume: dict | None = None) -> StepTime:
+    """Estimated seconds per RL step under the concurrent schedule (backends/rollout_engine.py): every
+    rank samples 1/W of the sequences on its own engine with `kv_tokens` of KV cache; a rollout's
+    searches delay only that rollout (no turn barrier); groups are judged while others still sample,
+    so only what the judge cannot hide behind the rollouts is counted; step t's reflection (sampling
+    and judging) overlaps step t+1's rollouts and counts only where it is longer; one weight sync.
+    The same ASSUME figures as step_time (plus ASSUME_CONCURRENT), so the two compare like for like."""
+    a = {**ASSUME, **ASSUME_CONCURRENT,
+         "judge_concurrency": int(getattr(cfg.judge, "concurrency", ASSUME["judge_concurrency"])),
+         **(assume or {})}
+    P, W = shape.params, world
+    ranks = int(a["sampling_ranks"]) or W
+    seqs = cfg.rollout.prompts_per_step * cfg.rollout.n
+    per_rank = math.ceil(seqs / ranks)
+    resp = a["mean_response_frac"] * cfg.rollout.max_response_tokens
+    prompt = min(pack_tokens(cfg) - cfg.rollout.max_response_tokens, 2048)
+    ctx = prompt + resp
+    concurrency = max(1, min(per_rank, int(kv_tokens // max(ctx, 1)) if kv_tokens else 1))
+    # Eq.: one decode step reads the weights once: 2P bytes / bandwidth x eager overhead
+    decode_step = 2 * P / a["hbm_bytes_per_s"] * a["eager_overhead"]
+    waves = math.ceil(per_rank / concurrency)
+    rollouts = waves * resp * decode_step
+    # each rollout waits only for its own searches, one after another (its turns are sequential)
+    search = waves * a["tool_calls_per_rollout"] * a["search_s"]
+    C, L = a["judge_concurrency"], a["judge_call_s"]
+    judge_calls = cfg.rollout.prompts_per_step * (1 + cfg.rollout.n)
+    judge_busy = math.ceil(judge_calls / C) * L  # the judge's own time at C requests in flight
+    judge = max(a["judge_rounds_exposed"] * L, judge_busy - (rollouts + search))
+    reflect_calls = cfg.rollout.prompts_per_step
+    reflect_seqs = math.ceil(reflect_calls * a["reflection_m"] / ranks)
+    reflect_sample = math.ceil(reflect_seqs / max(1, int(kv_tokens // (ctx + a["reflection_tokens"]))
+                                                 if kv_tokens else 1)) * a["reflection_tokens"] * decode_step
+    reflection = reflect_sample + math.ceil(reflect_calls / C) * L
+    reflection_exposed = max(0.0, reflection - (rollouts + search))
+    tokens = seqs * (prompt + resp)
+    flops = tokens * P * (8 + (2 if cfg.ss_grpo.beta > 0 else 0)
+                          + (2 if cfg.ss_grpo.minibatches > 1 else 0))
+    update = flops / (W * a["gpu_flops"] * a["mfu"]) \
+        + cfg.ss_grpo.minibatches * P / W / a["cpu_adam_params_per_s"]
+    sync = 2 * P / a["sync_bytes_per_s"]  # one sync per step (reflection and task batch, then sync)
+    phases = {"rollouts (decode)": rollouts, "search calls": search,
+              "judge (not hidden by rollouts)": judge,
+              "reflection (not hidden by next rollouts)": reflection_exposed,
+              "update (forward/backward/optimizer)": update, "weight sync (1 per step)": sync}
+    assumptions = [
+        f"{ranks} sampling ranks, one co-located vLLM engine each: {per_rank} sequences per engine, "
+        f"{concurrency} concurrent (KV capacity / mean context), {waves} waves; decode step as today",
+        f"{a['tool_calls_per_rollout']:g} searches per rollout at {a['search_s']:g} s, on each rollout's "
+        "own path (no turn barrier; calls of different rollouts concurrent)",
+        f"judge busy {judge_busy / 60:.1f} min ({judge_calls} calls, {C} in flight) runs during the "
+        f"rollouts; at least {a['judge_rounds_exposed']:g} round trips of the last group after them",
+        f"reflection: {reflect_calls * a['reflection_m']:g} candidates of {a['reflection_tokens']:g} "
+        f"tokens + {reflect_calls} judge calls ({C} in flight) = {reflection / 60:.1f} min, "
+        "overlapping the next step's rollouts (one-step lag)",
+        f"sync: 1 x 2P bytes at {a['sync_bytes_per_s'] / 1e9:g} GB/s",
+    ]
+    return StepTime(phases, assumptions, float(sum(phases.values())))
+
+
 def _fmt(d: dict) -> list[str]:
     return [f"    {k:<46} {v / GIB:8.1f} GiB" for k, v in d.items()]
 
@@ -349,6 +420,12 @@ def plan_lines(cfg, world: int, ranks_per_node: int, gpu_bytes: float, gpu_src: 
                   f"{st.total_s * cfg.steps / 3600:.0f} h for {cfg.steps} steps"]
     lines += [f"    {k:<46} {v / 60:8.1f} min" for k, v in st.phases.items()]
     lines += ["  assumptions:"] + [f"    - {x}" for x in st.assumptions]
+    sc = step_time_concurrent(shape, cfg, world, mp.kv_tokens)
+    lines += ["", f"step time, concurrent schedule (estimate; backends/rollout_engine.py): "
+                  f"{sc.total_s / 60:.1f} min per RL step ({sc.total_s / st.total_s:.2f}x), "
+                  f"{sc.total_s * cfg.steps / 3600:.0f} h for {cfg.steps} steps"]
+    lines += [f"    {k:<46} {v / 60:8.1f} min" for k, v in sc.phases.items()]
+    lines += ["  assumptions (besides the ones above):"] + [f"    - {x}" for x in sc.assumptions]
     return lines, problems
 
 

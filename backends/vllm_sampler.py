@@ -193,8 +193,12 @@ class VLLMSampler:
     # Sampling
 
     def generate(self, prompts: list[list[int]], max_new_tokens: list[int],
-                 temperature: float) -> list[list[int]]:
+                 temperature: float, seeds: list[int] | None = None) -> list[list[int]]:
         """Continue each prompt; the `scaffold.Sampler` contract.
+
+        seeds: optional, one per prompt (backends/rollout_engine.request_seed): request i samples
+        with seeds[i] whatever the call's other requests and the order of calls (the concurrent
+        rollout engine's determinism); None: the per-request sequence of `reseed`.
 
         prompts: token-id lists; max_new_tokens: per prompt, int (<= 0 gives []); temperature in
         [0, 2] (0 = greedy; RL uses 1.0, PAPER), top_k / top_p off. Returns, per prompt, exactly
@@ -207,6 +211,8 @@ class VLLMSampler:
             raise ValueError(f"{len(prompts)} prompts but {len(max_new_tokens)} token budgets")
         if not 0.0 <= float(temperature) <= 2.0:
             raise ValueError(f"temperature must be in [0, 2], got {temperature}")
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         out: list[list[int]] = [[] for _ in prompts]
         reqs, params, idx, limits = [], [], [], []
         for i, (p, m) in enumerate(zip(prompts, max_new_tokens)):
@@ -214,7 +220,8 @@ class VLLMSampler:
             if room <= 0 or not p:
                 continue
             reqs.append({"prompt_token_ids": [int(t) for t in p]})  # = vllm.inputs.TokensPrompt
-            params.append(self._sampling_params(room, float(temperature)))
+            params.append(self._sampling_params(room, float(temperature),
+                                                None if seeds is None else int(seeds[i])))
             idx.append(i)
             limits.append(room)
         if not reqs:
@@ -265,9 +272,9 @@ class VLLMSampler:
             out.append(lp)
         return out
 
-    def _sampling_params(self, max_tokens: int, temperature: float):
-        seed = None
-        if self.seed is not None:  # one seed per request: duplicated prompts sample independently
+    def _sampling_params(self, max_tokens: int, temperature: float, seed: int | None = None):
+        # seed given: the caller's per-request seed (rollout_engine.request_seed)
+        if seed is None and self.seed is not None:  # one seed per request: duplicates sample independently
             seed = (int(self.seed) * 1_000_003 + self.stats["requests"]) % (2**31 - 1)
         self.stats["requests"] += 1
         kw = dict(max_tokens=max_tokens, temperature=temperature, top_k=0, top_p=1.0, min_p=0.0,

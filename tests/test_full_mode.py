@@ -260,3 +260,23 @@ def test_full_mode_two_zero3_ranks_with_the_vllm_sampler(runs, tmp_path):
     with open(d / "samples.jsonl") as fh:
         samples = [json.loads(line) for line in fh]
     assert first(samples, 0) == first(out["1e-3"], 0) and first(samples, 1) == first(out["1e-3"], 1)
+
+
+@pytest.mark.slow
+def test_full_mode_async_rollout_schedule_is_deterministic(runs, tmp_path):
+    """full.rollout_schedule="async" on 2 ZeRO-3 ranks + vLLM (rollout_engine.AsyncTurns: no turn
+    barrier, concurrent Serper calls against the loopback server, one seed per request): two runs
+    with the same seed sample the same trajectories at both steps, and the weight syncs still reach
+    the engine after every update."""
+    py = _vllm_python_with_deepspeed()
+    samples = []
+    for name in ("async-a", "async-b"):
+        d, servers, _ = _full_run(tmp_path, name, runs["model"], runs["rows"], 2, "--set", 'sampler="vllm"',
+                                  "--set", 'full.rollout_schedule="async"', "--set", "full.tool_concurrency=4",
+                                  python=py)
+        assert not servers["judge"][1] and not servers["search"][1]
+        rows_m = _metrics(d)
+        assert [r["sampler/syncs"] for r in rows_m] == [1, 3] and all(r["tokens/total"] > 0 for r in rows_m)
+        with open(d / "samples.jsonl") as fh:
+            samples.append([json.loads(line)["trajectory"] for line in fh])
+    assert samples[0] == samples[1] and samples[0]

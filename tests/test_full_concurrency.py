@@ -1,0 +1,335 @@
+"""Full mode's concurrent schedule (backends/rollout_engine.py): no turn barrier, bounded concurrent
+tool calls, the same rollouts under any schedule and rank count, groups judged as they finish, and the
+asynchronous reflection branch giving the sequential branch's bank entries.
+
+The sampler is benchmarks/full_step.BenchSampler over the XS tiny Qwen3 (real decoding, scripted turn
+structure, one seed per request); the tool is a fake search whose latency depends on the query, so
+tool results arrive out of order.
+"""
+import hashlib
+import importlib.util
+import os
+import random
+import threading
+import time
+
+import pytest
+
+from toyfix import SYSTEM, tiny_tokenizer, train_queries
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("full_step", os.path.join(ROOT, "benchmarks", "full_step.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def model_tok():
+    from toy import model as toy_model
+
+    tok = tiny_tokenizer()
+    m = toy_model.build_tiny_qwen3(tok, "XS", seed=0)
+    m.eval()
+    return m, tok
+
+
+class SlowTool:
+    """Search results that depend only on the query, after a latency that also does (0 to `base` s),
+    or `slow_s` for queries in `slow`. Records the calls in flight."""
+
+    def __init__(self, base: float = 0.03, slow: tuple = (), slow_s: float = 0.0):
+        self.base, self.slow, self.slow_s = base, slow, slow_s
+        self.lock = threading.Lock()
+        self.in_flight = self.max_in_flight = self.calls = 0
+
+    def __call__(self, query: str):
+        from scaffold import SearchResult
+
+        with self.lock:
+            self.in_flight += 1
+            self.calls += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        h = int(hashlib.sha256(query.encode()).hexdigest()[:8], 16)
+        time.sleep(self.slow_s if any(s in query for s in self.slow) else self.base * (h % 7) / 6)
+        with self.lock:
+            self.in_flight -= 1
+        return [SearchResult(f"d{h % 97}", f"Result for {query[:20]}", f"text {h % 13}")]
+
+
+def _engine(model_tok, tool, schedule="async", tool_concurrency=8, max_batch=None):
+    from backends.rollout_engine import ConcurrentRolloutEngine
+    from scaffold import RolloutEngine
+
+    model, tok = model_tok
+    sampler = _bench().BenchSampler(model, tok)
+    eng = RolloutEngine(sampler, tok, {"google_search": tool}, max_response_tokens=400,
+                        system_prompt=SYSTEM)
+    return ConcurrentRolloutEngine(eng, tool_concurrency, schedule, max_batch)
+
+
+def _key(rollouts):
+    return [(r.response_ids, r.loss_mask, r.stage_ids, [c.query for c in r.tool_calls], r.truncated,
+             r.finished) for r in rollouts]
+
+
+def test_same_rollouts_under_every_schedule_and_rank_count(model_tok):
+    """Deterministic for a seed: lockstep, async, and async split over 2 or 3 "ranks" (shards run with
+    their global index offsets) give identical rollouts, tool calls included; another seed differs."""
+    from backends.rollout_engine import shard
+
+    qs, n = list(train_queries()[:5]), 2
+    ref = _engine(model_tok, SlowTool(), "lockstep").run(qs, n, None, seed=3)
+    assert sum(len(r.tool_calls) for r in ref) >= 3  # the schedule matters: there are tool turns
+    assert _key(_engine(model_tok, SlowTool(), "async").run(qs, n, None, seed=3)) == _key(ref)
+    for world in (2, 3):
+        got = []
+        for rank in range(world):
+            mine = shard(len(qs), world, rank)
+            got += _engine(model_tok, SlowTool(), "async", max_batch=1).run(
+                [qs[g] for g in mine], n, None, seed=3, index_offset=mine.start * n)
+        assert _key(got) == _key(ref), world
+    assert _key(_engine(model_tok, SlowTool(), "async").run(qs, n, None, seed=4)) != _key(ref)
+
+
+def test_shard_covers_every_group_once():
+    from backends.rollout_engine import shard
+
+    for P in (0, 1, 7, 32):
+        for w in (1, 2, 3, 8):
+            parts = [list(shard(P, w, r)) for r in range(w)]
+            assert sum(parts, []) == list(range(P))
+            assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    with pytest.raises(ValueError):
+        shard(4, 2, 2)
+
+
+def test_no_turn_barrier_and_bounded_tool_concurrency(model_tok):
+    """A rollout whose tool call hangs for 1.5 s does not hold the others back: they finish all their
+    turns while it waits (async), whereas lockstep makes every rollout wait for it. Tool calls run
+    concurrently, never more than the bound."""
+    qs = list(train_queries()[:4])
+    probe = _engine(model_tok, SlowTool(base=0.0), "lockstep").run(qs, 2, None, seed=5)
+    called = [r for r in probe if r.tool_calls]
+    assert len(called) >= 2
+    slow_q = called[0].tool_calls[0].query  # the first call of one rollout hangs
+    finish: dict = {}
+
+    def timed(schedule, bound):
+        tool = SlowTool(base=0.05, slow=(slow_q,), slow_s=1.5)
+        ce = _engine(model_tok, tool, schedule, tool_concurrency=bound)
+        t0 = time.perf_counter()
+        out = ce.run(qs, 2, None, seed=5, on_group_done=lambda g: finish.setdefault(
+            (schedule, g), time.perf_counter() - t0))
+        return out, tool, ce
+
+    out, tool, ce = timed("async", 3)
+    assert _key(out) == _key(probe)
+    slow_group = next(i // 2 for i, r in enumerate(out) if any(c.query == slow_q for c in r.tool_calls))
+    others = [finish[("async", g)] for g in range(len(qs)) if g != slow_group]
+    assert max(others) < 1.5 <= finish[("async", slow_group)]  # the others never waited for it
+    assert 2 <= tool.max_in_flight <= 3  # concurrent, within the bound
+    timed("lockstep", 3)
+    assert min(finish[("lockstep", g)] for g in range(len(qs))) >= 1.5  # the turn barrier
+
+
+def test_streaming_judge_starts_before_the_rollouts_end(model_tok):
+    """Groups reach the judge as they finish, while other groups still sample; groups of the same
+    query go in group order; results come back in group order."""
+    from backends.rollout_engine import StreamingJudge
+
+    qs = list(train_queries()[:3])
+    qs = [qs[0], qs[1], qs[0], qs[2]]  # query 0 twice: its two groups share a buffer
+    events, lock = [], threading.Lock()
+
+    class Judge:
+        def judge_group(self, q, group, step):
+            with lock:
+                g = next(g for g in range(len(qs)) if sj.groups[g] is group)
+                events.append(("start", g, time.perf_counter()))
+            time.sleep(0.05)
+            return ("R", q.query, len(group))
+
+    out: list = []
+    sj = StreamingJudge(Judge(), qs, [None] * len(qs), 0, concurrency=4)
+    ce = _engine(model_tok, SlowTool(base=0.02))
+
+    def done(g):
+        sj.groups[g] = out[g * 2:(g + 1) * 2]
+        sj.submit(g)
+
+    ce.run(qs, 2, None, seed=1, on_group_done=done, sink=out)
+    t_end = time.perf_counter()
+    res = sj.results()
+    assert res == [("R", q.query, 2) for q in qs]
+    first = min(t for _, _, t in events)
+    assert first < t_end  # judging began while rollouts were still running
+    starts = [g for kind, g, _ in events]
+    assert starts.index(2) > starts.index(0)  # the query's second group after its first
+
+
+class HashJudge:
+    """score_reflections: scores from a hash of the candidate text, after a random latency (so
+    concurrent calls finish out of order)."""
+
+    concurrent_groups = True
+
+    def __init__(self):
+        self.rng, self.lock, self.calls = random.Random(), threading.Lock(), 0
+
+    def score_reflections(self, query, rollout, judged, row, candidates):
+        from judge import ReflectionScore
+
+        with self.lock:
+            self.calls += 1
+            d = self.rng.random() * 0.05
+        time.sleep(d)
+        out = []
+        for c in candidates:
+            h = int(hashlib.sha256(c.encode()).hexdigest()[:8], 16)
+            w, x = (h % 101) / 100, (h // 101 % 101) / 100
+            out.append(ReflectionScore(w, x, (w + x) / 2, "hash"))
+        return out
+
+
+def test_async_reflection_equals_sequential_from_the_same_snapshot(model_tok):
+    """The reflection branch of one step, run at once with serial judge calls (sequential schedule)
+    and in AsyncReflection's thread with concurrent judge calls while the next step's rollouts use
+    the same sampler, gives the same bank entries and the same GRPO batch."""
+    from bank import RubricBank
+    from backends.rollout_engine import AsyncReflection, reflection_branch
+    from hparams import ReflectionConfig
+
+    _, tok = model_tok
+    qs, n = list(train_queries()[:3]), 2
+    ce = _engine(model_tok, SlowTool())
+    sampler = ce.engine.sampler
+    rollouts = ce.run(qs, n, None, seed=2)
+    judged = {i: (None, i % n) for i in range(len(rollouts))}
+    cfg = ReflectionConfig(m=3, max_new_tokens=16)
+
+    def branch(bank, conc):
+        return reflection_branch(0, rollouts, judged, HashJudge(), bank, sampler, tok, SYSTEM, cfg,
+                                 random.Random(7), "sample", 1e-6, n, seed=11, judge_concurrency=conc)
+
+    b1 = RubricBank()
+    batch1, m1 = branch(b1, 1)()
+    b2 = RubricBank()
+    ar = AsyncReflection()
+    ar.start(branch(b2, 8))
+    nxt = ce.run(list(train_queries()[3:6]), n, None, seed=9)  # the next step's rollouts, meanwhile
+    assert ar.pending
+    batch2, m2 = ar.result()
+    assert nxt and not ar.pending
+    e1 = [(e.query, e.reflection, e.score, e.step) for e in b1.entries()]
+    e2 = [(e.query, e.reflection, e.score, e.step) for e in b2.entries()]
+    assert len(e1) >= 2 and e1 == e2
+    assert batch1.to_dict() == batch2.to_dict() and batch1.sequences
+    assert m2["reflect/async_s"] > 0 and "reflect/async_wait_s" in m2
+    # A different branch seed samples different candidates: the comparison can fail.
+    b3 = RubricBank()
+    reflection_branch(0, rollouts, judged, HashJudge(), b3, sampler, tok, SYSTEM, cfg, random.Random(7),
+                      "sample", 1e-6, n, seed=12)()
+    assert [(e.query, e.reflection) for e in b3.entries()] != [(q, r) for q, r, _, _ in e1]
+
+
+def test_async_reflection_passes_errors_and_refuses_two_in_flight():
+    from backends.rollout_engine import AsyncReflection
+
+    ar = AsyncReflection()
+    with pytest.raises(RuntimeError):
+        ar.result()
+    ev = threading.Event()
+    ar.start(lambda: (ev.wait(5), {}))
+    with pytest.raises(RuntimeError):
+        ar.start(lambda: (None, {}))
+    ev.set()
+    ar.result()
+    ar.start(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        ar.result()
+
+
+def test_request_seed_depends_on_every_part():
+    from backends.rollout_engine import request_seed
+
+    s = {request_seed(b, i, t) for b in (0, 1) for i in (0, 1, 2) for t in (0, 1)}
+    assert len(s) == 12 and all(0 <= x < 2 ** 31 - 1 for x in s)
+    assert request_seed(5, 3, 1) == request_seed(5, 3, 1)
+
+
+
+def test_full_step_benchmark_runs_both_schedules_on_two_ranks():
+    """benchmarks/full_step.py end to end at its smallest (2 gloo ranks, 2 groups x 2, 2 steps, short
+    sleeps): both schedules run, sample the same step-0 rollouts, and the last line has the figures.
+    No timing is asserted (a shared machine); the figures are in docs/full_mode.md."""
+    import re
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""}
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "full_step.py"), "--groups", "2",
+                        "--n", "2", "--steps", "2", "--m", "2", "--max-tokens", "256", "--judge-sleep",
+                        "0.05", "--search-sleep", "0.02"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    lines = p.stdout.strip().splitlines()
+    assert "same_rollouts(step 0, both schedules)=True" in lines
+    assert any(x.startswith("rollout/sampling_ranks=2 ") for x in lines)
+    m = re.fullmatch(r"FULL_STEP step_s=([\d.]+) sequential_step_s=([\d.]+) ratio=([\d.]+)", lines[-1])
+    assert m and float(m.group(1)) > 0 and float(m.group(2)) > 0
+
+
+def test_async_turns_in_the_training_loop_interface(model_tok):
+    """rollout_engine.AsyncTurns, what build.build_run puts in run.rollout_engine for
+    full.rollout_schedule = "async": scaffold.RolloutEngine's run() signature, seeded by the
+    sampler's reseed, the same rollouts as the lockstep comparison schedule, counters shared with the
+    wrapped engine (checkpoints save them); the settings are validated."""
+    from backends.config import validate_config
+    from backends.presets import full_preset
+    from backends.rollout_engine import AsyncTurns
+
+    qs = list(train_queries()[:3])
+    ce = _engine(model_tok, SlowTool(), "lockstep")
+    ref = ce.run(qs, 2, None, seed=6)
+    inner = _engine(model_tok, SlowTool()).engine
+    eng = AsyncTurns(inner, 4)
+    eng.sampler.reseed(6)
+    out = eng.run(qs, n=2, bank_items=[[], [], []])
+    assert _key(out) == _key(ref)
+    assert eng.stats is inner.stats and eng.max_response_tokens == inner.max_response_tokens
+    assert eng.prompt_ids(qs[0].query) == ref[0].prompt_ids
+    cfg = full_preset()
+    cfg.full.rollout_schedule = "barrier-free"
+    with pytest.raises(ValueError, match="full.rollout_schedule"):
+        validate_config(cfg)
+    cfg.full.rollout_schedule, cfg.full.tool_concurrency = "async", 0
+    with pytest.raises(ValueError, match="full.tool_concurrency"):
+        validate_config(cfg)
+
+
+def test_pool_map_keeps_order_bounds_threads_and_raises():
+    """rollout_engine.pool_map (Run.judge_map for the HTTP judge): input order whatever the finish
+    order, at most n calls at once, the first error raised, no thread left behind."""
+    from backends.rollout_engine import pool_map
+
+    lock, state = threading.Lock(), {"now": 0, "max": 0}
+
+    def slow(x):
+        with lock:
+            state["now"] += 1
+            state["max"] = max(state["max"], state["now"])
+        time.sleep(0.02 * (5 - x % 5))
+        with lock:
+            state["now"] -= 1
+        return x * x
+
+    assert pool_map(3)(slow, range(10)) == [x * x for x in range(10)]
+    assert 2 <= state["max"] <= 3
+    with pytest.raises(ZeroDivisionError):
+        pool_map(2)(lambda x: 1 / x, [1, 0, 2])
+    with pytest.raises(ValueError):
+        pool_map(0)
