@@ -163,6 +163,11 @@ class ReflectionConfig:
     max_new_tokens: int = 64
     """not in the paper (it gives no length); we cap a toy reflection at one or two sentences; full:
     512, room for a retrospective rubric plus takeaways (Fig. 2) inside the 8,192-token prompt"""
+    max_prompt_tokens: int = 0
+    """not in the paper (it does not say how a long trajectory enters the reflection prompt); a longer
+    prompt keeps the trajectory's head (plan) and tail (review, answer) and drops the middle (research
+    turns), so prompt plus max_new_tokens fits the sampler's context; 0 = no limit (the toy's
+    trajectories are short); full: 26,624 - 512"""
     system_prompt: str = "task"
     """not in the paper (it prints no prompt); "task": the rollout's system prompt (the toy SFT
     teaches reflections under it) | "reflect": reflection.REFLECT_SYSTEM, plain prose without stage

@@ -92,11 +92,35 @@ def reflection_messages(query: str, trajectory_text: str, system: str) -> list:
                                         f"Attempt:\n{trajectory_text}"}]
 
 
-def reflection_prompt_ids(tok, query: str, rollout: Rollout, system: str) -> list[int]:
-    """Token ids of the reflection prompt: query + the trajectory (forged tool outputs neutralised)."""
+def reflection_prompt_ids(tok, query: str, rollout: Rollout, system: str,
+                          max_tokens: int = 0) -> list[int]:
+    """Token ids of the reflection prompt: query + the trajectory (forged tool outputs neutralised).
+
+    max_tokens > 0 caps the prompt's length (ReflectionConfig.max_prompt_tokens): a longer prompt
+    keeps the trajectory's first and last tokens in equal parts, with one line in between saying how
+    many were left out (the plan and the review + answer survive; research turns go first). Raises
+    ValueError when even the trajectory-free prompt does not fit."""
     traj = rollout.judge_text.replace("<|im_end|>", "")
-    ids = tok.apply_chat_template(reflection_messages(query, traj, system),
-                                  add_generation_prompt=True, tokenize=True)
+    ids = _chat_ids(tok, reflection_messages(query, traj, system))
+    if not max_tokens or len(ids) <= max_tokens:
+        return ids
+    t = tok.encode(traj, add_special_tokens=False)
+    room = max_tokens - (len(ids) - len(t))  # trajectory tokens that fit, before the omission line
+    while room >= 2:  # decode -> encode is not exact: shrink until the whole prompt fits
+        head, tail = t[:room // 2], t[len(t) - (room - room // 2):]
+        cut = (tok.decode(head) + f"\n[... {len(t) - len(head) - len(tail)} tokens of the attempt "
+               "left out ...]\n" + tok.decode(tail))
+        ids = _chat_ids(tok, reflection_messages(query, cut, system))
+        if len(ids) <= max_tokens:
+            return ids
+        room -= len(ids) - max_tokens
+    raise ValueError(f"the reflection prompt does not fit reflection.max_prompt_tokens = {max_tokens} "
+                     "even without its trajectory")
+
+
+def _chat_ids(tok, messages: list) -> list[int]:
+    """The chat template's token ids, with the generation prompt."""
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)
@@ -156,7 +180,8 @@ def run_reflection_branch(step: int, rollouts: Sequence[Rollout], judged: dict, 
     picks = pick_trajectories(len(rollouts), group_size or len(rollouts), cfg.trajectories_per_query,
                               rng)
     system = reflection_system(cfg, system)
-    prompts = [reflection_prompt_ids(tok, rollouts[i].query.query, rollouts[i], system) for i in picks]
+    prompts = [reflection_prompt_ids(tok, rollouts[i].query.query, rollouts[i], system,
+                                     cfg.max_prompt_tokens) for i in picks]
     # One batched call for the whole step: (P x m) prompts, candidate c of pick p at p * m + c.
     flat = sampler.generate([p for p in prompts for _ in range(cfg.m)],
                             [cfg.max_new_tokens] * (len(picks) * cfg.m), cfg.temperature)

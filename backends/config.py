@@ -666,9 +666,10 @@ def config_from_dict(d: dict, cls=None, prefix: str = ""):
 
 
 # Fields a resumed run may change: where and how long it runs, not what it computes. The tool
-# limits are wall-clock safety nets and the failure thresholds only decide when to stop.
+# limits are wall-clock safety nets, the failure thresholds only decide when to stop, and the
+# reflection prompt cap only acts on a prompt that would not fit the sampler's context.
 RESUME_MAY_CHANGE = ("steps", "run_dir", "progress", "report_to", "threads", "sample_threads",
-                     "cache_dir", "checkpoint.", "max_nonfinite_updates",
+                     "cache_dir", "checkpoint.", "max_nonfinite_updates", "reflection.max_prompt_tokens",
                      "eval.", "rollout.tool_timeout_s", "rollout.deadline_s", "judge.max_failure_rate",
                      "judge.max_failure_steps", "judge_http.base_url", "judge_http.api_key_env",
                      "judge_http.concurrency", "judge_http.timeout_s", "judge_http.backoff",

@@ -66,6 +66,10 @@ def full_preset() -> Config:
     # (Fig. 2) that returns as a memory note inside the 8,192-token prompt (top-k 2). 512 tokens
     # leave two notes (<= 3,000 characters each, ~1,500 tokens) well inside it; 64 (toy) cut them.
     c.reflection.max_new_tokens = 512
+    # The reflection prompt holds the whole trajectory (up to prompt + response tokens): keep it
+    # within the sampler's context with room for the candidate (reflection.py, max_prompt_tokens).
+    c.reflection.max_prompt_tokens = (c.full.max_prompt_tokens + c.rollout.max_response_tokens
+                                      - c.reflection.max_new_tokens)
     c.reflection.system_prompt = "reflect"  # plain prose: the bank refuses stage tags
     c.bank.max_chars = 3000
     return c

@@ -257,3 +257,42 @@ def test_reflection_update_advantages_scaled_by_loss_coef_sec3_4():
         cfg.reflection.loss_coef = bad
         with pytest.raises(ValueError, match="reflection.loss_coef"):
             settings.validate_config(cfg)
+
+
+def test_a_long_trajectory_is_cut_in_the_middle_to_fit_the_reflection_prompt(step_batch):
+    from reflection import reflection_prompt_ids
+
+    _, ros = step_batch
+    tok, ro = tf.tiny_tokenizer(), ros[0]
+    full = reflection_prompt_ids(tok, ro.query.query, ro, tf.SYSTEM)
+    assert reflection_prompt_ids(tok, ro.query.query, ro, tf.SYSTEM, 0) == full  # 0: no limit
+    assert reflection_prompt_ids(tok, ro.query.query, ro, tf.SYSTEM, len(full)) == full  # fits
+    cap = len(full) - 60
+    cut = reflection_prompt_ids(tok, ro.query.query, ro, tf.SYSTEM, cap)
+    assert len(cut) <= cap
+    text, traj = tok.decode(cut), ro.judge_text.replace("<|im_end|>", "")
+    assert "tokens of the attempt left out" in text and ro.query.query in text
+    assert "<structured_plan>" in text and "</answer>" in text  # the plan and the answer survive
+    assert traj not in text
+    with pytest.raises(ValueError, match="max_prompt_tokens"):
+        reflection_prompt_ids(tok, ro.query.query, ro, tf.SYSTEM, 20)  # not even the instruction
+
+
+def test_the_full_preset_leaves_the_reflection_room_in_the_context():
+    c = presets.full_preset()
+    context = c.full.max_prompt_tokens + c.rollout.max_response_tokens  # PAPER: 26,624
+    assert context == 26624
+    assert c.reflection.max_prompt_tokens + c.reflection.max_new_tokens == context
+    assert presets.toy_preset().reflection.max_prompt_tokens == 0  # toy trajectories are short
+
+
+def test_the_reflection_branch_samples_from_prompts_within_the_cap(step_batch):
+    qs, ros = step_batch
+    tok, n, m = tf.tiny_tokenizer(), 2, 2
+    judged = {i: (None, i % n) for i in range(len(ros))}
+    longest = max(len(tok.encode(r.judge_text)) for r in ros)
+    cfg = ReflectionConfig(m=m, max_new_tokens=16, max_prompt_tokens=longest // 2)
+    batch, _ = run_reflection_branch(0, ros, judged, AdmittingJudge(), RubricBank(), CountingStub(tok),
+                                     tok, tf.SYSTEM, cfg, random.Random(0), group_size=n)
+    prompts = [s[: mk.index(1)] for s, mk in zip(batch.sequences, batch.masks)]
+    assert len(prompts) == len(qs) * m and max(map(len, prompts)) <= cfg.max_prompt_tokens
