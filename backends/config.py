@@ -85,7 +85,7 @@ def variation_run_dir(base: str, seed: int | None = None, model: str | None = No
 
 # ----------------------------------------------------------------------------------------------------
 # Renamed keys: the old spelling still works (a one-line deprecation notice), in --set and in a saved
-# config.json (resume, ask.py, evaluate.py)
+# config.json (resume, scripts/ask.py, evaluate.py)
 
 # The HTTP judge's and web search's transport knobs moved to their backends' sections
 # (backends/judge_http.HTTPJudgeConfig, backends/search_http.SearchHTTPConfig); the toy policy's size

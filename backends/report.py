@@ -33,7 +33,7 @@ PROGRESS_LEGEND = ("rl progress bar: score = mean static-rubric score of this st
 # The run dir's artefacts in the order they are listed, with what each holds.
 ARTEFACTS = (("metrics.jsonl", "metrics, one JSON line per RL step (docs/metrics.md)"),
              ("reward_curves.png", "stage scores per RL step, smoothed, one panel per stage"),
-             ("final", "the trained policy, Hugging Face format (python ask.py DIR asks it)"),
+             ("final", "the trained policy, Hugging Face format (python scripts/ask.py DIR asks it)"),
              ("bank.jsonl", "the rubric bank (python bank.py list FILE)"),
              ("samples.jsonl", "every rollout of the first and last RL step, with stage scores"),
              ("eval.json", "held-out evaluation and timings"))
@@ -120,7 +120,7 @@ def verdict_lines(e0: dict, e1: dict, run_dir: str) -> list[str]:
                     "interval contains 0)")
     final = os.path.join(run_dir, "final")
     return [head, f"next: {os.path.join(run_dir, 'reward_curves.png')} (the trend), "
-                  f"python ask.py {final} (the policy at work), docs/results.md (three seeds)"]
+                  f"python scripts/ask.py {final} (the policy at work), docs/results.md (three seeds)"]
 
 
 def phase_line(phase: str, **kw) -> str:

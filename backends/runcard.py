@@ -5,14 +5,14 @@ SYSTEM_PROMPT_COMPACT); asked without it, it answers out of distribution. So the
 carries the prompt twice:
 
     rubricem.json     {"format": 1, "system_prompt": str, "config": the run's configuration (asdict)}
-                      read by ask.py (world, search tool and rollout limits come from "config")
+                      read by scripts/ask.py (world, search tool and rollout limits come from "config")
     chat template     the tokenizer's template puts the same prompt in as the default system message,
                       so plain transformers users get it:
                       tok.apply_chat_template([{"role": "user", "content": q}], ...) renders exactly
                       what training rendered for [{"role": "system", ...}, {"role": "user", ...}]
     generation_config.json   stops at `</call_tool>` (write_generation_stops), so plain `generate`
                       hands a tool call back instead of writing the tool's output itself
-    README.md         how to use the folder: ask.py, or the tool loop around plain `generate`
+    README.md         how to use the folder: scripts/ask.py, or the tool loop around plain `generate`
 
 Not part of the paper's method.
 """
@@ -67,7 +67,7 @@ A research agent trained with RubricEM (arXiv 2605.10899). It answers in four ta
 research with tool calls, review, answer) and expects a search tool to answer each
 `<call_tool name="google_search">query</call_tool>` with a `<tool_output>` block.
 
-- Ask it: `python ask.py THIS_DIR "question"` in the rubricem repository (scaffold and search tool
+- Ask it: `python scripts/ask.py THIS_DIR "question"` in the rubricem repository (scaffold and search tool
   as in training; `rubricem.json` holds the run's system prompt and configuration).
 - Plain transformers `generate` stops at each `</call_tool>` (generation_config.json): run the search,
   append the tool output and generate again (docs/final_policy.md of the repository shows the loop).
@@ -75,7 +75,7 @@ research with tool calls, review, answer) and expects a search tool to answer ea
 
 
 # Where plain `generate` must hand over to the environment: after a tool call the search tool answers
-# (scaffold.RolloutEngine, ask.py); generating on would make up the tool's output.
+# (scaffold.RolloutEngine, scripts/ask.py); generating on would make up the tool's output.
 STOP_STRINGS = ("</call_tool>",)
 
 

@@ -31,7 +31,7 @@ passes, so that all ranks make the same number of ZeRO-3 forwards.
 
 Output (`--out DIR`, written atomically: DIR.tmp, then renamed): the HF checkpoint (config,
 safetensors, tokenizer whose chat template defaults to the scaffold's system prompt), `rubricem.json`
-(the run card: system prompt and a full-preset run configuration with model = DIR, read by ask.py;
+(the run card: system prompt and a full-preset run configuration with model = DIR, read by scripts/ask.py;
 plus "sft": the SFT settings, data stats and losses), `sft_info.json` (the same stats).
 
 Deviations from the paper

@@ -46,7 +46,7 @@ ADDITIONS = {
                    "judge API and model; its key is a test key in the environment",
 }
 
-RUN_SCRIPTS = ("train.py", "ask.py", "bank.py", "evaluate.py")
+RUN_SCRIPTS = ("train.py", "bank.py", "evaluate.py")
 # Markers of a command that needs a GPU, several processes, a real model or the network.
 NEEDS_MACHINE = ("deepspeed", "torchrun", "--sampler vllm", "--preset full", "--search serper")
 # Packages a README pip line may name besides the project itself.

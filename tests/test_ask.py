@@ -1,10 +1,12 @@
-"""Asking a trained policy (ask.py) and the run card that carries its system prompt (runcard.py):
+"""Asking a trained policy (scripts/ask.py) and the run card that carries its system prompt (runcard.py):
 the §3.1-3.2 scaffold with real tool calls, printed stage by stage."""
 import dataclasses
 import json
 import os
 
-import ask
+from runfix import load_script
+
+ask = load_script("ask")
 from toy import model as toy_model
 from backends import runcard
 import scaffold

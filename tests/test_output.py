@@ -252,7 +252,7 @@ def test_verdict_is_read_off_the_paired_interval(gain, words):
     assert head.startswith("verdict: " + words), head
     assert f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]" in head
     assert (lo > 0) == (gain > 0) and (hi < 0) == (gain < 0)
-    assert "runs/toy/reward_curves.png" in nxt and "python ask.py runs/toy/final" in nxt
+    assert "runs/toy/reward_curves.png" in nxt and "python scripts/ask.py runs/toy/final" in nxt
 
 
 def test_verdict_without_per_question_values_makes_no_claim():
@@ -359,7 +359,7 @@ def test_first_run_console_phases_verdict_samples_and_stopping_final(two_runs, c
     model = AutoModelForCausalLM.from_pretrained(d / "b" / "final")
     assert tok.convert_tokens_to_ids("</call_tool>") in model.generation_config.eos_token_id
     card = (d / "b" / "final" / "README.md").read_text()
-    assert "python ask.py" in card and "</call_tool>" in card and "docs/final_policy.md" in card
+    assert "python scripts/ask.py" in card and "</call_tool>" in card and "docs/final_policy.md" in card
     prompt = tok.apply_chat_template([{"role": "user", "content": "q"}], add_generation_prompt=True,
                                      return_tensors="pt", return_dict=True)
     import torch as _torch

@@ -37,3 +37,15 @@ def test_one_toy_step_is_within_the_cap_and_the_doc_is_its_trace():
     assert m, r.stdout[-2000:] + r.stderr[-2000:]
     assert int(m.group(1)) <= 900 and int(m.group(2)) <= 7, last
     assert r.returncode == 0, r.stdout[-2000:]
+
+
+# The root holds the paper layer and its entry points only (at most 10 .py files); plumbing lives in
+# backends/, toy-only code in toy/, other commands in scripts/.
+PAPER_ROOT = {"scaffold", "judge", "ss_grpo", "reflection", "bank", "train", "evaluate", "policy", "sft",
+              "hparams"}
+
+
+def test_the_root_holds_at_most_ten_paper_modules():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    mods = {f[:-3] for f in os.listdir(root) if f.endswith(".py")}
+    assert len(mods) <= 10 and mods <= PAPER_ROOT, sorted(mods - PAPER_ROOT)

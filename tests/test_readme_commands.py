@@ -1,7 +1,7 @@
 """Every shell command README.md shows works in a fresh checkout.
 
 tests/readme_commands.py extracts each command of the README's ```bash blocks and classifies it:
-  run       python train.py / ask.py / bank.py / scripts/memory_eval.py / evaluate.py / scripts/*.py: run in a
+  run       python train.py / scripts/ask.py / bank.py / scripts/memory_eval.py / evaluate.py / scripts/*.py: run in a
             subprocess, in README order, from a scratch copy of the checkout (cwd = that copy, so
             `runs/toy` etc. are relative to it, as in a fresh clone); must exit 0 without a traceback,
             and every `runs/...` path its comment names must exist afterwards.
@@ -71,11 +71,11 @@ def tiny_train_args(cache_dir) -> list[str]:
 def test_extract_joins_continuations_splits_chains_and_keeps_quotes():
     md = ("text\n```bash\nA=1 pip install -e \".[x]\" && python train.py --toy   # c && d\n"
           "deepspeed --a 1 \\\n    train.py --full   # two lines\n"
-          "python ask.py d \"q # not a comment && not a chain\"\n```\n```\npython not_bash.py\n```\n")
+          "python scripts/ask.py d \"q # not a comment && not a chain\"\n```\n```\npython not_bash.py\n```\n")
     cmds = rc.extract_commands(md)
     assert [c.text for c in cmds] == ['A=1 pip install -e ".[x]"', "python train.py --toy",
                                       "deepspeed --a 1 train.py --full",
-                                      'python ask.py d "q # not a comment && not a chain"']
+                                      'python scripts/ask.py d "q # not a comment && not a chain"']
     assert cmds[1].comment == "c && d" and cmds[1].index == 1 and cmds[1].chain == tuple(
         c.text for c in cmds[:2])
     assert cmds[2].comment == "two lines" and cmds[2].line == 4
