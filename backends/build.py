@@ -224,6 +224,6 @@ def build_run(cfg: Config, policy, model, tok, world, tool, train_q: list, held_
     if getattr(judge, "concurrent_groups", False):
         from backends.rollout_engine import pool_map
 
-        judge_map = pool_map(cfg.judge.concurrency)
+        judge_map = pool_map(cfg.judge_http.concurrency)
     return Run(cfg, policy, model, tok, system, sampler, rollout_engine, tool, rl_tool, judge, clean_judge,
                bank, order, train_q, held_q, ARMS[cfg.arm], judge_map)

@@ -361,7 +361,7 @@ def pool_map(n: int) -> Callable:
     """A `map` whose calls run on a fresh pool of n >= 1 threads (closed before it returns); results
     in input order, the first exception raised. The reflection branch's privileged judge calls go
     through it with an HTTP judge (build.build_run: Run.judge_map), whose client bounds the requests
-    in flight and the rate (judge.concurrency, rpm / tpm). Raises ValueError for n < 1."""
+    in flight and the rate (judge_http.concurrency, rpm / tpm). Raises ValueError for n < 1."""
     if n < 1:
         raise ValueError(f"pool size must be >= 1, got {n}")
 

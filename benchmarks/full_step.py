@@ -414,7 +414,7 @@ def main(argv=None) -> int:
     ap.add_argument("--judge-sleep", type=float, default=0.5, help="seconds per judge call")
     ap.add_argument("--search-sleep", type=float, default=0.2, help="seconds per search call")
     ap.add_argument("--tool-concurrency", type=int, default=8, help="tool calls in flight per rank")
-    ap.add_argument("--judge-concurrency", type=int, default=8, help="judge.concurrency")
+    ap.add_argument("--judge-concurrency", type=int, default=8, help="judge_http.concurrency")
     ap.add_argument("--also-one-rank", action="store_true",
                     help="also run the concurrent schedule with one sampling rank (rank scaling)")
     ap.add_argument("--rank-scaling-only", action="store_true",
