@@ -91,6 +91,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from backends import build, presets
+from backends.checkpoint import atomic_write_bytes
+from backends.data import read_records
+from backends.pricing import resolve_prices, unknown_price_message
+from backends.runcard import read_run_card
+from hparams import JudgeConfig
+from scaffold import Query, RolloutEngine, parse_response, system_prompt
+
 log = logging.getLogger("rubricem.evaluate")
 
 # PAPER: RubricEM-8B (RL) long-form scores, results table; SFT average 49.2, DR Tulu-8B RL average 53.6.
@@ -275,8 +283,6 @@ class DataError(ValueError):
 def _read(path: str, what: str = "--data (benchmark rows)") -> list:
     """Rows of a local .jsonl / .json / .parquet file (data.read_records); never a hub download.
     what: the flag and role of the file, named in the error when it is missing."""
-    from backends.data import read_records
-
     if not path:
         raise DataError(f"{what}: no file given")
     if not os.path.isfile(os.path.expanduser(path)):
@@ -495,8 +501,6 @@ def answer_text(rollout) -> str:
     "" when the rollout wrote no <answer>."""
     p = rollout.parsed
     if p is None:
-        from scaffold import parse_response
-
         p = parse_response(rollout.text, rollout.env_spans)
     return p.fields.get("answer", "").strip()
 
@@ -506,10 +510,7 @@ def generate_answers(engine, queries: Sequence[str], batch: int = 8, temperature
     """Run each query once through `engine` (scaffold.RolloutEngine, with its tool) and take the
     <answer> text. Returns (answers aligned with queries, number without an <answer> tag).
     Deterministic for a fixed seed and temperature 0 on CPU."""
-    import torch
     from tqdm import tqdm
-
-    from scaffold import Query
 
     torch.manual_seed(seed)
     answers, missing = [], 0
@@ -535,12 +536,6 @@ def build_engine(model_dir: str, preset: str = "toy", search: str = "", sampler:
     checkpoint was trained under, read from its run card (runcard.read_run_card); a directory without
     one gets the structured scaffold and the preset's prompt. Raises FileNotFoundError (no such
     directory), ValueError (an unreadable run card)."""
-    from backends import build
-
-    from backends import presets
-    from backends.runcard import read_run_card
-    from scaffold import RolloutEngine, system_prompt
-
     if not model_dir or not os.path.isdir(model_dir):
         raise FileNotFoundError(f"--model must be a local checkpoint directory, got {model_dir!r}")
     cfg = presets.toy_preset() if preset == "toy" else presets.full_preset()
@@ -1159,8 +1154,6 @@ def grade(bench: str, rows: list[dict], answers: list[str | None], judge, concur
 def write_report(report: dict, out_dir: str) -> tuple[str, str]:
     """report.json (everything) and report.md (score, CI, paper, breakdown, skipped, cost, settings)
     under out_dir, written atomically. Returns both paths."""
-    from backends.checkpoint import atomic_write_bytes
-
     os.makedirs(out_dir, exist_ok=True)
     jp, mp = os.path.join(out_dir, "report.json"), os.path.join(out_dir, "report.md")
     atomic_write_bytes(jp, json.dumps(report, indent=1, ensure_ascii=False).encode("utf-8"))
@@ -1245,7 +1238,6 @@ Paper averages: RubricEM-8B 55.5, its SFT start 49.2, DR Tulu-8B RL 53.6."""
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     from backends.judge_http import HTTPJudgeConfig
-    from hparams import JudgeConfig
 
     d, dh = JudgeConfig(backend="gemini"), HTTPJudgeConfig(cache_dir=".cache/rubricem/judge")
     p = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.split("\n")[0], epilog=HELP,
@@ -1319,7 +1311,6 @@ def judge_config(a: argparse.Namespace):
     """The evaluation judge's (judge section, judge_http section) from the CLI (hparams.JudgeConfig,
     judge_http.HTTPJudgeConfig); raises ValueError for prices given half."""
     from backends.judge_http import judge_configs
-    from backends.pricing import resolve_prices
 
     hc = judge_configs(backend=a.judge, model=a.judge_model, base_url=a.judge_base_url,
                      timeout_s=a.judge_timeout, max_retries=a.judge_max_retries,
@@ -1350,8 +1341,6 @@ def build_report(a: argparse.Namespace, hc, result: dict, stats: dict, gen_info:
                  wall_s: float) -> dict:
     """report.json's content: summary, paper scores, judge counters and prices, notes (DRB cleaning,
     an early stop), the evaluation settings (no training-only fields) and every example."""
-    from backends.pricing import resolve_prices, unknown_price_message
-
     jc, http = hc  # judge_config's pair
     prices = resolve_prices(jc.model, http.price_in, http.price_out)
     judge_settings = {**asdict(jc), **asdict(http)}

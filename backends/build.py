@@ -10,6 +10,7 @@ so a toy run never imports DeepSpeed, vLLM or an HTTP client.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -27,6 +28,9 @@ from toy.world import BM25SearchTool, make_world
 from backends.config import ARMS, Config, attach_sections, needed_sections
 from backends.data import DataOrder, load_rl_rows
 from backends.faults import FaultyJudge, FaultyTool
+from backends.runcard import card_mismatch
+
+log = logging.getLogger("rubricem")
 
 
 def setup_policy(cfg: Config, world, tool):
@@ -39,6 +43,9 @@ def setup_policy(cfg: Config, world, tool):
         # memory of fp32; 16 GB at 8B). Everywhere else fp32.
         bf16 = cfg.engine == "zero3" and torch.cuda.is_available() and cfg.full.bf16 != "off"
         model, tok = load_policy(cfg.model, dtype=torch.bfloat16 if bf16 else torch.float32)
+        bad = card_mismatch(cfg.model, system, cfg.rollout.scaffold)
+        if bad:  # the dry run reports it as a problem; a run goes on, as asked, but says so
+            log.warning("%s", bad)
         return model, tok, {"source": cfg.model}
     # The warm start depends on sft.seed (part of the cache key), not on the RL seed: it reseeds
     # every generator it uses, so runs with different --seed share one cached SFT policy.

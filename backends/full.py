@@ -1045,6 +1045,18 @@ def _path_problems(cfg) -> list[str]:
                    "directory)")
     elif not os.path.isfile(os.path.join(os.path.expanduser(cfg.model), "config.json")):
         out.append(f"policy model {cfg.model!r} has no config.json: not a Hugging Face model directory")
+    else:  # the SFT stage's run card (backends/sft_zero3.py) names the prompt the policy learned
+        from backends.runcard import card_mismatch
+        from scaffold import system_prompt
+
+        try:
+            bad = card_mismatch(os.path.expanduser(cfg.model),
+                                system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt),
+                                cfg.rollout.scaffold)
+        except ValueError as err:
+            bad = str(err)
+        if bad:
+            out.append(bad)
     if cfg.data.source and _looks_local(cfg.data.source) \
             and not os.path.exists(os.path.expanduser(cfg.data.source)):
         out.append(f"data.source {cfg.data.source!r} does not exist")

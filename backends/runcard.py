@@ -108,6 +108,23 @@ def write_generation_stops(out_dir: str, tokenizer) -> dict:
     return gen
 
 
+def card_mismatch(model_dir: str, system: str, scaffold: str) -> str | None:
+    """A one-line problem when `model_dir`'s run card says the policy was trained under another system
+    prompt or scaffold than the run would use (a policy asked in a format it never saw), else None
+    (the card agrees, or there is no card to compare). Raises ValueError for an unreadable card."""
+    card, where = read_run_card(model_dir)
+    if not card:
+        return None
+    saved = (card.get("config") or {}).get("rollout") or {}
+    if saved.get("scaffold", scaffold) != scaffold:
+        return (f"the policy in {model_dir} was trained in the {saved['scaffold']!r} scaffold ({where}); "
+                f"this run uses {scaffold!r} (rollout.scaffold)")
+    if "system_prompt" in card and card["system_prompt"] != system:
+        return (f"the policy in {model_dir} was trained under another system prompt ({where}); set "
+                "rollout.system_prompt to the one it learned, or retrain it with this one")
+    return None
+
+
 def read_run_card(model_dir: str) -> tuple[dict | None, str]:
     """(card, where) for a model directory: its rubricem.json; else, for a run's final/ saved before
     run cards existed, {"config": ...} from the run dir's config.json beside it (no system prompt);

@@ -69,3 +69,31 @@ def test_dry_run_under_the_launcher_rank_0_reports_other_ranks_only_their_proble
     assert "RubricEM full mode: dry run" not in out  # only rank 0 prints the report
     assert all(ln.startswith("[rank 3] problem:") for ln in out.splitlines())
     assert not any("GEMINI_API_KEY" in ln for ln in out.splitlines())  # rank 3 needs no key
+
+
+def test_the_dry_run_reads_the_policys_run_card(tmp_path):
+    """The SFT stage writes rubricem.json beside the weights (backends/sft_zero3.py); full mode's dry
+    run compares it with the run's system prompt and scaffold (runcard.card_mismatch)."""
+    import json
+
+    from backends import runcard
+    from scaffold import system_prompt
+
+    cfg = full_preset()
+    cfg.model = str(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    system = system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
+
+    def card(prompt, scaffold):
+        (tmp_path / runcard.CARD).write_text(json.dumps(
+            {"format": runcard.FORMAT, "system_prompt": prompt, "config": {"rollout": {"scaffold": scaffold}}}))
+        return [p for p in full._path_problems(cfg) if str(tmp_path) in p]
+
+    assert full._path_problems(cfg) == [] or all(str(tmp_path) not in p for p in full._path_problems(cfg))
+    assert card(system, "structured") == []  # the card agrees
+    (bad,) = card("another prompt", "structured")
+    assert "another system prompt" in bad and "rollout.system_prompt" in bad
+    (bad,) = card(system, "unstructured")
+    assert "'unstructured' scaffold" in bad
+    (tmp_path / runcard.CARD).write_text("{not json")
+    assert any("unreadable run card" in p for p in full._path_problems(cfg))

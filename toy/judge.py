@@ -43,6 +43,7 @@ import numpy as np
 
 from judge import BUFFER_CAPS, EvolvingJudge, JudgeResult, ReflectionScore, Rubric
 from scaffold import ANSWER, PLAN, RESEARCH, REVIEW, SCAFFOLDS, STAGES, Rollout
+from toy.world import ANSWER_TEMPLATES, SYLLABLES
 
 # ----------------------------------------------------------------------------------------------------
 # Toy judge: deterministic checks against the toy world's ground truth
@@ -53,8 +54,6 @@ _TOOL = "google_search"  # the one tool of the toy world (and of the paper's age
 
 
 def _claim_patterns():
-    from toy.world import ANSWER_TEMPLATES
-
     pats = {}
     for aspect, tpl in ANSWER_TEMPLATES.items():
         rx = re.escape(tpl).replace(re.escape("{name}"), r"(?P<n>[A-Z][a-z]+)")
@@ -172,8 +171,6 @@ def _cut_off(text: str) -> bool:
 
 def _syllabic(word: str) -> bool:
     """True if `word` splits into the toy world's name syllables (so it reads like an entity name)."""
-    from toy.world import SYLLABLES
-
     w = word.lower()
     ok = [True] + [False] * len(w)
     for i in range(1, len(w) + 1):

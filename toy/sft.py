@@ -55,9 +55,11 @@ from scaffold import (CALL_OPEN, SCAFFOLD_TAGS, THINK_TAGS, build_messages, form
                       format_tool_output)
 from sft import (REQUIRED_TAGS, UNSTRUCTURED_REQUIRED_TAGS, Segment,  # noqa: F401  (re-exported)
                  sft_filter)
-from toy.world import ANSWER_TEMPLATES, World
+from scaffold import Query, load_rows
+from toy import model as policy
+from toy.hf_sampler import autocast, pad_multiple
 from toy.report import format_filter_counts, warm_start_line
-from scaffold import Query
+from toy.world import ANSWER_TEMPLATES, SYLLABLES, World
 
 log = logging.getLogger("rubricem.sft")
 
@@ -375,8 +377,6 @@ def build_sft_data(world: World, tool, tok_system: str, cfg: SFTConfig, tcfg: Te
 
     Returns (examples, stats): examples are (messages, segments) pairs; stats counts filter drops.
     """
-    from scaffold import load_rows
-
     structured = scaffold == "structured"
     rng = random.Random(cfg.seed)
     rows = load_rows(world.train_rows)
@@ -417,8 +417,6 @@ def train_sft(model, tok, encoded: list[tuple[list[int], list[int]]], cfg: SFTCo
     gradients, weights and AdamW state are float32 either way.
     """
     from tqdm import tqdm
-
-    from toy.hf_sampler import autocast, pad_multiple
 
     cast, mult = autocast(precision), pad_multiple(precision)
 
@@ -485,9 +483,8 @@ def train_sft(model, tok, encoded: list[tuple[list[int], list[int]]], cfg: SFTCo
 
 
 def tok_text(messages: list, segments: Sequence[Segment]) -> str:
-    """Plain text of one example, chat markup included (tokenizer training text)."""
-    from toy.model import CHATML_TEMPLATE  # noqa: F401  (same layout as the template)
-
+    """Plain text of one example, chat markup included (tokenizer training text; the layout of
+    toy.model.CHATML_TEMPLATE)."""
     head = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
     return head + "<|im_start|>assistant\n" + "".join(t for _, t in segments)
 
@@ -521,9 +518,6 @@ def warm_start(world: World, tool, system: str, cfg: SFTConfig, tcfg: TeacherCon
     option existed); a second run with the same configuration loads `cache_dir/sft-<key>`
     (save_pretrained format) and skips training. The weights are float32 either way.
     """
-    from toy import model as policy
-    from toy.world import SYLLABLES
-
     if precision != "fp32":
         extra_key = {**(extra_key or {}), "precision": precision}
     key = warm_start_key(world.config, system, cfg, tcfg, size, vocab_size, scaffold, extra_key)
