@@ -47,7 +47,7 @@ imports the toy SFT: an import cycle):
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from typing import Any, Sequence
 
 from scaffold import CALL_OPEN, SYSTEM_PROMPT, build_messages
 
@@ -136,7 +136,7 @@ def convert_segments(segments: Sequence[Segment]) -> list[Segment]:
 
 def to_chatml(query: str, segments: Sequence[Segment], system: str = SYSTEM_PROMPT) -> dict:
     """PAPER: one single-turn ChatML example {"messages": [system, user, assistant]}; the assistant
-    content is the whole trajectory, tool outputs inline (data.sft_segments splits it back)."""
+    content is the whole trajectory, tool outputs inline (sft_segments splits it back)."""
     msgs = build_messages(query, (), system)
     return {"messages": msgs + [{"role": "assistant", "content": "".join(t for _, t in segments)}]}
 
@@ -177,14 +177,12 @@ def encode_trajectory(tok, example: dict, max_len: int | None = None) -> tuple[l
     """Token ids and loss mask (0/1 ints, same length) of one ChatML example from `to_chatml`.
 
     The prompt (system, user) is the tokenizer's chat template with the generation prompt (mask 0);
-    the assistant turn is split at its tool outputs (backends.data.sft_segments) and tokenised
+    the assistant turn is split at its tool outputs (sft_segments) and tokenised
     segment by segment, as the rollout engine appends them: teacher text mask 1, tool outputs mask 0
     (PAPER: span masking of <tool_output>); "<|im_end|>" closes the turn with mask 1. Returns None
     when max_len is given and the example is longer (deviation 3). Raises ValueError for an example
-    that data.validate_messages refuses.
+    that validate_messages refuses.
     """
-    from backends.data import sft_example
-
     prompt, segments = sft_example(example["messages"])
     ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
     if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
@@ -198,3 +196,64 @@ def encode_trajectory(tok, example: dict, max_len: int | None = None) -> tuple[l
     if max_len is not None and len(ids) > max_len:
         return None
     return ids, mask
+
+# ----------------------------------------------------------------------------------------------------
+# One SFT example: chat messages whose last assistant turn is split at its tool outputs (masked)
+
+ROLES = ("system", "user", "assistant", "tool")
+TOOL_OPEN, TOOL_CLOSE = "<tool_output>", "</tool_output>"
+
+
+def validate_messages(messages: Any, index: int = -1) -> list[dict]:
+    """Check one SFT example: a list of {role, content} dicts (roles in ROLES, content str), with at
+    least one user turn and the last turn from the assistant. Returns the list. Raises ValueError
+    naming the row index, the message position and the field."""
+    where = f"row {index}"
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: `messages` must be a non-empty list")
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}: messages[{j}] must be an object with `role` and `content`")
+        if m.get("role") not in ROLES:
+            raise ValueError(f"{where}: messages[{j}].role must be one of {ROLES}, got {m.get('role')!r}")
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"{where}: messages[{j}].content must be a string")
+    if messages[-1]["role"] != "assistant" or not messages[-1]["content"].strip():
+        raise ValueError(f"{where}: the last message must be a non-empty assistant turn")
+    if not any(m["role"] == "user" for m in messages[:-1]):
+        raise ValueError(f"{where}: no user turn before the assistant turn")
+    return messages
+
+
+_SPAN = re.compile(r"\n?" + re.escape(TOOL_OPEN) + r".*?(?:" + re.escape(TOOL_CLOSE) + r"\n?|\Z)",
+                   re.S)
+
+
+def sft_segments(text: str) -> list[tuple[bool, str]]:
+    """Split an assistant message into sft.Segment pairs (is_env, text) at <tool_output> spans.
+
+    Environment segments are "\\n?<tool_output>...</tool_output>\\n?" (deviation 1; an unclosed span
+    runs to the end); everything else is policy text. The texts concatenate to `text` exactly, and
+    no segment is empty. Raises TypeError if text is not a str.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    segs: list[tuple[bool, str]] = []
+    pos = 0
+    for m in _SPAN.finditer(text):
+        if m.start() > pos:
+            segs.append((False, text[pos : m.start()]))
+        segs.append((True, m.group(0)))
+        pos = m.end()
+    if pos < len(text):
+        segs.append((False, text[pos:]))
+    return segs
+
+
+def sft_example(messages: Sequence[dict], index: int = -1) -> tuple[list[dict], list[tuple[bool, str]]]:
+    """(prompt messages, segments) of one SFT example: the prompt is everything before the last
+    assistant turn, the segments split that turn (sft_segments). Feed both to
+    sft.encode_example(tok, prompt, segments): tool outputs get loss mask 0 (PAPER: span masking of
+    <tool_output>). Raises ValueError as validate_messages."""
+    msgs = validate_messages(list(messages), index)
+    return list(msgs[:-1]), sft_segments(msgs[-1]["content"])

@@ -11,8 +11,8 @@ Functions
                                    or a Parquet file (pyarrow, else pandas)
     load_rl_rows(source, split)    read_records + parse_row on every row -> list[data.Query]
     load_sft_examples(source)      read_records + validate_messages -> list of `messages` lists
-    sft_segments(text)             an assistant message -> [(is_env, text)] split at <tool_output>
-    sft_example(messages)          (prompt messages, segments), ready for sft.encode_example
+    sft_segments(text)             (sft.py, re-exported) an assistant message -> [(is_env, text)] split at <tool_output>
+    sft_example(messages)          (sft.py, re-exported) (prompt messages, segments), ready for sft.encode_example
 
 Deviations from the paper
     1. The paper does not say how tool outputs sit inside a stored SFT trajectory. We take the
@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from scaffold import load_rows  # the RL row schema (DR Tulu)
+# The SFT example format is the paper's (sft.py); re-exported for the loaders below and callers.
+from sft import ROLES, TOOL_CLOSE, TOOL_OPEN, sft_example, sft_segments, validate_messages  # noqa: F401
 
-ROLES = ("system", "user", "assistant", "tool")
-TOOL_OPEN, TOOL_CLOSE = "<tool_output>", "</tool_output>"
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".pq")
 
 
@@ -169,27 +169,6 @@ def load_rl_rows(source: str, split: str = "train", limit: int | None = None) ->
 # SFT trajectories (chat messages)
 
 
-def validate_messages(messages: Any, index: int = -1) -> list[dict]:
-    """Check one SFT example: a list of {role, content} dicts (roles in ROLES, content str), with at
-    least one user turn and the last turn from the assistant. Returns the list. Raises ValueError
-    naming the row index, the message position and the field."""
-    where = f"row {index}"
-    if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: `messages` must be a non-empty list")
-    for j, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ValueError(f"{where}: messages[{j}] must be an object with `role` and `content`")
-        if m.get("role") not in ROLES:
-            raise ValueError(f"{where}: messages[{j}].role must be one of {ROLES}, got {m.get('role')!r}")
-        if not isinstance(m.get("content"), str):
-            raise ValueError(f"{where}: messages[{j}].content must be a string")
-    if messages[-1]["role"] != "assistant" or not messages[-1]["content"].strip():
-        raise ValueError(f"{where}: the last message must be a non-empty assistant turn")
-    if not any(m["role"] == "user" for m in messages[:-1]):
-        raise ValueError(f"{where}: no user turn before the assistant turn")
-    return messages
-
-
 def load_sft_examples(source: str, split: str = "train", limit: int | None = None) -> list[list[dict]]:
     """SFT examples (`messages` lists) from `source` (read_records); each row holds a `messages`
     column, validated by validate_messages. Raises ValueError naming the row for a bad row."""
@@ -201,40 +180,6 @@ def load_sft_examples(source: str, split: str = "train", limit: int | None = Non
     if not out:
         raise ValueError(f"{source}: no SFT examples")
     return out
-
-
-_SPAN = re.compile(r"\n?" + re.escape(TOOL_OPEN) + r".*?(?:" + re.escape(TOOL_CLOSE) + r"\n?|\Z)",
-                   re.S)
-
-
-def sft_segments(text: str) -> list[tuple[bool, str]]:
-    """Split an assistant message into sft.Segment pairs (is_env, text) at <tool_output> spans.
-
-    Environment segments are "\\n?<tool_output>...</tool_output>\\n?" (deviation 1; an unclosed span
-    runs to the end); everything else is policy text. The texts concatenate to `text` exactly, and
-    no segment is empty. Raises TypeError if text is not a str.
-    """
-    if not isinstance(text, str):
-        raise TypeError(f"text must be a str, got {type(text).__name__}")
-    segs: list[tuple[bool, str]] = []
-    pos = 0
-    for m in _SPAN.finditer(text):
-        if m.start() > pos:
-            segs.append((False, text[pos : m.start()]))
-        segs.append((True, m.group(0)))
-        pos = m.end()
-    if pos < len(text):
-        segs.append((False, text[pos:]))
-    return segs
-
-
-def sft_example(messages: Sequence[dict], index: int = -1) -> tuple[list[dict], list[tuple[bool, str]]]:
-    """(prompt messages, segments) of one SFT example: the prompt is everything before the last
-    assistant turn, the segments split that turn (sft_segments). Feed both to
-    sft.encode_example(tok, prompt, segments): tool outputs get loss mask 0 (PAPER: span masking of
-    <tool_output>). Raises ValueError as validate_messages."""
-    msgs = validate_messages(list(messages), index)
-    return list(msgs[:-1]), sft_segments(msgs[-1]["content"])
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -47,6 +47,10 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from backends.report import smooth  # noqa: E402  (the per-run figure's trailing mean)
+
 STAGES = ("plan", "research", "review", "answer")
 BEGIN, END = "<!-- reproduce:begin -->", "<!-- reproduce:end -->"
 # README.md's quick-start results come from the same runs, between these markers.
@@ -143,18 +147,6 @@ def curve(rows: list, stage: str) -> list:
     runs that did not log it."""
     key = f"score/{stage}" if any(r.get(f"score/{stage}") is not None for r in rows) else f"reward/{stage}"
     return [r.get(key) for r in rows]
-
-
-def smooth(y: list, w: int) -> np.ndarray:
-    """Trailing moving average over up to w steps (NaN / None left out). (T,) -> (T,)."""
-    a = np.array([np.nan if v is None else v for v in y], dtype=np.float64)
-    out = np.full(len(a), np.nan)
-    for t in range(len(a)):
-        win = a[max(0, t - w + 1): t + 1]
-        win = win[np.isfinite(win)]
-        if win.size:
-            out[t] = win.mean()
-    return out
 
 
 def quarter_gain(curve: np.ndarray) -> float:
