@@ -109,28 +109,23 @@ def read_queries(path: str, limit: int = 0) -> list[dict]:
     """Queries from a JSONL file: each line an object with "query" (or "question" / "prompt"), or
     with "messages" (the first user turn is the query; DR Tulu's SFT rows). Returns [{"id", "query"}]
     with id = the row's "id" or sha256 of the query (16 hex). Raises ValueError naming the line for a
-    line that is not JSON or has no query."""
+    line that is not JSON (data._read_jsonl) or a row (0-based, blank lines left out) with no query."""
+    from backends.data import _read_jsonl
+
     out = []
-    with open(path, encoding="utf-8") as fh:
-        for i, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{path}:{i}: not JSON ({e})") from None
-            q = None
-            if isinstance(r, dict):
-                q = r.get("query") or r.get("question") or r.get("prompt")
-                if q is None and isinstance(r.get("messages"), list):
-                    q = next((m.get("content") for m in r["messages"]
-                              if isinstance(m, dict) and m.get("role") == "user"), None)
-            if not isinstance(q, str) or not q.strip():
-                raise ValueError(f"{path}:{i}: no query (need `query`, `question`, `prompt` or a user message)")
-            rid = str(r.get("id") or hashlib.sha256(q.encode()).hexdigest()[:16])
-            out.append({"id": rid, "query": q.strip()})
-            if limit and len(out) >= limit:
-                break
+    for i, r in enumerate(_read_jsonl(path)):
+        q = None
+        if isinstance(r, dict):
+            q = r.get("query") or r.get("question") or r.get("prompt")
+            if q is None and isinstance(r.get("messages"), list):
+                q = next((m.get("content") for m in r["messages"]
+                          if isinstance(m, dict) and m.get("role") == "user"), None)
+        if not isinstance(q, str) or not q.strip():
+            raise ValueError(f"{path}: row {i}: no query (need `query`, `question`, `prompt` or a user message)")
+        rid = str(r.get("id") or hashlib.sha256(q.encode()).hexdigest()[:16])
+        out.append({"id": rid, "query": q.strip()})
+        if limit and len(out) >= limit:
+            break
     return out
 
 

@@ -140,26 +140,19 @@ def read_records(paths) -> list[dict]:
     """Teacher records (sft_teacher: "query" + "segments") or ChatML rows ("messages": the last user
     turn is the query, the assistant turn is split at its tool outputs) from JSONL files, as
     sft.filter_and_convert reads them. Raises ValueError naming file and line for a non-JSON line."""
-    from backends.data import sft_segments
+    from backends.data import _read_jsonl, sft_segments
 
     out = []
     for p in paths:
-        with open(p, encoding="utf-8") as fh:
-            for i, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    r = json.loads(line)
-                except ValueError as e:
-                    raise ValueError(f"{p}:{i}: not JSON ({e})") from None
-                if isinstance(r, dict) and "segments" not in r and isinstance(r.get("messages"), list):
-                    m = r["messages"]
-                    users = [x.get("content") for x in m if isinstance(x, dict) and x.get("role") == "user"]
-                    last = m[-1] if m and isinstance(m[-1], dict) else {}
-                    r = {"query": users[-1] if users else None,
-                         "segments": sft_segments(last.get("content", "")) if last.get("role") == "assistant"
-                         and isinstance(last.get("content"), str) else []}
-                out.append(r)
+        for r in _read_jsonl(p):
+            if isinstance(r, dict) and "segments" not in r and isinstance(r.get("messages"), list):
+                m = r["messages"]
+                users = [x.get("content") for x in m if isinstance(x, dict) and x.get("role") == "user"]
+                last = m[-1] if m and isinstance(m[-1], dict) else {}
+                r = {"query": users[-1] if users else None,
+                     "segments": sft_segments(last.get("content", "")) if last.get("role") == "assistant"
+                     and isinstance(last.get("content"), str) else []}
+            out.append(r)
     return out
 
 

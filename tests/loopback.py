@@ -166,14 +166,25 @@ class FakeServer:
 
         return H
 
-    def _validate(self, req: dict) -> str:
+    def _route_error(self, req: dict) -> str:
+        """"" when the request's path and key header fit this server's wire format, else why not."""
         h = {k.lower(): v for k, v in req["headers"].items()}
+        path, header, value = {
+            "gemini": (f"/v1beta/models/{self.model}:generateContent", "x-goog-api-key", self.key),
+            "openai": ("/v1/chat/completions", "authorization", f"Bearer {self.key}"),
+        }.get(self.kind, ("/search", "x-api-key", self.key))
+        if req["path"] != path:
+            return f"unknown path {req['path']}"
+        if self.key is not None and h.get(header) != value:
+            return "bad or missing key"
+        return ""
+
+    def _validate(self, req: dict) -> str:
         b = req["body"]
+        bad = self._route_error(req)
+        if bad:
+            return bad
         if self.kind == "gemini":
-            if req["path"] != f"/v1beta/models/{self.model}:generateContent":
-                return f"unknown path {req['path']}"
-            if self.key is not None and h.get("x-goog-api-key") != self.key:
-                return "bad or missing key"
             try:
                 c = b["contents"]
                 assert isinstance(c, list) and c[0]["role"] == "user"
@@ -186,10 +197,6 @@ class FakeServer:
             except (KeyError, IndexError, TypeError, AssertionError):
                 return "bad body shape"
         elif self.kind == "openai":
-            if req["path"] != "/v1/chat/completions":
-                return f"unknown path {req['path']}"
-            if self.key is not None and h.get("authorization") != f"Bearer {self.key}":
-                return "bad or missing key"
             try:
                 assert isinstance(b["model"], str)
                 assert [m["role"] for m in b["messages"]] == ["system", "user"]
@@ -200,10 +207,6 @@ class FakeServer:
             except (KeyError, IndexError, TypeError, AssertionError):
                 return "bad body shape"
         else:
-            if req["path"] != "/search":
-                return f"unknown path {req['path']}"
-            if self.key is not None and h.get("x-api-key") != self.key:
-                return "bad or missing key"
             if not (isinstance(b, dict) and isinstance(b.get("q"), str) and isinstance(b.get("num"), int)):
                 return "bad body shape"
         return ""
