@@ -47,12 +47,20 @@ LAUNCH_TIMEOUT_S = float(os.environ.get("RUBRICEM_TEST_LAUNCH_TIMEOUT_S", 1200))
 
 
 def _run(cmd, timeout=LAUNCH_TIMEOUT_S):
-    """Run one launch to completion in its own process group; returns its wall time in seconds.
-    On a timeout the whole group (torchrun and its ranks) is killed, so no orphaned rank keeps
-    loading the CPU for the tests that follow. A failure or timeout fails the test with the output."""
+    """Run one launch to completion in its own process group; returns its wall time in seconds
+    (_launch)."""
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True)
+    _launch(cmd, timeout)
+    return time.perf_counter() - t0
+
+
+def _launch(cmd, timeout=LAUNCH_TIMEOUT_S, env: dict | None = None) -> tuple[str, str]:
+    """Run one launch to completion in its own process group (environment _env() plus `env`);
+    returns (stdout, stderr). On a timeout the whole group (torchrun and its ranks) is killed, so no
+    orphaned rank keeps loading the CPU for the tests that follow. A failure or timeout fails the
+    test with the output."""
+    p = subprocess.Popen(cmd, cwd=ROOT, env={**_env(), **(env or {})}, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = p.communicate(timeout=timeout)
         what = f"exit code {p.returncode}"
@@ -64,7 +72,7 @@ def _run(cmd, timeout=LAUNCH_TIMEOUT_S):
         err = [ln for ln in err.splitlines() if "it/s]" not in ln and "FutureWarning" not in ln]
         pytest.fail(f"{what}: {' '.join(cmd[:8])} ...\nstdout:\n{out[-2000:]}\n"
                     "stderr:\n" + "\n".join(err[-120:]), pytrace=False)
-    return time.perf_counter() - t0
+    return out, err
 
 
 def _full_run(tmp, name, model, rows, ranks, *extra, python=sys.executable, torchrun=None):

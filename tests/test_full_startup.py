@@ -21,8 +21,6 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 
@@ -47,23 +45,8 @@ def _minilm() -> str:
 
 
 def _launch(cmd, timeout=fm.LAUNCH_TIMEOUT_S):
-    """Run to completion in its own process group; returns (stdout, stderr). A failure or timeout fails
-    the test with the output (the whole group is killed on a timeout)."""
-    env = {**fm._env(), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout)
-        what = f"exit code {p.returncode}"
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        what = f"timed out after {timeout:.0f} s"
-    if p.returncode != 0:
-        err = [ln for ln in err.splitlines() if "it/s]" not in ln and "FutureWarning" not in ln]
-        pytest.fail(f"{what}: {' '.join(cmd[:8])} ...\nstdout:\n{out[-2000:]}\n"
-                    "stderr:\n" + "\n".join(err[-120:]), pytrace=False)
-    return out, err
+    """test_full_mode._launch, offline for the embedding model; returns (stdout, stderr)."""
+    return fm._launch(cmd, timeout, env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
 
 
 def _full(tmp, name, model, rows, *extra):
