@@ -29,6 +29,10 @@ Deviations from the paper
    softmax(logits / 0.7) (train.apply_reflection_batch, ss_grpo deviation 8); the paper gives the
    sampling temperature, not the scoring one. `ReflectionConfig.score_at_temperature = False`
    scores them at temperature 1 instead.
+3. A trajectory too long for the reflection prompt (`ReflectionConfig.max_prompt_tokens`, full:
+   the 26,624-token context minus the 512-token reflection) keeps its head and tail and loses its
+   middle, with a line saying how many tokens were left out (`reflection_prompt_ids`); the paper
+   does not say how a long trajectory enters the prompt. 0 (the toy) never cuts.
 """
 from __future__ import annotations
 
