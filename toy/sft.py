@@ -37,6 +37,9 @@ Deviations from the paper
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import hashlib
 import json
 import logging
@@ -44,11 +47,13 @@ import math
 import os
 import random
 import re
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 import torch
+from tqdm import tqdm
 
 from reflection import reflection_messages
 from scaffold import (CALL_OPEN, SCAFFOLD_TAGS, THINK_TAGS, build_messages, format_tool_error,
@@ -416,8 +421,6 @@ def train_sft(model, tok, encoded: list[tuple[list[int], list[int]]], cfg: SFTCo
     precision: the forward's `scaffold.autocast` ("fp32" | "bf16"; ValueError otherwise); the loss,
     gradients, weights and AdamW state are float32 either way.
     """
-    from tqdm import tqdm
-
     cast, mult = autocast(precision), pad_multiple(precision)
 
     g = torch.Generator().manual_seed(cfg.seed)
@@ -556,8 +559,6 @@ def warm_start(world: World, tool, system: str, cfg: SFTConfig, tcfg: TeacherCon
         json.dump(info, fh, indent=1)
     os.makedirs(cache_dir, exist_ok=True)
     if os.path.exists(path):  # a concurrent run finished first: keep theirs
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     else:
         os.replace(tmp, path)  # atomic: a half-written warm start is never picked up
@@ -575,10 +576,6 @@ def release_heap() -> None:
     garbage collection, then glibc's malloc_trim (a no-op where the C library has none). Without it
     the process keeps about 600 MB of freed heap through the RL phase, and a cold toy run peaks
     about 0.3 GiB above a run with the warm start cached (not part of the paper's method)."""
-    import ctypes
-    import ctypes.util
-    import gc
-
     gc.collect()
     try:
         ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
