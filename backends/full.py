@@ -61,12 +61,14 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import datetime
 import importlib.metadata
 import importlib.util
 import json
 import logging
 import math
 import os
+import resource
 import socket
 import sys
 import time
@@ -76,7 +78,20 @@ from typing import Iterator, Sequence
 
 import torch
 
-from policy import UpdateBatch, plan_update, policy_update
+from backends import checkpoint as ckpt_mod
+from backends import launch_check, plan, versions
+from backends.config import SECRET_ENV_VARS, validate_config
+from backends.data import _is_local
+from backends.judge_http import HTTPJudgeConfig
+from backends.launch_check import ranks_per_node
+from backends.presets import full_preset
+from backends.pricing import format_cost_plan, judge_cost_plan
+from backends.runcard import card_mismatch
+from backends.torch_engine import disable_dropout
+from backends.zero3_scope import zero3_loading
+import ss_grpo
+from policy import UpdateBatch, plan_update, policy_update, token_logprobs
+from scaffold import system_prompt
 
 log = logging.getLogger("rubricem.full")
 
@@ -164,20 +179,18 @@ def init_distributed(env: DistEnv | None = None, timeout_min: float | None = Non
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     else:
         torch.cuda.set_device(env.local_rank)
-    import deepspeed
+    import deepspeed  # lazy: DeepSpeed only when a full run starts
 
     if device_kind() == "cpu" and os.environ.get("RUBRICEM_DS_SHM") != "1":
         # DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce kernel at its first
         # init (40-90 s on a fresh machine); plain gloo is ample for the tiny CPU runs, so we mark
         # the kernel unavailable (RUBRICEM_DS_SHM=1 keeps it).
-        import deepspeed.ops
+        import deepspeed.ops  # lazy: as above
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
     kw = {}
     if timeout_min is not None:
-        import datetime
-
         kw["timeout"] = datetime.timedelta(minutes=float(timeout_min))
     deepspeed.init_distributed(verbose=False, **kw)
     return env
@@ -193,8 +206,6 @@ def record_peak_memory() -> None:
     d = os.environ.get("RUBRICEM_PEAK_MEM_DIR")
     if not d:
         return
-    import resource
-
     rank = _world()[0]
     gpu = torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
@@ -466,8 +477,6 @@ class _LogProbModule(torch.nn.Module):
         self.chunk_size = chunk_size
 
     def forward(self, input_ids, attention_mask, loss_mask=None, temperature: float = 1.0):
-        from policy import token_logprobs
-
         return token_logprobs(self.lm, input_ids, attention_mask, self.chunk_size,
                               loss_mask=loss_mask, temperature=temperature)
 
@@ -478,9 +487,9 @@ def _load_lm(path: str, ds: dict, dtype: torch.dtype):
     zero.Init would skip HF's weight init; see docs/full_mode.md) and off again afterwards, so that
     a later rank-0-only load (the dense retriever's embedding model, vLLM) is not turned into a
     ZeRO-3 collective that the other ranks never join (backends/zero3_scope.py)."""
+    # lazy: transformers' model classes can load DeepSpeed (accelerate); a dry run must not
     from transformers import AutoModelForCausalLM
 
-    from backends.zero3_scope import zero3_loading
 
     with zero3_loading(ds):  # SCALE: from_pretrained loads straight into ZeRO-3 partitions
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -500,9 +509,8 @@ class ZeRO3Policy:
     """
 
     def __init__(self, lm, ds_config: dict, lr: float, *, full: FullConfig | None = None):
-        import deepspeed
+        import deepspeed  # lazy: DeepSpeed only when a full run starts
 
-        from backends.torch_engine import disable_dropout
 
         full = full or FullConfig()
         self.ds_config = ds_config
@@ -610,7 +618,7 @@ class ZeRO3Policy:
         parameter itself, valid only until the next item (for a caller that copies it at once, or a
         rank that only takes part in the gathers). Collective: every rank must exhaust the iterator.
         Tied weights appear once (under the input embedding's name)."""
-        import deepspeed
+        import deepspeed  # lazy: DeepSpeed only when a full run starts
 
         for name, p in self.module.named_parameters():
             with deepspeed.zero.GatheredParameters([p], modifier_rank=None):  # SCALE
@@ -620,7 +628,7 @@ class ZeRO3Policy:
         """Write a checkpoint that plain `transformers` loads: config, generation config and
         safetensors shards (with an index when there is more than one). Collective; only rank 0
         writes, holding at most one shard in host memory."""
-        from safetensors.torch import save_file
+        from safetensors.torch import save_file  # lazy: safetensors only when weights are saved
 
         rank0 = is_rank0()
         if rank0:
@@ -674,7 +682,7 @@ class FrozenReference:
     no gradients; 2P / world bytes per rank in bf16). Collective, like ZeRO3Policy."""
 
     def __init__(self, lm, ds_config: dict, *, chunk_size: int = 1024):
-        import deepspeed
+        import deepspeed  # lazy: DeepSpeed only when a full run starts
 
         for p in lm.parameters():
             p.requires_grad_(False)
@@ -827,8 +835,6 @@ class ZeRO3Engine:
     def load(self, ckpt_dir: str, state: dict) -> None:
         """Restore pi_theta and the optimizer from a checkpoint written by save_state, and the
         sampling copy from its HF weights. Raises checkpoint.CheckpointError without a zero/ folder."""
-        from backends import checkpoint as ckpt_mod
-
         d = os.path.join(ckpt_dir, "zero")
         if not os.path.isdir(d):
             raise ckpt_mod.CheckpointError(f"{ckpt_dir} has no DeepSpeed state (zero/): it was not "
@@ -886,8 +892,6 @@ def synthetic_batch(vocab_size: int, n_seq: int, group: int = 8, seed: int = 0, 
     token advantages from random stage scores R (n_seq, 4) with groups of `group` rollouts.
 
     Raises ValueError when n_seq is not a multiple of group or the lengths leave no response."""
-    import ss_grpo
-
     if n_seq % group or group < 2:
         raise ValueError(f"n_seq={n_seq} must be a multiple of group={group} >= 2")
     if not prompt_len + 8 <= min_len <= max_len:
@@ -921,7 +925,6 @@ def synthetic_batch(vocab_size: int, n_seq: int, group: int = 8, seed: int = 0, 
 def selftest_config(n_seq: int, group: int, minibatches: int, micro: int, lr: float,
                     eta: float | None = None):
     """The `full` preset with a small batch: n_seq = prompts x group sequences per RL step."""
-    from backends.presets import full_preset
     cfg = full_preset()
     cfg.rollout.prompts_per_step, cfg.rollout.n = n_seq // group, group
     cfg.ss_grpo.minibatches, cfg.ss_grpo.micro_batch, cfg.ss_grpo.lr = minibatches, micro, lr
@@ -996,8 +999,6 @@ def _key_envs(cfg) -> list[tuple[str, str]]:
     """(purpose, environment variable NAME) pairs the configured backends read their keys from."""
     out = []
     if cfg.judge.backend in ("gemini", "openai"):
-        from backends.judge_http import HTTPJudgeConfig  # SCALE: an HTTP judge is configured
-
         out.append((f"judge ({cfg.judge.backend})",
                     (cfg.judge_http or HTTPJudgeConfig()).key_env(cfg.judge.backend)))
     if cfg.search.backend == "serper":
@@ -1029,8 +1030,6 @@ def _required_packages(cfg) -> dict[str, str]:
 
 def _looks_local(path: str) -> bool:
     """data._is_local's rule: it exists, or it is written as a path or a file name."""
-    from backends.data import _is_local
-
     return _is_local(path)
 
 
@@ -1046,9 +1045,6 @@ def _path_problems(cfg) -> list[str]:
     elif not os.path.isfile(os.path.join(os.path.expanduser(cfg.model), "config.json")):
         out.append(f"policy model {cfg.model!r} has no config.json: not a Hugging Face model directory")
     else:  # the SFT stage's run card (backends/sft_zero3.py) names the prompt the policy learned
-        from backends.runcard import card_mismatch
-        from scaffold import system_prompt
-
         try:
             bad = card_mismatch(os.path.expanduser(cfg.model),
                                 system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt),
@@ -1069,7 +1065,6 @@ def _path_problems(cfg) -> list[str]:
 def _config_problem(cfg) -> list[str]:
     """settings.validate_config's verdict as a list (it stops at the first error). The policy model
     is checked by _path_problems, so a missing one is filled in here to let the other checks run."""
-    from backends.config import validate_config
     probe = copy.deepcopy(cfg)
     probe.model = probe.model or "(--model)"
     try:
@@ -1082,7 +1077,6 @@ def _config_problem(cfg) -> list[str]:
 def _redact(text: str, environ) -> str:
     """Replace the value of every secret environment variable (settings.SECRET_ENV_VARS, *_API_KEY,
     *_TOKEN, *_SECRET; 8 characters or more) in `text` by $NAME."""
-    from backends.config import SECRET_ENV_VARS
     for name, v in environ.items():
         if (name in SECRET_ENV_VARS or name.endswith(("_API_KEY", "_TOKEN", "_SECRET"))) \
                 and isinstance(v, str) and len(v) >= 8:
@@ -1106,8 +1100,6 @@ def _memory_section(cfg, ws: int, n_gpu: int, environ) -> tuple[list[str], list[
     """The memory plan and step-time estimate (backends/plan.py) for `ws` ranks: GPU capacity from
     the visible GPU 0, else FullConfig.gpu_memory_gib; host RAM from FullConfig.host_memory_gib, else
     this machine's when it has GPUs (a CPU-only machine is not the node the plan is for)."""
-    from backends import plan
-
     full = full_config(cfg)
     if n_gpu:
         gpu_b, gpu_src = float(torch.cuda.get_device_properties(0).total_memory), "GPU 0 of this machine"
@@ -1119,8 +1111,6 @@ def _memory_section(cfg, ws: int, n_gpu: int, environ) -> tuple[list[str], list[
         host_b, host_src = _host_memory_bytes(), "this machine"
     else:
         host_b, host_src = 0.0, "not checked: no GPU here; set full.host_memory_gib"
-    from backends.launch_check import ranks_per_node
-
     per_node = ranks_per_node(environ) or min(ws, n_gpu or full.world_size_hint)
     try:
         return plan.plan_lines(cfg, ws, max(1, per_node), gpu_b, gpu_src, host_b, host_src)
@@ -1187,8 +1177,6 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
     if cfg.judge.backend == "toy":
         problems.append("judge.backend is 'toy': full mode scores with an HTTP judge "
                         "(--set judge.backend=\"gemini\"; PAPER: Gemini Flash)")
-    from backends import launch_check
-
     k_lines, k_bad = launch_check.key_lines(_key_envs(cfg), e, env.rank, env.launched)
     lines += [""] + k_lines
     problems += k_bad
@@ -1216,8 +1204,6 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
         more, bad = fn()
         lines += [""] + more
         problems += bad
-    from backends import versions
-
     v_lines, v_bad = versions.check(_version)
     lines += ["", "versions (the tested set: constraints/gpu.txt)"] + v_lines
     problems += [f"versions: {b}" for b in v_bad]
@@ -1225,7 +1211,6 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
     lines += [""] + mem_lines
     problems += mem_problems
     # The judge's calls, tokens and dollars per step and per run, at the configured prices.
-    from backends.pricing import format_cost_plan, judge_cost_plan
     plan = judge_cost_plan(cfg)
     lines += ["", format_cost_plan(plan)]
     problems += plan["problems"]
@@ -1273,7 +1258,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     # torch deprecation notices raised inside DeepSpeed's collectives, once per call: not ours to fix.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     if a.cmd == "dry-run":
-        from backends.presets import full_preset
         return main_dry_run(full_preset())
     full = FullConfig(optimizer=a.optimizer, gradient_checkpointing=not a.no_grad_ckpt)
     res = selftest(a.model, a.out, updates=a.updates, n_seq=a.n_seq, group=a.group,

@@ -45,6 +45,7 @@ import threading
 import time
 from typing import Callable, Protocol, Sequence
 
+from reflection import run_reflection_branch
 from scaffold import Rollout, finalize
 
 
@@ -395,8 +396,6 @@ def reflection_branch(step: int, rollouts, judged, judge, bank, sampler, tok, sy
     at once: the sequential schedule): sampling through SeededView(sampler, seed), the privileged
     judge calls of the P trajectories on a pool of `judge_concurrency` threads (1: one after
     another, as the toy path). rng: the branch's own random.Random (trajectory picks)."""
-    from reflection import run_reflection_branch
-
     def branch():
         view = SeededView(sampler, seed)
         if judge_concurrency <= 1:
