@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from backends.rollout_engine import AsyncTurns, pool_map
 from bank import RubricBank
 from scaffold import RolloutEngine, load_rows, system_prompt
 from toy.hf_sampler import HFSampler
@@ -67,7 +68,8 @@ def build_environment(cfg: Config):
                   or not cfg.model)
     world = make_world(cfg.world) if need_world else None
     if cfg.search.backend == "serper":
-        from backends.search_http import SerperSearchTool  # SCALE: web search only when asked for
+        # lazy: scale backend, web search only when asked for
+        from backends.search_http import SerperSearchTool
 
         tool = SerperSearchTool(dataclasses.replace(
             cfg.search_http, cache_dir=cfg.search_http.cache_dir or os.path.join(cfg.cache_dir, "search")),
@@ -96,7 +98,7 @@ def build_judge(cfg: Config, world):
     if ARMS[cfg.arm].reward != "judge":
         raise ValueError(f"arm {cfg.arm!r} rewards with the toy judge's static scores: it needs "
                          f"judge.backend = 'toy', got {cfg.judge.backend!r}")
-    from backends.judge_http import HTTPJudge  # SCALE: requests / urllib3 only for an HTTP judge
+    from backends.judge_http import HTTPJudge  # lazy: scale backend, the HTTP judge only when asked for
 
     # The run's judge and judge_http sections configure it; its reply cache defaults to the run's
     # cache folder.
@@ -121,7 +123,7 @@ def build_sampler(cfg: Config, model, tok):
     through the engine's sync after every update)."""
     if cfg.sampler != "vllm":
         return torch_sampler(cfg, model, tok)
-    from backends.vllm_sampler import VLLMSampler  # SCALE: vLLM only when asked for
+    from backends.vllm_sampler import VLLMSampler  # lazy: scale backend, vLLM only when asked for
 
     attach_sections(cfg, "full")
 
@@ -214,23 +216,20 @@ def build_run(cfg: Config, policy, model, tok, world, tool, train_q: list, held_
                                    tool_timeout_s=cfg.rollout.tool_timeout_s,
                                    deadline_s=cfg.rollout.deadline_s, scaffold=cfg.rollout.scaffold)
     if cfg.sampler == "vllm" and cfg.full.rollout_schedule == "async":
-        from backends.rollout_engine import AsyncTurns  # no turn barrier, concurrent tool calls
-
         rollout_engine = AsyncTurns(rollout_engine, cfg.full.tool_concurrency)
     clean_judge = build_judge(cfg, world)
     judge = (FaultyJudge(clean_judge, cfg.faults, cfg.judge.max_retries)
              if cfg.faults.judge_rate > 0 else clean_judge)
     retriever = None
     if cfg.bank.retriever == "dense":
-        from backends.retrieval import DenseRetriever  # SCALE: the full preset's retriever
+        # lazy: scale backend, the dense retriever only when asked for
+        from backends.retrieval import DenseRetriever
 
         retriever = DenseRetriever(cfg.bank.embed_model)
     bank = RubricBank(max_chars=cfg.bank.max_chars, retriever=retriever)
     order = DataOrder(len(train_q), cfg.rollout.prompts_per_step, cfg.seed)
     judge_map = map  # a thread-safe judge (the HTTP judge) scores the reflections concurrently
     if getattr(judge, "concurrent_groups", False):
-        from backends.rollout_engine import pool_map
-
         judge_map = pool_map(cfg.judge_http.concurrency)
     return Run(cfg, policy, model, tok, system, sampler, rollout_engine, tool, rl_tool, judge, clean_judge,
                bank, order, train_q, held_q, ARMS[cfg.arm], judge_map)
