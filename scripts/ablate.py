@@ -66,6 +66,7 @@ import time
 from typing import Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -74,6 +75,9 @@ from backends import checkpoint as ckpt_mod  # noqa: E402
 from backends import report  # noqa: E402
 from backends import config as settings  # noqa: E402
 from backends import presets  # noqa: E402
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import memory_eval  # noqa: E402  (scripts/memory_eval.py: `ablate.py memory`)
 
 # rubricem, ss_grpo, meta_policy, baseline_rl, baseline_rl_info: the paper's arms (the reward
 # ladder's oracle arms, rewarded with ground truth, are not part of the grid)
@@ -242,8 +246,6 @@ def run_grid(grid: str, arms: Sequence[str], seeds: Sequence[int], steps: int, e
     """Train every (arm, seed) not yet done (with `scaffold`, also the UNSTRUCTURED run per seed),
     then the memory evaluations; returns {"done": [...], "skipped": [...], "failed": [...]} of
     "arm-seedS" (memory: "memory:arm-seedS")."""
-    from tqdm import tqdm
-
     runs = list(arms) + ([UNSTRUCTURED] if scaffold else [])
     jobs = [("train", a, s) for s in seeds for a in runs]
     if memory:
@@ -391,10 +393,10 @@ def _unstructured_rows(got: tuple[dict, list[dict]], seed: int, key_structured: 
 def plot(rows: list[dict], arms: Sequence[str], path: str) -> None:
     """Fig. 5-style figure: answer-score difference from the SFT start vs RL step, one line per arm,
     its 95 % interval over seeds x questions as a band."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib only for the figure
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib only for the figure
 
     fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=120)
     for a in arms:
@@ -644,9 +646,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Exit codes: 0 every run finished, 1 some run failed (the report covers the others)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["memory"]:
-        sys.path.insert(0, os.path.join(ROOT, "scripts"))
-        import memory_eval
-
         ap = argparse.ArgumentParser(prog="ablate.py memory", description="memory reuse of one run")
         ap.add_argument("--run-dir", required=True)
         a, rest = ap.parse_known_args(argv[1:])

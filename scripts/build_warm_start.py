@@ -20,6 +20,7 @@ thread count (torch's CPU kernels reduce in an order that depends on the thread 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -27,8 +28,16 @@ import shutil
 import sys
 import tempfile
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from backends.config import apply_overrides  # noqa: E402
+from backends.presets import toy_preset  # noqa: E402
+from scaffold import system_prompt  # noqa: E402
+from toy.sft import warm_start  # noqa: E402
+from toy.world import BM25SearchTool, make_world  # noqa: E402
 
 KEEP = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
         "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -46,14 +55,6 @@ def build(cfg, out: str, progress: bool = False) -> dict:
     """Train the warm start of `cfg` (settings.Config, toy) into `out`; returns the manifest.
     Writes into a temporary sibling first and renames it (an interrupted build leaves no `out`).
     Raises FileExistsError if `out` exists."""
-    import dataclasses
-
-    import torch
-
-    from scaffold import system_prompt
-    from toy.sft import warm_start
-    from toy.world import BM25SearchTool, make_world
-
     if os.path.exists(out):
         raise FileExistsError(f"{out} exists; remove it or choose another --out")
     torch.set_num_threads(max(1, cfg.threads))
@@ -87,9 +88,6 @@ def build(cfg, out: str, progress: bool = False) -> dict:
 
 
 def main(argv=None) -> int:
-    from backends.config import apply_overrides
-    from backends.presets import toy_preset
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output directory (must not exist)")

@@ -374,10 +374,10 @@ def write_results(path: str, section: str, begin: str = BEGIN, end: str = END,
 def plot(seeds, data, summ, path: str, smooth_w: int) -> None:
     """Four panels (one per stage): smoothed training score per RL step per seed and their mean;
     the Answer panel adds the held-out answer score of the SFT start and of the final policy."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib only for the figure
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib only for the figure
 
     fig, axes = plt.subplots(1, 4, figsize=(13, 3.4), dpi=110, sharey=True)
     T = summ["T"]
