@@ -145,13 +145,13 @@ def quiet_third_party() -> None:
     before they are first imported; cheap when they are not installed."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
-        # lazy: quiets transformers / huggingface_hub, loaded only for a model
+        # lazy: optional, and imported only after HF_HUB_DISABLE_PROGRESS_BARS is set above
         from transformers.utils import logging as hf_logging
     except ImportError:
         return
     hf_logging.disable_progress_bar()
     try:
-        from huggingface_hub.utils import disable_progress_bars
+        from huggingface_hub.utils import disable_progress_bars  # lazy: as above
     except ImportError:
         return
     disable_progress_bars()
