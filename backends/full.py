@@ -79,11 +79,12 @@ from typing import Iterator, Sequence
 import torch
 
 from backends import checkpoint as ckpt_mod
-from backends import launch_check, plan, versions
+from backends import launch_check, versions
 from backends.config import SECRET_ENV_VARS, validate_config
 from backends.data import _is_local
 from backends.judge_http import HTTPJudgeConfig
 from backends.launch_check import ranks_per_node
+from backends.plan import plan_lines
 from backends.presets import full_preset
 from backends.pricing import format_cost_plan, judge_cost_plan
 from backends.runcard import card_mismatch
@@ -490,7 +491,6 @@ def _load_lm(path: str, ds: dict, dtype: torch.dtype):
     # lazy: transformers' model classes can load DeepSpeed (accelerate); a dry run must not
     from transformers import AutoModelForCausalLM
 
-
     with zero3_loading(ds):  # SCALE: from_pretrained loads straight into ZeRO-3 partitions
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
@@ -510,7 +510,6 @@ class ZeRO3Policy:
 
     def __init__(self, lm, ds_config: dict, lr: float, *, full: FullConfig | None = None):
         import deepspeed  # lazy: DeepSpeed only when a full run starts
-
 
         full = full or FullConfig()
         self.ds_config = ds_config
@@ -1113,7 +1112,7 @@ def _memory_section(cfg, ws: int, n_gpu: int, environ) -> tuple[list[str], list[
         host_b, host_src = 0.0, "not checked: no GPU here; set full.host_memory_gib"
     per_node = ranks_per_node(environ) or min(ws, n_gpu or full.world_size_hint)
     try:
-        return plan.plan_lines(cfg, ws, max(1, per_node), gpu_b, gpu_src, host_b, host_src)
+        return plan_lines(cfg, ws, max(1, per_node), gpu_b, gpu_src, host_b, host_src)
     except (ValueError, KeyError) as err:
         return [f"memory plan: not computed ({err})"], [f"memory plan: {err}"]
 
