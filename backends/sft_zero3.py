@@ -265,7 +265,6 @@ def run(cfg: SFTRunConfig, data: list[str], model: str, out: str) -> dict:
     """The whole SFT run on this launch (collective). Returns the info dict written to the card."""
     from transformers import AutoTokenizer  # lazy: transformers when the run starts, not for --dry-run
 
-
     env = init_distributed(dist_env())
     rank, world = dist.get_rank(), dist.get_world_size()
     t0 = time.perf_counter()

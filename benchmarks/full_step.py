@@ -214,7 +214,6 @@ def worker(rank: int, world: int, port: int, schedule: str, a, urls: dict, out_p
         dist.destroy_process_group()
         return
 
-
     judge = HTTPJudge(*judge_configs(backend="gemini", model="gemini-test", base_url=urls["gemini"],
                                      timeout_s=60, max_retries=0, concurrency=a.judge_concurrency,
                                      cache_dir=""))
