@@ -543,6 +543,9 @@ def finish(run: Run, ls: LoopState, ev: HeldOut, sft_info: dict, timings: dict, 
         summary["eval_rl"] = ev.evaluate()
         ev.curve.add(0, summary["eval_sft"])
         ev.curve.add(cfg.steps, summary["eval_rl"])
+        if cfg.eval.greedy:  # the same questions decoded greedily: what each policy does most likely
+            summary["eval_sft_greedy"] = ev.evaluate(sft=True, greedy=True)
+            summary["eval_rl_greedy"] = ev.evaluate(greedy=True)
         timings["eval_s"] = time.perf_counter() - t0
     plot_rewards(ls.logger.rows, os.path.join(cfg.run_dir, "reward_curves.png"),
                  ev.curve.rows if ev.curve is not None else None, window=2 * cfg.curriculum.K)
@@ -607,6 +610,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(report.sft_line(s["sft"]) if "train_seconds" in s["sft"] else f"policy: {s['sft'].get('source')}")
     if "eval_sft" in s:
         print("\n".join(report.heldout_lines(s["eval_sft"], s["eval_rl"])))
+    if "eval_sft_greedy" in s:
+        print("greedy decoding (temperature 0, 1 rollout per question):")
+        print("\n".join(report.heldout_lines(s["eval_sft_greedy"], s["eval_rl_greedy"])))
     no_bank = () if ss_grpo.ARMS[cfg.arm].bank or ss_grpo.ARMS[cfg.arm].reflection else ("bank.jsonl",)
     print("artefacts:\n" + "\n".join(report.artefact_lines(cfg.run_dir, skip=no_bank)))
     print(f"total time {s['timings']['total_s']:.0f} s")
