@@ -348,6 +348,10 @@ class FullConfig:
     request; backends/rollout_engine.py, docs/full_mode.md)"""
     tool_concurrency: int = 8
     """ours: tool calls in flight at once under rollout_schedule "async" (>= 1)"""
+    rollout_ranks: str = "all"
+    """sampler "hf" / "kv": "all" = every ZeRO-3 rank samples its share of a step's groups with its
+    own copy of pi_theta, one seed per request (build.every_rank_samples; docs/full_mode.md);
+    "rank0" = rank 0 samples every rollout (the schedule before). vLLM samples on rank 0 only."""
 
 
 def full_config(cfg) -> FullConfig:
@@ -740,6 +744,17 @@ class ZeRO3Engine:
         self.policy, self.ref = policy, ref
         self.world_size = self.env.world_size
         self.closed = False
+        # Every rank samples its share of the groups (build.every_rank_samples): ranks > 0 keep a
+        # plain copy of pi_theta and their own rollout engine, and stream finished groups to rank 0
+        # on a side gloo group (created here, by every rank in the same order).
+        from backends.build import every_rank_samples, rank_rollouts
+
+        self.side = self.sampling_copy = self.rank_engine = None
+        self.rollout_metrics: dict = {}
+        if self.world_size > 1 and every_rank_samples(cfg):
+            self.side = torch.distributed.new_group(backend="gloo")
+            if not self.env.is_rank0:
+                self.sampling_copy, self.rank_engine = rank_rollouts(cfg)
 
     # the five calls of policy.policy_update (the one SS-GRPO update of both engines) -------------
     def logprobs(self, ids: torch.Tensor, att: torch.Tensor, mask: torch.Tensor | None = None,
@@ -780,7 +795,91 @@ class ZeRO3Engine:
         shards, plans = plan_update(batch, self.world_size, self.cfg.ss_grpo.minibatches,
                                     self.cfg.ss_grpo.micro_batch, rng)
         mine = self._send("update", [(sh, pl, pad_id) for sh, pl in zip(shards, plans)])
-        return policy_update(self, mine[0], self.cfg.ss_grpo, pad_id, mine[1])
+        out = policy_update(self, mine[0], self.cfg.ss_grpo, pad_id, mine[1])
+        if "task" in batch.kind:  # the step's rollout metrics travel with the task update's
+            out.update(self.rollout_metrics)
+            self.rollout_metrics = {}
+        return out
+
+    def sample_shards(self, ce, queries: list, n: int, bank_items, seed: int,
+                      temperature: float | None = None) -> list:
+        """Every rank samples its share of the step's groups (rollout_engine.shard: contiguous,
+        rank 0 first) with rollout_engine.ConcurrentRolloutEngine and the same per-request seeds
+        (request_seed(seed, global rollout index, turn)); rank 0 samples its own share with `ce`
+        while a thread per rank receives the others' groups as each finishes (side gloo group).
+        Returns len(queries) * n finalised Rollouts, query-major, as if one process had sampled them
+        all; the other ranks' tool counters are added to rank 0's engine. Sets rollout_metrics
+        (rollout/sampling_ranks, time/rollout_rank<r>_s), which the next task update returns.
+        Raises what a rank's sampling raised (another rank's error as RuntimeError naming it)."""
+        import threading
+
+        from backends.rollout_engine import shard
+
+        W, P = self.world_size, len(queries)
+        parts = [shard(P, W, r) for r in range(W)]
+        items = list(bank_items) if bank_items else None
+        self._send("sample", [(queries[p.start:p.stop], items[p.start:p.stop] if items else None, n,
+                               seed, temperature, p.start * n) for p in parts])
+        groups: list = [None] * P
+        infos: dict = {}
+
+        def receive(src: int) -> None:
+            while True:
+                box = [None, None]
+                torch.distributed.recv_object_list(box, src=src, group=self.side)
+                if box[0] is None:
+                    infos[src] = box[1]
+                    return
+                groups[box[0]] = box[1]
+
+        threads = [threading.Thread(target=receive, args=(r,), name=f"rollouts-from-{r}", daemon=True)
+                   for r in range(1, W) if len(parts[r])]
+        for th in threads:
+            th.start()
+        t0 = time.perf_counter()
+        own = ce.run(queries[parts[0].start:parts[0].stop], n,
+                     items[parts[0].start:parts[0].stop] if items else None, seed, temperature)
+        own_s = time.perf_counter() - t0
+        for th in threads:
+            th.join()
+        errors = [f"rank {r}: {info['error']}" for r, info in sorted(infos.items()) if info.get("error")]
+        if errors:
+            raise RuntimeError("sampling failed on another rank: " + "; ".join(errors))
+        for g in range(parts[0].stop):
+            groups[g] = own[g * n:(g + 1) * n]
+        self.rollout_metrics = {"rollout/sampling_ranks": 1 + len(threads), "time/rollout_rank0_s": own_s}
+        for r, info in sorted(infos.items()):
+            self.rollout_metrics[f"time/rollout_rank{r}_s"] = info["seconds"]
+            for k, v in info["stats"].items():
+                ce.engine.stats[k] = ce.engine.stats.get(k, 0) + v
+        return [x for g in groups for x in g]
+
+    def _sample_share(self, payload) -> None:
+        """Rank > 0: sample this rank's share (sample_shards) and send each group to rank 0 as it
+        finishes; then (None, {seconds, stats: the tool counters' increase, error}). An exception
+        is reported to rank 0 instead of ending this rank, so the run stops cleanly there."""
+        queries, items, n, seed, temperature, offset = payload
+        before = dict(self.rank_engine.engine.stats)
+        info: dict = {"error": None}
+        t0 = time.perf_counter()
+        if queries:
+            sink: list = []
+            first = offset // n
+
+            def done(g: int) -> None:
+                torch.distributed.send_object_list([first + g, sink[g * n:(g + 1) * n]], dst=0,
+                                                   group=self.side)
+
+            try:
+                self.rank_engine.run(queries, n, items, seed, temperature, index_offset=offset,
+                                     on_group_done=done, sink=sink)
+            except Exception as e:  # reported to rank 0, which raises it
+                log.exception("rank %d: sampling failed", self.env.rank)
+                info["error"] = f"{type(e).__name__}: {e}"
+        info["seconds"] = time.perf_counter() - t0
+        info["stats"] = {k: v - before.get(k, 0) for k, v in self.rank_engine.engine.stats.items()}
+        if queries:
+            torch.distributed.send_object_list([None, info], dst=0, group=self.side)
 
     def sync(self, sampler) -> None:
         """Copy the updated weights into rank 0's sampler: the plain `model` (HF generate) or a vLLM
@@ -862,8 +961,17 @@ class ZeRO3Engine:
                 policy_update(self, shard_, self.cfg.ss_grpo, pad_id, plan)
                 updates += 1
             elif kind == "sync":
-                for _ in self.policy.iter_full_params(copy=False):  # take part in the gathers only
-                    pass
+                params = self.policy.iter_full_params(copy=False)
+                if self.sampling_copy is None:
+                    for _ in params:  # take part in the gathers only
+                        pass
+                else:  # this rank samples too: its copy of pi_theta takes each gathered parameter
+                    own = dict(self.sampling_copy.named_parameters())
+                    with torch.no_grad():
+                        for name, t in params:
+                            own[name].copy_(t)
+            elif kind == "sample":
+                self._sample_share(payload)
             elif kind == "save_hf":
                 self.policy.save_pretrained(payload)
             elif kind == "save_ds":
@@ -871,6 +979,10 @@ class ZeRO3Engine:
             elif kind == "load_ds":
                 self.policy.engine.load_checkpoint(payload, tag="state", load_optimizer_states=True,
                                                    load_lr_scheduler_states=False)
+                if self.sampling_copy is not None:  # as rank 0's sampling copy (load)
+                    from backends import checkpoint as ckpt_mod
+
+                    ckpt_mod.load_model_weights(self.sampling_copy, os.path.dirname(payload))
             else:
                 raise RuntimeError(f"unknown command from rank 0: {kind!r}")
 

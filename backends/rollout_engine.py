@@ -431,3 +431,83 @@ class AsyncTurns:
             temperature: float | None = None) -> list[Rollout]:
         seed = getattr(self._engine.sampler, "seed", None)
         return self._ce.run(queries, n, bank_items, 0 if seed is None else int(seed), temperature)
+
+
+class SeededTorchSampler:
+    """A SeededSampler over an in-process torch sampler (toy/hf_sampler.HFSampler or
+    toy/kv_sampler.KVSampler), for full mode's HF / KV rollouts on every rank.
+
+    generate(prompts, max_new_tokens, temperature, seeds): with seeds, each prompt is decoded on its
+    own, under torch's global RNG forked and seeded with its seed (torch.random.fork_rng: the
+    caller's RNG state is left as it was), so a request's tokens depend only on (weights, prompt,
+    budget, temperature, seed): not on the rank, the batch or the order. Without seeds it is the
+    wrapped sampler's own batched call (the reflection branch's, as before). One request at a time
+    costs the batching a GPU would give; on GPU full mode samples with vLLM (docs/full_mode.md).
+
+    reseed(seed) keeps the step's seed (`seed`, read by SeededRollouts); `model` and `stats` are the
+    wrapped sampler's, so full.ZeRO3Engine.sync copies new weights straight into the model."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.model = getattr(inner, "model", None)
+        self.stats = getattr(inner, "stats", {})
+        self.seed: int | None = None
+
+    def reseed(self, seed: int) -> None:
+        self.seed = int(seed)
+        getattr(self.inner, "reseed", lambda s: None)(seed)
+
+    def sync_weights(self, named_params, copy: bool = True) -> None:
+        self.inner.sync_weights(named_params, copy=copy)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def generate(self, prompts, max_new_tokens, temperature, seeds=None):
+        import torch
+
+        if seeds is None:
+            return self.inner.generate(prompts, max_new_tokens, temperature)
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        dev = getattr(self.model, "device", None)
+        cuda = [dev.index or 0] if getattr(dev, "type", "cpu") == "cuda" else []
+        out = []
+        for p, m, s in zip(prompts, max_new_tokens, seeds):
+            with torch.random.fork_rng(devices=cuda):
+                torch.manual_seed(int(s))
+                out.extend(self.inner.generate([p], [m], temperature))
+        return out
+
+
+class SeededRollouts:
+    """scaffold.RolloutEngine's interface (run, prompt_ids, stats, ...) over ConcurrentRolloutEngine
+    with one seed per request, for train.py's full loop with the HF / KV sampler (build.build_run):
+    `schedule` "lockstep" or "async" (full.rollout_schedule). The step's seed is the one
+    train.sample_rollouts gave the sampler (SeededTorchSampler.reseed).
+
+    deal: None (this process samples every group), or full.ZeRO3Engine.sample_shards, which gives
+    each ZeRO-3 rank its contiguous share of the groups (`shard`), samples rank 0's own, and
+    collects the others' as they finish. The rollouts are the same either way (request_seed), so a
+    run is deterministic for a seed, and the same for any rank count up to the weights' rounding."""
+
+    def __init__(self, engine, schedule: str = "lockstep", tool_concurrency: int = 8,
+                 deal: Callable | None = None):
+        self._engine = engine
+        self._ce = ConcurrentRolloutEngine(engine, tool_concurrency, schedule)
+        self._deal = deal
+
+    @property
+    def stats(self) -> dict:
+        return self._engine.stats
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def run(self, queries: Sequence, n: int = 1, bank_items: Sequence[Sequence[str]] | None = None,
+            temperature: float | None = None) -> list[Rollout]:
+        seed = getattr(self._engine.sampler, "seed", None)
+        seed = 0 if seed is None else int(seed)
+        if self._deal is not None:
+            return self._deal(self._ce, list(queries), n, bank_items, seed, temperature)
+        return self._ce.run(queries, n, bank_items, seed, temperature)

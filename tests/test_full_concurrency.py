@@ -333,3 +333,65 @@ def test_pool_map_keeps_order_bounds_threads_and_raises():
         pool_map(2)(lambda x: 1 / x, [1, 0, 2])
     with pytest.raises(ValueError):
         pool_map(0)
+
+
+def test_seeded_torch_sampler_is_per_request_and_leaves_the_global_rng(model_tok):
+    """rollout_engine.SeededTorchSampler over the HF sampler (full mode's rollouts on every rank):
+    a request's tokens depend on its seed, not on its batch or position; the caller's RNG is left as
+    it was; without seeds it is the wrapped sampler's own call."""
+    import torch
+
+    from backends.rollout_engine import SeededTorchSampler
+    from toy.hf_sampler import HFSampler
+
+    model, tok = model_tok
+    s = SeededTorchSampler(HFSampler(model, tok))
+    ps = [tok.encode(q.query, add_special_tokens=False) for q in train_queries()[:3]]
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    a = s.generate(ps, [12, 12, 12], 1.0, seeds=[5, 6, 7])
+    assert torch.equal(torch.get_rng_state(), state)
+    b = s.generate(ps[::-1], [12, 12, 12], 1.0, seeds=[7, 6, 5])
+    c = s.generate(ps[1:2], [12], 1.0, seeds=[6])
+    assert a == b[::-1] and c[0] == a[1]
+    assert s.generate(ps[:1], [12], 1.0, seeds=[9]) != a[:1]  # another seed, other tokens
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        s.generate(ps, [4, 4, 4], 1.0, seeds=[1, 2])
+    torch.manual_seed(1)
+    plain = s.generate(ps, [6, 6, 6], 1.0)
+    torch.manual_seed(1)
+    assert plain == s.inner.generate(ps, [6, 6, 6], 1.0)
+    s.reseed(11)
+    assert s.seed == 11 and s.model is model
+
+
+def test_seeded_rollouts_deal_and_local_give_the_same_rollouts(model_tok):
+    """rollout_engine.SeededRollouts (run.rollout_engine for full mode's HF / KV sampler): the step's
+    seed comes from the sampler's reseed; run with a `deal` (full.ZeRO3Engine.sample_shards) gets
+    the same call as a local run, and the lockstep and async schedules give the same rollouts."""
+    from backends.rollout_engine import SeededRollouts, shard
+
+    qs = list(train_queries()[:4])
+    outs = {}
+    for schedule in ("lockstep", "async"):
+        inner = _engine(model_tok, SlowTool()).engine
+        inner.sampler.reseed(4)
+        outs[schedule] = SeededRollouts(inner, schedule, 4).run(qs, n=2)
+    assert _key(outs["lockstep"]) == _key(outs["async"])
+
+    calls = []
+
+    def deal(ce, queries, n, items, seed, temperature):  # two "ranks", one after the other
+        calls.append(seed)
+        out = []
+        for r in range(2):
+            part = shard(len(queries), 2, r)
+            out += ce.run(queries[part.start:part.stop], n, None, seed, temperature,
+                          index_offset=part.start * n)
+        return out
+
+    inner = _engine(model_tok, SlowTool()).engine
+    inner.sampler.reseed(4)
+    eng = SeededRollouts(inner, "async", 4, deal)
+    assert _key(eng.run(qs, n=2)) == _key(outs["lockstep"]) and calls == [4]
+    assert eng.stats is inner.stats

@@ -124,6 +124,7 @@ def runs(tmp_path_factory):
     out = {"model": model, "rows": rows}
     out["single"] = _full_run(tmp, "single", model, rows, 1)
     out["zero3"] = _full_run(tmp, "zero3", model, rows, 2)
+    out["zero3-again"] = _full_run(tmp, "zero3-again", model, rows, 2)
     _full_run(tmp, "resumed", model, rows, 2, "--set", "checkpoint.stop_after=1")
     out["resumed"] = _full_run(tmp, "resumed", model, rows, 2, "--resume", "latest")
     return out
@@ -138,7 +139,9 @@ def test_full_mode_two_zero3_ranks_match_single_process_run(runs):
     single, zero3 = _metrics(runs["single"][0]), _metrics(runs["zero3"][0])
     assert [r["step"] for r in single] == [r["step"] for r in zero3] == list(range(STEPS))
     for a, b in zip(single, zero3):
-        assert set(a) == set(b)
+        # Both sample with one seed per request; on 2 ranks each rank samples half of the groups.
+        assert b["rollout/sampling_ranks"] == 2 and b["time/rollout_rank1_s"] > 0
+        assert set(a) == set(b) - {"rollout/sampling_ranks", "time/rollout_rank0_s", "time/rollout_rank1_s"}
         for k in a:
             if k.startswith("time/"):
                 continue
@@ -156,6 +159,19 @@ def test_full_mode_two_zero3_ranks_match_single_process_run(runs):
     print({k: zero3[-1][k] for k in ("loss/total", "kl", "clip_frac", "grad_norm", "tools/calls",
                                      "reward/answer", "judge/http/calls")},
           f"single {runs['single'][2]:.1f} s, zero3 {runs['zero3'][2]:.1f} s")
+
+
+def test_full_mode_two_rank_sampling_is_deterministic(runs):
+    """Every rank samples its share of the groups (full.rollout_ranks "all", per-request seeds): two
+    identical 2-rank runs log the same metrics (all but time/*) and write the same bank, rollouts
+    and weights."""
+    a, b = runs["zero3"][0], runs["zero3-again"][0]
+    strip = lambda rows: [{k: v for k, v in x.items()  # noqa: E731
+                           if not k.startswith(("time/", "judge/http/"))} for x in rows]
+    assert strip(_metrics(a)) == strip(_metrics(b))
+    assert all(r["rollout/sampling_ranks"] == 2 for r in _metrics(a))
+    for f in ("bank.jsonl", "samples.jsonl", "final/model.safetensors"):
+        assert open(a / f, "rb").read() == open(b / f, "rb").read(), f
 
 
 def test_full_mode_speaks_the_gemini_and_serper_wire_formats(runs):
