@@ -179,22 +179,23 @@ ROLLOUT_RANKS = ("all", "rank0")
 
 def seeded_rollouts(cfg: Config) -> bool:
     """True when a full-mode run samples its rollouts with one seed per request through
-    rollout_engine.SeededRollouts: mode "full", sampler "hf" or "kv", full.rollout_ranks "all".
-    (vLLM takes per-request seeds itself; the toy path keeps its samplers.) Raises ValueError for an
-    unknown full.rollout_ranks."""
+    rollout_engine.SeededRollouts: mode "full" and sampler "hf" or "kv" (vLLM takes per-request
+    seeds itself; the toy path keeps its samplers). Raises ValueError for an unknown
+    full.rollout_ranks."""
     full = getattr(cfg, "full", None)
     if getattr(cfg, "mode", None) != "full" or full is None:
         return False
     if full.rollout_ranks not in ROLLOUT_RANKS:
         raise ValueError(f"full.rollout_ranks must be one of {ROLLOUT_RANKS}, got {full.rollout_ranks!r}")
-    return cfg.sampler in ("hf", "kv") and full.rollout_ranks == "all"
+    return cfg.sampler in ("hf", "kv")
 
 
 def every_rank_samples(cfg: Config) -> bool:
     """True when every ZeRO-3 rank samples its share of a step's groups (full.ZeRO3Engine.sample_shards):
-    seeded_rollouts(cfg), engine "zero3" and no injected tool faults (their schedule counts the calls
-    of one process; with faults rank 0 samples every group, logged). Same answer on every rank."""
-    if not (seeded_rollouts(cfg) and cfg.engine == "zero3"):
+    seeded_rollouts(cfg), full.rollout_ranks "all", engine "zero3" and no injected tool faults (their
+    schedule counts the calls of one process; with faults rank 0 samples every group, logged). Same
+    answer on every rank. With "rank0" rank 0 samples the same rollouts alone."""
+    if not (seeded_rollouts(cfg) and cfg.full.rollout_ranks == "all" and cfg.engine == "zero3"):
         return False
     if cfg.faults.tool_rate > 0:
         log.warning("faults.tool_rate > 0: rank 0 samples every rollout (the fault schedule counts "

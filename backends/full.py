@@ -350,8 +350,9 @@ class FullConfig:
     """ours: tool calls in flight at once under rollout_schedule "async" (>= 1)"""
     rollout_ranks: str = "all"
     """sampler "hf" / "kv": "all" = every ZeRO-3 rank samples its share of a step's groups with its
-    own copy of pi_theta, one seed per request (build.every_rank_samples; docs/full_mode.md);
-    "rank0" = rank 0 samples every rollout (the schedule before). vLLM samples on rank 0 only."""
+    own copy of pi_theta (build.every_rank_samples; docs/full_mode.md); "rank0" = rank 0 samples
+    every rollout. Both sample one seed per request, so they give the same rollouts. vLLM samples
+    on rank 0 only."""
 
 
 def full_config(cfg) -> FullConfig:
@@ -797,7 +798,7 @@ class ZeRO3Engine:
         mine = self._send("update", [(sh, pl, pad_id) for sh, pl in zip(shards, plans)])
         out = policy_update(self, mine[0], self.cfg.ss_grpo, pad_id, mine[1])
         if "task" in batch.kind:  # the step's rollout metrics travel with the task update's
-            out.update(self.rollout_metrics)
+            out.update(self.rollout_metrics or {"rollout/sampling_ranks": 1})  # 1: rank 0 alone
             self.rollout_metrics = {}
         return out
 
