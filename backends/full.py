@@ -811,7 +811,8 @@ class ZeRO3Engine:
         Returns len(queries) * n finalised Rollouts, query-major, as if one process had sampled them
         all; the other ranks' tool counters are added to rank 0's engine. Sets rollout_metrics
         (rollout/sampling_ranks, time/rollout_rank<r>_s), which the next task update returns.
-        Raises what a rank's sampling raised (another rank's error as RuntimeError naming it)."""
+        Raises what rank 0's sampling raised; another rank's error as a RuntimeError naming the
+        rank (with the error's exit_code, e.g. 4 for an API's 401/403/404, when it had one)."""
         import threading
 
         from backends.rollout_engine import shard
@@ -843,9 +844,14 @@ class ZeRO3Engine:
         own_s = time.perf_counter() - t0
         for th in threads:
             th.join()
-        errors = [f"rank {r}: {info['error']}" for r, info in sorted(infos.items()) if info.get("error")]
-        if errors:
-            raise RuntimeError("sampling failed on another rank: " + "; ".join(errors))
+        bad = [(r, info) for r, info in sorted(infos.items()) if info.get("error")]
+        if bad:  # an API's 401/403/404 keeps its exit code (train.main: 4)
+            err = RuntimeError("sampling failed on another rank: "
+                               + "; ".join(f"rank {r}: {info['error']}" for r, info in bad))
+            codes = [info["exit_code"] for _, info in bad if info.get("exit_code") is not None]
+            if codes:
+                err.exit_code = codes[0]
+            raise err
         for g in range(parts[0].stop):
             groups[g] = own[g * n:(g + 1) * n]
         self.rollout_metrics = {"rollout/sampling_ranks": 1 + len(threads), "time/rollout_rank0_s": own_s}
@@ -877,6 +883,7 @@ class ZeRO3Engine:
             except Exception as e:  # reported to rank 0, which raises it
                 log.exception("rank %d: sampling failed", self.env.rank)
                 info["error"] = f"{type(e).__name__}: {e}"
+                info["exit_code"] = getattr(e, "exit_code", None)
         info["seconds"] = time.perf_counter() - t0
         info["stats"] = {k: v - before.get(k, 0) for k, v in self.rank_engine.engine.stats.items()}
         if queries:

@@ -32,11 +32,19 @@ schedule's rollouts of step t+1 see the weights before step t's reflection updat
 lag). Not modelled: bank retrieval (prompts carry no bank items) and the ZeRO-3 update (rank 0
 updates a plain copy, then broadcasts every parameter: the weight sync).
 
+`--train-loop` measures instead the rollout phase of `train.py --full` itself (time/rollout_s) on
+`--ranks` ZeRO-3 gloo ranks: every rank sampling its share of the groups (full.rollout_ranks "all")
+against rank 0 sampling them all ("rank0"), the same per-request-seeded rollouts (checked), with a
+random-weight tiny Qwen3 that decodes every rollout's whole --max-tokens budget.
+
 Run (2-5 min on 2 shared cores; `--also-one-rank` adds a third sitting):
     python benchmarks/full_step.py                               # 2 ranks, 8 groups x 4, 3 steps
     python benchmarks/full_step.py --judge-sleep 0.5 --search-sleep 0.2 --also-one-rank
+    python benchmarks/full_step.py --train-loop --groups 4 --n 4 --steps 3 --max-tokens 128
 Last line:
     FULL_STEP step_s=<s> sequential_step_s=<s> ratio=<concurrent / sequential>
+    (--rank-scaling-only: ROLLOUT_RANKS ...; --train-loop: TRAIN_LOOP_RANKS ranks=.. rollout_s=..
+    one_rank_rollout_s=.. ratio=.. same_rollouts=..)
 """
 from __future__ import annotations
 

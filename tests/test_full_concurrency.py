@@ -363,6 +363,11 @@ def test_seeded_torch_sampler_is_per_request_and_leaves_the_global_rng(model_tok
     assert plain == s.inner.generate(ps, [6, 6, 6], 1.0)
     s.reseed(11)
     assert s.seed == 11 and s.model is model
+    from toy.kv_sampler import KVSampler  # the KV-cache loop too (sampler = "kv")
+
+    kv = SeededTorchSampler(KVSampler(model, tok))
+    a = kv.generate(ps, [12, 12, 12], 1.0, seeds=[5, 6, 7])
+    assert kv.generate(ps[::-1], [12, 12, 12], 1.0, seeds=[7, 6, 5]) == a[::-1]
 
 
 def test_seeded_rollouts_deal_and_local_give_the_same_rollouts(model_tok):
