@@ -1264,6 +1264,11 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
     e = os.environ if environ is None else environ
     full = full_config(cfg)
     problems: list[str] = _config_problem(cfg) + _path_problems(cfg)
+    from backends.build import ROLLOUT_RANKS
+
+    if full.rollout_ranks not in ROLLOUT_RANKS:
+        problems.append(f"configuration: full.rollout_ranks must be one of {ROLLOUT_RANKS}, got "
+                        f"{full.rollout_ranks!r}")
     lines = ["RubricEM full mode: dry run (nothing is trained)", ""]
     try:
         env = dist_env(e)

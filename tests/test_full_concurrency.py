@@ -400,3 +400,33 @@ def test_seeded_rollouts_deal_and_local_give_the_same_rollouts(model_tok):
     eng = SeededRollouts(inner, "async", 4, deal)
     assert _key(eng.run(qs, n=2)) == _key(outs["lockstep"]) and calls == [4]
     assert eng.stats is inner.stats
+
+
+def test_which_runs_sample_on_every_rank():
+    """build.seeded_rollouts / every_rank_samples: full mode with the HF / KV sampler samples one seed
+    per request; every ZeRO-3 rank samples its share unless full.rollout_ranks is "rank0" or tool
+    faults are injected; the toy path and vLLM never; an unknown value is refused (and the dry run
+    lists it)."""
+    from backends import full
+    from backends.build import every_rank_samples, seeded_rollouts
+    from backends.presets import full_preset, toy_preset
+
+    cfg = full_preset()
+    cfg.sampler = "vllm"
+    assert not seeded_rollouts(cfg) and not every_rank_samples(cfg)
+    cfg.sampler = "hf"
+    assert seeded_rollouts(cfg) and every_rank_samples(cfg)
+    cfg.sampler, cfg.engine = "kv", "torch"
+    assert seeded_rollouts(cfg) and not every_rank_samples(cfg)
+    cfg.engine = "zero3"
+    cfg.full.rollout_ranks = "rank0"
+    assert seeded_rollouts(cfg) and not every_rank_samples(cfg)
+    cfg.full.rollout_ranks = "all"
+    cfg.faults.tool_rate = 0.2
+    assert not every_rank_samples(cfg)
+    cfg.full.rollout_ranks = "everyone"
+    with pytest.raises(ValueError, match="full.rollout_ranks must be one of"):
+        seeded_rollouts(cfg)
+    assert any("full.rollout_ranks must be one of" in p for p in full.dry_run(cfg, {})[1])
+    toy = toy_preset()
+    assert not seeded_rollouts(toy) and not every_rank_samples(toy)
