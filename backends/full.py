@@ -1126,6 +1126,23 @@ def _key_envs(cfg) -> list[tuple[str, str]]:
     return out
 
 
+def _rank_search_key_problems(cfg, environ, env: DistEnv) -> list[str]:
+    """On a launched rank > 0 of a run where every rank samples (build.every_rank_samples) with
+    Serper search: the search key must be set on this rank too, since its rollouts make their own
+    search calls (the judge key stays rank 0's). [] elsewhere or when it is set."""
+    from backends.build import ROLLOUT_RANKS, every_rank_samples
+
+    if not env.launched or env.rank == 0 or cfg.search.backend != "serper" \
+            or full_config(cfg).rollout_ranks not in ROLLOUT_RANKS or not every_rank_samples(cfg):
+        return []
+    name = cfg.search_http.api_key_env if cfg.search_http else "SERPER_API_KEY"
+    if environ.get(name):
+        return []
+    return [f"environment variable {name} is not set on global rank {env.rank}: with "
+            f"full.rollout_ranks \"all\" every rank runs its own rollouts' searches (list it in "
+            ".deepspeed_env for a multi-node launch)"]
+
+
 def _required_packages(cfg) -> dict[str, str]:
     """{distribution: why this configuration needs it (and how to install it)} for cfg's backends."""
     full_extra = "pip install '.[full]'"
@@ -1317,6 +1334,7 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
     k_lines, k_bad = launch_check.key_lines(_key_envs(cfg), e, env.rank, env.launched)
     lines += [""] + k_lines
     problems += k_bad
+    problems += _rank_search_key_problems(cfg, e, env)
     lines += ["", "environment", f"  python {sys.version.split()[0]}, {os.cpu_count()} CPU cores"]
     if n_gpu:
         for i in range(n_gpu):

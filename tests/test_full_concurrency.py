@@ -430,3 +430,20 @@ def test_which_runs_sample_on_every_rank():
     assert any("full.rollout_ranks must be one of" in p for p in full.dry_run(cfg, {})[1])
     toy = toy_preset()
     assert not seeded_rollouts(toy) and not every_rank_samples(toy)
+
+
+def test_dry_run_asks_every_sampling_rank_for_the_search_key():
+    """When every rank samples with Serper search, a rank > 0 makes search calls: its dry run lists
+    a missing search key (the judge key stays rank 0's); with rank 0 sampling alone it needs none."""
+    from backends import full
+    from backends.presets import full_preset
+
+    cfg = full_preset()
+    cfg.sampler = "hf"
+    rank1 = full.DistEnv(rank=1, local_rank=1, world_size=2, launched=True)
+    bad = full._rank_search_key_problems(cfg, {}, rank1)
+    assert len(bad) == 1 and "SERPER_API_KEY is not set on global rank 1" in bad[0]
+    assert full._rank_search_key_problems(cfg, {"SERPER_API_KEY": "x" * 12}, rank1) == []
+    assert full._rank_search_key_problems(cfg, {}, full.DistEnv(world_size=2, launched=True)) == []
+    cfg.full.rollout_ranks = "rank0"
+    assert full._rank_search_key_problems(cfg, {}, rank1) == []
