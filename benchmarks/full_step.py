@@ -464,9 +464,12 @@ def _train_loop_scaling(a, urls) -> int:
         roll = [r["time/rollout_s"] for r in rows_m]
         res[ranks] = {"rollout_s": sum(roll) / len(roll), "traj": traj,
                       "sampling_ranks": rows_m[0].get("rollout/sampling_ranks", 1)}
+        own = {k.split("_")[1]: round(sum(r[k] for r in rows_m) / len(rows_m), 2)
+               for k in rows_m[0] if k.startswith("time/rollout_rank")}  # each rank's own sampling
         print(f"train.py --full, full.rollout_ranks={ranks}: sampling ranks "
-              f"{res[ranks]['sampling_ranks']}, time/rollout_s per step {[round(x, 2) for x in roll]}, "
-              f"step_s {[round(r['time/step_s'], 2) for r in rows_m]}, wall {time.perf_counter() - t0:.1f} s",
+              f"{res[ranks]['sampling_ranks']}, time/rollout_s per step {[round(x, 2) for x in roll]}"
+              + (f" (each rank's own sampling s per step: {own})" if own else "")
+              + f", step_s {[round(r['time/step_s'], 2) for r in rows_m]}, wall {time.perf_counter() - t0:.1f} s",
               flush=True)
     a_, o_ = res["all"], res["rank0"]
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
