@@ -277,7 +277,7 @@ def build_run(cfg: Config, policy, model, tok, world, tool, train_q: list, held_
     elif seeded_rollouts(cfg):  # full mode, HF / KV sampler: one seed per request, every rank samples
         from backends.rollout_engine import SeededRollouts
 
-        deal = policy.sample_shards if every_rank_samples(cfg) and policy.world_size > 1 else None
+        deal = policy.sample_shards if cfg.engine == "zero3" else None  # ZeRO-3: logs the ranks
         rollout_engine = SeededRollouts(rollout_engine, cfg.full.rollout_schedule,
                                         cfg.full.tool_concurrency, deal)
     clean_judge = build_judge(cfg, world)

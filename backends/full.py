@@ -809,19 +809,22 @@ class ZeRO3Engine:
         (request_seed(seed, global rollout index, turn)); rank 0 samples its own share with `ce`
         while a thread per rank receives the others' groups as each finishes (side gloo group).
         Returns len(queries) * n finalised Rollouts, query-major, as if one process had sampled them
-        all; the other ranks' tool counters are added to rank 0's engine. Sets rollout_metrics
-        (rollout/sampling_ranks, time/rollout_rank<r>_s), which the next task update returns.
+        all; the other ranks' tool counters are added to rank 0's engine. When not every rank
+        samples (build.every_rank_samples is False, or one rank) rank 0 samples every group here.
+        Sets rollout_metrics (rollout/sampling_ranks; time/rollout_rank<r>_s and _cpu_s: each
+        sampling rank's own wall and process CPU seconds), which the next task update returns.
         Raises what rank 0's sampling raised; another rank's error as a RuntimeError naming the
         rank (with the error's exit_code, e.g. 4 for an API's 401/403/404, when it had one)."""
         import threading
 
         from backends.rollout_engine import shard
 
-        W, P = self.world_size, len(queries)
+        W, P = (self.world_size if self.side is not None else 1), len(queries)
         parts = [shard(P, W, r) for r in range(W)]
         items = list(bank_items) if bank_items else None
-        self._send("sample", [(queries[p.start:p.stop], items[p.start:p.stop] if items else None, n,
-                               seed, temperature, p.start * n) for p in parts])
+        if W > 1:
+            self._send("sample", [(queries[p.start:p.stop], items[p.start:p.stop] if items else None,
+                                   n, seed, temperature, p.start * n) for p in parts])
         groups: list = [None] * P
         infos: dict = {}
 
@@ -838,10 +841,10 @@ class ZeRO3Engine:
                    for r in range(1, W) if len(parts[r])]
         for th in threads:
             th.start()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         own = ce.run(queries[parts[0].start:parts[0].stop], n,
                      items[parts[0].start:parts[0].stop] if items else None, seed, temperature)
-        own_s = time.perf_counter() - t0
+        own_s, own_cpu = time.perf_counter() - t0, time.process_time() - c0
         for th in threads:
             th.join()
         bad = [(r, info) for r, info in sorted(infos.items()) if info.get("error")]
@@ -854,9 +857,11 @@ class ZeRO3Engine:
             raise err
         for g in range(parts[0].stop):
             groups[g] = own[g * n:(g + 1) * n]
-        self.rollout_metrics = {"rollout/sampling_ranks": 1 + len(threads), "time/rollout_rank0_s": own_s}
+        self.rollout_metrics = {"rollout/sampling_ranks": 1 + len(threads), "time/rollout_rank0_s": own_s,
+                                "time/rollout_rank0_cpu_s": own_cpu}
         for r, info in sorted(infos.items()):
             self.rollout_metrics[f"time/rollout_rank{r}_s"] = info["seconds"]
+            self.rollout_metrics[f"time/rollout_rank{r}_cpu_s"] = info["cpu_seconds"]
             for k, v in info["stats"].items():
                 ce.engine.stats[k] = ce.engine.stats.get(k, 0) + v
         return [x for g in groups for x in g]
@@ -868,7 +873,7 @@ class ZeRO3Engine:
         queries, items, n, seed, temperature, offset = payload
         before = dict(self.rank_engine.engine.stats)
         info: dict = {"error": None}
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if queries:
             sink: list = []
             first = offset // n
@@ -884,7 +889,7 @@ class ZeRO3Engine:
                 log.exception("rank %d: sampling failed", self.env.rank)
                 info["error"] = f"{type(e).__name__}: {e}"
                 info["exit_code"] = getattr(e, "exit_code", None)
-        info["seconds"] = time.perf_counter() - t0
+        info["seconds"], info["cpu_seconds"] = time.perf_counter() - t0, time.process_time() - c0
         info["stats"] = {k: v - before.get(k, 0) for k, v in self.rank_engine.engine.stats.items()}
         if queries:
             torch.distributed.send_object_list([None, info], dst=0, group=self.side)

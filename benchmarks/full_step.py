@@ -44,7 +44,7 @@ Run (2-5 min on 2 shared cores; `--also-one-rank` adds a third sitting):
 Last line:
     FULL_STEP step_s=<s> sequential_step_s=<s> ratio=<concurrent / sequential>
     (--rank-scaling-only: ROLLOUT_RANKS ...; --train-loop: TRAIN_LOOP_RANKS ranks=.. rollout_s=..
-    one_rank_rollout_s=.. ratio=.. same_rollouts=..)
+    one_rank_rollout_s=.. ratio=.. cpu_ratio=.. same_rollouts=..)
 """
 from __future__ import annotations
 
@@ -415,7 +415,10 @@ def _train_loop_scaling(a, urls) -> int:
     temporary directory (it writes no tool calls: every rollout decodes its whole --max-tokens
     budget, one request at a time), --groups x --n rollouts per step, the loopback judge and
     search. Prints TRAIN_LOOP_RANKS ranks=.. rollout_s=.. one_rank_rollout_s=.. ratio=..
-    same_rollouts=.. (the step-0 trajectories of both runs, samples.jsonl)."""
+    cpu_ratio=.. same_rollouts=..: ratio of the rollout phase's wall time; cpu_ratio of the busiest
+    sampling rank's process CPU seconds to the one sampling rank's (the share of the work each rank
+    does, whatever the machine's load); same_rollouts: the step-0 trajectories of both runs
+    (samples.jsonl)."""
     import subprocess
 
     from toy import model as toy_model
@@ -464,19 +467,20 @@ def _train_loop_scaling(a, urls) -> int:
         roll = [r["time/rollout_s"] for r in rows_m]
         res[ranks] = {"rollout_s": sum(roll) / len(roll), "traj": traj,
                       "sampling_ranks": rows_m[0].get("rollout/sampling_ranks", 1)}
-        own = {k.split("_")[1]: round(sum(r[k] for r in rows_m) / len(rows_m), 2)
-               for k in rows_m[0] if k.startswith("time/rollout_rank")}  # each rank's own sampling
+        mean = lambda k: sum(r[k] for r in rows_m) / len(rows_m)  # noqa: E731
+        own = {k[len("time/rollout_"):-2]: round(mean(k), 2) for k in rows_m[0]
+               if k.startswith("time/rollout_rank")}  # each rank's own sampling: wall and CPU s
+        res[ranks]["cpu_s"] = max(mean(k) for k in rows_m[0] if k.endswith("_cpu_s"))
         print(f"train.py --full, full.rollout_ranks={ranks}: sampling ranks "
-              f"{res[ranks]['sampling_ranks']}, time/rollout_s per step {[round(x, 2) for x in roll]}"
-              + (f" (each rank's own sampling s per step: {own})" if own else "")
-              + f", step_s {[round(r['time/step_s'], 2) for r in rows_m]}, wall {time.perf_counter() - t0:.1f} s",
-              flush=True)
+              f"{res[ranks]['sampling_ranks']}, time/rollout_s per step {[round(x, 2) for x in roll]} "
+              f"(per rank, mean s per step: {own}), step_s {[round(r['time/step_s'], 2) for r in rows_m]}, "
+              f"wall {time.perf_counter() - t0:.1f} s", flush=True)
     a_, o_ = res["all"], res["rank0"]
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     same = a_["traj"] == o_["traj"]
     print(f"TRAIN_LOOP_RANKS ranks={a_['sampling_ranks']} rollout_s={a_['rollout_s']:.2f} "
           f"one_rank_rollout_s={o_['rollout_s']:.2f} ratio={a_['rollout_s'] / o_['rollout_s']:.2f} "
-          f"same_rollouts={same}")
+          f"cpu_ratio={a_['cpu_s'] / o_['cpu_s']:.2f} same_rollouts={same}")
     return 0 if same else 1
 
 
