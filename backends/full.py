@@ -718,7 +718,10 @@ class ZeRO3Engine:
     calls this engine for the collective parts; every other rank runs `serve()`, which waits for
     rank 0's commands and takes part in the same collectives:
         update(batch, pad_id, rng)   SS-GRPO update; rank 0 deals the batch out (plan_update)
-        sync(sampler)                the new pi_theta into rank 0's sampler, one gathered tensor at a time
+        sample_shards(...)           the step's rollouts: every rank samples its share of the groups
+                                     (HF / KV sampler, full.rollout_ranks "all"), rank 0 collects them
+        sync(sampler)                the new pi_theta into rank 0's sampler (and every sampling
+                                     rank's own copy), one gathered tensor at a time
         save_pretrained(dir)         HF checkpoint (rank 0 writes)
         save_state(dir) / load(...)  DeepSpeed's partitioned optimizer + fp32 weights (every rank
                                      writes its own partition: a shared filesystem across nodes)
@@ -727,7 +730,8 @@ class ZeRO3Engine:
     shard of the update batch.
 
     Rank 0 keeps a plain copy of pi_theta (`model`, e.g. for HF generate) that sync() refreshes; the
-    sampler could equally be vLLM (vllm_sampler.VLLMSampler.sync_weights).
+    sampler could equally be vLLM (vllm_sampler.VLLMSampler.sync_weights). When every rank samples,
+    ranks > 0 keep one too (`sampling_copy`, with their own rollout engine, build.rank_rollouts).
     """
 
     def __init__(self, cfg, model=None, *, policy: ZeRO3Policy | None = None,
