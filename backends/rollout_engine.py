@@ -317,10 +317,15 @@ class AsyncReflection:
     def __init__(self):
         self._th: threading.Thread | None = None
         self._box: dict = {}
+        self._gate: threading.Event | None = None
 
-    def start(self, branch: Callable[[], tuple]) -> None:
+    def start(self, branch: Callable[[], tuple], bank_gate: threading.Event | None = None) -> None:
+        """Run `branch` in a thread. bank_gate: the Event the branch's bank writes wait for
+        (reflection_branch(bank_gate=...)); the caller sets it once step t+1's retrieval has read
+        the bank, and result() sets it in any case before waiting."""
         if self._th is not None:
             raise RuntimeError("a reflection branch is already in flight; collect it with result()")
+        self._gate = bank_gate
         box: dict = {}
 
         def work():
@@ -346,6 +351,8 @@ class AsyncReflection:
         if self._th is None:
             raise RuntimeError("no reflection branch in flight")
         t0 = time.perf_counter()
+        if self._gate is not None:
+            self._gate.set()
         self._th.join()
         self._th, box = None, self._box
         if "error" in box:
@@ -388,14 +395,37 @@ class SeededView:
         return self.sampler.generate(prompts, max_new_tokens, temperature, seeds=seeds)
 
 
+class GatedBank:
+    """A rubric bank whose writes (upsert) wait until `gate` is set; reads and everything else go to
+    `bank` at once. The asynchronous reflection branch of step t writes through it, so its upserts
+    land after step t+1's retrieval has read the bank, whenever the thread gets there: the bank a
+    step retrieves from does not depend on thread timing (the branch is the bank's only writer, so
+    each upsert also sees the state the sequential branch saw)."""
+
+    def __init__(self, bank, gate: threading.Event):
+        self.bank, self.gate = bank, gate
+
+    def upsert(self, *args, **kwargs):
+        self.gate.wait()
+        return self.bank.upsert(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.bank, name)
+
+
 def reflection_branch(step: int, rollouts, judged, judge, bank, sampler, tok, system: str, cfg, rng,
                       std: str, eps: float, group_size: int, seed: int,
-                      judge_concurrency: int = 8) -> Callable[[], tuple]:
+                      judge_concurrency: int = 8,
+                      bank_gate: threading.Event | None = None) -> Callable[[], tuple]:
     """reflection.run_reflection_branch of step `step` as a closure for AsyncReflection (or to call
     at once: the sequential schedule): sampling through SeededView(sampler, seed), the privileged
     judge calls of the P trajectories on a pool of `judge_concurrency` threads (1: one after
-    another, as the toy path). rng: the branch's own random.Random (trajectory picks)."""
+    another, as the toy path). rng: the branch's own random.Random (trajectory picks). bank_gate:
+    the bank's writes wait for this Event (GatedBank; AsyncReflection.start(bank_gate=...))."""
     from reflection import run_reflection_branch
+
+    if bank_gate is not None:
+        bank = GatedBank(bank, bank_gate)
 
     def branch():
         view = SeededView(sampler, seed)

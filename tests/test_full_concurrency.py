@@ -218,11 +218,15 @@ def test_async_reflection_equals_sequential_from_the_same_snapshot(model_tok):
     b1 = RubricBank()
     batch1, m1 = branch(b1, 1)()
     b2 = RubricBank()
-    ar = AsyncReflection()
-    ar.start(branch(b2, 8))
+    ar, gate = AsyncReflection(), threading.Event()
+    ar.start(reflection_branch(0, rollouts, judged, HashJudge(), b2, sampler, tok, SYSTEM, cfg,
+                               random.Random(7), "sample", 1e-6, n, seed=11, judge_concurrency=8,
+                               bank_gate=gate), bank_gate=gate)
     nxt = ce.run(list(train_queries()[3:6]), n, None, seed=9)  # the next step's rollouts, meanwhile
     assert ar.pending
-    batch2, m2 = ar.result()
+    time.sleep(0.5)
+    assert len(b2) == 0  # the bank's writes wait for the next step's retrieval (the gate)
+    batch2, m2 = ar.result()  # opens the gate
     assert nxt and not ar.pending
     e1 = [(e.query, e.reflection, e.score, e.step) for e in b1.entries()]
     e2 = [(e.query, e.reflection, e.score, e.step) for e in b2.entries()]
