@@ -24,6 +24,14 @@ What is here
     AsyncReflection                        the reflection branch of step t in a thread, overlapping
                                            step t+1's rollouts; its batch is collected before step
                                            t+1's update (one-step lag, Algorithm 1)
+    GatedBank                              the branch's bank writes wait until step t+1's retrieval
+                                           has read the bank
+    SeededTorchSampler                     the HF / KV sampler with one seed per request (each
+                                           request decoded on its own under a forked, seeded RNG)
+    SeededRollouts                         train.py's rollout engine in full mode with the HF / KV
+                                           sampler: per-request seeds, "lockstep" or "async", and
+                                           every ZeRO-3 rank's share (full.ZeRO3Engine.sample_shards)
+    AsyncTurns                             the same for the vLLM sampler on rank 0 ("async")
 
 Determinism: a request's seed depends only on (step seed, rollout index, turn), so the tokens a
 rollout samples do not depend on which rank sampled it, on the batch it shared, or on the order the
