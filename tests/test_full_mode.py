@@ -304,3 +304,31 @@ def test_full_mode_async_rollout_schedule_is_deterministic(runs, tmp_path):
         with open(d / "samples.jsonl") as fh:
             samples.append([json.loads(line)["trajectory"] for line in fh])
     assert samples[0] == samples[1] and samples[0]
+
+
+def test_full_mode_search_key_refused_ends_every_sampling_rank(runs, tmp_path):
+    """Both ZeRO-3 ranks sample and search; the search API answers 401 to every call. The run must
+    end (no rank left waiting for another's rollouts) with the API's message and train.py's exit
+    code for a refused key (4) on rank 0, whichever rank's search was refused first."""
+    with FakeServer("gemini", model="gemini-test") as gj, FakeServer("serper") as ss:
+        ss.rule = lambda req: {"status": 401, "message": "API key not valid"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               os.path.join(ROOT, "train.py"), "--full", "--model", str(runs["model"]), "--steps", "1",
+               "--run-dir", str(tmp_path / "refused"), "--no-progress",
+               "--set", f'data.source="{runs["rows"]}"', "--set", f'judge_http.base_url="{gj.url}"',
+               "--set", 'judge.model="gemini-test"', "--set", f'search_http.base_url="{ss.url}"',
+               "--set", 'sampler="hf"', "--set", 'bank.retriever="bm25"',
+               "--set", "rollout.prompts_per_step=2", "--set", "rollout.n=4",
+               "--set", "rollout.max_response_tokens=96", "--set", 'rollout.system_prompt="compact"',
+               "--set", "ss_grpo.micro_batch=1", "--set", f'cache_dir="{tmp_path / "cache"}"',
+               "--set", "threads=1"]
+        p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)
+        try:
+            out, err = p.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            pytest.fail("a rank was left waiting after the search API refused the key")
+        assert ss.requests  # the rollouts reached the search server
+    assert p.returncode != 0
+    assert "API key not valid" in err and "exitcode  : 4" in err, err[-3000:]
