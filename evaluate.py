@@ -84,16 +84,18 @@ import random
 import re
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, as_completed, wait
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from backends import build, presets
 from backends.checkpoint import atomic_write_bytes
 from backends.data import read_records
+from backends.judge_http import HTTPJudge, HTTPJudgeConfig, judge_configs
 from backends.pricing import resolve_prices, unknown_price_message
 from backends.runcard import read_run_card
 from hparams import JudgeConfig
@@ -510,8 +512,6 @@ def generate_answers(engine, queries: Sequence[str], batch: int = 8, temperature
     """Run each query once through `engine` (scaffold.RolloutEngine, with its tool) and take the
     <answer> text. Returns (answers aligned with queries, number without an <answer> tag).
     Deterministic for a fixed seed and temperature 0 on CPU."""
-    from tqdm import tqdm
-
     torch.manual_seed(seed)
     answers, missing = [], 0
     with tqdm(total=len(queries), desc="answers", disable=not progress) as bar:
@@ -792,10 +792,6 @@ def run_jobs(judge, jobs: Sequence[Job], concurrency: int, progress: bool = True
     example is skipped). Raises GradingStopped, with the replies so far, on an error that stops the
     run (`stops_run`: 401/403/404) or when `deadline` (time.monotonic()) passes; calls not started
     are cancelled."""
-    from concurrent.futures import wait, FIRST_COMPLETED
-
-    from tqdm import tqdm
-
     out: dict = {}
     name = lambda e: names[e] if e < len(names) else str(e)  # noqa: E731
     pool = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="eval-judge")
@@ -1237,8 +1233,6 @@ Paper averages: RubricEM-8B 55.5, its SFT start 49.2, DR Tulu-8B RL 53.6."""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    from backends.judge_http import HTTPJudgeConfig
-
     d, dh = JudgeConfig(backend="gemini"), HTTPJudgeConfig(cache_dir=".cache/rubricem/judge")
     p = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.split("\n")[0], epilog=HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1310,8 +1304,6 @@ BACKEND_ONLY = {"thinking_budget": "gemini", "gemini_schema_field": "gemini",
 def judge_config(a: argparse.Namespace):
     """The evaluation judge's (judge section, judge_http section) from the CLI (hparams.JudgeConfig,
     judge_http.HTTPJudgeConfig); raises ValueError for prices given half."""
-    from backends.judge_http import judge_configs
-
     hc = judge_configs(backend=a.judge, model=a.judge_model, base_url=a.judge_base_url,
                      timeout_s=a.judge_timeout, max_retries=a.judge_max_retries,
                      backoff_s=a.judge_backoff, concurrency=a.judge_concurrency, rpm=a.judge_rpm,
@@ -1394,8 +1386,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     existing report without --overwrite, or no example scored; 3 an API answered 401/403/404 (the
     report of what was graded is written); 4 more than --max-skip-share of the examples skipped
     (the deadline included) without --allow-skips."""
-    from backends.judge_http import HTTPJudge
-
     a = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     progress, out_dir = not a.no_progress, a.out or os.path.join("runs", "eval", a.benchmark)

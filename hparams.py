@@ -119,10 +119,10 @@ class JudgeConfig:
     max_failure_steps: int = 3
     """not in the paper; ...this many steps in a row (max_failure_rate): training on mostly missing
     rewards wastes compute"""
-    toy_fixes: list = field(default_factory=list)
-    """not in the paper; toy judge only: fixes of the toy judge that change the published toy runs'
-    scores, off until those runs are regenerated: "answer_block" (a call inside <answer> or a second
-    <answer> is malformed), "false_missed", "repetition" (reflection scoring); toy.judge.ToyJudge"""
+    toy_fixes: list = field(default_factory=lambda: ["answer_block", "false_missed", "repetition"])
+    """not in the paper; toy judge only: fixes of the toy judge against known attacks, all on by
+    default ([] scores as the toy judge did before them): "answer_block" (a call inside <answer> or a
+    second <answer> is malformed), "false_missed", "repetition" (reflection scoring); toy.judge.ToyJudge"""
     record_static: bool = False
     """not in the paper; toy judge only: append each judged group's R and static stage scores to
     run_dir/judge_static.jsonl (the reward ladder's correlations, scripts/reward_ladder.py)"""

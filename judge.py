@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import threading
-
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Protocol, Sequence
 
@@ -130,8 +130,6 @@ def judge_all(judge, queries: Sequence, groups: Sequence[Sequence[Rollout]], ste
     rubric buffer. Other judges go group by group."""
     if not judge.concurrent_groups or len(queries) < 2:
         return [judge.judge_group(q, g, step) for q, g in zip(queries, groups)]
-    from concurrent.futures import ThreadPoolExecutor
-
     out: list = [None] * len(queries)
     waves: list[list[int]] = []  # wave w: the w-th occurrence of each query text
     seen: dict[str, int] = {}

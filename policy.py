@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 import ss_grpo
 
@@ -156,8 +157,6 @@ def _recompute_head(head, hidden: torch.Tensor, positions: int) -> bool:
 def _project(head, h: torch.Tensor, nxt: torch.Tensor, recompute: bool,
              temperature: float = 1.0) -> torch.Tensor:
     """_chunk_logprobs of one chunk, under torch.utils.checkpoint when `recompute`."""
-    from torch.utils.checkpoint import checkpoint
-
     if recompute:  # SCALE: the backward rebuilds this chunk's logits instead of storing them
         return checkpoint(_chunk_logprobs, head, h, nxt, temperature, use_reentrant=False)
     return _chunk_logprobs(head, h, nxt, temperature)

@@ -67,6 +67,7 @@ import json
 import logging
 import os
 import random
+import resource
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -79,6 +80,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 import ss_grpo
 from bank import curriculum, format_for_prompt
@@ -162,7 +164,7 @@ def train(cfg: Config, resume: str | None = None) -> dict:
     torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed)
     if cfg.engine == "zero3":
-        from backends import full  # SCALE: DeepSpeed is imported there, only for engine zero3
+        from backends import full  # lazy: scale backend (DeepSpeed), only for engine zero3
 
         env = full.init_distributed(timeout_min=cfg.full.dist_timeout_min)
         if not env.is_rank0:  # ranks > 0 follow rank 0's commands (full.ZeRO3Engine.serve)
@@ -190,7 +192,7 @@ def train(cfg: Config, resume: str | None = None) -> dict:
     reference = {"source": str(sft_info.get("source", "")),
                  "sha256": ckpt_mod.weights_fingerprint(model)}
     if cfg.engine == "zero3":
-        from backends import full
+        from backends import full  # lazy: scale backend, a toy run never loads it
 
         if torch.cuda.is_available() and cfg.sampler in ("hf", "kv"):
             model.to(f"cuda:{full.dist_env().local_rank}")  # HF generate on rank 0's GPU
@@ -422,8 +424,6 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
 def _run_steps(run: Run, ls: "LoopState", state, ckpt_path, start: int, sft_info: dict,
                timings: dict, t_start: float) -> dict:
     """The steps from `start` (a fresh run: 0), then the artefacts (train's loop body)."""
-    from tqdm import tqdm
-
     cfg = run.cfg
     if state is not None:
         restore_training_state(state, ls.rng, run.judge, run.bank, run.rollout_engine, run.rl_tool,
@@ -543,13 +543,14 @@ def finish(run: Run, ls: LoopState, ev: HeldOut, sft_info: dict, timings: dict, 
         summary["eval_rl"] = ev.evaluate()
         ev.curve.add(0, summary["eval_sft"])
         ev.curve.add(cfg.steps, summary["eval_rl"])
+        if cfg.eval.greedy:  # the same questions decoded greedily: what each policy does most likely
+            summary["eval_sft_greedy"] = ev.evaluate(sft=True, greedy=True)
+            summary["eval_rl_greedy"] = ev.evaluate(greedy=True)
         timings["eval_s"] = time.perf_counter() - t0
     plot_rewards(ls.logger.rows, os.path.join(cfg.run_dir, "reward_curves.png"),
                  ev.curve.rows if ev.curve is not None else None, window=2 * cfg.curriculum.K)
     timings["total_s"] = time.perf_counter() - t_start
     try:  # peak resident memory of this process so far (Linux reports KiB, macOS bytes)
-        import resource
-
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         timings["peak_rss_mb"] = rss / (1024 * 1024 if sys.platform == "darwin" else 1024)
     except ImportError:  # Windows: no getrusage
@@ -582,7 +583,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "for a new run.")
         return 0
     if cfg.mode == "full":
-        from backends import full  # SCALE: DeepSpeed / vLLM / HTTP judge live there, imported only in full mode
+        from backends import full  # lazy: scale backend (DeepSpeed / vLLM / HTTP judge), only in full mode
 
         if cfg.dry_run:
             return full.main_dry_run(cfg)
@@ -609,6 +610,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(report.sft_line(s["sft"]) if "train_seconds" in s["sft"] else f"policy: {s['sft'].get('source')}")
     if "eval_sft" in s:
         print("\n".join(report.heldout_lines(s["eval_sft"], s["eval_rl"])))
+    if "eval_sft_greedy" in s:
+        print("greedy decoding (temperature 0, 1 rollout per question):")
+        print("\n".join(report.heldout_lines(s["eval_sft_greedy"], s["eval_rl_greedy"])))
     no_bank = () if ss_grpo.ARMS[cfg.arm].bank or ss_grpo.ARMS[cfg.arm].reflection else ("bank.jsonl",)
     print("artefacts:\n" + "\n".join(report.artefact_lines(cfg.run_dir, skip=no_bank)))
     print(f"total time {s['timings']['total_s']:.0f} s")

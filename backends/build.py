@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 
+from backends.rollout_engine import (AsyncTurns, ConcurrentRolloutEngine, SeededRollouts,
+                                     SeededTorchSampler, pool_map)
 from bank import RubricBank
 from scaffold import RolloutEngine, load_rows, system_prompt
 from toy.hf_sampler import HFSampler
@@ -67,7 +69,8 @@ def build_environment(cfg: Config):
                   or not cfg.model)
     world = make_world(cfg.world) if need_world else None
     if cfg.search.backend == "serper":
-        from backends.search_http import SerperSearchTool  # SCALE: web search only when asked for
+        # lazy: scale backend, web search only when asked for
+        from backends.search_http import SerperSearchTool
 
         tool = SerperSearchTool(dataclasses.replace(
             cfg.search_http, cache_dir=cfg.search_http.cache_dir or os.path.join(cfg.cache_dir, "search")),
@@ -96,7 +99,7 @@ def build_judge(cfg: Config, world):
     if ARMS[cfg.arm].reward != "judge":
         raise ValueError(f"arm {cfg.arm!r} rewards with the toy judge's static scores: it needs "
                          f"judge.backend = 'toy', got {cfg.judge.backend!r}")
-    from backends.judge_http import HTTPJudge  # SCALE: requests / urllib3 only for an HTTP judge
+    from backends.judge_http import HTTPJudge  # lazy: scale backend, the HTTP judge only when asked for
 
     # The run's judge and judge_http sections configure it; its reply cache defaults to the run's
     # cache folder.
@@ -121,7 +124,7 @@ def build_sampler(cfg: Config, model, tok):
     through the engine's sync after every update)."""
     if cfg.sampler != "vllm":
         return torch_sampler(cfg, model, tok)
-    from backends.vllm_sampler import VLLMSampler  # SCALE: vLLM only when asked for
+    from backends.vllm_sampler import VLLMSampler  # lazy: scale backend, vLLM only when asked for
 
     attach_sections(cfg, "full")
 
@@ -209,8 +212,6 @@ def rank_rollouts(cfg: Config):
     `model` a plain copy of pi_theta loaded from cfg.model (bf16 on its GPU when there is one; the
     weight sync refreshes it) and `engine` a rollout_engine.ConcurrentRolloutEngine over a
     SeededTorchSampler, the search tool of cfg and cfg's rollout settings, as rank 0's."""
-    from backends.rollout_engine import ConcurrentRolloutEngine, SeededTorchSampler
-
     _, tool, _, _ = build_environment(cfg)
     bf16 = torch.cuda.is_available() and cfg.full.bf16 != "off"
     model, tok = load_policy(cfg.model, dtype=torch.bfloat16 if bf16 else torch.float32)
@@ -263,20 +264,14 @@ def build_run(cfg: Config, policy, model, tok, world, tool, train_q: list, held_
     system = system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
     sampler = build_sampler(cfg, model, tok)
     if seeded_rollouts(cfg):
-        from backends.rollout_engine import SeededTorchSampler
-
         sampler = SeededTorchSampler(sampler)
     # Injected tool faults reach the RL rollouts only: the warm start and evaluation use the clean
     # tool, so their results do not depend on the fault settings.
     rl_tool = FaultyTool(tool, cfg.faults) if cfg.faults.tool_rate > 0 else tool
     rollout_engine = make_rollout_engine(cfg, sampler, tok, rl_tool, system)
     if cfg.sampler == "vllm" and cfg.full.rollout_schedule == "async":
-        from backends.rollout_engine import AsyncTurns  # no turn barrier, concurrent tool calls
-
         rollout_engine = AsyncTurns(rollout_engine, cfg.full.tool_concurrency)
     elif seeded_rollouts(cfg):  # full mode, HF / KV sampler: one seed per request, every rank samples
-        from backends.rollout_engine import SeededRollouts
-
         deal = policy.sample_shards if cfg.engine == "zero3" else None  # ZeRO-3: logs the ranks
         rollout_engine = SeededRollouts(rollout_engine, cfg.full.rollout_schedule,
                                         cfg.full.tool_concurrency, deal)
@@ -285,15 +280,14 @@ def build_run(cfg: Config, policy, model, tok, world, tool, train_q: list, held_
              if cfg.faults.judge_rate > 0 else clean_judge)
     retriever = None
     if cfg.bank.retriever == "dense":
-        from backends.retrieval import DenseRetriever  # SCALE: the full preset's retriever
+        # lazy: scale backend, the dense retriever only when asked for
+        from backends.retrieval import DenseRetriever
 
         retriever = DenseRetriever(cfg.bank.embed_model)
     bank = RubricBank(max_chars=cfg.bank.max_chars, retriever=retriever)
     order = DataOrder(len(train_q), cfg.rollout.prompts_per_step, cfg.seed)
     judge_map = map  # a thread-safe judge (the HTTP judge) scores the reflections concurrently
     if getattr(judge, "concurrent_groups", False):
-        from backends.rollout_engine import pool_map
-
         judge_map = pool_map(cfg.judge_http.concurrency)
     return Run(cfg, policy, model, tok, system, sampler, rollout_engine, tool, rl_tool, judge, clean_judge,
                bank, order, train_q, held_q, ARMS[cfg.arm], judge_map)

@@ -320,7 +320,7 @@ def load_model_weights(model: torch.nn.Module, path: str) -> None:
     output embedding of a tied-embedding model) are fine; any other missing or unexpected key
     raises CheckpointError.
     """
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # lazy: safetensors only when weights are read
 
     mdir = os.path.join(path, _MODEL)
     files = sorted(f for f in os.listdir(mdir) if f.endswith(".safetensors"))

@@ -90,13 +90,13 @@ def _read_json(path: str) -> list[dict]:
 
 def _read_parquet(path: str) -> list[dict]:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # lazy: pyarrow / pandas only for a parquet source
     except ImportError:
         pq = None
     if pq is not None:
         return pq.read_table(path).to_pylist()
     try:
-        import pandas as pd
+        import pandas as pd  # lazy: pyarrow / pandas only for a parquet source
     except ImportError:
         raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow); neither pyarrow nor "
                           "pandas is installed") from None
@@ -105,7 +105,7 @@ def _read_parquet(path: str) -> list[dict]:
 
 def _read_hub(name: str, split: str) -> list[dict]:
     try:
-        import datasets
+        import datasets  # lazy: datasets only for a hub source
     except ImportError:
         raise ImportError(f"loading the Hugging Face dataset {name!r} needs the `datasets` package "
                           "(pip install datasets), or pass a local .jsonl / .parquet file") from None

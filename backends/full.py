@@ -61,14 +61,17 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import datetime
 import importlib.metadata
 import importlib.util
 import json
 import logging
 import math
 import os
+import resource
 import socket
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -76,7 +79,23 @@ from typing import Iterator, Sequence
 
 import torch
 
-from policy import UpdateBatch, plan_update, policy_update
+from backends import checkpoint as ckpt_mod
+from backends import launch_check, versions
+from backends.build import ROLLOUT_RANKS, every_rank_samples, rank_rollouts
+from backends.config import SECRET_ENV_VARS, validate_config
+from backends.data import _is_local
+from backends.judge_http import HTTPJudgeConfig
+from backends.launch_check import ranks_per_node
+from backends.plan import plan_lines
+from backends.presets import full_preset
+from backends.pricing import format_cost_plan, judge_cost_plan
+from backends.rollout_engine import shard
+from backends.runcard import card_mismatch
+from backends.torch_engine import disable_dropout
+from backends.zero3_scope import zero3_loading
+import ss_grpo
+from policy import UpdateBatch, plan_update, policy_update, token_logprobs
+from scaffold import system_prompt
 
 log = logging.getLogger("rubricem.full")
 
@@ -164,20 +183,18 @@ def init_distributed(env: DistEnv | None = None, timeout_min: float | None = Non
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     else:
         torch.cuda.set_device(env.local_rank)
-    import deepspeed
+    import deepspeed  # lazy: DeepSpeed only when a full run starts
 
     if device_kind() == "cpu" and os.environ.get("RUBRICEM_DS_SHM") != "1":
         # DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce kernel at its first
         # init (40-90 s on a fresh machine); plain gloo is ample for the tiny CPU runs, so we mark
         # the kernel unavailable (RUBRICEM_DS_SHM=1 keeps it).
-        import deepspeed.ops
+        import deepspeed.ops  # lazy: as above
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
     kw = {}
     if timeout_min is not None:
-        import datetime
-
         kw["timeout"] = datetime.timedelta(minutes=float(timeout_min))
     deepspeed.init_distributed(verbose=False, **kw)
     return env
@@ -193,8 +210,6 @@ def record_peak_memory() -> None:
     d = os.environ.get("RUBRICEM_PEAK_MEM_DIR")
     if not d:
         return
-    import resource
-
     rank = _world()[0]
     gpu = torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
@@ -471,8 +486,6 @@ class _LogProbModule(torch.nn.Module):
         self.chunk_size = chunk_size
 
     def forward(self, input_ids, attention_mask, loss_mask=None, temperature: float = 1.0):
-        from policy import token_logprobs
-
         return token_logprobs(self.lm, input_ids, attention_mask, self.chunk_size,
                               loss_mask=loss_mask, temperature=temperature)
 
@@ -483,9 +496,8 @@ def _load_lm(path: str, ds: dict, dtype: torch.dtype):
     zero.Init would skip HF's weight init; see docs/full_mode.md) and off again afterwards, so that
     a later rank-0-only load (the dense retriever's embedding model, vLLM) is not turned into a
     ZeRO-3 collective that the other ranks never join (backends/zero3_scope.py)."""
+    # lazy: transformers' model classes can load DeepSpeed (accelerate); a dry run must not
     from transformers import AutoModelForCausalLM
-
-    from backends.zero3_scope import zero3_loading
 
     with zero3_loading(ds):  # SCALE: from_pretrained loads straight into ZeRO-3 partitions
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -505,9 +517,7 @@ class ZeRO3Policy:
     """
 
     def __init__(self, lm, ds_config: dict, lr: float, *, full: FullConfig | None = None):
-        import deepspeed
-
-        from backends.torch_engine import disable_dropout
+        import deepspeed  # lazy: DeepSpeed only when a full run starts
 
         full = full or FullConfig()
         self.ds_config = ds_config
@@ -615,7 +625,7 @@ class ZeRO3Policy:
         parameter itself, valid only until the next item (for a caller that copies it at once, or a
         rank that only takes part in the gathers). Collective: every rank must exhaust the iterator.
         Tied weights appear once (under the input embedding's name)."""
-        import deepspeed
+        import deepspeed  # lazy: DeepSpeed only when a full run starts
 
         for name, p in self.module.named_parameters():
             with deepspeed.zero.GatheredParameters([p], modifier_rank=None):  # SCALE
@@ -625,7 +635,7 @@ class ZeRO3Policy:
         """Write a checkpoint that plain `transformers` loads: config, generation config and
         safetensors shards (with an index when there is more than one). Collective; only rank 0
         writes, holding at most one shard in host memory."""
-        from safetensors.torch import save_file
+        from safetensors.torch import save_file  # lazy: safetensors only when weights are saved
 
         rank0 = is_rank0()
         if rank0:
@@ -679,7 +689,7 @@ class FrozenReference:
     no gradients; 2P / world bytes per rank in bf16). Collective, like ZeRO3Policy."""
 
     def __init__(self, lm, ds_config: dict, *, chunk_size: int = 1024):
-        import deepspeed
+        import deepspeed  # lazy: DeepSpeed only when a full run starts
 
         for p in lm.parameters():
             p.requires_grad_(False)
@@ -752,8 +762,6 @@ class ZeRO3Engine:
         # Every rank samples its share of the groups (build.every_rank_samples): ranks > 0 keep a
         # plain copy of pi_theta and their own rollout engine, and stream finished groups to rank 0
         # on a side gloo group (created here, by every rank in the same order).
-        from backends.build import every_rank_samples, rank_rollouts
-
         self.side = self.sampling_copy = self.rank_engine = None
         self.rollout_metrics: dict = {}
         if self.world_size > 1 and every_rank_samples(cfg):
@@ -819,10 +827,6 @@ class ZeRO3Engine:
         sampling rank's own wall and process CPU seconds), which the next task update returns.
         Raises what rank 0's sampling raised; another rank's error as a RuntimeError naming the
         rank (with the error's exit_code, e.g. 4 for an API's 401/403/404, when it had one)."""
-        import threading
-
-        from backends.rollout_engine import shard
-
         W, P = (self.world_size if self.side is not None else 1), len(queries)
         parts = [shard(P, W, r) for r in range(W)]
         items = list(bank_items) if bank_items else None
@@ -943,8 +947,6 @@ class ZeRO3Engine:
     def load(self, ckpt_dir: str, state: dict) -> None:
         """Restore pi_theta and the optimizer from a checkpoint written by save_state, and the
         sampling copy from its HF weights. Raises checkpoint.CheckpointError without a zero/ folder."""
-        from backends import checkpoint as ckpt_mod
-
         d = os.path.join(ckpt_dir, "zero")
         if not os.path.isdir(d):
             raise ckpt_mod.CheckpointError(f"{ckpt_dir} has no DeepSpeed state (zero/): it was not "
@@ -997,8 +999,6 @@ class ZeRO3Engine:
                 self.policy.engine.load_checkpoint(payload, tag="state", load_optimizer_states=True,
                                                    load_lr_scheduler_states=False)
                 if self.sampling_copy is not None:  # as rank 0's sampling copy (load)
-                    from backends import checkpoint as ckpt_mod
-
                     ckpt_mod.load_model_weights(self.sampling_copy, os.path.dirname(payload))
             else:
                 raise RuntimeError(f"unknown command from rank 0: {kind!r}")
@@ -1015,8 +1015,6 @@ def synthetic_batch(vocab_size: int, n_seq: int, group: int = 8, seed: int = 0, 
     token advantages from random stage scores R (n_seq, 4) with groups of `group` rollouts.
 
     Raises ValueError when n_seq is not a multiple of group or the lengths leave no response."""
-    import ss_grpo
-
     if n_seq % group or group < 2:
         raise ValueError(f"n_seq={n_seq} must be a multiple of group={group} >= 2")
     if not prompt_len + 8 <= min_len <= max_len:
@@ -1050,7 +1048,6 @@ def synthetic_batch(vocab_size: int, n_seq: int, group: int = 8, seed: int = 0, 
 def selftest_config(n_seq: int, group: int, minibatches: int, micro: int, lr: float,
                     eta: float | None = None):
     """The `full` preset with a small batch: n_seq = prompts x group sequences per RL step."""
-    from backends.presets import full_preset
     cfg = full_preset()
     cfg.rollout.prompts_per_step, cfg.rollout.n = n_seq // group, group
     cfg.ss_grpo.minibatches, cfg.ss_grpo.micro_batch, cfg.ss_grpo.lr = minibatches, micro, lr
@@ -1125,8 +1122,6 @@ def _key_envs(cfg) -> list[tuple[str, str]]:
     """(purpose, environment variable NAME) pairs the configured backends read their keys from."""
     out = []
     if cfg.judge.backend in ("gemini", "openai"):
-        from backends.judge_http import HTTPJudgeConfig  # SCALE: an HTTP judge is configured
-
         out.append((f"judge ({cfg.judge.backend})",
                     (cfg.judge_http or HTTPJudgeConfig()).key_env(cfg.judge.backend)))
     if cfg.search.backend == "serper":
@@ -1139,8 +1134,6 @@ def _rank_search_key_problems(cfg, environ, env: DistEnv) -> list[str]:
     """On a launched rank > 0 of a run where every rank samples (build.every_rank_samples) with
     Serper search: the search key must be set on this rank too, since its rollouts make their own
     search calls (the judge key stays rank 0's). [] elsewhere or when it is set."""
-    from backends.build import ROLLOUT_RANKS, every_rank_samples
-
     if not env.launched or env.rank == 0 or cfg.search.backend != "serper" \
             or full_config(cfg).rollout_ranks not in ROLLOUT_RANKS or not every_rank_samples(cfg):
         return []
@@ -1175,8 +1168,6 @@ def _required_packages(cfg) -> dict[str, str]:
 
 def _looks_local(path: str) -> bool:
     """data._is_local's rule: it exists, or it is written as a path or a file name."""
-    from backends.data import _is_local
-
     return _is_local(path)
 
 
@@ -1192,9 +1183,6 @@ def _path_problems(cfg) -> list[str]:
     elif not os.path.isfile(os.path.join(os.path.expanduser(cfg.model), "config.json")):
         out.append(f"policy model {cfg.model!r} has no config.json: not a Hugging Face model directory")
     else:  # the SFT stage's run card (backends/sft_zero3.py) names the prompt the policy learned
-        from backends.runcard import card_mismatch
-        from scaffold import system_prompt
-
         try:
             bad = card_mismatch(os.path.expanduser(cfg.model),
                                 system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt),
@@ -1215,7 +1203,6 @@ def _path_problems(cfg) -> list[str]:
 def _config_problem(cfg) -> list[str]:
     """settings.validate_config's verdict as a list (it stops at the first error). The policy model
     is checked by _path_problems, so a missing one is filled in here to let the other checks run."""
-    from backends.config import validate_config
     probe = copy.deepcopy(cfg)
     probe.model = probe.model or "(--model)"
     try:
@@ -1228,7 +1215,6 @@ def _config_problem(cfg) -> list[str]:
 def _redact(text: str, environ) -> str:
     """Replace the value of every secret environment variable (settings.SECRET_ENV_VARS, *_API_KEY,
     *_TOKEN, *_SECRET; 8 characters or more) in `text` by $NAME."""
-    from backends.config import SECRET_ENV_VARS
     for name, v in environ.items():
         if (name in SECRET_ENV_VARS or name.endswith(("_API_KEY", "_TOKEN", "_SECRET"))) \
                 and isinstance(v, str) and len(v) >= 8:
@@ -1252,8 +1238,6 @@ def _memory_section(cfg, ws: int, n_gpu: int, environ) -> tuple[list[str], list[
     """The memory plan and step-time estimate (backends/plan.py) for `ws` ranks: GPU capacity from
     the visible GPU 0, else FullConfig.gpu_memory_gib; host RAM from FullConfig.host_memory_gib, else
     this machine's when it has GPUs (a CPU-only machine is not the node the plan is for)."""
-    from backends import plan
-
     full = full_config(cfg)
     if n_gpu:
         gpu_b, gpu_src = float(torch.cuda.get_device_properties(0).total_memory), "GPU 0 of this machine"
@@ -1265,11 +1249,9 @@ def _memory_section(cfg, ws: int, n_gpu: int, environ) -> tuple[list[str], list[
         host_b, host_src = _host_memory_bytes(), "this machine"
     else:
         host_b, host_src = 0.0, "not checked: no GPU here; set full.host_memory_gib"
-    from backends.launch_check import ranks_per_node
-
     per_node = ranks_per_node(environ) or min(ws, n_gpu or full.world_size_hint)
     try:
-        return plan.plan_lines(cfg, ws, max(1, per_node), gpu_b, gpu_src, host_b, host_src)
+        return plan_lines(cfg, ws, max(1, per_node), gpu_b, gpu_src, host_b, host_src)
     except (ValueError, KeyError) as err:
         return [f"memory plan: not computed ({err})"], [f"memory plan: {err}"]
 
@@ -1290,8 +1272,6 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
     e = os.environ if environ is None else environ
     full = full_config(cfg)
     problems: list[str] = _config_problem(cfg) + _path_problems(cfg)
-    from backends.build import ROLLOUT_RANKS
-
     if full.rollout_ranks not in ROLLOUT_RANKS:
         problems.append(f"configuration: full.rollout_ranks must be one of {ROLLOUT_RANKS}, got "
                         f"{full.rollout_ranks!r}")
@@ -1338,8 +1318,6 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
     if cfg.judge.backend == "toy":
         problems.append("judge.backend is 'toy': full mode scores with an HTTP judge "
                         "(--set judge.backend=\"gemini\"; PAPER: Gemini Flash)")
-    from backends import launch_check
-
     k_lines, k_bad = launch_check.key_lines(_key_envs(cfg), e, env.rank, env.launched)
     lines += [""] + k_lines
     problems += k_bad
@@ -1368,8 +1346,6 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
         more, bad = fn()
         lines += [""] + more
         problems += bad
-    from backends import versions
-
     v_lines, v_bad = versions.check(_version)
     lines += ["", "versions (the tested set: constraints/gpu.txt)"] + v_lines
     problems += [f"versions: {b}" for b in v_bad]
@@ -1377,7 +1353,6 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
     lines += [""] + mem_lines
     problems += mem_problems
     # The judge's calls, tokens and dollars per step and per run, at the configured prices.
-    from backends.pricing import format_cost_plan, judge_cost_plan
     plan = judge_cost_plan(cfg)
     lines += ["", format_cost_plan(plan)]
     problems += plan["problems"]
@@ -1425,7 +1400,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     # torch deprecation notices raised inside DeepSpeed's collectives, once per call: not ours to fix.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     if a.cmd == "dry-run":
-        from backends.presets import full_preset
         return main_dry_run(full_preset())
     full = FullConfig(optimizer=a.optimizer, gradient_checkpointing=not a.no_grad_ckpt)
     res = selftest(a.model, a.out, updates=a.updates, n_seq=a.n_seq, group=a.group,

@@ -41,6 +41,9 @@ class EvalConfig:
     every: int = 0
     """ours: also evaluate the current policy every this many RL steps, same questions and settings,
     into eval_curve.jsonl (0 = only the SFT start and the end)"""
+    greedy: bool = True
+    """ours: at the end also evaluate the SFT start and the trained policy greedily (temperature 0,
+    one rollout per question), into eval.json's eval_sft_greedy / eval_rl_greedy"""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -203,10 +206,13 @@ class HeldOut:
                                                                run.tok, run.tool, run.system)
         timings["curve_eval_s"] = 0.0
 
-    def evaluate(self, sft: bool = False) -> dict:
+    def evaluate(self, sft: bool = False, greedy: bool = False) -> dict:
+        """evaluate_heldout of the SFT start (sft) or the current policy, at eval.temperature with
+        eval.samples rollouts per question, or greedily (temperature 0, one rollout per question)."""
         cfg = self.run.cfg
+        samples, temperature = (1, 0.0) if greedy else (cfg.eval.samples, cfg.eval.temperature)
         return evaluate_heldout(self.ref_engine if sft else self.cur_engine, self.run.clean_judge,
-                                self.qs, cfg.eval.samples, cfg.eval.temperature, heldout_seed(cfg))
+                                self.qs, samples, temperature, heldout_seed(cfg))
 
     def point(self, done: int, sft: bool = False) -> None:
         """A point of eval_curve.jsonl after `done` steps (sft: the SFT start, once)."""

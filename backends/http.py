@@ -142,9 +142,9 @@ def make_session(max_retries: int, backoff_s: float, backoff_max_s: float, pool:
     max_retries (int >= 0): bound per kind; backoff_s, backoff_max_s (s): backoff base and cap;
     pool: connection-pool size. The proxy comes from the environment (trust_env); ~/.netrc does not.
     """
-    import requests  # SCALE: full backend only
-    from requests.adapters import HTTPAdapter
-    from urllib3.util.retry import Retry
+    import requests  # lazy: requests / urllib3 only when an HTTP session opens
+    from requests.adapters import HTTPAdapter  # lazy: requests / urllib3 only when an HTTP session opens
+    from urllib3.util.retry import Retry  # lazy: requests / urllib3 only when an HTTP session opens
 
     retry = Retry(total=None, connect=max_retries, read=max_retries if retry_reads else False,
                   status=0, other=0, allowed_methods=frozenset({"POST"}), backoff_factor=backoff_s,

@@ -637,7 +637,7 @@ class HTTPJudge(EvolvingJudge):
         on transport or model errors: a call still unanswered after the bound counts as a failure and
         returns None (its cells become NaN).
         """
-        import requests  # SCALE: full backend only
+        import requests  # lazy: requests only when a call is made
 
         cfg, http, m = self.config, self.http, self.meter
         m.inc("calls")
@@ -827,8 +827,8 @@ class HTTPJudge(EvolvingJudge):
 
 def _is_read_error(e: Exception) -> bool:
     """A read timeout, or the server dropping the connection after we sent the request."""
-    import requests
-    from urllib3.exceptions import ProtocolError
+    import requests  # lazy: requests / urllib3 only when a call failed
+    from urllib3.exceptions import ProtocolError  # lazy: requests / urllib3 only when a call failed
 
     if isinstance(e, (requests.exceptions.ReadTimeout, requests.exceptions.ChunkedEncodingError)):
         return True

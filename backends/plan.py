@@ -50,6 +50,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 GB = 1e9
 GIB = 2 ** 30
@@ -444,8 +445,6 @@ SFT_ASSUME = {
 def sft_memory_plan(shape: ModelShape, cfg, world: int, gpu_bytes: float) -> MemoryPlan:
     """The RL plan's per-GPU items for the SFT engine: no pi_ref, no sampler, no embedding model, one
     sequence of cfg.max_len tokens per micro-batch (cfg: backends.sft_zero3.SFTRunConfig)."""
-    from types import SimpleNamespace
-
     full = cfg.full_config()  # full.FullConfig (plan.py imports no backend module: full imports it)
     as_rl = SimpleNamespace(full=full, ss_grpo=SimpleNamespace(micro_batch=cfg.micro_batch, beta=0.0),
                             sampler="none", bank=SimpleNamespace(retriever="none"),

@@ -27,6 +27,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from ss_grpo import ARMS
+
 # Prices checked on 2026-12-03: list prices in USD per 1M tokens, standard (not batch) tier, text
 # input. Sources: Google's Gemini API pricing page (ai.google.dev/gemini-api/docs/pricing) and
 # OpenAI's API pricing page (platform.openai.com/docs/pricing), read through third-party copies
@@ -120,8 +122,6 @@ def judge_cost_plan(cfg, **assume) -> dict:
     "tokens_in", "tokens_out", "usd" (None when the price is unknown)}, "per_run": {same, x steps},
     "steps", "max_usd", "problems" (list of str)}. A toy judge makes no paid calls (all zeros).
     """
-    from ss_grpo import ARMS
-
     a = {**PLAN_ASSUMPTIONS, **assume}
     jc, h, ro = cfg.judge, cfg.judge_http, cfg.rollout
     P, n, steps = ro.prompts_per_step, ro.n, cfg.steps

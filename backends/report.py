@@ -145,12 +145,13 @@ def quiet_third_party() -> None:
     before they are first imported; cheap when they are not installed."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
+        # lazy: optional, and imported only after HF_HUB_DISABLE_PROGRESS_BARS is set above
         from transformers.utils import logging as hf_logging
     except ImportError:
         return
     hf_logging.disable_progress_bar()
     try:
-        from huggingface_hub.utils import disable_progress_bars
+        from huggingface_hub.utils import disable_progress_bars  # lazy: as above
     except ImportError:
         return
     disable_progress_bars()
@@ -242,7 +243,8 @@ class TensorBoardLog:
     resumed run drops the events after its checkpoint (purge_step), as metrics.jsonl does."""
 
     def __init__(self, run_dir: str, resume_step: int | None):
-        from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
+        # lazy: tensorboard is optional, only when asked for
+        from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"),
                                     purge_step=resume_step)
@@ -262,7 +264,7 @@ class WandbLog:
     $WANDB_PROJECT or "rubricem"; the run config is the training configuration."""
 
     def __init__(self, run_dir: str, config: dict):
-        import wandb
+        import wandb  # lazy: wandb is optional, only when asked for
 
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "rubricem"), dir=run_dir,
                               name=os.path.basename(os.path.normpath(run_dir)), config=config,
@@ -373,10 +375,10 @@ def plot_rewards(rows: list[dict], path: str, curve: list[dict] | None = None,
     panels drawn ([] for no rows, nothing written). matplotlib, no display needed."""
     if not rows:
         return []
-    import matplotlib
+    import matplotlib  # lazy: matplotlib only for the figure
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib only for the figure
 
     panels = curve_panels(rows, curve, window)
     fig, axes = plt.subplots(1, len(panels), figsize=(11, 3.4), dpi=110, sharey=True)

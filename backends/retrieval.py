@@ -30,6 +30,7 @@ Launch: no entry point. Full mode: RubricBank(retriever=DenseRetriever(FullConfi
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -53,7 +54,7 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str) -> torch
     over real tokens), "lasttoken" (the last real token, wherever padding sits) or "cls" (position 0
     of each row's real tokens). Returns (B, H) float32. Raises ValueError for an unknown mode.
     """
-    import torch
+    import torch  # lazy: importing this module loads no model library
 
     m = attention_mask.to(hidden.dtype)
     if mode == "mean":
@@ -76,6 +77,7 @@ def pooling_mode(model: str, local_files_only: bool = False) -> str:
     path = os.path.join(model, "1_Pooling", "config.json")
     if not os.path.isfile(path):
         try:
+            # lazy: huggingface_hub only for a model named on the Hub
             from huggingface_hub import hf_hub_download
 
             path = hf_hub_download(model, "1_Pooling/config.json", local_files_only=local_files_only)
@@ -105,9 +107,7 @@ class DenseRetriever:
     def __init__(self, model: str | os.PathLike = PAPER_EMBED_MODEL, *, backend: str = "auto", device: str = "auto",
                  batch_size: int = 32, max_length: int = 512, prompt: str = "", min_score: float = 0.0,
                  local_files_only: bool = False):
-        import importlib.util
-
-        import torch
+        import torch  # lazy: as above
 
         if backend not in ("auto", "sentence-transformers", "transformers"):
             raise ValueError(f"unknown backend {backend!r}")
@@ -133,6 +133,7 @@ class DenseRetriever:
     def _load(self, model: str, local_files_only: bool) -> None:
         if self.backend == "sentence-transformers":
             try:
+                # lazy: sentence_transformers only when the model loads
                 from sentence_transformers import SentenceTransformer
             except ImportError:
                 raise ImportError("backend 'sentence-transformers' needs pip install "
@@ -140,7 +141,7 @@ class DenseRetriever:
             self._st = SentenceTransformer(model, device=self.device, local_files_only=local_files_only)
             self._st.max_seq_length = self.max_length
         else:
-            from transformers import AutoModel, AutoTokenizer
+            from transformers import AutoModel, AutoTokenizer  # lazy: transformers only when the model loads
 
             self._tok = AutoTokenizer.from_pretrained(model, local_files_only=local_files_only)
             self._model = AutoModel.from_pretrained(model, local_files_only=local_files_only)
@@ -148,7 +149,7 @@ class DenseRetriever:
             self.pooling = pooling_mode(model, local_files_only)
 
     def _embed_new(self, texts: list[str]) -> "torch.Tensor":
-        import torch
+        import torch  # lazy: as above
 
         if self.backend == "sentence-transformers":
             e = self._st.encode([self.prompt + t for t in texts], batch_size=self.batch_size,
@@ -168,7 +169,7 @@ class DenseRetriever:
 
     def embed(self, texts: Sequence[str]) -> "torch.Tensor":
         """(N, D) float32 CPU, unit L2 norm, one row per text (cached per text; deviation 3)."""
-        import torch
+        import torch  # lazy: as above
 
         new = list(dict.fromkeys(t for t in texts if t not in self._cache))
         if new:
@@ -187,7 +188,7 @@ class DenseRetriever:
         dropped. [] when k <= 0 or nothing is fitted."""
         if k <= 0 or self._emb is None or not len(self._emb):
             return []
-        import torch
+        import torch  # lazy: as above
 
         q = self.embed([query])[0]
         # Eq.: score(q, j) = e(q) . e(q_j)

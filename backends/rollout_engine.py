@@ -53,6 +53,9 @@ import threading
 import time
 from typing import Callable, Protocol, Sequence
 
+import torch
+
+from reflection import run_reflection_branch
 from scaffold import Rollout, finalize
 
 
@@ -430,8 +433,6 @@ def reflection_branch(step: int, rollouts, judged, judge, bank, sampler, tok, sy
     judge calls of the P trajectories on a pool of `judge_concurrency` threads (1: one after
     another, as the toy path). rng: the branch's own random.Random (trajectory picks). bank_gate:
     the bank's writes wait for this Event (GatedBank; AsyncReflection.start(bank_gate=...))."""
-    from reflection import run_reflection_branch
-
     if bank_gate is not None:
         bank = GatedBank(bank, bank_gate)
 
@@ -502,8 +503,6 @@ class SeededTorchSampler:
         self.inner.close()
 
     def generate(self, prompts, max_new_tokens, temperature, seeds=None):
-        import torch
-
         if seeds is None:
             return self.inner.generate(prompts, max_new_tokens, temperature)
         if len(seeds) != len(prompts):

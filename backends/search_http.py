@@ -135,7 +135,7 @@ class SerperSearchTool:
         Raises SearchError (with the reason: missing key variable, HTTP status after retries,
         connection failure, malformed reply) after the retry bound. Never returns partial garbage.
         """
-        import requests  # SCALE: full backend only
+        import requests  # lazy: requests only when a search runs
 
         c = self.config
         q = " ".join(str(query).split())

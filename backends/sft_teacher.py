@@ -51,6 +51,14 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
+from backends.data import _read_jsonl
+from backends.http import DiskCache, HTTPClient, cache_key
+from backends.pricing import resolve_prices
+from backends.search_http import SearchHTTPConfig, SerperSearchTool
+from scaffold import (MAX_TOOL_CALLS, SYSTEM_PROMPT, SearchResult, build_user_message, format_tool_error,
+                      format_tool_output)
+from sft import TOOL_ALIASES, filter_and_convert
+
 log = logging.getLogger("rubricem.sft_teacher")
 
 STOP = "</call_tool>"
@@ -110,8 +118,6 @@ def read_queries(path: str, limit: int = 0) -> list[dict]:
     with "messages" (the first user turn is the query; DR Tulu's SFT rows). Returns [{"id", "query"}]
     with id = the row's "id" or sha256 of the query (16 hex). Raises ValueError naming the line for a
     line that is not JSON (data._read_jsonl) or a row (0-based, blank lines left out) with no query."""
-    from backends.data import _read_jsonl
-
     out = []
     for i, r in enumerate(_read_jsonl(path)):
         q = None
@@ -156,15 +162,10 @@ class Teacher:
 
     def __init__(self, config: TeacherConfig, tool, cache_dir: str = "",
                  tool_names: dict | None = None):
-        from backends.http import DiskCache, HTTPClient
-        from backends.pricing import resolve_prices
-
         if config.backend not in ("gemini", "openai"):
             raise ValueError(f"teacher backend must be 'gemini' or 'openai', got {config.backend!r}")
         self.config, self.tool = config, tool
-        if tool_names is None:
-            from sft import TOOL_ALIASES as tool_names
-        self.tool_names = dict(tool_names)
+        self.tool_names = dict(TOOL_ALIASES if tool_names is None else tool_names)
         self.prices = resolve_prices(config.model, config.price_in, config.price_out)
         if config.max_usd > 0 and self.prices is None:
             raise ValueError(f"no price for teacher model {config.model!r} in backends/pricing.py: a "
@@ -219,8 +220,6 @@ class Teacher:
     def continue_(self, system: str, turns: list[tuple[str, str]]) -> str:
         """One teacher turn: cached reply, or one POST (after the budget check). Raises
         BudgetReached, APIStopError, or RuntimeError for a reply that stays unusable."""
-        from backends.http import cache_key
-
         url, headers, body = self._request(system, turns)
         key = cache_key("teacher", 1, url.split("?")[0], body)  # no secret: the key is in headers
         hit = self.cache.get(key)
@@ -250,9 +249,6 @@ class Teacher:
 
     def search(self, query: str) -> list:
         """The tool, through the search cache (a replayed trajectory pays no search twice)."""
-        from backends.http import cache_key
-        from scaffold import SearchResult
-
         key = cache_key("search", query)
         hit = self.search_cache.get(key)
         if hit is not None:
@@ -267,8 +263,6 @@ class Teacher:
     def trajectory(self, query: str, system: str | None = None) -> dict:
         """One trajectory for `query`: {"query", "segments": [[is_env, text], ...], "tool_calls",
         "finish"} with finish "answer" (no further call), "max_turns". Raises as continue_."""
-        from scaffold import (MAX_TOOL_CALLS, SYSTEM_PROMPT, build_user_message, format_tool_error,
-                              format_tool_output)
         system = system or SYSTEM_PROMPT
         turns: list[tuple[str, str]] = [("user", build_user_message(query))]
         segs: list[list] = []
@@ -356,8 +350,6 @@ def generate(queries: list[dict], out: str, teacher: Teacher, system: str | None
     time; then `<out>.stats.json` with the count per filter of sft.filter_and_convert over the whole
     file ("filters"). Returns the stats. An APIStopError ends the run (re-raised after the stats are
     written); a budget stop or a failed trajectory does not."""
-    from sft import filter_and_convert
-
     _repair_tail(out)
     have = done_ids(out)
     todo, seen = [], set(have)
@@ -447,8 +439,6 @@ def cost_plan(n_queries: int, prices, assume: dict | None = None) -> dict:
 
 
 def dry_run_text(cfg: TeacherConfig, n_queries: int) -> str:
-    from backends.pricing import resolve_prices
-
     prices = resolve_prices(cfg.model, cfg.price_in, cfg.price_out)
     p = cost_plan(n_queries, prices)
     usd = f"${p['usd']:,.2f}" if p["usd"] is not None else "unknown (no price: give --price-in/--price-out)"
@@ -482,9 +472,6 @@ def main(argv=None) -> int:
     if a.dry_run:
         print(dry_run_text(cfg, len(queries)))
         return 0
-    from backends.search_http import SerperSearchTool
-    from backends.search_http import SearchHTTPConfig
-
     missing = [v for v in (cfg.key_env, "SERPER_API_KEY") if not os.environ.get(v)]
     if cfg.backend == "openai" and cfg.key_env in missing and cfg.base_url:
         missing.remove(cfg.key_env)  # a self-hosted OpenAI-compatible server may need no key

@@ -55,6 +55,19 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+import torch
+import torch.distributed as dist
+
+from backends.data import _read_jsonl, sft_segments
+from backends.full import (FullConfig, ZeRO3Policy, _shutdown, all_reduce_sum, barrier, device_kind, dist_env,
+                           exit_process, init_distributed)
+from backends.plan import model_shape, sft_plan_lines
+from backends.presets import full_preset
+from backends.runcard import CARD, save_with_run_card
+from backends.sft_pack import bucket, deal, lr_at, step_plan
+from scaffold import SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT
+from sft import encode_trajectory, filter_and_convert
+
 log = logging.getLogger("rubricem.sft_zero3")
 
 
@@ -96,24 +109,18 @@ class SFTRunConfig:
 
     def full_config(self):
         """The ZeRO-3 engine settings (full.FullConfig) this SFT run implies, for the memory plan."""
-        from backends.full import FullConfig
-
         return FullConfig(offload_optimizer=self.offload_optimizer,
                           gradient_checkpointing=self.gradient_checkpointing,
                           bf16="on" if self.bf16 in ("auto", "on") else "off", vllm_max_model_len=self.max_len)
 
 
 def system_prompt(name: str) -> str:
-    from scaffold import SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT
-
     return {"full": SYSTEM_PROMPT, "compact": SYSTEM_PROMPT_COMPACT}.get(name, name)
 
 
 def sft_deepspeed_config(cfg: SFTRunConfig, world: int, device: str) -> tuple[dict, object]:
     """(DeepSpeed JSON, full.FullConfig) of the SFT engine: ZeRO-3, the SFT batch arithmetic
     (train_batch_size nominal: the accumulation boundary is set by the loop), bf16 per cfg.bf16."""
-    from backends.full import FullConfig
-
     full = FullConfig(offload_optimizer=cfg.offload_optimizer, gradient_checkpointing=cfg.gradient_checkpointing,
                       bf16=cfg.bf16, optimizer=cfg.optimizer, weight_decay=cfg.weight_decay)
     bf16 = cfg.bf16 == "on" or (cfg.bf16 == "auto" and device == "cuda")
@@ -140,8 +147,6 @@ def read_records(paths) -> list[dict]:
     """Teacher records (sft_teacher: "query" + "segments") or ChatML rows ("messages": the last user
     turn is the query, the assistant turn is split at its tool outputs) from JSONL files, as
     sft.filter_and_convert reads them. Raises ValueError naming file and line for a non-JSON line."""
-    from backends.data import _read_jsonl, sft_segments
-
     out = []
     for p in paths:
         for r in _read_jsonl(p):
@@ -159,8 +164,6 @@ def read_records(paths) -> list[dict]:
 def prepare(tok, records: list[dict], cfg: SFTRunConfig) -> tuple[list, dict]:
     """Filter, convert and encode (sft.py): ([(ids, mask)], stats) with the filter counts and
     "too_long"."""
-    from sft import encode_trajectory, filter_and_convert
-
     examples, stats = filter_and_convert(records, cfg.scaffold, system_prompt(cfg.system))
     enc, too_long = [], 0
     for ex in examples:
@@ -177,8 +180,6 @@ def prepare(tok, records: list[dict], cfg: SFTRunConfig) -> tuple[list, dict]:
 
 
 def _batch(encoded, idx, pad: int):
-    import torch
-
     L = max(len(encoded[i][0]) for i in idx)
     x = torch.full((len(idx), L), pad, dtype=torch.long)
     att = torch.zeros((len(idx), L), dtype=torch.long)
@@ -194,11 +195,6 @@ def _batch(encoded, idx, pad: int):
 def train(policy, encoded: list, cfg: SFTRunConfig, rank: int, world: int, pad: int) -> list[dict]:
     """The SFT loop on a ZeRO3Policy (collective: every rank calls it with the same data). Returns one
     record per optimizer step: step, lr, loss (the global token mean), tokens, grad_norm."""
-    import torch
-
-    from backends.full import all_reduce_sum
-    from backends.sft_pack import bucket, deal, lr_at, step_plan
-
     lengths = [len(i) for i, _ in encoded]
     masked = [sum(m) for _, m in encoded]
     steps = step_plan(len(encoded), cfg.epochs, cfg.batch, cfg.seed)
@@ -240,10 +236,6 @@ def train(policy, encoded: list, cfg: SFTRunConfig, rank: int, world: int, pad: 
 def write_checkpoint(policy, tok, out: str, cfg: SFTRunConfig, info: dict, rank: int) -> None:
     """HF weights (collective gathered save) + tokenizer + run card + sft_info.json into out (via
     out.tmp and a rename on rank 0)."""
-    from backends.presets import full_preset
-    from backends.full import barrier
-    from backends.runcard import CARD, save_with_run_card
-
     tmp = out.rstrip("/") + ".tmp"
     if rank == 0 and os.path.exists(tmp):
         shutil.rmtree(tmp)
@@ -271,13 +263,9 @@ def write_checkpoint(policy, tok, out: str, cfg: SFTRunConfig, info: dict, rank:
 
 def run(cfg: SFTRunConfig, data: list[str], model: str, out: str) -> dict:
     """The whole SFT run on this launch (collective). Returns the info dict written to the card."""
-    from transformers import AutoTokenizer
-
-    from backends.full import ZeRO3Policy, device_kind, dist_env, init_distributed
+    from transformers import AutoTokenizer  # lazy: transformers when the run starts, not for --dry-run
 
     env = init_distributed(dist_env())
-    import torch.distributed as dist
-
     rank, world = dist.get_rank(), dist.get_world_size()
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(model)
@@ -300,8 +288,6 @@ def run(cfg: SFTRunConfig, data: list[str], model: str, out: str) -> dict:
 def dry_run_text(cfg: SFTRunConfig, model: str, world: int, gpu_gib: float, n_examples: int,
                  mean_tokens: float) -> str:
     """The SFT plan: memory per GPU at max_len and GPU-hours (backends/plan.py)."""
-    from backends.plan import model_shape, sft_plan_lines
-
     return "\n".join(["RubricEM SFT: dry run (nothing is loaded or trained)",
                       f"  recipe: {cfg.epochs} epochs, lr {cfg.lr:g}, cosine with {cfg.warmup_frac:.0%} warm-up, "
                       f"weight decay {cfg.weight_decay:g}, effective batch {cfg.batch}, micro-batch "
@@ -337,8 +323,6 @@ def main(argv=None) -> int:
         mean = a.mean_tokens or 6000.0
         print(dry_run_text(cfg, a.model, a.world, a.gpu_gib, a.examples, mean))
         return 0
-    from backends.full import _shutdown, exit_process
-
     run(cfg, a.data, a.model, a.out)
     _shutdown()
     exit_process(0)

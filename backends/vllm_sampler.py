@@ -35,11 +35,18 @@ Deviations from the paper
 """
 from __future__ import annotations
 
+import gc
+import glob
 import os
+import shutil
 import tempfile
 import threading
 import time
 from typing import Callable, Iterable, Sequence
+
+import torch
+
+from backends.weight_channel import WeightChannel, dtype_name, free_port
 
 __all__ = ["VLLMSampler", "WeightSyncError", "stop_rule", "cut_at_stop"]
 
@@ -144,10 +151,8 @@ class VLLMSampler:
                  enforce_eager: bool = True, seed: int | None = None, in_process: bool = True,
                  enable_prefix_caching: bool = True, sync_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  channel_backend: str = "gloo", llm=None, sampling_params_cls=None, **llm_kwargs):
-        import torch
-
         if tokenizer is None:
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # lazy: transformers only when the sampler starts
 
             tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         if dtype is None:
@@ -289,7 +294,7 @@ class VLLMSampler:
 
     def _new_params(self, **kw):
         if self._sp_cls is None:
-            from vllm import SamplingParams
+            from vllm import SamplingParams  # lazy: vLLM only in a full run
 
             self._sp_cls = SamplingParams
         return self._sp_cls(**kw)
@@ -320,8 +325,6 @@ class VLLMSampler:
         the message says whether `reload_from_checkpoint` can repair the engine in place or must
         rebuild it.
         """
-        import torch
-
         chunk_bytes = self.sync_chunk_bytes if chunk_bytes is None else int(chunk_bytes)
         deadline = time.monotonic() + float(timeout_s)
         t0 = time.perf_counter()
@@ -393,8 +396,6 @@ class VLLMSampler:
         Returns {"mode": "weights_path"|"rebuild", "save_s", "reload_s", "t_s"} in seconds.
         Raises WeightSyncError if the in-place reload times out.
         """
-        import shutil
-
         t0 = time.perf_counter()
         tmp = None
         if isinstance(source, (str, os.PathLike)):
@@ -434,14 +435,12 @@ class VLLMSampler:
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
         del llm
-        import gc
-
         gc.collect()
 
     # ------------------------------------------------------------------------------------------------
 
     def _build_llm(self, weights_dir: str):
-        from vllm import LLM
+        from vllm import LLM  # lazy: vLLM only in a full run
 
         # The tokenizer always comes from model_dir: a weights-only folder need not carry one.
         return LLM(model=weights_dir, tokenizer=self.model_dir, **self._llm_args)
@@ -451,8 +450,6 @@ class VLLMSampler:
         if self.in_process:
             self._rpc("rubricem_sync_load", {"weights": chunk}, deadline, timeout_s)
         else:
-            from backends.weight_channel import dtype_name
-
             # names, shapes and dtypes by rpc (plain lists travel intact), the tensors by the
             # channel, in the same order, while the worker receives them
             meta = [[n, list(t.shape), dtype_name(t.dtype)] for n, t in chunk]
@@ -468,8 +465,6 @@ class VLLMSampler:
         worker joins as member 1 in an rpc while this process joins as member 0."""
         if self._channel is not None:
             return
-        from backends.weight_channel import WeightChannel, free_port
-
         port = free_port(self.channel_host)
         th, box = self._rpc_start("rubricem_channel_open", {
             "host": self.channel_host, "port": port, "backend": self.channel_backend,
@@ -553,12 +548,10 @@ class VLLMSampler:
 
 def _checkpoint_names(model_dir: str) -> set[str]:
     """Tensor names of the *.safetensors files in model_dir (empty set if there are none)."""
-    import glob
-
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         return set()
-    from safetensors import safe_open
+    from safetensors import safe_open  # lazy: safetensors only when a checkpoint is read
 
     names: set[str] = set()
     for f in files:

@@ -36,7 +36,13 @@ Deviations from the paper
 """
 from __future__ import annotations
 
+import hashlib
+import os
 import time
+
+import torch
+
+from backends.weight_channel import WeightChannel
 
 
 def _tied_lm_head(model):
@@ -67,6 +73,7 @@ class WeightSyncExt:
         layers that have not received all their tensors are on the meta device: the engine must not
         run a forward pass in between. Raises RuntimeError if a transaction is already open.
         """
+        # lazy: vLLM internals, inside a vLLM worker only
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
@@ -88,7 +95,7 @@ class WeightSyncExt:
         fused qkv_proj counts once), "t_s": seconds}. Raises RuntimeError outside a
         transaction; an unknown name raises whatever the model's `load_weights` raises (KeyError).
         """
-        from vllm.config import set_current_vllm_config
+        from vllm.config import set_current_vllm_config  # lazy: as above
 
         if not getattr(self, "_rubricem_open", False):
             raise RuntimeError("no weight-sync transaction is open; call rubricem_sync_begin first")
@@ -107,8 +114,8 @@ class WeightSyncExt:
         Returns {"n_tensors": tensors received in this transaction, "repacked_lm_head": bool,
         "t_finalize_s", "t_repack_s": seconds}. The caller must still `llm.reset_prefix_cache()`.
         """
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        from vllm.config import set_current_vllm_config  # lazy: as above
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload  # lazy: as above
 
         t0 = time.perf_counter()
         model = self.model_runner.get_model()
@@ -128,8 +135,6 @@ class WeightSyncExt:
         it blocks until the trainer joins as member 0). For an engine in its own process: tensors
         then travel through the channel, only their names, shapes and dtypes through the rpc.
         Returns {"backend", "device"}."""
-        from backends.weight_channel import WeightChannel
-
         old = getattr(self, "_rubricem_channel", None)
         if old is not None:
             old.close()
@@ -142,11 +147,6 @@ class WeightSyncExt:
         a list of [hf_name, shape, dtype name] in the order the trainer sends them. Besides the
         load's result, returns "sha256": {hf_name: hex digest of the received bytes} when
         RUBRICEM_SYNC_DIGESTS=1 (tests compare it with the trainer's tensors)."""
-        import hashlib
-        import os
-
-        import torch
-
         ch = getattr(self, "_rubricem_channel", None)
         if ch is None:
             raise RuntimeError("no weight channel: call rubricem_channel_open first")

@@ -41,6 +41,7 @@ def zero3_loading(ds_config: dict) -> Iterator[object]:
     later, rank-0-only load becomes a ZeRO-3 collective. Yields the HfDeepSpeedConfig. Restores an
     HfDeepSpeedConfig that was live before the block (nested use). Raises ImportError without
     transformers / accelerate."""
+    # lazy: transformers' DeepSpeed integration only under ZeRO-3
     from transformers.integrations import HfDeepSpeedConfig
     from transformers.integrations import deepspeed as hf_ds
 

@@ -24,6 +24,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+import torch  # noqa: E402
+
+import policy  # noqa: E402
+import ss_grpo  # noqa: E402
+import step_vs_trl as svt  # noqa: E402
+from toy.kv_sampler import draw_inverse_cdf  # noqa: E402
+
 
 def cpu(f, n: int = 1):
     """(result of the last call, CPU seconds per call)."""
@@ -39,16 +46,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--bench-dir", default=os.environ.get("RUBRICEM_BENCH_DIR", ""))
     a = ap.parse_args(argv)
-    import step_vs_trl as svt
-
     svt._stand_ins()
     h = svt.load_harness(svt.find_bench_dir(a.bench_dir), svt.parse_args(["--threads", str(a.threads)]))
-    import torch
-
-    import policy
-    import ss_grpo
-    from toy.kv_sampler import draw_inverse_cdf
-
     torch.set_num_threads(a.threads)
     tok, _ = h.build_tokenizer(0, h.ARGS.vocab_size)
     model = h.build_model(tok, h.ARGS).eval()
@@ -94,10 +93,6 @@ def main(argv=None) -> int:
 def token_advantage_parts(n: int = 64, P: int = 40, T: int = 300) -> None:
     """Token advantages of a toy step's n rollouts (P prompt + T response tokens): one
     ss_grpo.token_advantages call per rollout, as the training loop makes them, against one call."""
-    import torch
-
-    import ss_grpo
-
     g = torch.Generator().manual_seed(0)
     A = torch.randn(n, 4, generator=g)  # (n, K)
     stages = [sorted(torch.randint(0, 4, (T,), generator=g).tolist()) for _ in range(n)]

@@ -49,6 +49,7 @@ Last line:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -64,6 +65,24 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import ss_grpo  # noqa: E402
+from backends import rollout_engine as re_  # noqa: E402
+from backends.judge_http import HTTPJudge, judge_configs  # noqa: E402
+from backends.search_http import SearchHTTPConfig, SerperSearchTool  # noqa: E402
+from backends.torch_engine import TorchEngine  # noqa: E402
+from backends.weight_channel import free_port  # noqa: E402
+from bank import RubricBank  # noqa: E402
+from hparams import ReflectionConfig, SSGRPOConfig  # noqa: E402
+from judge import judge_all  # noqa: E402
+from loopback import TEST_KEY, FakeServer  # noqa: E402
+from reflection import REFLECT_INSTRUCTION, ReflectionBatch  # noqa: E402
+from scaffold import CALL_OPEN, SYSTEM_PROMPT_COMPACT, RolloutEngine  # noqa: E402
+from toy import model as toy_model  # noqa: E402
+from toyfix import tiny_tokenizer, train_queries  # noqa: E402
+from train import apply_reflection_batch, update_batch  # noqa: E402
 
 PHASES = ("reflection_update_s", "rollout_s", "judge_wait_s", "update_s", "sync_s", "reflection_s")
 
@@ -74,8 +93,6 @@ class BenchSampler:
     one engine per rank). Deterministic per (seed, prompt)."""
 
     def __init__(self, model, tok, call_prob: float = 0.6, max_calls: int = 3, body=(8, 24)):
-        from scaffold import CALL_OPEN
-
         self.model, self.tok, self.call_prob, self.max_calls, self.body = model, tok, call_prob, max_calls, body
         self.lock = threading.Lock()
         self.seed = None
@@ -87,8 +104,6 @@ class BenchSampler:
         self.call_open = CALL_OPEN
         self.eot = tok.convert_tokens_to_ids("<|im_end|>")
         self.end = tok.encode("<answer>It is so [1].</answer>", add_special_tokens=False) + [self.eot]
-        from reflection import REFLECT_INSTRUCTION
-
         self.reflect = tok.encode(REFLECT_INSTRUCTION, add_special_tokens=False)
 
     def reseed(self, seed) -> None:
@@ -146,8 +161,6 @@ class BenchSampler:
 
 
 def _fingerprint(rollouts) -> str:
-    import hashlib
-
     h = hashlib.sha256()
     for r in rollouts:
         h.update(json.dumps([r.response_ids, r.loss_mask, r.stage_ids]).encode())
@@ -156,8 +169,6 @@ def _fingerprint(rollouts) -> str:
 
 def _sync(model) -> None:
     """The weight sync of the benchmark: every parameter broadcast from rank 0 (gloo)."""
-    import torch.distributed as dist
-
     for p in model.parameters():
         dist.broadcast(p.data, 0)
 
@@ -165,23 +176,8 @@ def _sync(model) -> None:
 def worker(rank: int, world: int, port: int, schedule: str, a, urls: dict, out_path: str) -> None:
     torch.set_num_threads(1)
     os.environ["GEMINI_API_KEY"] = os.environ["SERPER_API_KEY"] = urls["key"]
-    import torch.distributed as dist
-
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     side = dist.new_group(backend="gloo")  # rank > 0 -> rank 0: finished groups (concurrent schedule)
-    import ss_grpo
-    from bank import RubricBank
-    from backends import rollout_engine as re_
-    from backends.search_http import SerperSearchTool
-    from backends.torch_engine import TorchEngine
-    from hparams import ReflectionConfig, SSGRPOConfig
-    from reflection import ReflectionBatch
-    from backends.search_http import SearchHTTPConfig
-    from scaffold import RolloutEngine, SYSTEM_PROMPT_COMPACT
-    from toy import model as toy_model
-    from toyfix import tiny_tokenizer, train_queries
-    from train import apply_reflection_batch, update_batch
-
     tok = tiny_tokenizer()
     model = toy_model.build_tiny_qwen3(tok, a.size, seed=0)
     model.eval()
@@ -225,10 +221,6 @@ def worker(rank: int, world: int, port: int, schedule: str, a, urls: dict, out_p
         dist.barrier()
         dist.destroy_process_group()
         return
-
-    from backends.judge_http import HTTPJudge
-    from backends.judge_http import judge_configs
-    from judge import judge_all
 
     judge = HTTPJudge(*judge_configs(backend="gemini", model="gemini-test", base_url=urls["gemini"],
                                      timeout_s=60, max_retries=0, concurrency=a.judge_concurrency,
@@ -362,9 +354,6 @@ def _run_share(ce, qs, mine, n, step, a, on_done):
 
 
 def run_schedule(schedule: str, a, urls: dict) -> dict:
-    import torch.multiprocessing as mp
-    from backends.weight_channel import free_port
-
     with tempfile.TemporaryDirectory() as d:
         paths = [os.path.join(d, f"rank{r}.json") for r in range(a.ranks)]
         port = free_port()
@@ -511,8 +500,6 @@ def main(argv=None) -> int:
     a.sampling_ranks = a.sampling_ranks or a.ranks
     if a.groups * (a.steps + 1) > 40:
         ap.error("the tiny world has 40 training queries: groups x (steps + 1) must be <= 40")
-    from loopback import TEST_KEY, FakeServer
-
     print(f"full step: {a.ranks} gloo ranks, P={a.groups} x n={a.n}, m={a.m}, {a.steps} steps, "
           f"judge {a.judge_sleep} s/call, search {a.search_sleep} s/call, tool concurrency "
           f"{a.tool_concurrency}, judge concurrency {a.judge_concurrency}; load average "

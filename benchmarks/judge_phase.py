@@ -38,6 +38,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
+from backends.judge_http import HTTPJudge, judge_configs  # noqa: E402
+from judge import judge_all  # noqa: E402
+from loopback import TEST_KEY, FakeServer  # noqa: E402
+from scaffold import Query, Rollout, parse_response  # noqa: E402
+
 TEXT = ("<structured_plan><analysis>Asked: habitat.</analysis><rubrics>need: habitat</rubrics>"
         "<research_plan>search</research_plan></structured_plan>\n<review><rubrics_review>habitat: "
         "[1]</rubrics_review><writing_plan>habitat</writing_plan></review>\n<answer>It lives in the "
@@ -46,9 +51,6 @@ TEXT = ("<structured_plan><analysis>Asked: habitat.</analysis><rubrics>need: hab
 
 def groups(P: int, n: int):
     """P queries (two initial rubrics each) with n finished rollouts per query."""
-    from scaffold import Rollout, parse_response
-    from scaffold import Query
-
     out = []
     for g in range(P):
         q = Query(f"Write a short report on entity {g}: its habitat.",
@@ -65,9 +67,6 @@ def groups(P: int, n: int):
 
 def phase(server, latency: float, P: int, n: int, C: int, concurrent: bool) -> tuple[float, int]:
     """(seconds, requests) of one judge phase over P fresh groups."""
-    from backends.judge_http import HTTPJudge, judge_configs
-    from judge import judge_all
-
     server.rule = lambda req: {"sleep": latency}
     before = len(server.requests)
     with tempfile.TemporaryDirectory() as d:
@@ -91,8 +90,6 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=8, help="rollouts per group (PAPER: 8)")
     ap.add_argument("--concurrency", type=int, default=8, help="C: judge_http.concurrency")
     a = ap.parse_args(argv)
-    from loopback import TEST_KEY, FakeServer
-
     os.environ["GEMINI_API_KEY"] = TEST_KEY  # the loopback server's made-up key
     P, n, C = a.groups, a.n, a.concurrency
     print(f"judge phase: P={P} groups x n={n} rollouts, concurrency C={C}; {P * (1 + n)} calls per step")

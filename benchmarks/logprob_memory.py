@@ -36,9 +36,13 @@ import tempfile
 import time
 
 import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from policy import token_logprobs  # noqa: E402
+
 VARIANTS = ("naive", "chunked", "chunked_recompute")
 MODES = ("nograd", "grad")
 QWEN3_VOCAB = 151_936  # PAPER: the Qwen3 policy's vocabulary size
@@ -46,8 +50,6 @@ QWEN3_VOCAB = 151_936  # PAPER: the Qwen3 policy's vocabulary size
 
 def build_model(vocab: int, seq_len: int, dtype: torch.dtype, device: str):
     """A one-layer, 64-wide Qwen3 with the full vocabulary: the head dominates, as in the 8B model."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     cfg = Qwen3Config(vocab_size=vocab, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=32, intermediate_size=128,
                       max_position_embeddings=seq_len + 8, tie_word_embeddings=True)
@@ -64,8 +66,6 @@ def naive_logprobs(model, ids, att):
 
 
 def worker(a) -> None:
-    from policy import token_logprobs
-
     torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype)
     model = build_model(a.vocab, a.seq_len, dtype, a.device)

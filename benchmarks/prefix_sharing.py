@@ -28,8 +28,15 @@ import statistics
 import sys
 import time
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from backends import presets  # noqa: E402
+from backends.torch_engine import TorchEngine  # noqa: E402
+from policy import UpdateBatch  # noqa: E402
+from toy import model as toy_model  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -39,13 +46,7 @@ def main(argv=None) -> int:
                     "default trains on 2 and samples on 1)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions (alternating)")
     a = ap.parse_args(argv)
-    import torch
 
-
-    from toy import model as toy_model
-    from backends import presets
-    from backends.torch_engine import TorchEngine
-    from policy import UpdateBatch
 
     torch.set_num_threads(a.threads)
     model, tok = toy_model.load_policy(os.path.join(a.checkpoint, "model"))

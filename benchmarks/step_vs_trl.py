@@ -56,8 +56,17 @@ import sys
 import time
 import types
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+import hparams  # noqa: E402
+import policy  # noqa: E402
+import ss_grpo  # noqa: E402
+from backends import torch_engine  # noqa: E402
+from toy import hf_sampler, kv_sampler  # noqa: E402
+
 EXPECTED_SEED0 = ("2cdc8ad6bb2c1cfc", "b55d6dc6744a79c5")  # (vocab_sha, weights_sha), harness README
 
 
@@ -149,11 +158,6 @@ class ProjectSide:
     """This project's GRPO step on the harness's model and tokenizer, with one sampler."""
 
     def __init__(self, name: str, model, ref_model, opt, tok, h, a):
-        from backends import torch_engine
-        import hparams
-        from toy import hf_sampler
-        from toy import kv_sampler
-
         self.name, self.model, self.ref, self.opt, self.tok, self.h, self.a = \
             name, model, ref_model, opt, tok, h, a
         cls = {"kv": kv_sampler.KVSampler, "hf": hf_sampler.HFSampler}[name]
@@ -169,11 +173,6 @@ class ProjectSide:
         """One step on unique prompts (chat messages) with their target words; `profile`: the
         update runs under torch.profiler, the row gets "matmul_s" / "profiled_update_s" and is not
         appended to the timed rows."""
-        import torch
-
-        import policy
-        import ss_grpo
-
         G, h = self.h.ARGS.num_generations, self.h
         c0, t0 = time.process_time(), time.perf_counter()
         pids = [list(self.tok.apply_chat_template(p, tokenize=True, add_generation_prompt=True,
@@ -255,8 +254,7 @@ def main(argv=None) -> int:
     stand_ins = _stand_ins()  # only for modules that are not installed
     bench = find_bench_dir(a.bench_dir)
     h = load_harness(bench, a)  # sets torch threads
-    import torch
-    import transformers
+    import transformers  # lazy: after the harness's trl / datasets stand-ins are in place
 
     transformers.logging.set_verbosity_error()
     have_trl = "trl" not in stand_ins and not a.no_trl

@@ -22,8 +22,15 @@ import statistics
 import sys
 import time
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from backends import build, cli  # noqa: E402
+from scaffold import RolloutEngine, system_prompt  # noqa: E402
+from toy.hf_sampler import HFSampler  # noqa: E402
+from toy.kv_sampler import KVSampler  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -31,15 +38,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=2, help="repetitions per sampler (alternating)")
     ap.add_argument("train_args", nargs=argparse.REMAINDER, help="train.py flags after --")
     a = ap.parse_args(argv)
-    import torch
 
 
-    from backends import cli
-
-    from backends import build
-    from toy.kv_sampler import KVSampler
-    from toy.hf_sampler import HFSampler
-    from scaffold import RolloutEngine, system_prompt
 
     cfg = cli.parse_args([x for x in a.train_args if x != "--"])
     cfg.progress = False

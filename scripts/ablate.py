@@ -63,9 +63,11 @@ import shlex
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -74,6 +76,9 @@ from backends import checkpoint as ckpt_mod  # noqa: E402
 from backends import report  # noqa: E402
 from backends import config as settings  # noqa: E402
 from backends import presets  # noqa: E402
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import memory_eval  # noqa: E402  (scripts/memory_eval.py: `ablate.py memory`)
 
 # rubricem, ss_grpo, meta_policy, baseline_rl, baseline_rl_info: the paper's arms (the reward
 # ladder's oracle arms, rewarded with ground truth, are not part of the grid)
@@ -238,34 +243,34 @@ def run_logged(cmd: list[str], log_path: str) -> int:
 
 def run_grid(grid: str, arms: Sequence[str], seeds: Sequence[int], steps: int, eval_every: int,
              sets: Sequence[str], memory: bool = True, progress: bool = True,
-             scaffold: bool = False) -> dict:
+             scaffold: bool = False, jobs: int = 1) -> dict:
     """Train every (arm, seed) not yet done (with `scaffold`, also the UNSTRUCTURED run per seed),
     then the memory evaluations; returns {"done": [...], "skipped": [...], "failed": [...]} of
-    "arm-seedS" (memory: "memory:arm-seedS")."""
-    from tqdm import tqdm
-
+    "arm-seedS" (memory: "memory:arm-seedS"). jobs: subprocesses at once (>= 1); each run's result
+    does not depend on it (every run is its own process, seeded alone), its wall time does."""
     runs = list(arms) + ([UNSTRUCTURED] if scaffold else [])
-    jobs = [("train", a, s) for s in seeds for a in runs]
+    todo = [("train", a, s) for s in seeds for a in runs]
     if memory:
-        jobs += [("memory", a, s) for s in seeds for a in arms if a in MEMORY_ARMS]
+        todo += [("memory", a, s) for s in seeds for a in arms if a in MEMORY_ARMS]
 
     def finished(kind: str, a: str, s: int) -> bool:
         name = "eval.json" if kind == "train" else "memory.json"
         return os.path.exists(os.path.join(run_dir(grid, a, s), name))
 
     status = {"done": [], "skipped": [], "failed": []}
-    n_done = sum(finished(*j) for j in jobs)
-    bar = tqdm(total=len(jobs), initial=n_done, desc="ablation grid", disable=not progress,
+    n_done = sum(finished(*j) for j in todo)
+    bar = tqdm(total=len(todo), initial=n_done, desc="ablation grid", disable=not progress,
                unit="run")
-    for kind, a, s in jobs:
+    def one(job: tuple) -> None:
+        kind, a, s = job
         tag = f"{a}-seed{s}" if kind == "train" else f"memory:{a}-seed{s}"
         if finished(kind, a, s):
             status["skipped"].append(tag)
-            continue
+            return
         if kind == "memory" and not finished("train", a, s):
             status["failed"].append(tag)  # its training failed
             bar.update(1)
-            continue
+            return
         bar.set_postfix_str(tag)
         cmd = (train_command(grid, a, s, steps, eval_every, sets) if kind == "train"
                else memory_command(grid, a, s, arms))
@@ -275,6 +280,11 @@ def run_grid(grid: str, arms: Sequence[str], seeds: Sequence[int], steps: int, e
         if not ok:
             print(f"{tag}: exit code {rc}; see {grid}/logs/", file=sys.stderr)
         bar.update(1)
+
+    # every training run first (a memory evaluation may read another arm's bank), then the memory runs
+    for kind in ("train", "memory"):
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            list(pool.map(one, [j for j in todo if j[0] == kind]))
     bar.close()
     return status
 
@@ -391,10 +401,10 @@ def _unstructured_rows(got: tuple[dict, list[dict]], seed: int, key_structured: 
 def plot(rows: list[dict], arms: Sequence[str], path: str) -> None:
     """Fig. 5-style figure: answer-score difference from the SFT start vs RL step, one line per arm,
     its 95 % interval over seeds x questions as a band."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib only for the figure
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib only for the figure
 
     fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=120)
     for a in arms:
@@ -622,7 +632,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--render-only", action="store_true", help="only rewrite the report from the "
                     "finished runs in --out")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once (default 1); set each run's "
+                    "threads with --set threads=T --set sample_threads=1 so jobs x T fits the cores")
     a = ap.parse_args(argv)
+    if a.jobs < 1:
+        ap.error("--jobs must be >= 1")
     a.arms = [x for x in a.arms.split(",") if x]
     bad = [x for x in a.arms if x not in settings.ARMS]
     if bad:
@@ -644,9 +658,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Exit codes: 0 every run finished, 1 some run failed (the report covers the others)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["memory"]:
-        sys.path.insert(0, os.path.join(ROOT, "scripts"))
-        import memory_eval
-
         ap = argparse.ArgumentParser(prog="ablate.py memory", description="memory reuse of one run")
         ap.add_argument("--run-dir", required=True)
         a, rest = ap.parse_known_args(argv[1:])
@@ -656,7 +667,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = {"failed": []}
     if not a.render_only:
         status = run_grid(a.out, a.arms, a.seeds, a.steps, a.eval_every, a.sets,
-                          memory=not a.no_memory, progress=not a.no_progress, scaffold=a.scaffold)
+                          memory=not a.no_memory, progress=not a.no_progress, scaffold=a.scaffold,
+                          jobs=a.jobs)
     meta = {"command": "python scripts/ablate.py " + shlex.join(argv), "commit": commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
             "machine": machine(), "threads": threads_of(a.out, a.arms, a.seeds, a.sets),

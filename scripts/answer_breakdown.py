@@ -41,13 +41,15 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from backends import build, heldout, presets  # noqa: E402
+from scaffold import ANSWER, system_prompt  # noqa: E402
+from toy.judge import FACT_OUTCOMES  # noqa: E402
+
 PHASES = ("SFT start", "after RL")
 
 
 def answer_loss(judge, q, rollouts) -> dict[str, float]:
     """Mean over `rollouts` of each Answer-rubric kind's share of the answer-stage loss."""
-    from scaffold import ANSWER
-
     rubrics = judge.pool(q) + judge.initial_rubrics(q)
     S = np.nan_to_num(judge.score_rubrics(q, rollouts, rubrics))  # (n, R)
     cols = [j for j, r in enumerate(rubrics) if r.stage == ANSWER]
@@ -69,10 +71,7 @@ def heldout_rollouts(run_dir: str, temperatures) -> tuple:
     policy at each temperature in `temperatures` (None = the run's eval.temperature), with the
     engines and seed of heldout.HeldOut, so at the run's own temperature the rollouts are those behind
     eval.json. Rollouts are query-major, `samples` per question."""
-    from backends import build
-    from backends import heldout
-    from backends import presets
-    from scaffold import system_prompt
+    # lazy: transformers' model classes only when a run's policy loads
     from transformers import AutoModelForCausalLM
 
     with open(os.path.join(run_dir, "config.json")) as fh:
@@ -128,8 +127,6 @@ def sweep(run_dir: str, temperatures) -> dict:
     toy run: `heldout.heldout_scores` (the static rubric set of eval.json) of its held-out
     questions sampled at each temperature T >= 0 (0 = greedy) from the SFT start and the final
     policy. At the run's own eval.temperature the figures are eval.json's."""
-    from backends import heldout
-
     judge, qs, n, _, _, ro = heldout_rollouts(run_dir, temperatures)
     return {T: {phase: {k: heldout.heldout_scores(judge, qs, ro[T][phase], n)[k] for k in SWEEP_KEYS}
                 for phase in PHASES} for T in temperatures}
@@ -162,8 +159,6 @@ def print_sweep(results: list[dict], run_dirs, temperatures) -> int:
 
 
 def main(argv=None) -> int:
-    from toy.judge import FACT_OUTCOMES
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dirs", nargs="+", help="finished toy run directories (config.json, final/)")
     ap.add_argument("--temperature", type=float, help="sample at this temperature instead of the "

@@ -20,6 +20,7 @@ thread count (torch's CPU kernels reduce in an order that depends on the thread 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -27,8 +28,16 @@ import shutil
 import sys
 import tempfile
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from backends.config import apply_overrides  # noqa: E402
+from backends.presets import toy_preset  # noqa: E402
+from scaffold import system_prompt  # noqa: E402
+from toy.sft import warm_start, warm_start_key  # noqa: E402
+from toy.world import BM25SearchTool, make_world  # noqa: E402
 
 KEEP = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
         "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -42,18 +51,25 @@ def sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def build(cfg, out: str, progress: bool = False) -> dict:
+def prefix_digest(cfg, steps: int, parent: str) -> dict:
+    """sha256 of the tokenizer and of the weights after the first `steps` SFT steps of `cfg`'s build
+    ({"sft_steps", "files": {name: sha256}}): the build with sft.steps = `steps`, whose first steps
+    are those of the full build while `steps` <= sft.warmup (the learning rate then does not depend
+    on sft.steps, and neither do the data, the tokenizer, the initialisation or the batch order).
+    Raises ValueError for steps outside [1, sft.warmup]."""
+    if not 1 <= steps <= cfg.sft.warmup:
+        raise ValueError(f"prefix steps must be in [1, sft.warmup={cfg.sft.warmup}], got {steps}")
+    short = dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, steps=steps))
+    with tempfile.TemporaryDirectory(dir=parent) as tmp:
+        m = build(short, os.path.join(tmp, "prefix"), prefix_steps=0)
+    return {"sft_steps": steps, "files": {k: m["files"][k] for k in ("model.safetensors", "tokenizer.json")}}
+
+
+def build(cfg, out: str, progress: bool = False, prefix_steps: int = 0) -> dict:
     """Train the warm start of `cfg` (settings.Config, toy) into `out`; returns the manifest.
     Writes into a temporary sibling first and renames it (an interrupted build leaves no `out`).
+    prefix_steps > 0 also records `prefix_digest` (a short build a test can repeat) as "prefix".
     Raises FileExistsError if `out` exists."""
-    import dataclasses
-
-    import torch
-
-    from scaffold import system_prompt
-    from toy.sft import warm_start
-    from toy.world import BM25SearchTool, make_world
-
     if os.path.exists(out):
         raise FileExistsError(f"{out} exists; remove it or choose another --out")
     torch.set_num_threads(max(1, cfg.threads))
@@ -80,25 +96,49 @@ def build(cfg, out: str, progress: bool = False) -> dict:
                                "vocab_size": cfg.toy_model.vocab_size, "scaffold": cfg.rollout.scaffold,
                                "precision": cfg.precision, "system": system},
                     "params": info["params"], "final_loss": info["final_loss"], "steps": info["steps"]}
+        if prefix_steps > 0:
+            manifest["prefix"] = prefix_digest(cfg, prefix_steps, parent)
         with open(os.path.join(tmp, "warm_start.json"), "w") as fh:
             json.dump(manifest, fh, indent=1, sort_keys=True)
         os.replace(tmp, out)
     return manifest
 
 
-def main(argv=None) -> int:
-    from backends.config import apply_overrides
-    from backends.presets import toy_preset
+def warm_start_key_of(cfg) -> str:
+    """toy.sft.warm_start_key of a toy configuration (what `python train.py --toy` with it looks up)."""
+    extra = None if cfg.precision == "fp32" else {"precision": cfg.precision}
+    return warm_start_key(cfg.world, system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt),
+                          cfg.sft, cfg.teacher, cfg.toy_model.size, cfg.toy_model.vocab_size,
+                          cfg.rollout.scaffold, extra)
 
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output directory (must not exist)")
     ap.add_argument("--set", action="append", default=[], metavar="A.B=V",
                     help="configuration override as train.py --set (world.*, teacher.*, sft.*, threads)")
     ap.add_argument("--progress", action="store_true")
+    ap.add_argument("--prefix-steps", type=int, default=8, metavar="K",
+                    help="also record the digest of the build's first K SFT steps (0: none; default 8)")
+    ap.add_argument("--add-prefix", action="store_true",
+                    help="only add the prefix digest to the existing build --out (its manifest's settings)")
     a = ap.parse_args(argv)
     cfg = apply_overrides(toy_preset(), a.set)
-    m = build(cfg, a.out, a.progress)
+    if a.add_prefix:
+        path = os.path.join(a.out, "warm_start.json")
+        with open(path) as fh:
+            m = json.load(fh)
+        torch_threads = cfg.threads
+        if m["key"] != warm_start_key_of(cfg) or m["threads"] != torch_threads:
+            raise SystemExit(f"--set does not give {a.out}'s configuration and thread count")
+        m["prefix"] = prefix_digest(cfg, a.prefix_steps, os.path.dirname(os.path.abspath(a.out)))
+        with open(path + ".tmp", "w") as fh:
+            json.dump(m, fh, indent=1, sort_keys=True)
+        os.replace(path + ".tmp", path)
+        print(json.dumps(m["prefix"], indent=1))
+        return 0
+    m = build(cfg, a.out, a.progress, a.prefix_steps)
     size = sum(os.path.getsize(os.path.join(a.out, f)) for f in os.listdir(a.out))
     print(json.dumps({"out": a.out, "bytes": size, "params": m["params"], "steps": m["steps"],
                       "final_loss": m["final_loss"], "files": m["files"]}, indent=1))

@@ -26,19 +26,20 @@ import sys
 import tempfile
 import time
 
+import torch
+from safetensors.torch import load_file
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import train  # noqa: E402
+from runfix import fast_args  # noqa: E402
 
 
 def finite_report(run_dir: str) -> list[str]:
     """Non-finite values in a run: loss/kl/grad-norm/advantage metrics (None in metrics.jsonl stands
     for NaN/inf) and the final weights."""
-    import torch
-    from safetensors.torch import load_file
-
     bad = []
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         rows = [json.loads(line) for line in fh]
@@ -84,8 +85,6 @@ def main(argv=None) -> int:
     common = ["--steps", str(a.steps), "--seed", str(a.seed), "--no-progress",
               "--set", f"rollout.tool_timeout_s={a.tool_timeout}", "--set", "checkpoint.every=0"]
     if a.small:
-        from runfix import fast_args
-
         def args(d):
             return fast_args(d, os.path.join(work, "cache"), a.steps) + common
     else:

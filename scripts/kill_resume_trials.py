@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from backends import checkpoint as ckpt_mod  # noqa: E402
 from bank import RubricBank  # noqa: E402
 from runfix import fast_args, run_fingerprint  # noqa: E402
+from test_smoke import tiny_args  # noqa: E402
 
 
 def train_cmd(args: list[str]) -> list[str]:
@@ -120,8 +121,6 @@ def main(argv=None) -> int:
         def args_for(d):
             return fast_args(d, cache, a.steps, "--set", "checkpoint.every=1")
     else:
-        from test_smoke import tiny_args
-
         def args_for(d):
             return tiny_args(d, cache, a.steps) + ["--set", "checkpoint.every=1"]
 

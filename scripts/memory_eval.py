@@ -59,7 +59,9 @@ from backends import heldout
 from backends import presets
 from bank import MODE_EXACT, MODE_SIMILAR, RubricBank, format_for_prompt
 from reflection import run_reflection_branch
-from scaffold import system_prompt
+from scaffold import RolloutEngine, system_prompt
+from toy.hf_sampler import HFSampler
+from toy.model import load_policy
 
 log = logging.getLogger("rubricem")
 
@@ -69,8 +71,6 @@ PASSES = (("pass1", MODE_SIMILAR), ("pass2", MODE_EXACT))
 def build_sampler(model, tok, precision: str = "fp32", threads: int = 0):
     """The sampler every pass and the reflection step use (HF generate over the policy, under the
     run's precision and sampling threads)."""
-    from toy.hf_sampler import HFSampler
-
     return HFSampler(model, tok, precision=precision, threads=threads)
 
 
@@ -108,9 +108,6 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
     ValueError for a run whose judge is not the toy judge (the held-out score needs the toy world's
     static rubrics) or with no held-out questions.
     """
-    from toy.model import load_policy
-    from scaffold import RolloutEngine
-
     t_start = time.perf_counter()
     cfg_path, final = os.path.join(run_dir, "config.json"), os.path.join(run_dir, "final")
     for p in (cfg_path, final):
@@ -140,6 +137,7 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
     judge = build.build_judge(cfg, world)  # fresh: held-out questions have no rubric buffers
     retriever = None
     if cfg.bank.retriever == "dense":
+        # lazy: scale backend, the dense retriever only when the run used it
         from backends.retrieval import DenseRetriever
 
         retriever = DenseRetriever(cfg.bank.embed_model)

@@ -19,12 +19,17 @@ Both print `READING_PATH lines=N files=M` as their last line.
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import sys
 import tempfile
 import threading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import train  # noqa: E402
+
 DOC = os.path.join(ROOT, "docs", "reading_path.md")
 MAX_LINES, MAX_FILES = 900, 7
 STEP = 1  # the traced step (0-based): the second, so the previous step's reflection batch is applied
@@ -89,9 +94,6 @@ class LineTrace:
 
 def trace(step: int = STEP) -> LineTrace:
     """Run the fast toy preset for step + 1 steps and trace train.rl_step at `step`."""
-    sys.path.insert(0, ROOT)
-    import train
-
     tr = LineTrace()
     real = train.rl_step
 
@@ -117,8 +119,6 @@ def render(tr: LineTrace) -> str:
     total = sum(len(v) for v in tr.lines.values())
     files = sorted(f for f, v in tr.lines.items() if v)
     by_fn: dict = {}
-    import ast
-
     for rel in files:  # executed lines per function: the innermost def holding the line
         tree = ast.parse(open(os.path.join(ROOT, rel)).read())
         defs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]

@@ -35,9 +35,17 @@ import sys
 import time
 
 import numpy as np
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from backends.build import build_environment, build_judge, heldout_engines  # noqa: E402
+from backends.heldout import heldout_scores, heldout_seed, sample_heldout  # noqa: E402
+from backends.presets import load_config  # noqa: E402
+from scaffold import system_prompt  # noqa: E402
+from toy.model import load_policy  # noqa: E402
+
 STAGES = ("plan", "research", "review", "answer")
 ARMS = ("oracle", "stage_oracle", "rubricem")
 
@@ -54,14 +62,6 @@ def greedy_eval(run_dir: str) -> dict:
     """Greedy held-out evaluation (temperature 0, one rollout per question) of a finished toy run's
     warm start (eval.json's sft.source) and final policy (run_dir/final), on the run's held-out
     questions with its clean judge; {"sft": heldout_scores, "rl": heldout_scores}."""
-    import torch
-
-    from backends.build import build_environment, build_judge, heldout_engines
-    from backends.heldout import heldout_scores, heldout_seed, sample_heldout
-    from backends.presets import load_config
-    from scaffold import system_prompt
-    from toy.model import load_policy
-
     with open(os.path.join(run_dir, "config.json")) as fh:
         saved = json.load(fh)
     with open(os.path.join(run_dir, "eval.json")) as fh:

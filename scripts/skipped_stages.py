@@ -27,18 +27,19 @@ import sys
 import tempfile
 
 import numpy as np
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+import ss_grpo  # noqa: E402
+import train  # noqa: E402
+
 STAGES = ("plan", "research", "review", "answer")
 
 
 def record(rollouts, A, R) -> list[dict]:
     """One dict per rollout of a step (see the module docstring)."""
-    import torch
-
-    import ss_grpo
-
     rows = []
     for i, r in enumerate(rollouts):
         p = r.parsed
@@ -93,8 +94,6 @@ def main(argv=None) -> int:
     ckpt = os.path.join(a.run_dir, "checkpoints", f"step-{a.from_step:06d}")
     if not os.path.isdir(ckpt):
         raise SystemExit(f"{ckpt}: no such checkpoint")
-    import train
-
     steps: list[list[dict]] = []
     scores: dict = {}
     judge_groups, update_batch = train.judge_groups, train.update_batch

@@ -25,13 +25,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+from backends.config import apply_overrides  # noqa: E402
+from backends.presets import toy_preset  # noqa: E402
+from scaffold import (_CALL_RE, PARSERS, STAGES, Rollout, ToolCall, _strip_tool_outputs,  # noqa: E402
+                      load_rows)
+from toy.judge import ToyJudge  # noqa: E402
+from toy.sft import sft_filter, teacher_trajectory  # noqa: E402
+from toy.world import BM25SearchTool, make_world  # noqa: E402
+
 
 def teacher_rollout(q, segments, tool, scaffold: str = "structured"):
     """A scaffold.Rollout of a teacher trace as the rollout engine would record it: the text, the
     environment's spans, the tool calls (re-run through the deterministic tool) and the evidence
     by handle. No token ids (the judge reads none)."""
-    from scaffold import PARSERS, Rollout, ToolCall, _CALL_RE, _strip_tool_outputs
-
     ro = Rollout(query=q, bank_items=[], prompt_ids=[])
     text = ""
     for j, (is_env, seg) in enumerate(segments):
@@ -59,12 +65,6 @@ def teacher_rollout(q, segments, tool, scaffold: str = "structured"):
 def measure(cfg, n: int, seed: int = 0) -> dict:
     """Share of `n` teacher trajectories (train rows, drawn with `seed`) meeting each check kind,
     and the mean static stage scores. cfg: a settings.Config (its world and teacher sections)."""
-    from scaffold import load_rows
-    from scaffold import STAGES
-    from toy.judge import ToyJudge
-    from toy.sft import sft_filter, teacher_trajectory
-    from toy.world import BM25SearchTool, make_world
-
     world = make_world(cfg.world)
     tool = BM25SearchTool(world.docs)
     judge = ToyJudge(world)
@@ -101,9 +101,6 @@ def measure(cfg, n: int, seed: int = 0) -> dict:
 
 
 def main(argv=None) -> int:
-    from backends.config import apply_overrides
-    from backends.presets import toy_preset
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=300, help="teacher trajectories kept by the SFT filters")

@@ -48,8 +48,8 @@ def group():
     """One query and four rollouts of different quality (scripted teacher trajectories)."""
     q = [q for q in tf.train_queries() if len(q.facts) >= 3][0]
     cfgs = [tf.CLEAN_TEACHER, tf.PERFECT_TEACHER,
-            sft.TeacherConfig(p_skip=1.0, p_tool_fail=0.0, p_defect=0.0),
-            sft.TeacherConfig(p_uncited=1.0, p_no_negative=1.0, p_tool_fail=0.0, p_defect=0.0)]
+            tf.mild_teacher(p_skip=1.0, p_tool_fail=0.0, p_defect=0.0),
+            tf.mild_teacher(p_uncited=1.0, p_no_negative=1.0, p_tool_fail=0.0, p_defect=0.0)]
     ros = [tf.replay(q, tf.policy_segments(tf.teacher(q, s, c).segments))[0]
            for s, c in enumerate(cfgs)]
     return q, ros

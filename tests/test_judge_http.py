@@ -29,6 +29,7 @@ from loopback import TEST_KEY, FakeServer
 from scaffold import ANSWER, STAGES, Rollout, ToolCall, parse_response
 from toy.world import BM25SearchTool, WorldConfig, make_world
 from scaffold import Query, load_rows
+import toyfix as tf  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -603,7 +604,7 @@ def test_s34_http_scoring_equals_toy_judge_on_loopback(gemini):
     w = make_world(WorldConfig(seed=0, n_train_entities=30, n_heldout_entities=5))
     tool = BM25SearchTool(w.docs)
     q = load_rows(w.train_rows[:1])[0]
-    tcfg = sft.TeacherConfig(p_defect=0.0, p_tool_fail=0.0, p_skip=0.3, p_uncited=0.4)
+    tcfg = tf.mild_teacher(p_defect=0.0, p_tool_fail=0.0, p_skip=0.3, p_uncited=0.4)
     ros = [_rollout_from_trace(q, sft.teacher_trajectory(q, tool, w, random.Random(s), tcfg).segments, tool)
            for s in range(6)]
     toy = ToyJudge(w)

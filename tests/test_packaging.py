@@ -82,6 +82,10 @@ def test_built_wheel_installs_and_imports_every_module_outside_the_checkout(tmp_
                         if n.endswith(".py") and n.count("/") == 1 and not n.endswith("__init__.py")
                         and ".dist-info" not in n)
     assert shipped_pk == in_packages, f"wheel lacks {sorted(set(in_packages) - set(shipped_pk))}"
+    # ... and the shipped SFT warm start, which a default toy run loads
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"toy/warm_start/model.safetensors", "toy/warm_start/warm_start.json",
+            "toy/warm_start/tokenizer.json"} <= names
     modules = modules + in_packages
 
     r = subprocess.run(pip + ["install", "--no-deps", "--no-index", "--target", str(site), wheel],

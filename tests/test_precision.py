@@ -108,8 +108,8 @@ def test_bf16_warm_start_is_cached_apart_from_the_fp32_one(tmp_path, monkeypatch
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     world = tf.tiny_world()
     cfg = sft.SFTConfig(n_trajectories=6, n_reflections=2, steps=2, batch_size=4, warmup=1, seed=0)
-    args = (world, tf.tiny_tool(), tf.SYSTEM, cfg, sft.TeacherConfig(), "XS", 300, str(tmp_path))
-    key32 = sft.warm_start_key(world.config, tf.SYSTEM, cfg, sft.TeacherConfig(), "XS", 300)
+    args = (world, tf.tiny_tool(), tf.SYSTEM, cfg, tf.mild_teacher(), "XS", 300, str(tmp_path))
+    key32 = sft.warm_start_key(world.config, tf.SYSTEM, cfg, tf.mild_teacher(), "XS", 300)
     _, _, info32, path32 = sft.warm_start(*args, progress=False)
     _, _, info16, path16 = sft.warm_start(*args, progress=False, precision="bf16")
     # fp32 keeps the key warm starts had before the option; bf16 trains its own, not the cached one

@@ -58,7 +58,7 @@ def step_batch():
     qs = list(tf.train_queries()[:3])
     ros = []
     for qi, q in enumerate(qs):
-        for j, c in enumerate((tf.CLEAN_TEACHER, sft.TeacherConfig(p_skip=1.0, p_tool_fail=0.0,
+        for j, c in enumerate((tf.CLEAN_TEACHER, tf.mild_teacher(p_skip=1.0, p_tool_fail=0.0,
                                                                    p_defect=0.0))):
             ros.append(tf.replay(q, tf.policy_segments(tf.teacher(q, 10 * qi + j, c).segments))[0])
     return qs, ros

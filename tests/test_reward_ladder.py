@@ -22,8 +22,8 @@ import reward_ladder  # noqa: E402
 
 def _group(q):
     cfgs = [tf.PERFECT_TEACHER, tf.CLEAN_TEACHER,
-            sft.TeacherConfig(p_skip=1.0, p_tool_fail=0.0, p_defect=0.0),
-            sft.TeacherConfig(p_uncited=1.0, p_no_negative=1.0, p_tool_fail=0.0, p_defect=0.0)]
+            tf.mild_teacher(p_skip=1.0, p_tool_fail=0.0, p_defect=0.0),
+            tf.mild_teacher(p_uncited=1.0, p_no_negative=1.0, p_tool_fail=0.0, p_defect=0.0)]
     return [tf.replay(q, tf.policy_segments(tf.teacher(q, i, c).segments))[0] for i, c in enumerate(cfgs)]
 
 

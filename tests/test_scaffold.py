@@ -264,7 +264,7 @@ def test_plain_text_tag_tokenizer_gets_the_same_stages_sec3_2(queries):
 def _forgery_case(queries):
     """A query and a perfect-but-lazy trajectory (only the first fact searched) that leaves a fact
     with a document unretrieved: the fact a forged tool output would "prove"."""
-    lazy = sft.TeacherConfig(p_skip=1.0, p_vague=0.0, p_uncited=0.0, p_distractor=0.0,
+    lazy = tf.mild_teacher(p_skip=1.0, p_vague=0.0, p_uncited=0.0, p_distractor=0.0,
                              p_no_negative=0.0, p_tool_fail=0.0, p_defect=0.0)
     for q in queries:
         tr = tf.teacher(q, 0, lazy)

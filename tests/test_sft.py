@@ -11,7 +11,7 @@ import reflection
 import scaffold
 from toy import sft
 from scaffold import CALL_OPEN, format_tool_error
-from toy.sft import TeacherConfig, encode_example, encode_examples, sft_filter
+from toy.sft import encode_example, encode_examples, sft_filter
 
 import toyfix as tf
 from toyfix import one_thread, tok  # noqa: F401  (module fixtures)
@@ -94,7 +94,7 @@ def test_sft_filter_4_drops_two_consecutive_tool_errors_appendix(good):
 
 
 def test_teacher_that_always_fails_its_tool_is_dropped_by_filter_4_appendix(queries):
-    tr = tf.teacher(queries[0], 0, TeacherConfig(p_tool_fail=1.0, p_defect=0.0))
+    tr = tf.teacher(queries[0], 0, tf.mild_teacher(p_tool_fail=1.0, p_defect=0.0))
     assert sft_filter(tr.segments) == "consecutive_tool_errors"
 
 
@@ -103,7 +103,7 @@ def test_teacher_defects_are_caught_by_the_matching_filter_appendix(queries):
                 "missing review": "missing_required_tag",
                 "truncated answer": "no_closing_answer"}
     seen = set()
-    cfg = TeacherConfig(p_defect=0.3, p_tool_fail=0.0)
+    cfg = tf.mild_teacher(p_defect=0.3, p_tool_fail=0.0)
     for i in range(60):
         tr = tf.teacher(queries[i % len(queries)], 1000 + i, cfg)
         kind = tr.defects.get("_kind")
@@ -117,7 +117,7 @@ def test_teacher_defects_are_caught_by_the_matching_filter_appendix(queries):
 
 
 def test_teacher_trajectories_pass_sft_filter_without_defects_appendix(queries):
-    cfg = TeacherConfig(p_defect=0.0, p_tool_fail=0.0)  # other imperfections stay on
+    cfg = tf.mild_teacher(p_defect=0.0, p_tool_fail=0.0)  # other imperfections stay on
     for seed in range(2):
         for i, q in enumerate(queries):
             tr = tf.teacher(q, seed * 1000 + i, cfg)
@@ -142,7 +142,7 @@ def test_memory_missed_parses_fact_keys_sec3_4():
 def test_teacher_with_memory_naming_a_missed_fact_does_not_skip_it_sec3_4(queries):
     q = next(q for q in queries if len(q.facts) >= 3)
     keys = [sft.fact_key(f) for f in q.facts]
-    skipper = TeacherConfig(p_skip=1.0, p_vague=0.0, p_tool_fail=0.0, p_defect=0.0)
+    skipper = tf.mild_teacher(p_skip=1.0, p_vague=0.0, p_tool_fail=0.0, p_defect=0.0)
     base = tf.teacher(q, 0, skipper)
     assert all(base.defects.get(k) == "skipped" for k in keys[1:])  # all but the first are skipped
     reflection = sft.teacher_reflection(q, base)
@@ -226,7 +226,7 @@ def test_warm_start_trains_once_then_loads_from_cache_appendix(tmp_path, monkeyp
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     world = tf.tiny_world()
     cfg = sft.SFTConfig(n_trajectories=6, n_reflections=2, steps=2, batch_size=4, warmup=1, seed=0)
-    tcfg = TeacherConfig()
+    tcfg = tf.mild_teacher()
     args = (world, tf.tiny_tool(), tf.SYSTEM, cfg, tcfg, "XS", 300, str(tmp_path))
     loads, load = [], toy_model.load_policy
     monkeypatch.setattr(toy_model, "load_policy", lambda p, *a, **k: (loads.append(p), load(p, *a, **k))[1])

@@ -10,6 +10,7 @@ import pytest
 import sft
 from backends import sft_pack
 from scaffold import CALL_OPEN, format_tool_error, format_tool_output, SearchResult
+import toyfix as tf  # noqa: E402
 
 PLAN = ("<structured_plan><analysis>a</analysis><rubrics>need: x</rubrics><research_plan>s"
         "</research_plan></structured_plan>\n")
@@ -118,7 +119,7 @@ def test_toy_sft_calls_the_shared_filter_and_keeps_its_counts():
 
     assert toy_sft.sft_filter is sft.sft_filter
     cfg = toy_sft.SFTConfig(n_trajectories=300, n_reflections=0)
-    tc = toy_sft.TeacherConfig(p_defect=0.2, p_tool_fail=0.3)
+    tc = tf.mild_teacher(p_defect=0.2, p_tool_fail=0.3)
     _, stats = toy_sft.build_sft_data(tiny_world(), tiny_tool(), SYSTEM, cfg, tc)
     # Reference counts of the toy filter before it moved to sft.py (same seed, same teacher).
     assert stats == REFERENCE_TOY_COUNTS

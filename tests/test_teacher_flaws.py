@@ -20,7 +20,7 @@ from teacher_flaws import teacher_rollout  # noqa: E402
 
 FLAW_STAGE = {"p_plan_unsearched": "plan", "p_eval_bare": "research", "p_writing_gap": "review",
               "p_unknown_omitted": "answer"}
-BASE = sft.TeacherConfig(p_tool_fail=0.0, p_defect=0.0)
+BASE = tf.mild_teacher(p_tool_fail=0.0, p_defect=0.0)
 
 
 def _scores(cfg, queries, judge):
@@ -31,8 +31,13 @@ def _scores(cfg, queries, judge):
     return np.array(out)
 
 
-def test_flaws_are_off_by_default_and_leave_the_cache_key_sec_appendix_sft():
-    d = sft.TeacherConfig()
+def test_flaws_are_systematic_by_default_and_off_leave_the_cache_key_sec_appendix_sft():
+    # The toy's teacher makes each stage-local flaw its most likely behaviour (above 0.5), and
+    # so the citation and the plan's negative constraint; skipping stays a minority behaviour.
+    t = sft.TeacherConfig()
+    assert all(getattr(t, f) > 0.5 for f in FLAW_STAGE)
+    assert t.p_uncited > 0.5 and t.p_no_negative > 0.5 and t.p_skip < 0.5
+    d = tf.mild_teacher()
     assert all(getattr(d, f) == 0.0 for f in FLAW_STAGE)
     assert set(FLAW_STAGE) == set(sft._LOCAL_FLAWS)
     w = tf.tiny_world()

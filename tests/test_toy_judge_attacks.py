@@ -89,7 +89,7 @@ def test_honest_specific_lesson_outscores_every_stuffed_reflection_sec3_4(world)
 
 def test_honest_lesson_outscores_stuffing_when_one_fact_was_skipped_sec3_4(world):
     q = _query(2)
-    lazy = sft.TeacherConfig(p_skip=1.0, p_vague=0.0, p_uncited=0.0, p_distractor=0.0,
+    lazy = tf.mild_teacher(p_skip=1.0, p_vague=0.0, p_uncited=0.0, p_distractor=0.0,
                              p_no_negative=0.0, p_tool_fail=0.0, p_defect=0.0)
     tr = tf.teacher(q, 0, lazy)  # skips every fact but the first
     ro = _replay(q, tr.segments)
@@ -164,7 +164,7 @@ def test_fixes_are_off_by_default_and_unknown_ones_raise(world):
 
 def test_repetition_scores_below_an_honest_lesson_sec3_4(world):
     q = _query(2)
-    lazy = sft.TeacherConfig(p_skip=1.0, p_vague=0.0, p_uncited=0.0, p_distractor=0.0,
+    lazy = tf.mild_teacher(p_skip=1.0, p_vague=0.0, p_uncited=0.0, p_distractor=0.0,
                              p_no_negative=0.0, p_tool_fail=0.0, p_defect=0.0)
     tr = tf.teacher(q, 0, lazy)
     ro = _replay(q, tr.segments)

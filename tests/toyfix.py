@@ -22,9 +22,22 @@ from toy.world import BM25SearchTool, WorldConfig, make_world
 from backends.data import load_rows
 
 TINY = WorldConfig(seed=0, n_train_entities=40, n_heldout_entities=10)
-CLEAN_TEACHER = sft.TeacherConfig(p_defect=0.0, p_tool_fail=0.0)
-PERFECT_TEACHER = sft.TeacherConfig(p_skip=0.0, p_vague=0.0, p_uncited=0.0, p_distractor=0.0,
-                                    p_no_negative=0.0, p_tool_fail=0.0, p_defect=0.0, p_memory=0.0)
+# A teacher with random imperfections only (the rates of the first toy teacher): the stage-local
+# flaws off and skipping, uncited answers and a missing negative constraint uncommon. The toy's
+# default teacher (toy.sft.TeacherConfig()) makes its flaws systematically instead; tests that
+# need mostly good trajectories start from this one.
+MILD = dict(p_skip=0.15, p_uncited=0.15, p_no_negative=0.30, p_plan_unsearched=0.0, p_eval_bare=0.0,
+            p_writing_gap=0.0, p_unknown_omitted=0.0)
+
+
+def mild_teacher(**kw) -> sft.TeacherConfig:
+    """sft.TeacherConfig with the MILD rates, then `kw`."""
+    return sft.TeacherConfig(**{**MILD, **kw})
+
+
+CLEAN_TEACHER = mild_teacher(p_defect=0.0, p_tool_fail=0.0)
+PERFECT_TEACHER = mild_teacher(p_skip=0.0, p_vague=0.0, p_uncited=0.0, p_distractor=0.0,
+                               p_no_negative=0.0, p_tool_fail=0.0, p_defect=0.0, p_memory=0.0)
 SYSTEM = scaffold.SYSTEM_PROMPT_COMPACT
 
 

@@ -8,7 +8,10 @@ KVSampler (the toy default) builds on HFSampler.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
+
+import torch
 
 
 PRECISIONS = ("fp32", "bf16")
@@ -23,10 +26,6 @@ def autocast(precision: str, device_type: str = "cpu"):
     device_type: "cpu" | "cuda". Wrap forwards only: the backward then follows each forward op's
     dtype. Raises ValueError for another precision.
     """
-    import contextlib
-
-    import torch
-
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "fp32":
@@ -46,10 +45,6 @@ def pad_multiple(precision: str) -> int:
 def intra_op_threads(n: int):
     """A context with torch's intra-op thread count set to n (n >= 1), restored on exit; n = 0 or the
     current count changes nothing. The samplers decode under it (settings `sample_threads`)."""
-    import contextlib
-
-    import torch
-
     old = torch.get_num_threads()
     if not n or n == old:
         return contextlib.nullcontext()
@@ -111,8 +106,6 @@ class HFSampler:
             return self._generate(prompts, max_new_tokens, temperature)
 
     def _generate(self, prompts, max_new_tokens, temperature):
-        import torch
-
         out: list[list[int]] = [None] * len(prompts)  # type: ignore[list-item]
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         for s in range(0, len(order), self.batch_size):

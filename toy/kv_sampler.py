@@ -75,7 +75,7 @@ def _growing_layer_class():
     """`GrowingLayer`, a transformers `DynamicLayer` (transformers >= 4.56) whose keys and values
     live in a buffer with spare capacity, or None on older transformers (plain DynamicCache)."""
     try:
-        from transformers.cache_utils import DynamicLayer
+        from transformers.cache_utils import DynamicLayer  # lazy: transformers only when a model runs
     except ImportError:
         return None
 
@@ -129,12 +129,12 @@ def _growing_layer_class():
 def new_cache(config):
     """A DynamicCache for `config` whose full-attention layers grow in place (`_growing_layer_class`;
     other layer types, e.g. sliding windows, keep transformers' own)."""
-    from transformers import DynamicCache
+    from transformers import DynamicCache  # lazy: `import train` and --help do not pay for transformers
 
     cache = DynamicCache(config=config)
     growing = _growing_layer_class()
     if growing is not None and hasattr(cache, "layers"):
-        from transformers.cache_utils import DynamicLayer
+        from transformers.cache_utils import DynamicLayer  # lazy: as above
 
         cache.layers = [growing() if type(lay) is DynamicLayer else lay for lay in cache.layers]
     return cache

@@ -72,6 +72,7 @@ def train_tokenizer(texts: Iterable[str], names: Sequence[str] = (), vocab_size:
     tags: one added token each (a scaffold's tags). vocab_size: BPE merges + byte alphabet, tags on top.
     Returns a tokenizer whose eos is <|im_end|> and pad is <|endoftext|>. Deterministic per seed.
     """
+    # lazy: tokenizers / transformers load when a model is built, not at `import train` or --help
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -104,7 +105,7 @@ def build_tiny_qwen3(tokenizer, size: str = "S", seed: int = 0):
 
     Raises KeyError for an unknown size. Deterministic per seed (torch.manual_seed).
     """
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM  # lazy: transformers only when a model is built
 
     if size not in SIZES:
         raise KeyError(f"unknown toy model size {size!r}; choose one of {sorted(SIZES)}")
@@ -124,7 +125,7 @@ def load_policy(path: str, dtype: torch.dtype = torch.float32):
     Works for any Hugging Face causal LM directory (e.g. a local copy of Qwen/Qwen3-0.6B). Raises
     OSError if the path is not a local model directory (toy mode never downloads).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: transformers only when a model loads
 
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if tok.pad_token is None:

@@ -37,6 +37,9 @@ Deviations from the paper
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import hashlib
 import json
 import logging
@@ -44,11 +47,13 @@ import math
 import os
 import random
 import re
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 import torch
+from tqdm import tqdm
 
 from reflection import reflection_messages
 from scaffold import (CALL_OPEN, SCAFFOLD_TAGS, THINK_TAGS, build_messages, format_tool_error,
@@ -68,16 +73,16 @@ log = logging.getLogger("rubricem.sft")
 class TeacherConfig:
     """Imperfection rates of the scripted teacher (our values; the paper's teacher is an LLM)."""
 
-    p_skip: float = 0.15
-    """an asked fact is never searched nor answered"""
+    p_skip: float = 0.4
+    """an asked fact is never searched nor answered (Research: which aspects to search)"""
     p_vague: float = 0.10
     """a query without the entity name"""
-    p_uncited: float = 0.15
-    """an answer sentence without its citation"""
+    p_uncited: float = 0.6
+    """Answer: an answer sentence without its citation (above 0.5: the teacher's usual behaviour)"""
     p_distractor: float = 0.30
     """when a distractor snippet is retrieved, its value is copied"""
-    p_no_negative: float = 0.30
-    """the plan's rubrics omit the negative constraint"""
+    p_no_negative: float = 0.7
+    """Plan: the plan's rubrics omit the negative constraint"""
     p_tool_fail: float = 0.05
     """the teacher's tool call fails (an error output); it retries"""
     p_defect: float = 0.02
@@ -87,16 +92,18 @@ class TeacherConfig:
     # Stage-local flaws (ours; 0 = off, and then no random draw is made, so the teacher's data are
     # those of a configuration without these fields). Each one makes a decision of one stage go
     # wrong with this probability and changes nothing in the other stages, so only that stage's
-    # rubrics can see it: set above 0.5, the wrong behaviour is the teacher's most likely one.
-    p_plan_unsearched: float = 0.0
+    # rubrics can see it: set above 0.5, the wrong behaviour is the teacher's most likely one. The
+    # defaults (0.7) make it so on a decision of every stage: greedy decoding of the SFT policy
+    # inherits the flaw, while sampling at T = 1 meets the right behaviour about 30 % of the time.
+    p_plan_unsearched: float = 0.7
     """Plan (per trajectory): the research plan lists the first asked fact's search only (the
     research still runs every search)"""
-    p_eval_bare: float = 0.0
+    p_eval_bare: float = 0.7
     """Research (per trajectory): the state evaluations give found values without their snippet
     ids ("E a: v", not "E a: v [h]")"""
-    p_writing_gap: float = 0.0
+    p_writing_gap: float = 0.7
     """Review (per trajectory): the writing plan lists only the first fact it found"""
-    p_unknown_omitted: float = 0.0
+    p_unknown_omitted: float = 0.7
     """Answer (per fact): a fact no snippet gave is left out of the answer (no "No source gives ..." sentence)"""
 
 
@@ -348,13 +355,14 @@ def encode_examples(tok, examples: Sequence[tuple[list, Sequence[Segment]]]):
 
 @dataclass
 class SFTConfig:
-    """SFT hyperparameters (toy values are ours, sized for ~4 min on 2 cores)."""
+    """SFT hyperparameters (toy values are ours; the default build takes ~15 min on 2 cores and is
+    shipped in toy/warm_start/, so a default run loads it instead of training)."""
 
-    n_trajectories: int = 8000
+    n_trajectories: int = 20000
     """teacher trajectories kept after the SFT filters"""
     n_reflections: int = 1200
     """reflection examples (the reflection meta-policy's warm start)"""
-    steps: int = 1000
+    steps: int = 4000
     """optimizer steps"""
     batch_size: int = 16
     """sequences per optimizer step"""
@@ -368,6 +376,10 @@ class SFTConfig:
     """max global gradient norm"""
     seed: int = 0
     """seed of the teacher data, the tokenizer and the model initialisation"""
+    shipped: bool = True
+    """ours: start from the warm start shipped in toy/warm_start/ when it was built with this run's
+    configuration (its key equals `warm_start_key`), as the paper starts RL from a released SFT
+    checkpoint; false trains it in the run instead (cached under cache_dir). Not in the key."""
 
 
 def build_sft_data(world: World, tool, tok_system: str, cfg: SFTConfig, tcfg: TeacherConfig,
@@ -416,8 +428,6 @@ def train_sft(model, tok, encoded: list[tuple[list[int], list[int]]], cfg: SFTCo
     precision: the forward's `scaffold.autocast` ("fp32" | "bf16"; ValueError otherwise); the loss,
     gradients, weights and AdamW state are float32 either way.
     """
-    from tqdm import tqdm
-
     cast, mult = autocast(precision), pad_multiple(precision)
 
     g = torch.Generator().manual_seed(cfg.seed)
@@ -501,10 +511,25 @@ def warm_start_key(world_config, system: str, cfg: SFTConfig, tcfg: TeacherConfi
     warm starts cached before the scaffold ablation existed stay valid; every other scaffold is in
     the key, so two scaffolds' warm starts never share a cache entry."""
     teacher = {k: v for k, v in asdict(tcfg).items() if not (k in _LOCAL_FLAWS and v == 0)}
-    return cache_key({"world": asdict(world_config), "teacher": teacher, "sft": asdict(cfg),
+    sft = {k: v for k, v in asdict(cfg).items() if k != "shipped"}  # where it comes from, not what
+    return cache_key({"world": asdict(world_config), "teacher": teacher, "sft": sft,
                       "size": size, "vocab": vocab_size, "system": system, "v": 1,
                       **({} if scaffold == "structured" else {"scaffold": scaffold}),
                       **(extra_key or {})})
+
+
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm_start")
+"""The shipped warm start (scripts/build_warm_start.py --out toy/warm_start, default configuration)."""
+
+
+def shipped_key() -> str | None:
+    """The `warm_start_key` the shipped warm start was built with (its warm_start.json), or None
+    when there is none or its manifest cannot be read."""
+    try:
+        with open(os.path.join(SHIPPED, "warm_start.json")) as fh:
+            return json.load(fh)["key"]
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def warm_start(world: World, tool, system: str, cfg: SFTConfig, tcfg: TeacherConfig, size: str,
@@ -521,6 +546,14 @@ def warm_start(world: World, tool, system: str, cfg: SFTConfig, tcfg: TeacherCon
     if precision != "fp32":
         extra_key = {**(extra_key or {}), "precision": precision}
     key = warm_start_key(world.config, system, cfg, tcfg, size, vocab_size, scaffold, extra_key)
+    if cfg.shipped and shipped_key() == key:  # the released warm start of this configuration
+        model, tok = policy.load_policy(SHIPPED)
+        with open(os.path.join(SHIPPED, "warm_start.json")) as fh:
+            man = json.load(fh)
+        info = {k: man[k] for k in ("key", "params", "final_loss", "steps")}
+        info.update(cached=True, shipped=True)
+        log.info(warm_start_line(True, SHIPPED, cfg.steps))
+        return model, tok, info, SHIPPED
     path = os.path.join(cache_dir, f"sft-{key}")
     info_path = os.path.join(path, "sft_info.json")
     if os.path.exists(info_path):
@@ -556,8 +589,6 @@ def warm_start(world: World, tool, system: str, cfg: SFTConfig, tcfg: TeacherCon
         json.dump(info, fh, indent=1)
     os.makedirs(cache_dir, exist_ok=True)
     if os.path.exists(path):  # a concurrent run finished first: keep theirs
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     else:
         os.replace(tmp, path)  # atomic: a half-written warm start is never picked up
@@ -575,10 +606,6 @@ def release_heap() -> None:
     garbage collection, then glibc's malloc_trim (a no-op where the C library has none). Without it
     the process keeps about 600 MB of freed heap through the RL phase, and a cold toy run peaks
     about 0.3 GiB above a run with the warm start cached (not part of the paper's method)."""
-    import ctypes
-    import ctypes.util
-    import gc
-
     gc.collect()
     try:
         ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)

@@ -116,7 +116,7 @@ class WorldConfig:
 
     seed: int = 0
     """seed of the generated world (names, facts, documents, questions)"""
-    n_train_entities: int = 1000
+    n_train_entities: int = 3000
     """entities whose questions train the policy"""
     n_heldout_entities: int = 120
     """entities kept for the held-out evaluation (disjoint)"""
