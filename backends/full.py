@@ -815,7 +815,7 @@ class ZeRO3Engine:
         return out
 
     def sample_shards(self, ce, queries: list, n: int, bank_items, seed: int,
-                      temperature: float | None = None) -> list:
+                      temperature: float | None = None, on_group=None) -> list:
         """Every rank samples its share of the step's groups (rollout_engine.shard: contiguous,
         rank 0 first) with rollout_engine.ConcurrentRolloutEngine and the same per-request seeds
         (request_seed(seed, global rollout index, turn)); rank 0 samples its own share with `ce`
@@ -825,6 +825,9 @@ class ZeRO3Engine:
         samples (build.every_rank_samples is False, or one rank) rank 0 samples every group here.
         Sets rollout_metrics (rollout/sampling_ranks; time/rollout_rank<r>_s and _cpu_s: each
         sampling rank's own wall and process CPU seconds), which the next task update returns.
+        on_group(g, group g's n rollouts), when given, is called as each group is final: rank 0's
+        own from its sampling loop, the others' from the receiving threads (the overlapped step's
+        StreamingJudge, backends/overlap.py).
         Raises what rank 0's sampling raised; another rank's error as a RuntimeError naming the
         rank (with the error's exit_code, e.g. 4 for an API's 401/403/404, when it had one)."""
         W, P = (self.world_size if self.side is not None else 1), len(queries)
@@ -844,14 +847,19 @@ class ZeRO3Engine:
                     infos[src] = box[1]
                     return
                 groups[box[0]] = box[1]
+                if on_group is not None:
+                    on_group(box[0], box[1])
 
         threads = [threading.Thread(target=receive, args=(r,), name=f"rollouts-from-{r}", daemon=True)
                    for r in range(1, W) if len(parts[r])]
         for th in threads:
             th.start()
         t0, c0 = time.perf_counter(), time.process_time()
+        sink: list = []
+        done = None if on_group is None else (lambda g: on_group(g, sink[g * n:(g + 1) * n]))
         own = ce.run(queries[parts[0].start:parts[0].stop], n,
-                     items[parts[0].start:parts[0].stop] if items else None, seed, temperature)
+                     items[parts[0].start:parts[0].stop] if items else None, seed, temperature,
+                     on_group_done=done, sink=sink)
         own_s, own_cpu = time.perf_counter() - t0, time.process_time() - c0
         for th in threads:
             th.join()

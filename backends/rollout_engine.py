@@ -61,6 +61,11 @@ from scaffold import Rollout, finalize
 
 SCHEDULES = ("async", "lockstep")
 
+# Held around each seeded request of SeededTorchSampler (fork the global RNG, seed, decode, restore)
+# and around the step's torch.manual_seed in backends/overlap.py: the overlapped reflection branch
+# samples in its own thread, and two threads forking torch's one global RNG would mix their streams.
+TORCH_RNG_LOCK = threading.Lock()
+
 
 def request_seed(base: int, index: int, turn: int) -> int:
     """Seed of one sampling request, in [0, 2**31 - 1): sha256 of (base, index, turn).
@@ -424,6 +429,22 @@ class GatedBank:
         return getattr(self.bank, name)
 
 
+class GatedJudge:
+    """A judge whose score_reflections waits for `gate` (a threading.Event) first; everything else
+    is the wrapped judge's. The branch's privileged judge calls then fall after step t+1's counter
+    snapshot (train.counters), so the per-step judge metrics do not depend on thread timing."""
+
+    def __init__(self, judge, gate: threading.Event):
+        self.judge, self.gate = judge, gate
+
+    def score_reflections(self, *args, **kwargs):
+        self.gate.wait()
+        return self.judge.score_reflections(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.judge, name)
+
+
 def reflection_branch(step: int, rollouts, judged, judge, bank, sampler, tok, system: str, cfg, rng,
                       std: str, eps: float, group_size: int, seed: int,
                       judge_concurrency: int = 8,
@@ -432,9 +453,10 @@ def reflection_branch(step: int, rollouts, judged, judge, bank, sampler, tok, sy
     at once: the sequential schedule): sampling through SeededView(sampler, seed), the privileged
     judge calls of the P trajectories on a pool of `judge_concurrency` threads (1: one after
     another, as the toy path). rng: the branch's own random.Random (trajectory picks). bank_gate:
-    the bank's writes wait for this Event (GatedBank; AsyncReflection.start(bank_gate=...))."""
+    the branch's privileged judge calls and bank writes wait for this Event (GatedJudge,
+    GatedBank; AsyncReflection.start(bank_gate=...)); its sampling does not."""
     if bank_gate is not None:
-        bank = GatedBank(bank, bank_gate)
+        bank, judge = GatedBank(bank, bank_gate), GatedJudge(judge, bank_gate)
 
     def branch():
         view = SeededView(sampler, seed)
@@ -511,7 +533,7 @@ class SeededTorchSampler:
         cuda = [dev.index or 0] if getattr(dev, "type", "cpu") == "cuda" else []
         out = []
         for p, m, s in zip(prompts, max_new_tokens, seeds):
-            with torch.random.fork_rng(devices=cuda):
+            with TORCH_RNG_LOCK, torch.random.fork_rng(devices=cuda):
                 torch.manual_seed(int(s))
                 out.extend(self.inner.generate([p], [m], temperature))
         return out
@@ -542,9 +564,16 @@ class SeededRollouts:
         return getattr(self._engine, name)
 
     def run(self, queries: Sequence, n: int = 1, bank_items: Sequence[Sequence[str]] | None = None,
-            temperature: float | None = None) -> list[Rollout]:
+            temperature: float | None = None,
+            on_group: Callable[[int, list], None] | None = None) -> list[Rollout]:
+        """scaffold.RolloutEngine.run; on_group(g, rollouts of group g), when given, is called (from
+        the sampling loop or a receiving thread) as soon as group g of this step is final (the
+        overlapped step's StreamingJudge, backends/overlap.py)."""
         seed = getattr(self._engine.sampler, "seed", None)
         seed = 0 if seed is None else int(seed)
         if self._deal is not None:
-            return self._deal(self._ce, list(queries), n, bank_items, seed, temperature)
-        return self._ce.run(queries, n, bank_items, seed, temperature)
+            kw = {} if on_group is None else {"on_group": on_group}
+            return self._deal(self._ce, list(queries), n, bank_items, seed, temperature, **kw)
+        sink: list = []
+        done = None if on_group is None else (lambda g: on_group(g, sink[g * n:(g + 1) * n]))
+        return self._ce.run(queries, n, bank_items, seed, temperature, on_group_done=done, sink=sink)
