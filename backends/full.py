@@ -358,9 +358,11 @@ class FullConfig:
     vllm_cpu_kv_cache_gib: int = 2
     """CPU only: vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)"""
     rollout_schedule: str = "lockstep"
-    """sampler "vllm" only: "lockstep" (every tool turn waits for every rollout, calls one at a time)
-    or "async" (a rollout moves on when its own tool result arrives, calls concurrent, one seed per
-    request; backends/rollout_engine.py, docs/full_mode.md)"""
+    """ours: "lockstep" (train.rl_step: every tool turn waits for every rollout, calls one at a time,
+    judge after the rollouts, reflection in sequence, two weight syncs) or "async" (a rollout moves
+    on when its own tool result arrives, calls concurrent; with the HF / KV sampler also each group
+    judged as it finishes and step t's reflection branch overlapping step t+1's rollouts, one sync
+    per step: backends/overlap.py; with vLLM the rollouts only: rollout_engine.AsyncTurns)"""
     tool_concurrency: int = 8
     """ours: tool calls in flight at once under rollout_schedule "async" (>= 1)"""
     rollout_ranks: str = "all"

@@ -24,8 +24,9 @@ What is here
     AsyncReflection                        the reflection branch of step t in a thread, overlapping
                                            step t+1's rollouts; its batch is collected before step
                                            t+1's update (one-step lag, Algorithm 1)
-    GatedBank                              the branch's bank writes wait until step t+1's retrieval
-                                           has read the bank
+    GatedBank, GatedJudge                  the branch's bank writes and privileged judge calls wait
+                                           until step t+1's retrieval has read the bank
+    TORCH_RNG_LOCK                         one seeded request at a time on torch's global RNG
     SeededTorchSampler                     the HF / KV sampler with one seed per request (each
                                            request decoded on its own under a forked, seeded RNG)
     SeededRollouts                         train.py's rollout engine in full mode with the HF / KV
@@ -40,8 +41,8 @@ the same rollouts for a seed (tests/test_full_concurrency.py), bit for bit on CP
 decodes each request on its own (the benchmark's sampler does); vLLM's batch-dependent kernels make
 that "same distribution", not bit-identical, on GPU.
 
-The toy path does not use this module: its samplers keep lock-step turns, and its numbers stay as
-they were.
+train.py --full puts these together in backends/overlap.py (full.rollout_schedule "async"). The toy
+path does not use this module: its samplers keep lock-step turns, and its numbers stay as they were.
 """
 from __future__ import annotations
 
