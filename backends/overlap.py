@@ -9,7 +9,8 @@ differ from train.rl_step, which stays the schedule of the toy path and of "lock
 
 One step t (`OverlappedStep.__call__`):
     1. curriculum batch and retrieval (train.retrieve_memory); then step t-1's branch may judge and
-       write the bank (its gate opens), so the bank step t retrieves from never depends on timing
+       write the bank (its gate opens; for a judge not safe in threads only at step 4), so the bank
+       step t retrieves from and each step's judge counters never depend on timing
     2. rollouts on every sampling rank (rollout_engine.SeededRollouts, no turn barrier), each group
        handed to a StreamingJudge the moment it is final
     3. the judge's results (most were scored while other rollouts still ran)
@@ -134,8 +135,10 @@ class OverlappedStep:
         b, mode = curriculum(step, cfg.curriculum.K, cfg.curriculum.enabled)  # §3.5 windowed curriculum
         queries = [run.train_q[i] for i in run.order.batch(b)]
         items = S.retrieve_memory(run, queries, mode, b, m)  # Alg. 1 step 2
-        if self.gate is not None:
-            self.gate.set()  # step t-1's branch may now judge and write the bank
+        if self.gate is not None and self.judge_concurrency:
+            # step t-1's branch may now judge and write the bank (a judge that is not safe in
+            # threads waits until the branch is collected, after this step's judging)
+            self.gate.set()
         rollouts, raws = self._rollouts_and_judge(run, queries, items, step, m)  # Alg. 1 steps 3-4
         R, results, judged, bad_shape = np.zeros((len(rollouts), len(STAGES))), [], {}, 0
         for gi, (q, raw) in enumerate(zip(queries, raws)):
