@@ -24,8 +24,9 @@ What is here
     AsyncReflection                        the reflection branch of step t in a thread, overlapping
                                            step t+1's rollouts; its batch is collected before step
                                            t+1's update (one-step lag, Algorithm 1)
-    GatedBank, GatedJudge                  the branch's bank writes and privileged judge calls wait
-                                           until step t+1's retrieval has read the bank
+    GatedBank                              the branch's bank writes (and, in reflection_branch, its
+                                           judge calls) wait until step t+1's retrieval has read
+                                           the bank
     TORCH_RNG_LOCK                         one seeded request at a time on torch's global RNG
     SeededTorchSampler                     the HF / KV sampler with one seed per request (each
                                            request decoded on its own under a forked, seeded RNG)
@@ -430,22 +431,6 @@ class GatedBank:
         return getattr(self.bank, name)
 
 
-class GatedJudge:
-    """A judge whose score_reflections waits for `gate` (a threading.Event) first; everything else
-    is the wrapped judge's. The branch's privileged judge calls then fall after step t+1's counter
-    snapshot (train.counters), so the per-step judge metrics do not depend on thread timing."""
-
-    def __init__(self, judge, gate: threading.Event):
-        self.judge, self.gate = judge, gate
-
-    def score_reflections(self, *args, **kwargs):
-        self.gate.wait()
-        return self.judge.score_reflections(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.judge, name)
-
-
 def reflection_branch(step: int, rollouts, judged, judge, bank, sampler, tok, system: str, cfg, rng,
                       std: str, eps: float, group_size: int, seed: int,
                       judge_concurrency: int = 8,
@@ -454,19 +439,25 @@ def reflection_branch(step: int, rollouts, judged, judge, bank, sampler, tok, sy
     at once: the sequential schedule): sampling through SeededView(sampler, seed), the privileged
     judge calls of the P trajectories on a pool of `judge_concurrency` threads (1: one after
     another, as the toy path). rng: the branch's own random.Random (trajectory picks). bank_gate:
-    the branch's privileged judge calls and bank writes wait for this Event (GatedJudge,
-    GatedBank; AsyncReflection.start(bank_gate=...)); its sampling does not."""
+    the branch's privileged judge calls and bank writes wait for this Event (AsyncReflection.start(
+    bank_gate=...)); its sampling does not. The calls wait in the branch's own (daemon) thread,
+    before their pool exists, so a run that stops with a branch waiting does not hang at exit; the
+    per-step judge counters then never see a branch's calls before step t+1's snapshot."""
     if bank_gate is not None:
-        bank, judge = GatedBank(bank, bank_gate), GatedJudge(judge, bank_gate)
+        bank = GatedBank(bank, bank_gate)
+
+    def judge_map(fn, xs):
+        if bank_gate is not None:
+            bank_gate.wait()
+        if judge_concurrency <= 1:
+            return list(map(fn, xs))
+        with cf.ThreadPoolExecutor(judge_concurrency, thread_name_prefix="reflect-judge") as pool:
+            return list(pool.map(fn, xs))
 
     def branch():
         view = SeededView(sampler, seed)
-        if judge_concurrency <= 1:
-            return run_reflection_branch(step, rollouts, judged, judge, bank, view, tok, system, cfg,
-                                         rng, std, eps, group_size=group_size)
-        with cf.ThreadPoolExecutor(judge_concurrency, thread_name_prefix="reflect-judge") as pool:
-            return run_reflection_branch(step, rollouts, judged, judge, bank, view, tok, system, cfg,
-                                         rng, std, eps, group_size=group_size, map_fn=pool.map)
+        return run_reflection_branch(step, rollouts, judged, judge, bank, view, tok, system, cfg,
+                                     rng, std, eps, group_size=group_size, map_fn=judge_map)
 
     return branch
 

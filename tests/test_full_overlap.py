@@ -7,11 +7,17 @@ the Gemini judge and Serper search on loopback servers (tests/loopback.py).
     synchronisation point), from the same policy snapshot;
   * a run stopped after step 2 and resumed equals the uninterrupted run (metrics except time/*,
     bank, weights), with the branch collected before each checkpoint;
-  * "lockstep" (train.rl_step) and "async" sample, judge and update step 0 identically.
-~2 min on one core.
+  * "lockstep" (train.rl_step) and "async" sample, judge and update step 0 identically;
+  * on 2 ZeRO-3 gloo ranks (torchrun; skipped without deepspeed), where both ranks sample and rank 1
+    streams its groups to rank 0's StreamingJudge, the overlapped step logs the one-process run's
+    metrics (update statistics within rtol 1e-4) and writes its bank and samples.
+~30 s, and ~60 s for the 2-rank run, on one core.
 """
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -21,6 +27,9 @@ from loopback import TEST_KEY, FakeServer
 from toyfix import tiny_world
 
 HAVE_HF = importlib.util.find_spec("transformers") is not None
+HAVE_DS = (importlib.util.find_spec("deepspeed") is not None
+           and importlib.util.find_spec("accelerate") is not None)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not HAVE_HF, reason="transformers is not installed")
 STEPS = 4
 CORE = ("reward/", "adv/", "score/", "tokens/", "tools/", "loss/", "kl", "grad_norm", "clip_frac",
@@ -43,7 +52,9 @@ def base(tmp_path_factory):
     return tmp, tmp / "warm" / "final", rows
 
 
-def _run(base, monkeypatch, name, *extra, steps=STEPS):
+def _run(base, monkeypatch, name, *extra, steps=STEPS, ranks=1):
+    """One `train.py --full` run against fresh loopback servers: in this process (engine "torch"),
+    or with ranks > 1 under torchrun (ZeRO-3, gloo) in a subprocess."""
     tmp, model, rows = base
     monkeypatch.setenv("GEMINI_API_KEY", TEST_KEY)
     monkeypatch.setenv("SERPER_API_KEY", TEST_KEY)
@@ -52,14 +63,22 @@ def _run(base, monkeypatch, name, *extra, steps=STEPS):
                 "--no-progress", "--set", f'data.source="{rows}"',
                 "--set", f'judge_http.base_url="{gj.url}"', "--set", 'judge.model="gemini-test"',
                 "--set", f'search_http.base_url="{ss.url}"', "--set", 'sampler="hf"',
-                "--set", 'engine="torch"', "--set", 'bank.retriever="bm25"',
+                "--set", 'bank.retriever="bm25"',
                 "--set", "rollout.prompts_per_step=2", "--set", "rollout.n=4",
                 "--set", "rollout.max_response_tokens=64", "--set", 'rollout.system_prompt="compact"',
                 "--set", "reflection.m=4", "--set", "reflection.max_new_tokens=16",
                 "--set", "ss_grpo.minibatches=2", "--set", "ss_grpo.micro_batch=1",
                 "--set", "ss_grpo.lr=1e-3", "--set", "eval.n_questions=0",
                 "--set", f'cache_dir="{tmp / ("cache-" + name)}"', "--set", "threads=1", *extra]
-        assert train.main(args) == 0
+        if ranks == 1:
+            assert train.main(args + ["--set", 'engine="torch"']) == 0
+        else:
+            env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
+                   "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
+            p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                "--nproc_per_node", str(ranks), os.path.join(ROOT, "train.py"), *args],
+                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+            assert p.returncode == 0, p.stderr[-4000:]
         assert not gj.errors and not ss.errors
     return tmp / name
 
@@ -151,3 +170,24 @@ def test_lockstep_and_async_agree_on_step_zero(base, monkeypatch):
     assert len(keys) > 20 and {k: rl[k] for k in keys} == {k: ra[k] for k in keys}
     with open(dl / "samples.jsonl") as fl, open(da / "samples.jsonl") as fa:
         assert [json.loads(x)["trajectory"] for x in fl] == [json.loads(x)["trajectory"] for x in fa]
+
+
+UPDATE_KEYS = ("loss/total", "loss/policy", "kl", "grad_norm", "reflect/loss/total", "reflect/loss/policy",
+               "reflect/kl", "reflect/grad_norm")
+
+
+@pytest.mark.skipif(not HAVE_DS, reason="deepspeed and accelerate are not installed")
+def test_overlapped_step_on_two_zero3_ranks_equals_one_process(base, monkeypatch):
+    every = ["--set", 'full.rollout_schedule="async"', "--set", "checkpoint.every=0"]
+    one = _run(base, monkeypatch, "one-process", *every, steps=3)
+    two = _run(base, monkeypatch, "two-ranks", *every, steps=3, ranks=2)
+    r1, r2 = _rows(one), _rows(two)
+    assert [r["rollout/sampling_ranks"] for r in r2] == [2, 2, 2]
+    assert r2[1]["reflect/candidates"] == 8  # step 0's branch, collected by step 1
+    for a, b in zip(r1, r2):
+        for k in UPDATE_KEYS:
+            assert (a[k] is None and b[k] is None) or a[k] == pytest.approx(b[k], rel=1e-4), k
+        same = [k for k in a if k not in UPDATE_KEYS and k != "rollout/sampling_ranks"]
+        assert {k: a[k] for k in same} == {k: b.get(k) for k in same}
+    for f in ("bank.jsonl", "samples.jsonl"):
+        assert (one / f).read_bytes() == (two / f).read_bytes(), f
