@@ -95,6 +95,7 @@ from backends.build import Run, build_environment, build_run, setup_policy
 from backends.cli import parse_cli
 from backends.faults import TOOL_KINDS
 from backends.heldout import HeldOut, static_stage_scores
+from backends.overlap import overlapped_step
 from backends.report import Logger, plot_rewards
 from backends.resume import _open_run, restore_training_state, training_state
 from backends.robust import FailureMonitor, JudgeFailureAbort, checked_judge_result, judge_step_metrics
@@ -444,10 +445,11 @@ def _run_steps(run: Run, ls: "LoopState", state, ckpt_path, start: int, sft_info
         log.info(report.PROGRESS_LEGEND)
     bar = tqdm(range(start, stop_at), desc="rl", initial=start, total=cfg.steps,
                disable=not cfg.progress)
+    overlap = overlapped_step(run, stop_at, sys.modules[__name__])  # None: rl_step (backends/overlap.py)
     for step in bar:
         m: dict[str, Any] = {}
         t_step, before = time.perf_counter(), counters(run)
-        out = rl_step(run, step, ls.pending, ls.rng, m)
+        out = (overlap or rl_step)(run, step, ls.pending, ls.rng, m)
         ls.pending = out.pending
         m.update(step_metrics(run, out, before))
         if m.get("judge/bad_shape"):  # an unusable group result is a judge failure (abort rule)
@@ -472,6 +474,8 @@ def _run_steps(run: Run, ls: "LoopState", state, ckpt_path, start: int, sft_info
         # checkpoint; a resume rewrites it from the checkpoint anyway.
         every = cfg.checkpoint.every
         if (every and done % every == 0) or done == stop_at or abort is not None:
+            if overlap is not None:  # a reflection branch still in flight joins the checkpoint
+                ls.pending = overlap.settle(ls.pending)
             last_ckpt = save_checkpoint(run, ls, done)
         if done % cfg.bank.save_every == 0:
             run.bank.save(os.path.join(cfg.run_dir, "bank.jsonl"))

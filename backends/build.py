@@ -17,7 +17,8 @@ from typing import Callable
 
 import torch
 
-from backends.rollout_engine import AsyncTurns, pool_map
+from backends.rollout_engine import (AsyncTurns, ConcurrentRolloutEngine, SeededRollouts,
+                                     SeededTorchSampler, pool_map)
 from bank import RubricBank
 from scaffold import RolloutEngine, load_rows, system_prompt
 from toy.hf_sampler import HFSampler
@@ -168,6 +169,60 @@ def heldout_engines(cfg: Config, ref_model, model, tok, tool, system: str):
     return ref_engine, cur_engine
 
 
+def make_rollout_engine(cfg: Config, sampler, tok, tool, system: str) -> RolloutEngine:
+    """The scaffold.RolloutEngine of cfg's rollout settings over `sampler` and the search `tool`."""
+    return RolloutEngine(sampler, tok, {tool.name: tool}, cfg.rollout.max_response_tokens,
+                         cfg.rollout.max_tool_calls, system, cfg.rollout.temperature,
+                         tool_timeout_s=cfg.rollout.tool_timeout_s,
+                         deadline_s=cfg.rollout.deadline_s, scaffold=cfg.rollout.scaffold)
+
+
+ROLLOUT_RANKS = ("all", "rank0")
+
+
+def seeded_rollouts(cfg: Config) -> bool:
+    """True when a full-mode run samples its rollouts with one seed per request through
+    rollout_engine.SeededRollouts: mode "full" and sampler "hf" or "kv" (vLLM takes per-request
+    seeds itself; the toy path keeps its samplers). Raises ValueError for an unknown
+    full.rollout_ranks."""
+    full = getattr(cfg, "full", None)
+    if getattr(cfg, "mode", None) != "full" or full is None:
+        return False
+    if full.rollout_ranks not in ROLLOUT_RANKS:
+        raise ValueError(f"full.rollout_ranks must be one of {ROLLOUT_RANKS}, got {full.rollout_ranks!r}")
+    return cfg.sampler in ("hf", "kv")
+
+
+def every_rank_samples(cfg: Config) -> bool:
+    """True when every ZeRO-3 rank samples its share of a step's groups (full.ZeRO3Engine.sample_shards):
+    seeded_rollouts(cfg), full.rollout_ranks "all", engine "zero3" and no injected tool faults (their
+    schedule counts the calls of one process; with faults rank 0 samples every group, logged). Same
+    answer on every rank. With "rank0" rank 0 samples the same rollouts alone."""
+    if not (seeded_rollouts(cfg) and cfg.full.rollout_ranks == "all" and cfg.engine == "zero3"):
+        return False
+    if cfg.faults.tool_rate > 0:
+        log.warning("faults.tool_rate > 0: rank 0 samples every rollout (the fault schedule counts "
+                    "one process's tool calls)")
+        return False
+    return True
+
+
+def rank_rollouts(cfg: Config):
+    """A ZeRO-3 rank > 0's own rollout engine for every_rank_samples(cfg): (model, engine) with
+    `model` a plain copy of pi_theta loaded from cfg.model (bf16 on its GPU when there is one; the
+    weight sync refreshes it) and `engine` a rollout_engine.ConcurrentRolloutEngine over a
+    SeededTorchSampler, the search tool of cfg and cfg's rollout settings, as rank 0's."""
+    _, tool, _, _ = build_environment(cfg)
+    bf16 = torch.cuda.is_available() and cfg.full.bf16 != "off"
+    model, tok = load_policy(cfg.model, dtype=torch.bfloat16 if bf16 else torch.float32)
+    if torch.cuda.is_available():
+        model.to(f"cuda:{torch.cuda.current_device()}")
+    model.eval()
+    system = system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
+    engine = make_rollout_engine(cfg, SeededTorchSampler(torch_sampler(cfg, model, tok)), tok, tool, system)
+    return model, ConcurrentRolloutEngine(engine, cfg.full.tool_concurrency, cfg.full.rollout_schedule)
+
+
 # ----------------------------------------------------------------------------------------------------
 # A run's components, built once
 
@@ -208,15 +263,18 @@ def build_run(cfg: Config, policy, model, tok, world, tool, train_q: list, held_
 
     system = system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
     sampler = build_sampler(cfg, model, tok)
+    if seeded_rollouts(cfg):
+        sampler = SeededTorchSampler(sampler)
     # Injected tool faults reach the RL rollouts only: the warm start and evaluation use the clean
     # tool, so their results do not depend on the fault settings.
     rl_tool = FaultyTool(tool, cfg.faults) if cfg.faults.tool_rate > 0 else tool
-    rollout_engine = RolloutEngine(sampler, tok, {tool.name: rl_tool}, cfg.rollout.max_response_tokens,
-                                   cfg.rollout.max_tool_calls, system, cfg.rollout.temperature,
-                                   tool_timeout_s=cfg.rollout.tool_timeout_s,
-                                   deadline_s=cfg.rollout.deadline_s, scaffold=cfg.rollout.scaffold)
+    rollout_engine = make_rollout_engine(cfg, sampler, tok, rl_tool, system)
     if cfg.sampler == "vllm" and cfg.full.rollout_schedule == "async":
         rollout_engine = AsyncTurns(rollout_engine, cfg.full.tool_concurrency)
+    elif seeded_rollouts(cfg):  # full mode, HF / KV sampler: one seed per request, every rank samples
+        deal = policy.sample_shards if cfg.engine == "zero3" else None  # ZeRO-3: logs the ranks
+        rollout_engine = SeededRollouts(rollout_engine, cfg.full.rollout_schedule,
+                                        cfg.full.tool_concurrency, deal)
     clean_judge = build_judge(cfg, world)
     judge = (FaultyJudge(clean_judge, cfg.faults, cfg.judge.max_retries)
              if cfg.faults.judge_rate > 0 else clean_judge)

@@ -71,6 +71,7 @@ import os
 import resource
 import socket
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -80,6 +81,7 @@ import torch
 
 from backends import checkpoint as ckpt_mod
 from backends import launch_check, versions
+from backends.build import ROLLOUT_RANKS, every_rank_samples, rank_rollouts
 from backends.config import SECRET_ENV_VARS, validate_config
 from backends.data import _is_local
 from backends.judge_http import HTTPJudgeConfig
@@ -87,6 +89,7 @@ from backends.launch_check import ranks_per_node
 from backends.plan import plan_lines
 from backends.presets import full_preset
 from backends.pricing import format_cost_plan, judge_cost_plan
+from backends.rollout_engine import shard
 from backends.runcard import card_mismatch
 from backends.torch_engine import disable_dropout
 from backends.zero3_scope import zero3_loading
@@ -355,11 +358,18 @@ class FullConfig:
     vllm_cpu_kv_cache_gib: int = 2
     """CPU only: vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)"""
     rollout_schedule: str = "lockstep"
-    """sampler "vllm" only: "lockstep" (every tool turn waits for every rollout, calls one at a time)
-    or "async" (a rollout moves on when its own tool result arrives, calls concurrent, one seed per
-    request; backends/rollout_engine.py, docs/full_mode.md)"""
+    """ours: "lockstep" (train.rl_step: every tool turn waits for every rollout, calls one at a time,
+    judge after the rollouts, reflection in sequence, two weight syncs) or "async" (a rollout moves
+    on when its own tool result arrives, calls concurrent; with the HF / KV sampler also each group
+    judged as it finishes and step t's reflection branch overlapping step t+1's rollouts, one sync
+    per step: backends/overlap.py; with vLLM the rollouts only: rollout_engine.AsyncTurns)"""
     tool_concurrency: int = 8
     """ours: tool calls in flight at once under rollout_schedule "async" (>= 1)"""
+    rollout_ranks: str = "all"
+    """sampler "hf" / "kv": "all" = every ZeRO-3 rank samples its share of a step's groups with its
+    own copy of pi_theta (build.every_rank_samples; docs/full_mode.md); "rank0" = rank 0 samples
+    every rollout. Both sample one seed per request, so they give the same rollouts. vLLM samples
+    on rank 0 only."""
 
 
 def full_config(cfg) -> FullConfig:
@@ -720,7 +730,10 @@ class ZeRO3Engine:
     calls this engine for the collective parts; every other rank runs `serve()`, which waits for
     rank 0's commands and takes part in the same collectives:
         update(batch, pad_id, rng)   SS-GRPO update; rank 0 deals the batch out (plan_update)
-        sync(sampler)                the new pi_theta into rank 0's sampler, one gathered tensor at a time
+        sample_shards(...)           the step's rollouts: every rank samples its share of the groups
+                                     (HF / KV sampler, full.rollout_ranks "all"), rank 0 collects them
+        sync(sampler)                the new pi_theta into rank 0's sampler (and every sampling
+                                     rank's own copy), one gathered tensor at a time
         save_pretrained(dir)         HF checkpoint (rank 0 writes)
         save_state(dir) / load(...)  DeepSpeed's partitioned optimizer + fp32 weights (every rank
                                      writes its own partition: a shared filesystem across nodes)
@@ -729,7 +742,8 @@ class ZeRO3Engine:
     shard of the update batch.
 
     Rank 0 keeps a plain copy of pi_theta (`model`, e.g. for HF generate) that sync() refreshes; the
-    sampler could equally be vLLM (vllm_sampler.VLLMSampler.sync_weights).
+    sampler could equally be vLLM (vllm_sampler.VLLMSampler.sync_weights). When every rank samples,
+    ranks > 0 keep one too (`sampling_copy`, with their own rollout engine, build.rank_rollouts).
     """
 
     def __init__(self, cfg, model=None, *, policy: ZeRO3Policy | None = None,
@@ -747,6 +761,15 @@ class ZeRO3Engine:
         self.policy, self.ref = policy, ref
         self.world_size = self.env.world_size
         self.closed = False
+        # Every rank samples its share of the groups (build.every_rank_samples): ranks > 0 keep a
+        # plain copy of pi_theta and their own rollout engine, and stream finished groups to rank 0
+        # on a side gloo group (created here, by every rank in the same order).
+        self.side = self.sampling_copy = self.rank_engine = None
+        self.rollout_metrics: dict = {}
+        if self.world_size > 1 and every_rank_samples(cfg):
+            self.side = torch.distributed.new_group(backend="gloo")
+            if not self.env.is_rank0:
+                self.sampling_copy, self.rank_engine = rank_rollouts(cfg)
 
     # the five calls of policy.policy_update (the one SS-GRPO update of both engines) -------------
     def logprobs(self, ids: torch.Tensor, att: torch.Tensor, mask: torch.Tensor | None = None,
@@ -787,7 +810,107 @@ class ZeRO3Engine:
         shards, plans = plan_update(batch, self.world_size, self.cfg.ss_grpo.minibatches,
                                     self.cfg.ss_grpo.micro_batch, rng)
         mine = self._send("update", [(sh, pl, pad_id) for sh, pl in zip(shards, plans)])
-        return policy_update(self, mine[0], self.cfg.ss_grpo, pad_id, mine[1])
+        out = policy_update(self, mine[0], self.cfg.ss_grpo, pad_id, mine[1])
+        if "task" in batch.kind:  # the step's rollout metrics travel with the task update's
+            out.update(self.rollout_metrics or {"rollout/sampling_ranks": 1})  # 1: rank 0 alone
+            self.rollout_metrics = {}
+        return out
+
+    def sample_shards(self, ce, queries: list, n: int, bank_items, seed: int,
+                      temperature: float | None = None, on_group=None) -> list:
+        """Every rank samples its share of the step's groups (rollout_engine.shard: contiguous,
+        rank 0 first) with rollout_engine.ConcurrentRolloutEngine and the same per-request seeds
+        (request_seed(seed, global rollout index, turn)); rank 0 samples its own share with `ce`
+        while a thread per rank receives the others' groups as each finishes (side gloo group).
+        Returns len(queries) * n finalised Rollouts, query-major, as if one process had sampled them
+        all; the other ranks' tool counters are added to rank 0's engine. When not every rank
+        samples (build.every_rank_samples is False, or one rank) rank 0 samples every group here.
+        Sets rollout_metrics (rollout/sampling_ranks; time/rollout_rank<r>_s and _cpu_s: each
+        sampling rank's own wall and process CPU seconds), which the next task update returns.
+        on_group(g, group g's n rollouts), when given, is called as each group is final: rank 0's
+        own from its sampling loop, the others' from the receiving threads (the overlapped step's
+        StreamingJudge, backends/overlap.py).
+        Raises what rank 0's sampling raised; another rank's error as a RuntimeError naming the
+        rank (with the error's exit_code, e.g. 4 for an API's 401/403/404, when it had one)."""
+        W, P = (self.world_size if self.side is not None else 1), len(queries)
+        parts = [shard(P, W, r) for r in range(W)]
+        items = list(bank_items) if bank_items else None
+        if W > 1:
+            self._send("sample", [(queries[p.start:p.stop], items[p.start:p.stop] if items else None,
+                                   n, seed, temperature, p.start * n) for p in parts])
+        groups: list = [None] * P
+        infos: dict = {}
+
+        def receive(src: int) -> None:
+            while True:
+                box = [None, None]
+                torch.distributed.recv_object_list(box, src=src, group=self.side)
+                if box[0] is None:
+                    infos[src] = box[1]
+                    return
+                groups[box[0]] = box[1]
+                if on_group is not None:
+                    on_group(box[0], box[1])
+
+        threads = [threading.Thread(target=receive, args=(r,), name=f"rollouts-from-{r}", daemon=True)
+                   for r in range(1, W) if len(parts[r])]
+        for th in threads:
+            th.start()
+        t0, c0 = time.perf_counter(), time.process_time()
+        sink: list = []
+        done = None if on_group is None else (lambda g: on_group(g, sink[g * n:(g + 1) * n]))
+        own = ce.run(queries[parts[0].start:parts[0].stop], n,
+                     items[parts[0].start:parts[0].stop] if items else None, seed, temperature,
+                     on_group_done=done, sink=sink)
+        own_s, own_cpu = time.perf_counter() - t0, time.process_time() - c0
+        for th in threads:
+            th.join()
+        bad = [(r, info) for r, info in sorted(infos.items()) if info.get("error")]
+        if bad:  # an API's 401/403/404 keeps its exit code (train.main: 4)
+            err = RuntimeError("sampling failed on another rank: "
+                               + "; ".join(f"rank {r}: {info['error']}" for r, info in bad))
+            codes = [info["exit_code"] for _, info in bad if info.get("exit_code") is not None]
+            if codes:
+                err.exit_code = codes[0]
+            raise err
+        for g in range(parts[0].stop):
+            groups[g] = own[g * n:(g + 1) * n]
+        self.rollout_metrics = {"rollout/sampling_ranks": 1 + len(threads), "time/rollout_rank0_s": own_s,
+                                "time/rollout_rank0_cpu_s": own_cpu}
+        for r, info in sorted(infos.items()):
+            self.rollout_metrics[f"time/rollout_rank{r}_s"] = info["seconds"]
+            self.rollout_metrics[f"time/rollout_rank{r}_cpu_s"] = info["cpu_seconds"]
+            for k, v in info["stats"].items():
+                ce.engine.stats[k] = ce.engine.stats.get(k, 0) + v
+        return [x for g in groups for x in g]
+
+    def _sample_share(self, payload) -> None:
+        """Rank > 0: sample this rank's share (sample_shards) and send each group to rank 0 as it
+        finishes; then (None, {seconds, stats: the tool counters' increase, error}). An exception
+        is reported to rank 0 instead of ending this rank, so the run stops cleanly there."""
+        queries, items, n, seed, temperature, offset = payload
+        before = dict(self.rank_engine.engine.stats)
+        info: dict = {"error": None}
+        t0, c0 = time.perf_counter(), time.process_time()
+        if queries:
+            sink: list = []
+            first = offset // n
+
+            def done(g: int) -> None:
+                torch.distributed.send_object_list([first + g, sink[g * n:(g + 1) * n]], dst=0,
+                                                   group=self.side)
+
+            try:
+                self.rank_engine.run(queries, n, items, seed, temperature, index_offset=offset,
+                                     on_group_done=done, sink=sink)
+            except Exception as e:  # reported to rank 0, which raises it
+                log.exception("rank %d: sampling failed", self.env.rank)
+                info["error"] = f"{type(e).__name__}: {e}"
+                info["exit_code"] = getattr(e, "exit_code", None)
+        info["seconds"], info["cpu_seconds"] = time.perf_counter() - t0, time.process_time() - c0
+        info["stats"] = {k: v - before.get(k, 0) for k, v in self.rank_engine.engine.stats.items()}
+        if queries:
+            torch.distributed.send_object_list([None, info], dst=0, group=self.side)
 
     def sync(self, sampler) -> None:
         """Copy the updated weights into rank 0's sampler: the plain `model` (HF generate) or a vLLM
@@ -867,8 +990,17 @@ class ZeRO3Engine:
                 policy_update(self, shard_, self.cfg.ss_grpo, pad_id, plan)
                 updates += 1
             elif kind == "sync":
-                for _ in self.policy.iter_full_params(copy=False):  # take part in the gathers only
-                    pass
+                params = self.policy.iter_full_params(copy=False)
+                if self.sampling_copy is None:
+                    for _ in params:  # take part in the gathers only
+                        pass
+                else:  # this rank samples too: its copy of pi_theta takes each gathered parameter
+                    own = dict(self.sampling_copy.named_parameters())
+                    with torch.no_grad():
+                        for name, t in params:
+                            own[name].copy_(t)
+            elif kind == "sample":
+                self._sample_share(payload)
             elif kind == "save_hf":
                 self.policy.save_pretrained(payload)
             elif kind == "save_ds":
@@ -876,6 +1008,8 @@ class ZeRO3Engine:
             elif kind == "load_ds":
                 self.policy.engine.load_checkpoint(payload, tag="state", load_optimizer_states=True,
                                                    load_lr_scheduler_states=False)
+                if self.sampling_copy is not None:  # as rank 0's sampling copy (load)
+                    ckpt_mod.load_model_weights(self.sampling_copy, os.path.dirname(payload))
             else:
                 raise RuntimeError(f"unknown command from rank 0: {kind!r}")
 
@@ -1006,6 +1140,21 @@ def _key_envs(cfg) -> list[tuple[str, str]]:
     return out
 
 
+def _rank_search_key_problems(cfg, environ, env: DistEnv) -> list[str]:
+    """On a launched rank > 0 of a run where every rank samples (build.every_rank_samples) with
+    Serper search: the search key must be set on this rank too, since its rollouts make their own
+    search calls (the judge key stays rank 0's). [] elsewhere or when it is set."""
+    if not env.launched or env.rank == 0 or cfg.search.backend != "serper" \
+            or full_config(cfg).rollout_ranks not in ROLLOUT_RANKS or not every_rank_samples(cfg):
+        return []
+    name = cfg.search_http.api_key_env if cfg.search_http else "SERPER_API_KEY"
+    if environ.get(name):
+        return []
+    return [f"environment variable {name} is not set on global rank {env.rank}: with "
+            f"full.rollout_ranks \"all\" every rank runs its own rollouts' searches (list it in "
+            ".deepspeed_env for a multi-node launch)"]
+
+
 def _required_packages(cfg) -> dict[str, str]:
     """{distribution: why this configuration needs it (and how to install it)} for cfg's backends."""
     full_extra = "pip install '.[full]'"
@@ -1133,6 +1282,9 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
     e = os.environ if environ is None else environ
     full = full_config(cfg)
     problems: list[str] = _config_problem(cfg) + _path_problems(cfg)
+    if full.rollout_ranks not in ROLLOUT_RANKS:
+        problems.append(f"configuration: full.rollout_ranks must be one of {ROLLOUT_RANKS}, got "
+                        f"{full.rollout_ranks!r}")
     lines = ["RubricEM full mode: dry run (nothing is trained)", ""]
     try:
         env = dist_env(e)
@@ -1179,6 +1331,7 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
     k_lines, k_bad = launch_check.key_lines(_key_envs(cfg), e, env.rank, env.launched)
     lines += [""] + k_lines
     problems += k_bad
+    problems += _rank_search_key_problems(cfg, e, env)
     lines += ["", "environment", f"  python {sys.version.split()[0]}, {os.cpu_count()} CPU cores"]
     if n_gpu:
         for i in range(n_gpu):

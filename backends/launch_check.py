@@ -2,9 +2,12 @@
 API keys and whether the launcher forwards them, what DeepSpeedCPUAdam needs to build, /dev/shm.
 
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
-Plumbing only. Who talks to which API: global rank 0 alone samples, judges, searches and reflects
-(train.py; backends/full.py ZeRO3Engine), so the judge key ($GEMINI_API_KEY, or judge_http.api_key_env) and the
-search key ($SERPER_API_KEY) are read on global rank 0 only; ranks > 0 make no HTTP call.
+Plumbing only. Who talks to which API: global rank 0 alone judges and reflects (train.py;
+backends/full.py ZeRO3Engine), so the judge key ($GEMINI_API_KEY, or judge_http.api_key_env) is read on
+global rank 0 only. Every rank that samples also searches, so the search key ($SERPER_API_KEY) is
+read on rank 0 and, when every ZeRO-3 rank samples its share of the rollouts (full.rollout_ranks
+"all", backends/build.every_rank_samples), on every rank (full._rank_search_key_problems checks it
+there); the ranks > 0 call no other API.
 
 The multi-node trap: `deepspeed --hostfile H` starts the ranks of other nodes over ssh (pdsh) and
 forwards only variables whose names start with MLFLOW, PYTHON, MV2, UCX or NCCL, plus every KEY=VALUE
@@ -68,18 +71,20 @@ def _names_in(path: str) -> set[str]:
 def key_lines(keys: list[tuple[str, str]], environ, rank: int, launched: bool,
               home: str | None = None, cwd: str | None = None) -> tuple[list[str], list[str]]:
     """The dry run's "API keys" section. keys: (purpose, variable NAME) pairs (full._key_envs). Values
-    are never printed. On a launched rank > 0 nothing is needed. Problems: a key missing on the rank
+    are never printed. On a launched rank > 0 no judge key is needed (its search key, when it
+    samples, is full._rank_search_key_problems' check). Problems: a key missing on the rank
     that reads it; a multi-node launch whose .deepspeed_env does not list a key (the launcher then
     leaves it out on rank 0's node unless that is the launching node); an unlaunched dry run only
     notes the file."""
     n_nodes = nodes(environ) if launched else 1
     files = deepspeed_env_files(environ, home, cwd)
     listed = set().union(*(_names_in(f) for f in files)) if files else set()
-    lines = ["API keys (read on global rank 0 only: it samples, judges and searches; ranks > 0 "
-             "make no HTTP call)"]
+    lines = ["API keys (the judge key on global rank 0 only: it judges and reflects; the search key "
+             "on every rank that samples: rank 0, and all ranks when build.every_rank_samples)"]
     problems = []
     if launched and rank != 0:
-        lines.append(f"  this is global rank {rank}: it needs no key")
+        lines.append(f"  this is global rank {rank}: it needs no judge key (a sampling rank's search key "
+                     "is checked below)")
         return lines, problems
     where = f"global rank 0 under the launcher ({n_nodes} node(s))" if launched else \
         "this shell (not under a launcher; run the dry run under deepspeed/torchrun to check rank 0)"

@@ -34,6 +34,7 @@ Memory model (bytes; P parameters, W ranks, T = max pack tokens, b = micro-batch
     vLLM (rank 0, co-located)  utilization x GPU memory: weights 2P, ~2 GB activation reserve, and the
                                KV cache in what is left: 2 L n_kv d 2 bytes per token
     embedding model (rank 0)   4 P_e (fp32, sentence-transformers' default; Qwen3-Embedding-0.6B)
+    HF / KV sampling copy      2P bf16 on rank 0, and on every rank with full.rollout_ranks "all"
     CUDA context               ~0.6 GB per process on the GPU (two on GPU 0 with an out-of-process vLLM)
 Host memory per node: offloaded optimizer 16P / W per local rank (fp32 master, m, v, gradients; pinned
 on GPU), rank 0's plain bf16 sampling copy 2P (on node 0), ~4 GB per rank of process overhead
@@ -209,6 +210,8 @@ def memory_plan(shape: ModelShape, cfg, world: int, ranks_per_node: int, gpu_byt
             r0["vLLM process CUDA context"] = CUDA_CONTEXT_B
     elif cfg.sampler in ("hf", "kv"):
         r0["sampling copy (HF generate, bf16)"] = wb * P
+        if W > 1 and full.rollout_ranks == "all":  # every rank samples with its own copy
+            others["sampling copy (HF generate, bf16)"] = wb * P
     if cfg.bank.retriever == "dense":
         r0["embedding model (fp32, Qwen3-Embedding-0.6B)"] = 4 * EMBED_PARAMS
     plan.rank0, plan.others = r0, others

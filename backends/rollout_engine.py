@@ -24,6 +24,16 @@ What is here
     AsyncReflection                        the reflection branch of step t in a thread, overlapping
                                            step t+1's rollouts; its batch is collected before step
                                            t+1's update (one-step lag, Algorithm 1)
+    GatedBank                              the branch's bank writes (and, in reflection_branch, its
+                                           judge calls) wait until step t+1's retrieval has read
+                                           the bank
+    TORCH_RNG_LOCK                         one seeded request at a time on torch's global RNG
+    SeededTorchSampler                     the HF / KV sampler with one seed per request (each
+                                           request decoded on its own under a forked, seeded RNG)
+    SeededRollouts                         train.py's rollout engine in full mode with the HF / KV
+                                           sampler: per-request seeds, "lockstep" or "async", and
+                                           every ZeRO-3 rank's share (full.ZeRO3Engine.sample_shards)
+    AsyncTurns                             the same for the vLLM sampler on rank 0 ("async")
 
 Determinism: a request's seed depends only on (step seed, rollout index, turn), so the tokens a
 rollout samples do not depend on which rank sampled it, on the batch it shared, or on the order the
@@ -32,8 +42,8 @@ the same rollouts for a seed (tests/test_full_concurrency.py), bit for bit on CP
 decodes each request on its own (the benchmark's sampler does); vLLM's batch-dependent kernels make
 that "same distribution", not bit-identical, on GPU.
 
-The toy path does not use this module: its samplers keep lock-step turns, and its numbers stay as
-they were.
+train.py --full puts these together in backends/overlap.py (full.rollout_schedule "async"). The toy
+path does not use this module: its samplers keep lock-step turns, and its numbers stay as they were.
 """
 from __future__ import annotations
 
@@ -45,11 +55,18 @@ import threading
 import time
 from typing import Callable, Protocol, Sequence
 
+import torch
+
 from reflection import run_reflection_branch
 from scaffold import Rollout, finalize
 
 
 SCHEDULES = ("async", "lockstep")
+
+# Held around each seeded request of SeededTorchSampler (fork the global RNG, seed, decode, restore)
+# and around the step's torch.manual_seed in backends/overlap.py: the overlapped reflection branch
+# samples in its own thread, and two threads forking torch's one global RNG would mix their streams.
+TORCH_RNG_LOCK = threading.Lock()
 
 
 def request_seed(base: int, index: int, turn: int) -> int:
@@ -318,10 +335,15 @@ class AsyncReflection:
     def __init__(self):
         self._th: threading.Thread | None = None
         self._box: dict = {}
+        self._gate: threading.Event | None = None
 
-    def start(self, branch: Callable[[], tuple]) -> None:
+    def start(self, branch: Callable[[], tuple], bank_gate: threading.Event | None = None) -> None:
+        """Run `branch` in a thread. bank_gate: the Event the branch's bank writes wait for
+        (reflection_branch(bank_gate=...)); the caller sets it once step t+1's retrieval has read
+        the bank, and result() sets it in any case before waiting."""
         if self._th is not None:
             raise RuntimeError("a reflection branch is already in flight; collect it with result()")
+        self._gate = bank_gate
         box: dict = {}
 
         def work():
@@ -347,6 +369,8 @@ class AsyncReflection:
         if self._th is None:
             raise RuntimeError("no reflection branch in flight")
         t0 = time.perf_counter()
+        if self._gate is not None:
+            self._gate.set()
         self._th.join()
         self._th, box = None, self._box
         if "error" in box:
@@ -389,21 +413,51 @@ class SeededView:
         return self.sampler.generate(prompts, max_new_tokens, temperature, seeds=seeds)
 
 
+class GatedBank:
+    """A rubric bank whose writes (upsert) wait until `gate` is set; reads and everything else go to
+    `bank` at once. The asynchronous reflection branch of step t writes through it, so its upserts
+    land after step t+1's retrieval has read the bank, whenever the thread gets there: the bank a
+    step retrieves from does not depend on thread timing (the branch is the bank's only writer, so
+    each upsert also sees the state the sequential branch saw)."""
+
+    def __init__(self, bank, gate: threading.Event):
+        self.bank, self.gate = bank, gate
+
+    def upsert(self, *args, **kwargs):
+        self.gate.wait()
+        return self.bank.upsert(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.bank, name)
+
+
 def reflection_branch(step: int, rollouts, judged, judge, bank, sampler, tok, system: str, cfg, rng,
                       std: str, eps: float, group_size: int, seed: int,
-                      judge_concurrency: int = 8) -> Callable[[], tuple]:
+                      judge_concurrency: int = 8,
+                      bank_gate: threading.Event | None = None) -> Callable[[], tuple]:
     """reflection.run_reflection_branch of step `step` as a closure for AsyncReflection (or to call
     at once: the sequential schedule): sampling through SeededView(sampler, seed), the privileged
     judge calls of the P trajectories on a pool of `judge_concurrency` threads (1: one after
-    another, as the toy path). rng: the branch's own random.Random (trajectory picks)."""
+    another, as the toy path). rng: the branch's own random.Random (trajectory picks). bank_gate:
+    the branch's privileged judge calls and bank writes wait for this Event (AsyncReflection.start(
+    bank_gate=...)); its sampling does not. The calls wait in the branch's own (daemon) thread,
+    before their pool exists, so a run that stops with a branch waiting does not hang at exit; the
+    per-step judge counters then never see a branch's calls before step t+1's snapshot."""
+    if bank_gate is not None:
+        bank = GatedBank(bank, bank_gate)
+
+    def judge_map(fn, xs):
+        if bank_gate is not None:
+            bank_gate.wait()
+        if judge_concurrency <= 1:
+            return list(map(fn, xs))
+        with cf.ThreadPoolExecutor(judge_concurrency, thread_name_prefix="reflect-judge") as pool:
+            return list(pool.map(fn, xs))
+
     def branch():
         view = SeededView(sampler, seed)
-        if judge_concurrency <= 1:
-            return run_reflection_branch(step, rollouts, judged, judge, bank, view, tok, system, cfg,
-                                         rng, std, eps, group_size=group_size)
-        with cf.ThreadPoolExecutor(judge_concurrency, thread_name_prefix="reflect-judge") as pool:
-            return run_reflection_branch(step, rollouts, judged, judge, bank, view, tok, system, cfg,
-                                         rng, std, eps, group_size=group_size, map_fn=pool.map)
+        return run_reflection_branch(step, rollouts, judged, judge, bank, view, tok, system, cfg,
+                                     rng, std, eps, group_size=group_size, map_fn=judge_map)
 
     return branch
 
@@ -430,3 +484,88 @@ class AsyncTurns:
             temperature: float | None = None) -> list[Rollout]:
         seed = getattr(self._engine.sampler, "seed", None)
         return self._ce.run(queries, n, bank_items, 0 if seed is None else int(seed), temperature)
+
+
+class SeededTorchSampler:
+    """A SeededSampler over an in-process torch sampler (toy/hf_sampler.HFSampler or
+    toy/kv_sampler.KVSampler), for full mode's HF / KV rollouts on every rank.
+
+    generate(prompts, max_new_tokens, temperature, seeds): with seeds, each prompt is decoded on its
+    own, under torch's global RNG forked and seeded with its seed (torch.random.fork_rng: the
+    caller's RNG state is left as it was), so a request's tokens depend only on (weights, prompt,
+    budget, temperature, seed): not on the rank, the batch or the order. Without seeds it is the
+    wrapped sampler's own batched call (the reflection branch's, as before). One request at a time
+    costs the batching a GPU would give; on GPU full mode samples with vLLM (docs/full_mode.md).
+
+    reseed(seed) keeps the step's seed (`seed`, read by SeededRollouts); `model` and `stats` are the
+    wrapped sampler's, so full.ZeRO3Engine.sync copies new weights straight into the model."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.model = getattr(inner, "model", None)
+        self.stats = getattr(inner, "stats", {})
+        self.seed: int | None = None
+
+    def reseed(self, seed: int) -> None:
+        self.seed = int(seed)
+        getattr(self.inner, "reseed", lambda s: None)(seed)
+
+    def sync_weights(self, named_params, copy: bool = True) -> None:
+        self.inner.sync_weights(named_params, copy=copy)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def generate(self, prompts, max_new_tokens, temperature, seeds=None):
+        if seeds is None:
+            return self.inner.generate(prompts, max_new_tokens, temperature)
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        dev = getattr(self.model, "device", None)
+        cuda = [dev.index or 0] if getattr(dev, "type", "cpu") == "cuda" else []
+        out = []
+        for p, m, s in zip(prompts, max_new_tokens, seeds):
+            with TORCH_RNG_LOCK, torch.random.fork_rng(devices=cuda):
+                torch.manual_seed(int(s))
+                out.extend(self.inner.generate([p], [m], temperature))
+        return out
+
+
+class SeededRollouts:
+    """scaffold.RolloutEngine's interface (run, prompt_ids, stats, ...) over ConcurrentRolloutEngine
+    with one seed per request, for train.py's full loop with the HF / KV sampler (build.build_run):
+    `schedule` "lockstep" or "async" (full.rollout_schedule). The step's seed is the one
+    train.sample_rollouts gave the sampler (SeededTorchSampler.reseed).
+
+    deal: None (this process samples every group), or full.ZeRO3Engine.sample_shards, which gives
+    each ZeRO-3 rank its contiguous share of the groups (`shard`), samples rank 0's own, and
+    collects the others' as they finish. The rollouts are the same either way (request_seed), so a
+    run is deterministic for a seed, and the same for any rank count up to the weights' rounding."""
+
+    def __init__(self, engine, schedule: str = "lockstep", tool_concurrency: int = 8,
+                 deal: Callable | None = None):
+        self._engine = engine
+        self._ce = ConcurrentRolloutEngine(engine, tool_concurrency, schedule)
+        self._deal = deal
+
+    @property
+    def stats(self) -> dict:
+        return self._engine.stats
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def run(self, queries: Sequence, n: int = 1, bank_items: Sequence[Sequence[str]] | None = None,
+            temperature: float | None = None,
+            on_group: Callable[[int, list], None] | None = None) -> list[Rollout]:
+        """scaffold.RolloutEngine.run; on_group(g, rollouts of group g), when given, is called (from
+        the sampling loop or a receiving thread) as soon as group g of this step is final (the
+        overlapped step's StreamingJudge, backends/overlap.py)."""
+        seed = getattr(self._engine.sampler, "seed", None)
+        seed = 0 if seed is None else int(seed)
+        if self._deal is not None:
+            kw = {} if on_group is None else {"on_group": on_group}
+            return self._deal(self._ce, list(queries), n, bank_items, seed, temperature, **kw)
+        sink: list = []
+        done = None if on_group is None else (lambda g: on_group(g, sink[g * n:(g + 1) * n]))
+        return self._ce.run(queries, n, bank_items, seed, temperature, on_group_done=done, sink=sink)

@@ -32,11 +32,19 @@ schedule's rollouts of step t+1 see the weights before step t's reflection updat
 lag). Not modelled: bank retrieval (prompts carry no bank items) and the ZeRO-3 update (rank 0
 updates a plain copy, then broadcasts every parameter: the weight sync).
 
+`--train-loop` measures instead the rollout phase of `train.py --full` itself (time/rollout_s) on
+`--ranks` ZeRO-3 gloo ranks: every rank sampling its share of the groups (full.rollout_ranks "all")
+against rank 0 sampling them all ("rank0"), the same per-request-seeded rollouts (checked), with a
+random-weight tiny Qwen3 that decodes every rollout's whole --max-tokens budget.
+
 Run (2-5 min on 2 shared cores; `--also-one-rank` adds a third sitting):
     python benchmarks/full_step.py                               # 2 ranks, 8 groups x 4, 3 steps
     python benchmarks/full_step.py --judge-sleep 0.5 --search-sleep 0.2 --also-one-rank
+    python benchmarks/full_step.py --train-loop --groups 4 --n 4 --steps 3 --max-tokens 128
 Last line:
     FULL_STEP step_s=<s> sequential_step_s=<s> ratio=<concurrent / sequential>
+    (--rank-scaling-only: ROLLOUT_RANKS ...; --train-loop: TRAIN_LOOP_RANKS ranks=.. rollout_s=..
+    one_rank_rollout_s=.. ratio=.. cpu_ratio=.. same_rollouts=..)
 """
 from __future__ import annotations
 
@@ -389,6 +397,82 @@ def _rank_scaling(a, urls) -> int:
     return 0 if same else 1
 
 
+def _train_loop_scaling(a, urls) -> int:
+    """The rollout phase of `train.py --full` itself (metrics time/rollout_s) on `--ranks` ZeRO-3
+    gloo ranks, full.rollout_ranks "all" (every rank samples its share) against "rank0" (rank 0
+    samples every group), same seed and work: a tiny Qwen3 with random weights saved to a
+    temporary directory (it writes no tool calls: every rollout decodes its whole --max-tokens
+    budget, one request at a time), --groups x --n rollouts per step, the loopback judge and
+    search. Prints TRAIN_LOOP_RANKS ranks=.. rollout_s=.. one_rank_rollout_s=.. ratio=..
+    cpu_ratio=.. same_rollouts=..: ratio of the rollout phase's wall time; cpu_ratio of the busiest
+    sampling rank's process CPU seconds to the one sampling rank's (the share of the work each rank
+    does, whatever the machine's load); same_rollouts: the step-0 trajectories of both runs
+    (samples.jsonl)."""
+    import subprocess
+
+    from toy import model as toy_model
+    from toyfix import tiny_tokenizer, tiny_world
+
+    tmp = tempfile.mkdtemp(prefix="full-loop-")
+    tok = tiny_tokenizer()
+    model = toy_model.build_tiny_qwen3(tok, a.size, seed=0)
+    mdir = os.path.join(tmp, "model")
+    model.save_pretrained(mdir)
+    tok.save_pretrained(mdir)
+    rows = os.path.join(tmp, "rows.jsonl")
+    with open(rows, "w") as fh:
+        for r in tiny_world().train_rows:
+            fh.write(json.dumps({k: v for k, v in r.items() if k != "toy"}) + "\n")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
+           "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false",
+           "GEMINI_API_KEY": urls["key"], "SERPER_API_KEY": urls["key"]}
+    res = {}
+    for ranks in ("all", "rank0"):
+        run_dir = os.path.join(tmp, f"run-{ranks}")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               str(a.ranks), os.path.join(ROOT, "train.py"), "--full", "--model", mdir,
+               "--steps", str(a.steps), "--run-dir", run_dir, "--no-progress",
+               "--set", f'data.source="{rows}"', "--set", f'judge_http.base_url="{urls["gemini"]}"',
+               "--set", 'judge.model="gemini-test"', "--set", f'search_http.base_url="{urls["serper"]}"',
+               "--set", 'sampler="hf"', "--set", 'bank.retriever="bm25"',
+               "--set", f"rollout.prompts_per_step={a.groups}", "--set", f"rollout.n={a.n}",
+               "--set", f"rollout.max_response_tokens={a.max_tokens}",
+               "--set", 'rollout.system_prompt="compact"', "--set", f"reflection.m={a.m}",
+               "--set", "reflection.max_new_tokens=16", "--set", "ss_grpo.minibatches=1",
+               "--set", "ss_grpo.micro_batch=1", "--set", f'cache_dir="{os.path.join(tmp, "cache-" + ranks)}"',
+               "--set", "threads=1", "--set", "checkpoint.every=0", "--set", "eval.every=0",
+               "--set", "eval.n_questions=0", "--set", f'full.rollout_ranks="{ranks}"',
+               "--set", f"full.tool_concurrency={a.tool_concurrency}",
+               "--set", f"judge_http.concurrency={a.judge_concurrency}"]
+        t0 = time.perf_counter()
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if p.returncode:
+            print(p.stdout[-2000:], p.stderr[-4000:], file=sys.stderr)
+            return 1
+        with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+            rows_m = [json.loads(line) for line in fh]
+        with open(os.path.join(run_dir, "samples.jsonl")) as fh:
+            traj = [json.loads(line)["trajectory"] for line in fh if json.loads(line)["step"] == 0]
+        roll = [r["time/rollout_s"] for r in rows_m]
+        res[ranks] = {"rollout_s": sum(roll) / len(roll), "traj": traj,
+                      "sampling_ranks": rows_m[0].get("rollout/sampling_ranks", 1)}
+        mean = lambda k: sum(r[k] for r in rows_m) / len(rows_m)  # noqa: E731
+        own = {k[len("time/rollout_"):-2]: round(mean(k), 2) for k in rows_m[0]
+               if k.startswith("time/rollout_rank")}  # each rank's own sampling: wall and CPU s
+        res[ranks]["cpu_s"] = max(mean(k) for k in rows_m[0] if k.endswith("_cpu_s"))
+        print(f"train.py --full, full.rollout_ranks={ranks}: sampling ranks "
+              f"{res[ranks]['sampling_ranks']}, time/rollout_s per step {[round(x, 2) for x in roll]} "
+              f"(per rank, mean s per step: {own}), step_s {[round(r['time/step_s'], 2) for r in rows_m]}, "
+              f"wall {time.perf_counter() - t0:.1f} s", flush=True)
+    a_, o_ = res["all"], res["rank0"]
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    same = a_["traj"] == o_["traj"]
+    print(f"TRAIN_LOOP_RANKS ranks={a_['sampling_ranks']} rollout_s={a_['rollout_s']:.2f} "
+          f"one_rank_rollout_s={o_['rollout_s']:.2f} ratio={a_['rollout_s'] / o_['rollout_s']:.2f} "
+          f"cpu_ratio={a_['cpu_s'] / o_['cpu_s']:.2f} same_rollouts={same}")
+    return 0 if same else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=2, help="gloo ranks (processes)")
@@ -409,6 +493,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rank-scaling-only", action="store_true",
                     help="only the concurrent schedule with all ranks and with one sampling rank; "
                          "the last line is then ROLLOUT_RANKS")
+    ap.add_argument("--train-loop", action="store_true",
+                    help="only the rollout phase of train.py --full itself on --ranks ZeRO-3 ranks, "
+                         "full.rollout_ranks \"all\" vs \"rank0\"; the last line is then TRAIN_LOOP_RANKS")
     a = ap.parse_args(argv)
     a.sampling_ranks = a.sampling_ranks or a.ranks
     if a.groups * (a.steps + 1) > 40:
@@ -425,6 +512,8 @@ def main(argv=None) -> int:
         urls = {"gemini": gem.url, "serper": ser.url, "key": TEST_KEY}
         if a.rank_scaling_only:
             return _rank_scaling(a, urls)
+        if a.train_loop:
+            return _train_loop_scaling(a, urls)
         seq = summary("sequential", run_schedule("sequential", a, urls))
         con = summary("concurrent", run_schedule("concurrent", a, urls))
         one = None

@@ -218,11 +218,15 @@ def test_async_reflection_equals_sequential_from_the_same_snapshot(model_tok):
     b1 = RubricBank()
     batch1, m1 = branch(b1, 1)()
     b2 = RubricBank()
-    ar = AsyncReflection()
-    ar.start(branch(b2, 8))
+    ar, gate = AsyncReflection(), threading.Event()
+    ar.start(reflection_branch(0, rollouts, judged, HashJudge(), b2, sampler, tok, SYSTEM, cfg,
+                               random.Random(7), "sample", 1e-6, n, seed=11, judge_concurrency=8,
+                               bank_gate=gate), bank_gate=gate)
     nxt = ce.run(list(train_queries()[3:6]), n, None, seed=9)  # the next step's rollouts, meanwhile
     assert ar.pending
-    batch2, m2 = ar.result()
+    time.sleep(0.5)
+    assert len(b2) == 0  # the bank's writes wait for the next step's retrieval (the gate)
+    batch2, m2 = ar.result()  # opens the gate
     assert nxt and not ar.pending
     e1 = [(e.query, e.reflection, e.score, e.step) for e in b1.entries()]
     e2 = [(e.query, e.reflection, e.score, e.step) for e in b2.entries()]
@@ -333,3 +337,117 @@ def test_pool_map_keeps_order_bounds_threads_and_raises():
         pool_map(2)(lambda x: 1 / x, [1, 0, 2])
     with pytest.raises(ValueError):
         pool_map(0)
+
+
+def test_seeded_torch_sampler_is_per_request_and_leaves_the_global_rng(model_tok):
+    """rollout_engine.SeededTorchSampler over the HF sampler (full mode's rollouts on every rank):
+    a request's tokens depend on its seed, not on its batch or position; the caller's RNG is left as
+    it was; without seeds it is the wrapped sampler's own call."""
+    import torch
+
+    from backends.rollout_engine import SeededTorchSampler
+    from toy.hf_sampler import HFSampler
+
+    model, tok = model_tok
+    s = SeededTorchSampler(HFSampler(model, tok))
+    ps = [tok.encode(q.query, add_special_tokens=False) for q in train_queries()[:3]]
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    a = s.generate(ps, [12, 12, 12], 1.0, seeds=[5, 6, 7])
+    assert torch.equal(torch.get_rng_state(), state)
+    b = s.generate(ps[::-1], [12, 12, 12], 1.0, seeds=[7, 6, 5])
+    c = s.generate(ps[1:2], [12], 1.0, seeds=[6])
+    assert a == b[::-1] and c[0] == a[1]
+    assert s.generate(ps[:1], [12], 1.0, seeds=[9]) != a[:1]  # another seed, other tokens
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        s.generate(ps, [4, 4, 4], 1.0, seeds=[1, 2])
+    torch.manual_seed(1)
+    plain = s.generate(ps, [6, 6, 6], 1.0)
+    torch.manual_seed(1)
+    assert plain == s.inner.generate(ps, [6, 6, 6], 1.0)
+    s.reseed(11)
+    assert s.seed == 11 and s.model is model
+    from toy.kv_sampler import KVSampler  # the KV-cache loop too (sampler = "kv")
+
+    kv = SeededTorchSampler(KVSampler(model, tok))
+    a = kv.generate(ps, [12, 12, 12], 1.0, seeds=[5, 6, 7])
+    assert kv.generate(ps[::-1], [12, 12, 12], 1.0, seeds=[7, 6, 5]) == a[::-1]
+
+
+def test_seeded_rollouts_deal_and_local_give_the_same_rollouts(model_tok):
+    """rollout_engine.SeededRollouts (run.rollout_engine for full mode's HF / KV sampler): the step's
+    seed comes from the sampler's reseed; run with a `deal` (full.ZeRO3Engine.sample_shards) gets
+    the same call as a local run, and the lockstep and async schedules give the same rollouts."""
+    from backends.rollout_engine import SeededRollouts, shard
+
+    qs = list(train_queries()[:4])
+    outs = {}
+    for schedule in ("lockstep", "async"):
+        inner = _engine(model_tok, SlowTool()).engine
+        inner.sampler.reseed(4)
+        outs[schedule] = SeededRollouts(inner, schedule, 4).run(qs, n=2)
+    assert _key(outs["lockstep"]) == _key(outs["async"])
+
+    calls = []
+
+    def deal(ce, queries, n, items, seed, temperature):  # two "ranks", one after the other
+        calls.append(seed)
+        out = []
+        for r in range(2):
+            part = shard(len(queries), 2, r)
+            out += ce.run(queries[part.start:part.stop], n, None, seed, temperature,
+                          index_offset=part.start * n)
+        return out
+
+    inner = _engine(model_tok, SlowTool()).engine
+    inner.sampler.reseed(4)
+    eng = SeededRollouts(inner, "async", 4, deal)
+    assert _key(eng.run(qs, n=2)) == _key(outs["lockstep"]) and calls == [4]
+    assert eng.stats is inner.stats
+
+
+def test_which_runs_sample_on_every_rank():
+    """build.seeded_rollouts / every_rank_samples: full mode with the HF / KV sampler samples one seed
+    per request; every ZeRO-3 rank samples its share unless full.rollout_ranks is "rank0" or tool
+    faults are injected; the toy path and vLLM never; an unknown value is refused (and the dry run
+    lists it)."""
+    from backends import full
+    from backends.build import every_rank_samples, seeded_rollouts
+    from backends.presets import full_preset, toy_preset
+
+    cfg = full_preset()
+    cfg.sampler = "vllm"
+    assert not seeded_rollouts(cfg) and not every_rank_samples(cfg)
+    cfg.sampler = "hf"
+    assert seeded_rollouts(cfg) and every_rank_samples(cfg)
+    cfg.sampler, cfg.engine = "kv", "torch"
+    assert seeded_rollouts(cfg) and not every_rank_samples(cfg)
+    cfg.engine = "zero3"
+    cfg.full.rollout_ranks = "rank0"
+    assert seeded_rollouts(cfg) and not every_rank_samples(cfg)
+    cfg.full.rollout_ranks = "all"
+    cfg.faults.tool_rate = 0.2
+    assert not every_rank_samples(cfg)
+    cfg.full.rollout_ranks = "everyone"
+    with pytest.raises(ValueError, match="full.rollout_ranks must be one of"):
+        seeded_rollouts(cfg)
+    assert any("full.rollout_ranks must be one of" in p for p in full.dry_run(cfg, {})[1])
+    toy = toy_preset()
+    assert not seeded_rollouts(toy) and not every_rank_samples(toy)
+
+
+def test_dry_run_asks_every_sampling_rank_for_the_search_key():
+    """When every rank samples with Serper search, a rank > 0 makes search calls: its dry run lists
+    a missing search key (the judge key stays rank 0's); with rank 0 sampling alone it needs none."""
+    from backends import full
+    from backends.presets import full_preset
+
+    cfg = full_preset()
+    cfg.sampler = "hf"
+    rank1 = full.DistEnv(rank=1, local_rank=1, world_size=2, launched=True)
+    bad = full._rank_search_key_problems(cfg, {}, rank1)
+    assert len(bad) == 1 and "SERPER_API_KEY is not set on global rank 1" in bad[0]
+    assert full._rank_search_key_problems(cfg, {"SERPER_API_KEY": "x" * 12}, rank1) == []
+    assert full._rank_search_key_problems(cfg, {}, full.DistEnv(world_size=2, launched=True)) == []
+    cfg.full.rollout_ranks = "rank0"
+    assert full._rank_search_key_problems(cfg, {}, rank1) == []

@@ -38,7 +38,7 @@ def test_keys_multi_node_need_deepspeed_env(tmp_path):
 
 def test_keys_are_needed_on_rank_0_only(tmp_path):
     lines, bad = launch_check.key_lines(KEYS, {**LAUNCH2, "RANK": "9"}, 9, True, str(tmp_path), str(tmp_path))
-    assert not bad and "global rank 9: it needs no key" in "\n".join(lines)
+    assert not bad and "global rank 9: it needs no judge key" in "\n".join(lines)
     lines, bad = launch_check.key_lines(KEYS, {}, 0, False, str(tmp_path), str(tmp_path))
     assert len(bad) == 2 and all("is not set" in b for b in bad)
     assert "not under a launcher" in "\n".join(lines)

@@ -124,6 +124,7 @@ def runs(tmp_path_factory):
     out = {"model": model, "rows": rows}
     out["single"] = _full_run(tmp, "single", model, rows, 1)
     out["zero3"] = _full_run(tmp, "zero3", model, rows, 2)
+    out["zero3-again"] = _full_run(tmp, "zero3-again", model, rows, 2)
     _full_run(tmp, "resumed", model, rows, 2, "--set", "checkpoint.stop_after=1")
     out["resumed"] = _full_run(tmp, "resumed", model, rows, 2, "--resume", "latest")
     return out
@@ -138,7 +139,9 @@ def test_full_mode_two_zero3_ranks_match_single_process_run(runs):
     single, zero3 = _metrics(runs["single"][0]), _metrics(runs["zero3"][0])
     assert [r["step"] for r in single] == [r["step"] for r in zero3] == list(range(STEPS))
     for a, b in zip(single, zero3):
-        assert set(a) == set(b)
+        # Both sample with one seed per request; on 2 ranks each rank samples half of the groups.
+        assert b["rollout/sampling_ranks"] == 2 and b["time/rollout_rank1_s"] > 0
+        assert set(a) == {k for k in b if not k.startswith(("rollout/sampling_ranks", "time/rollout_rank"))}
         for k in a:
             if k.startswith("time/"):
                 continue
@@ -156,6 +159,19 @@ def test_full_mode_two_zero3_ranks_match_single_process_run(runs):
     print({k: zero3[-1][k] for k in ("loss/total", "kl", "clip_frac", "grad_norm", "tools/calls",
                                      "reward/answer", "judge/http/calls")},
           f"single {runs['single'][2]:.1f} s, zero3 {runs['zero3'][2]:.1f} s")
+
+
+def test_full_mode_two_rank_sampling_is_deterministic(runs):
+    """Every rank samples its share of the groups (full.rollout_ranks "all", per-request seeds): two
+    identical 2-rank runs log the same metrics (all but time/*) and write the same bank, rollouts
+    and weights."""
+    a, b = runs["zero3"][0], runs["zero3-again"][0]
+    strip = lambda rows: [{k: v for k, v in x.items()  # noqa: E731
+                           if not k.startswith(("time/", "judge/http/"))} for x in rows]
+    assert strip(_metrics(a)) == strip(_metrics(b))
+    assert all(r["rollout/sampling_ranks"] == 2 for r in _metrics(a))
+    for f in ("bank.jsonl", "samples.jsonl", "final/model.safetensors"):
+        assert open(a / f, "rb").read() == open(b / f, "rb").read(), f
 
 
 def test_full_mode_speaks_the_gemini_and_serper_wire_formats(runs):
@@ -288,3 +304,31 @@ def test_full_mode_async_rollout_schedule_is_deterministic(runs, tmp_path):
         with open(d / "samples.jsonl") as fh:
             samples.append([json.loads(line)["trajectory"] for line in fh])
     assert samples[0] == samples[1] and samples[0]
+
+
+def test_full_mode_search_key_refused_ends_every_sampling_rank(runs, tmp_path):
+    """Both ZeRO-3 ranks sample and search; the search API answers 401 to every call. The run must
+    end (no rank left waiting for another's rollouts) with the API's message and train.py's exit
+    code for a refused key (4) on rank 0, whichever rank's search was refused first."""
+    with FakeServer("gemini", model="gemini-test") as gj, FakeServer("serper") as ss:
+        ss.rule = lambda req: {"status": 401, "message": "API key not valid"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               os.path.join(ROOT, "train.py"), "--full", "--model", str(runs["model"]), "--steps", "1",
+               "--run-dir", str(tmp_path / "refused"), "--no-progress",
+               "--set", f'data.source="{runs["rows"]}"', "--set", f'judge_http.base_url="{gj.url}"',
+               "--set", 'judge.model="gemini-test"', "--set", f'search_http.base_url="{ss.url}"',
+               "--set", 'sampler="hf"', "--set", 'bank.retriever="bm25"',
+               "--set", "rollout.prompts_per_step=2", "--set", "rollout.n=4",
+               "--set", "rollout.max_response_tokens=96", "--set", 'rollout.system_prompt="compact"',
+               "--set", "ss_grpo.micro_batch=1", "--set", f'cache_dir="{tmp_path / "cache"}"',
+               "--set", "threads=1"]
+        p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)
+        try:
+            out, err = p.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            pytest.fail("a rank was left waiting after the search API refused the key")
+        assert ss.requests  # the rollouts reached the search server
+    assert p.returncode != 0
+    assert "API key not valid" in err and "exitcode  : 4" in err, err[-3000:]

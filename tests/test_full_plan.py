@@ -45,6 +45,14 @@ def test_memory_plan_full_preset_8_gpus_by_hand():
     cfg.full.offload_optimizer = False
     mp2 = plan.memory_plan(plan.model_shape(None), cfg, 8, 8, GIB80, 0)
     assert plan.MemoryPlan.total(mp2.others) - plan.MemoryPlan.total(mp.others) == 16 * P8B / 8
+    # HF sampler: every rank samples with its own bf16 copy (full.rollout_ranks "all"), else rank 0
+    cfg.sampler = "hf"
+    mp3 = plan.memory_plan(plan.model_shape(None), cfg, 8, 8, GIB80, 0)
+    assert mp3.others["sampling copy (HF generate, bf16)"] == mp3.rank0["sampling copy (HF generate, bf16)"] \
+        == 2 * P8B
+    cfg.full.rollout_ranks = "rank0"
+    assert "sampling copy (HF generate, bf16)" not in plan.memory_plan(plan.model_shape(None), cfg, 8, 8,
+                                                                      GIB80, 0).others
 
 
 def test_plan_that_does_not_fit_is_a_problem():

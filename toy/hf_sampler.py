@@ -124,8 +124,9 @@ class HFSampler:
                 continue
             kw = dict(do_sample=temperature > 0, max_new_tokens=mnt, eos_token_id=self.stop_token_ids,
                       pad_token_id=self.pad_id, top_k=0, top_p=1.0,
-                      # Full mode samples on rank 0 alone: never wait for the other ranks (HF would
-                      # turn this on by itself under a DeepSpeed ZeRO-3 config with world size > 1).
+                      # Each full-mode rank samples its own share on its own plain copy of the policy:
+                      # never wait for the other ranks (HF would turn this on by itself under a
+                      # DeepSpeed ZeRO-3 config with world size > 1).
                       synced_gpus=False)
             if temperature > 0:
                 kw["temperature"] = temperature

@@ -1,0 +1,212 @@
+"""Full mode's overlapped step: `full.rollout_schedule = "async"` with the HF / KV sampler.
+
+RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
+Algorithm 1 (§3.1-3.6) in the order the paper runs it at scale: the reflection branch of step t
+(sampling, privileged judging, bank upserts) overlaps step t+1's rollouts, and its GRPO batch joins
+step t+1's update (one-step lag). The named steps are train.py's (`steps` below is the train
+module), so what is sampled, judged and trained is theirs; only the order and the concurrency
+differ from train.rl_step, which stays the schedule of the toy path and of "lockstep".
+
+One step t (`OverlappedStep.__call__`):
+    1. curriculum batch and retrieval (train.retrieve_memory); then step t-1's branch may judge and
+       write the bank (its gate opens; for a judge not safe in threads only at step 4), so the bank
+       step t retrieves from and each step's judge counters never depend on timing
+    2. rollouts on every sampling rank (rollout_engine.SeededRollouts, no turn barrier), each group
+       handed to a StreamingJudge the moment it is final
+    3. the judge's results (most were scored while other rollouts still ran)
+    4. step t-1's branch is collected (rollout_engine.AsyncReflection.result)
+    5. its reflection batch is applied (train.apply_reflection_batch, without a sync), then the
+       task batch (Alg. 1 steps 5-6), then ONE weight sync
+    6. step t's branch starts in a thread (rollout_engine.reflection_branch: sampling through
+       SeededView with its own seeds, trajectory picks from its own random.Random, privileged judge
+       calls on a pool; its judge calls and bank writes wait for step t+1's gate)
+
+Synchronisation points. After a step that ends on a checkpoint (checkpoint.every, the run's last
+step or checkpoint.stop_after) or a held-out evaluation point, the branch is collected before the
+step returns: the checkpoint then holds its bank entries and its batch as the pending batch, and
+the evaluation samples with no branch running. A resumed run therefore equals the uninterrupted one
+when both stop on the same points (a stop_after that is a multiple of checkpoint.every, or
+checkpoint.every = 1); a run stopped elsewhere resumes correctly but took one extra
+synchronisation point. An abort's checkpoint collects the branch in flight (`settle`).
+
+Metrics: the branch's reflect/* metrics land in the row of the step that collected it (step t+1,
+or step t at a synchronisation point); time/reflection_s is the branch's own wall time (hidden
+behind the rollouts when overlapped) and time/reflection_wait_s how long the collecting step waited.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+
+import numpy as np
+import torch
+
+import ss_grpo
+from backends.build import seeded_rollouts
+from backends.rollout_engine import TORCH_RNG_LOCK, AsyncReflection, StreamingJudge, reflection_branch
+from backends.robust import checked_judge_result
+from bank import curriculum
+from judge import judge_all
+from reflection import ReflectionBatch
+from scaffold import STAGES
+
+log = logging.getLogger("rubricem.overlap")
+
+# The reflection branch's request seeds: SeededView(sampler, REFLECTION_SEED_OFFSET + step seed),
+# apart from the rollouts' request_seed(step seed, index, turn).
+REFLECTION_SEED_OFFSET = 1_000_003
+
+
+def overlapped_step(run, stop_at: int, steps) -> "OverlappedStep | None":
+    """The overlapped step for `run` (full mode, full.rollout_schedule "async", HF / KV sampler),
+    or None: train.rl_step is the step (toy mode, "lockstep", and the vLLM sampler, whose engine is
+    not shared between threads; with vLLM, "async" removes the turn barrier only, AsyncTurns).
+    stop_at: the loop's last step + 1 (a synchronisation point); steps: the train module."""
+    cfg = run.cfg
+    if cfg.mode != "full" or cfg.full.rollout_schedule != "async" or not seeded_rollouts(cfg):
+        return None
+    return OverlappedStep(run, stop_at, steps)
+
+
+class _NoSync:
+    """The policy as train.apply_reflection_batch sees it in the overlapped step: the update is the
+    policy's, the sync a no-op (the step's single sync follows the task update)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def update(self, *args, **kwargs):
+        return self.policy.update(*args, **kwargs)
+
+    def sync(self, sampler) -> None:
+        pass
+
+
+class OverlappedStep:
+    """Callable as train.rl_step (run, step, pending, rng, m) -> train.StepOut; holds the reflection
+    branch in flight between calls. `settle(pending)` collects it (for a checkpoint)."""
+
+    def __init__(self, run, stop_at: int, steps):
+        self.run, self.stop_at, self.steps = run, int(stop_at), steps
+        self.inflight = AsyncReflection()
+        self.gate: threading.Event | None = None
+        cfg = run.cfg
+        # Streaming needs a judge that is safe in threads (the HTTP judge); others judge the step's
+        # groups after the rollouts, in group order, as train.judge_groups.
+        self.judge_concurrency = (cfg.judge_http.concurrency
+                                  if getattr(run.judge, "concurrent_groups", False) else 0)
+
+    def sync_point(self, done: int) -> bool:
+        """True when the step that makes `done` steps collects its own branch (see the module)."""
+        cfg = self.run.cfg
+        every, ev = cfg.checkpoint.every, cfg.eval.every
+        return (bool(every) and done % every == 0) or done >= self.stop_at \
+            or (bool(ev) and done % ev == 0 and done < cfg.steps)
+
+    def settle(self, pending: ReflectionBatch) -> ReflectionBatch:
+        """The pending batch with the branch in flight, if any, collected into it (its bank writes
+        done). Its reflect/* metrics are logged here, not in a metrics row."""
+        if not self.inflight.pending:
+            return pending
+        batch, rmet = self.inflight.result()
+        log.info("reflection branch of step %d collected for the checkpoint: %s", batch.step,
+                 {k: v for k, v in rmet.items() if k.startswith("reflect/")})
+        return batch
+
+    def _collect(self, m: dict) -> ReflectionBatch:
+        """The branch in flight, its metrics into m. A branch collected at a synchronisation point
+        right after the previous one (collected in the same step) replaces that one's reflect/*
+        figures, which then go to the log; the time/* keys stay the first branch's."""
+        batch, rmet = self.inflight.result()
+        own, wait = rmet.pop("reflect/async_s"), rmet.pop("reflect/async_wait_s")
+        if "time/reflection_s" not in m:
+            m["time/reflection_s"], m["time/reflection_wait_s"] = own, wait
+        else:
+            log.info("step %d: the previous branch's metrics (the row shows this step's own branch, "
+                     "collected for a synchronisation point): %s", batch.step,
+                     {k: v for k, v in m.items() if k.startswith("reflect/")})
+        m.update(rmet)
+        return batch
+
+    def __call__(self, run, step: int, pending: ReflectionBatch, rng: random.Random, m: dict):
+        S, cfg, n = self.steps, run.cfg, run.cfg.rollout.n
+        b, mode = curriculum(step, cfg.curriculum.K, cfg.curriculum.enabled)  # §3.5 windowed curriculum
+        queries = [run.train_q[i] for i in run.order.batch(b)]
+        items = S.retrieve_memory(run, queries, mode, b, m)  # Alg. 1 step 2
+        if self.gate is not None and self.judge_concurrency:
+            # step t-1's branch may now judge and write the bank (a judge that is not safe in
+            # threads waits until the branch is collected, after this step's judging)
+            self.gate.set()
+        rollouts, raws = self._rollouts_and_judge(run, queries, items, step, m)  # Alg. 1 steps 3-4
+        R, results, judged, bad_shape = np.zeros((len(rollouts), len(STAGES))), [], {}, 0
+        for gi, (q, raw) in enumerate(zip(queries, raws)):
+            res, bad = checked_judge_result(raw, n, step, q.query)
+            bad_shape += bad
+            results.append(res)
+            R[gi * n:(gi + 1) * n] = res.R
+            judged.update({gi * n + j: (res, j) for j in range(n)})
+        if bad_shape:
+            m["judge/bad_shape"] = bad_shape
+        if self.inflight.pending:  # step t-1's branch: its batch joins this step's update
+            pending = self._collect(m)
+        with S.timed(m, "time/reflection_update_s"):  # no sync: the step's one sync follows
+            m.update(S.apply_reflection_batch(_NoSync(run.policy), pending, run.sampler,
+                                              run.tok.pad_token_id, rng, cfg.reflection.loss_coef,
+                                              cfg.reflection.temperature
+                                              if cfg.reflection.score_at_temperature else 1.0))
+        with S.timed(m, "time/update_s"):
+            A, am = ss_grpo.task_advantages(R, n, cfg.ss_grpo, run.arm.advantage)  # Alg. 1 step 5
+            m.update(am)
+            batch = S.update_batch(rollouts, A, cfg.ss_grpo.skipped_stage_credit, cfg.rollout.temperature)
+            m.update(run.policy.update(batch, run.tok.pad_token_id, rng))  # Alg. 1 step 6
+        with S.timed(m, "time/sync_s"):
+            run.policy.sync(run.sampler)  # the one weight sync of the step
+        nxt = ReflectionBatch(step)
+        self.gate = None
+        if run.arm.reflection:  # Alg. 1 step 7, in a thread: it overlaps step t+1's rollouts
+            seed = REFLECTION_SEED_OFFSET + cfg.seed * 7919 + step
+            self.gate = threading.Event()
+            self.inflight.start(reflection_branch(
+                step, rollouts, judged, run.judge, run.bank, run.sampler, run.tok, run.system,
+                cfg.reflection, random.Random(seed), cfg.ss_grpo.std, cfg.ss_grpo.eps, n, seed,
+                judge_concurrency=max(1, self.judge_concurrency), bank_gate=self.gate),
+                bank_gate=self.gate)
+            if self.sync_point(step + 1):
+                nxt = self._collect(m)
+        return S.StepOut(queries, rollouts, R, results, batch, nxt)
+
+    def _rollouts_and_judge(self, run, queries: list, items: list, step: int, m: dict):
+        """The step's rollouts (every sampling rank, no turn barrier) and each group's raw judge
+        result, the groups judged as they finish when the judge allows it (StreamingJudge). Sets
+        time/rollout_s (the rollouts) and time/judge_s (the judge's tail after the last rollout)."""
+        cfg, n = run.cfg, run.cfg.rollout.n
+        seed = cfg.seed * 7919 + step  # as train.sample_rollouts
+        with TORCH_RNG_LOCK:  # the branch in flight may hold torch's RNG (SeededTorchSampler)
+            torch.manual_seed(seed)
+            run.sampler.reseed(seed)
+        t0 = time.perf_counter()
+        if not self.judge_concurrency:
+            rollouts = run.rollout_engine.run(queries, n=n, bank_items=items)
+            t1 = m["time/rollout_s"] = time.perf_counter() - t0
+            raws = judge_all(run.judge, queries, [rollouts[g * n:(g + 1) * n] for g in range(len(queries))],
+                             step)
+            m["time/judge_s"] = time.perf_counter() - t0 - t1
+            return rollouts, raws
+        groups: list = [None] * len(queries)
+        sj = StreamingJudge(run.judge, queries, groups, step, self.judge_concurrency)
+
+        def on_group(g: int, group: list) -> None:
+            groups[g] = group
+            sj.submit(g)
+
+        try:
+            rollouts = run.rollout_engine.run(queries, n=n, bank_items=items, on_group=on_group)
+        except BaseException:
+            sj.pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        t1 = m["time/rollout_s"] = time.perf_counter() - t0
+        raws = sj.results()
+        m["time/judge_s"] = time.perf_counter() - t0 - t1
+        return rollouts, raws
