@@ -53,7 +53,9 @@ Deviations from the paper (besides the toy world, see toy/world.py / toy/sft.py)
     3. The reflection branch runs in sequence after the update (see reflection.py), not on a
        separate worker. (Its GRPO batch is applied at the start of the next step, before that
        step's rollouts, which is Algorithm 1's order: each step may make two updates, with a weight
-       sync after each.)
+       sync after each.) Full mode with `full.rollout_schedule = "async"` runs it as the paper does,
+       overlapping the next step's rollouts with a one-step lag and one sync per step
+       (backends/overlap.py, docs/full_mode.md).
     4. Fault handling the paper does not describe: a judge call that still fails after
        `judge.max_retries` re-asks leaves its cells of R missing (advantage 0 for those cells);
        the run stops (JudgeFailureAbort, exit code 3) only when more than `judge.max_failure_rate`
