@@ -164,10 +164,13 @@ def curve_rows(arm: str, seed: int, curve: list[dict]) -> list[dict]:
     if base is None:
         raise ValueError(f"{arm}-seed{seed}: eval_curve.jsonl has no step-0 (SFT start) row")
     a0 = np.asarray(base["per_question"]["answer"])
+    s0 = np.asarray(base["per_question"].get("score", []))
     out = []
     for r in curve:
         a = np.asarray(r["per_question"]["answer"])
-        out.append({"arm": arm, "seed": seed, "step": r["step"],
+        sc = np.asarray(r["per_question"].get("score", []))
+        out.append({"per_question_score_delta": (sc - s0).tolist() if len(sc) == len(s0) else [],
+                    "arm": arm, "seed": seed, "step": r["step"],
                     "scaffold": "unstructured" if arm == UNSTRUCTURED else "structured",
                     "answer": r["answer"], "score": r["score"], "fact_recall": r["fact_recall"],
                     "answer_sft": base["answer"], "delta_answer": float((a - a0).mean()),
@@ -187,6 +190,25 @@ def pooled_stats(rows: list[dict], arm: str, step: int, key: str) -> tuple[float
     per_question_delta, per_question_fact_recall) of run `arm` (an arm or UNSTRUCTURED) at `step`,
     pooled over its seeds x questions; all NaN when there are none."""
     return mean_ci([d for r in rows if r["arm"] == arm and r["step"] == step for d in r.get(key, [])])
+
+
+def paired_difference(rows: list[dict], a: str, b: str, step: int) -> dict | None:
+    """{"answer": (mean, lo, hi), "score": (mean, lo, hi)}: arm a minus arm b at `step`, paired by
+    seed and held-out question (both arms of a seed share the SFT start and the questions), with a
+    percentile-bootstrap interval over the pairs; None when a seed lacks either arm."""
+    out = {}
+    for name, key in (("answer", "per_question_delta"), ("score", "per_question_score_delta")):
+        diffs = []
+        for seed in sorted({r["seed"] for r in rows if r["arm"] in (a, b)}):
+            ra = [r for r in rows if r["arm"] == a and r["seed"] == seed and r["step"] == step]
+            rb = [r for r in rows if r["arm"] == b and r["seed"] == seed and r["step"] == step]
+            if not ra or not rb or len(ra[0].get(key, [])) != len(rb[0].get(key, [])):
+                return None
+            diffs += (np.asarray(ra[0][key]) - np.asarray(rb[0][key])).tolist()
+        if not diffs:
+            return None
+        out[name] = mean_ci(diffs)
+    return out
 
 
 def final_step(rows: list[dict]) -> int | None:
@@ -460,7 +482,7 @@ def render(rows: list[dict], mem: dict, checks: list[str], arms: Sequence[str], 
          "(Fig. 6d, `scripts/memory_eval.py`). Numbers are held-out answer scores (toy judge, static "
          "rubrics, 0-1) minus the same run's SFT start; 95 % intervals are percentile bootstraps "
          "over seeds x held-out questions.", "",
-         f"- command: `{meta['command']}`", f"- commit: {meta['commit']}",
+         f"- command: `{meta['command']}`{meta.get('command_note', '')}", f"- commit: {meta['commit']}",
          f"- date (UTC): {meta['date']}", f"- machine: {meta['machine']}",
          f"- torch threads per run: {meta['threads']}", f"- grid: {meta['grid']}", ""]
     fs = final_step(rows)
@@ -468,18 +490,27 @@ def render(rows: list[dict], mem: dict, checks: list[str], arms: Sequence[str], 
     if fs is None:
         L += ["No finished runs yet: `python scripts/ablate.py` fills this section.", ""]
     else:
-        L += [f"At RL step {fs} (the last step every run evaluated).", "",
-              "| arm | paper's name | seeds | SFT answer | final answer | final - SFT [95% CI] |",
-              "|---|---|---|---|---|---|"]
+        L += [f"At RL step {fs} (the last step every run evaluated); the mean-stage score is the mean "
+              "of the four stage scores.", "",
+              "| arm | paper's name | seeds | SFT answer | final answer | final - SFT [95% CI] "
+              "| mean-stage final - SFT [95% CI] |", "|---|---|---|---|---|---|---|"]
         for a in arms:
             rs = [r for r in rows if r["arm"] == a and r["step"] == fs]
             if not rs:
-                L.append(f"| `{a}` | {PAPER_NAMES[a]} | 0 | | | not run |")
+                L.append(f"| `{a}` | {PAPER_NAMES[a]} | 0 | | | not run | |")
                 continue
             m, lo, hi = arm_stats(rows, a, fs)
+            sm, slo, shi = pooled_stats(rows, a, fs, "per_question_score_delta")
             L.append(f"| `{a}` | {PAPER_NAMES[a]} | {len(rs)} | {np.mean([r['answer_sft'] for r in rs]):.3f} "
-                     f"| {np.mean([r['answer'] for r in rs]):.3f} | {m:+.3f} [{lo:+.3f}, {hi:+.3f}] |")
+                     f"| {np.mean([r['answer'] for r in rs]):.3f} | {m:+.3f} [{lo:+.3f}, {hi:+.3f}] "
+                     f"| {sm:+.3f} [{slo:+.3f}, {shi:+.3f}] |")
         L.append("")
+        d = paired_difference(rows, "rubricem", "baseline_rl", fs)
+        if d is not None:
+            L += ["RubricEM minus Baseline RL at the final step, paired by seed and held-out question "
+                  f"(same SFT start, questions and sampling seed): answer score {d['answer'][0]:+.3f} "
+                  f"[{d['answer'][1]:+.3f}, {d['answer'][2]:+.3f}], mean-stage score "
+                  f"{d['score'][0]:+.3f} [{d['score'][1]:+.3f}, {d['score'][2]:+.3f}].", ""]
     if meta.get("figure"):
         L += [f"![held-out answer score minus SFT start per RL step]({meta['figure']})", ""]
     if meta.get("scaffold") or any(r["arm"] == UNSTRUCTURED for r in rows):
@@ -670,6 +701,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           memory=not a.no_memory, progress=not a.no_progress, scaffold=a.scaffold,
                           jobs=a.jobs)
     meta = {"command": "python scripts/ablate.py " + shlex.join(argv), "commit": commit(),
+            "command_note": " (the report of finished runs: the same command without `--render-only` "
+                            "trains them)" if a.render_only else "",
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
             "machine": machine(), "threads": threads_of(a.out, a.arms, a.seeds, a.sets),
             "scaffold": a.scaffold,
