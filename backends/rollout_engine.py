@@ -462,16 +462,13 @@ def reflection_branch(step: int, rollouts, judged, judge, bank, sampler, tok, sy
     return branch
 
 
-class AsyncTurns:
-    """scaffold.RolloutEngine's interface (run(queries, n, bank_items, temperature), prompt_ids,
-    stats, ...) with ConcurrentRolloutEngine's "async" schedule underneath, for train.py's full loop
-    (build.build_run, `full.rollout_schedule = "async"`, sampler "vllm"). The step's seed is the one
-    train.sample_rollouts gave the sampler (`sampler.reseed(seed)`, VLLMSampler.seed); every request
-    then carries request_seed(seed, rollout index, turn). The counters are the wrapped engine's."""
+class _EngineOver:
+    """A rollout engine's interface over ConcurrentRolloutEngine: the wrapped engine's attributes
+    (prompt_ids, ...) and counters (`stats`) pass through; subclasses define `run`."""
 
-    def __init__(self, engine, tool_concurrency: int = 8):
+    def __init__(self, engine, tool_concurrency: int, schedule: str):
         self._engine = engine
-        self._ce = ConcurrentRolloutEngine(engine, tool_concurrency, "async")
+        self._ce = ConcurrentRolloutEngine(engine, tool_concurrency, schedule)
 
     @property
     def stats(self) -> dict:
@@ -479,6 +476,17 @@ class AsyncTurns:
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
+
+
+class AsyncTurns(_EngineOver):
+    """scaffold.RolloutEngine's interface (run(queries, n, bank_items, temperature), prompt_ids,
+    stats, ...) with ConcurrentRolloutEngine's "async" schedule underneath, for train.py's full loop
+    (build.build_run, `full.rollout_schedule = "async"`, sampler "vllm"). The step's seed is the one
+    train.sample_rollouts gave the sampler (`sampler.reseed(seed)`, VLLMSampler.seed); every request
+    then carries request_seed(seed, rollout index, turn). The counters are the wrapped engine's."""
+
+    def __init__(self, engine, tool_concurrency: int = 8):
+        super().__init__(engine, tool_concurrency, "async")
 
     def run(self, queries: Sequence, n: int = 1, bank_items: Sequence[Sequence[str]] | None = None,
             temperature: float | None = None) -> list[Rollout]:
@@ -531,7 +539,7 @@ class SeededTorchSampler:
         return out
 
 
-class SeededRollouts:
+class SeededRollouts(_EngineOver):
     """scaffold.RolloutEngine's interface (run, prompt_ids, stats, ...) over ConcurrentRolloutEngine
     with one seed per request, for train.py's full loop with the HF / KV sampler (build.build_run):
     `schedule` "lockstep" or "async" (full.rollout_schedule). The step's seed is the one
@@ -544,16 +552,8 @@ class SeededRollouts:
 
     def __init__(self, engine, schedule: str = "lockstep", tool_concurrency: int = 8,
                  deal: Callable | None = None):
-        self._engine = engine
-        self._ce = ConcurrentRolloutEngine(engine, tool_concurrency, schedule)
+        super().__init__(engine, tool_concurrency, schedule)
         self._deal = deal
-
-    @property
-    def stats(self) -> dict:
-        return self._engine.stats
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
 
     def run(self, queries: Sequence, n: int = 1, bank_items: Sequence[Sequence[str]] | None = None,
             temperature: float | None = None,

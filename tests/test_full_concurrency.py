@@ -41,8 +41,12 @@ class SlowTool:
     """Search results that depend only on the query, after a latency that also does (0 to `base` s),
     or `slow_s` for queries in `slow`. Records the calls in flight."""
 
-    def __init__(self, base: float = 0.03, slow: tuple = (), slow_s: float = 0.0):
-        self.base, self.slow, self.slow_s = base, slow, slow_s
+    def __init__(self, base: float = 0.03, slow: tuple = (), slow_s: float = 0.0,
+                 gate: threading.Event | None = None, on_slow_return=None):
+        """gate: a slow query waits for it (at most slow_s) instead of sleeping slow_s;
+        on_slow_return(): called as a slow query returns."""
+        self.base, self.slow, self.slow_s, self.gate = base, slow, slow_s, gate
+        self.on_slow_return = on_slow_return
         self.lock = threading.Lock()
         self.in_flight = self.max_in_flight = self.calls = 0
 
@@ -54,7 +58,15 @@ class SlowTool:
             self.calls += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
         h = int(hashlib.sha256(query.encode()).hexdigest()[:8], 16)
-        time.sleep(self.slow_s if any(s in query for s in self.slow) else self.base * (h % 7) / 6)
+        if any(s in query for s in self.slow):
+            if self.gate is not None:
+                self.gate.wait(self.slow_s)
+            else:
+                time.sleep(self.slow_s)
+            if self.on_slow_return is not None:
+                self.on_slow_return()
+        else:
+            time.sleep(self.base * (h % 7) / 6)
         with self.lock:
             self.in_flight -= 1
         return [SearchResult(f"d{h % 97}", f"Result for {query[:20]}", f"text {h % 13}")]
@@ -108,32 +120,40 @@ def test_shard_covers_every_group_once():
 
 
 def test_no_turn_barrier_and_bounded_tool_concurrency(model_tok):
-    """A rollout whose tool call hangs for 1.5 s does not hold the others back: they finish all their
-    turns while it waits (async), whereas lockstep makes every rollout wait for it. Tool calls run
-    concurrently, never more than the bound."""
+    """A rollout whose tool call hangs does not hold the others back: under "async" the call returns
+    only once every other group has finished all its turns (a gate the last of them opens; with a
+    turn barrier that would never happen and the call would give up after 60 s), whereas under
+    "lockstep" no group can finish while it hangs. Tool calls run concurrently, never more than the
+    bound. (Ordering, not wall time: the test holds on a loaded machine.)"""
     qs = list(train_queries()[:4])
     probe = _engine(model_tok, SlowTool(base=0.0), "lockstep").run(qs, 2, None, seed=5)
     called = [r for r in probe if r.tool_calls]
     assert len(called) >= 2
     slow_q = called[0].tool_calls[0].query  # the first call of one rollout hangs
-    finish: dict = {}
+    slow_group = next(i // 2 for i, r in enumerate(probe) if any(c.query == slow_q for c in r.tool_calls))
 
-    def timed(schedule, bound):
-        tool = SlowTool(base=0.05, slow=(slow_q,), slow_s=1.5)
-        ce = _engine(model_tok, tool, schedule, tool_concurrency=bound)
-        t0 = time.perf_counter()
-        out = ce.run(qs, 2, None, seed=5, on_group_done=lambda g: finish.setdefault(
-            (schedule, g), time.perf_counter() - t0))
-        return out, tool, ce
+    def ordered(schedule, bound, wait_s):
+        gate, done, at_return = threading.Event(), [], []
 
-    out, tool, ce = timed("async", 3)
+        def on_done(g):
+            done.append(g)
+            if set(done) == set(range(len(qs))) - {slow_group}:
+                gate.set()  # every other group has finished
+
+        tool = SlowTool(base=0.05, slow=(slow_q,), slow_s=wait_s, gate=gate,
+                        on_slow_return=lambda: at_return.append(len(done)))
+        out = _engine(model_tok, tool, schedule, tool_concurrency=bound).run(
+            qs, 2, None, seed=5, on_group_done=on_done)
+        return out, tool, done, at_return, gate
+
+    out, tool, done, at_return, gate = ordered("async", 3, 60.0)
     assert _key(out) == _key(probe)
-    slow_group = next(i // 2 for i, r in enumerate(out) if any(c.query == slow_q for c in r.tool_calls))
-    others = [finish[("async", g)] for g in range(len(qs)) if g != slow_group]
-    assert max(others) < 1.5 <= finish[("async", slow_group)]  # the others never waited for it
+    assert gate.is_set() and at_return[0] == len(qs) - 1  # the others never waited for it
+    assert done[-1] == slow_group
     assert 2 <= tool.max_in_flight <= 3  # concurrent, within the bound
-    timed("lockstep", 3)
-    assert min(finish[("lockstep", g)] for g in range(len(qs))) >= 1.5  # the turn barrier
+    out, _, _, at_return, _ = ordered("lockstep", 3, 1.0)
+    assert _key(out) == _key(probe)
+    assert at_return[0] == 0  # the turn barrier: no group finished while the call hung
 
 
 def test_streaming_judge_starts_before_the_rollouts_end(model_tok):
