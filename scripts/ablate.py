@@ -202,9 +202,10 @@ def paired_difference(rows: list[dict], a: str, b: str, step: int) -> dict | Non
         for seed in sorted({r["seed"] for r in rows if r["arm"] in (a, b)}):
             ra = [r for r in rows if r["arm"] == a and r["seed"] == seed and r["step"] == step]
             rb = [r for r in rows if r["arm"] == b and r["seed"] == seed and r["step"] == step]
-            if not ra or not rb or len(ra[0].get(key, [])) != len(rb[0].get(key, [])):
-                return None
-            diffs += (np.asarray(ra[0][key]) - np.asarray(rb[0][key])).tolist()
+            va, vb = (ra[0].get(key, []), rb[0].get(key, [])) if ra and rb else ([], [])
+            if not va or len(va) != len(vb):
+                return None  # a seed without either arm, or rows without per-question values
+            diffs += (np.asarray(va) - np.asarray(vb)).tolist()
         if not diffs:
             return None
         out[name] = mean_ci(diffs)

@@ -365,7 +365,12 @@ def readme_markdown(seeds, summ, data, out: str, threads: str) -> str:
             + (f"; peak memory {_fmt_mb(max(rss))}" if rss else "") + ". "
             f"The run ends with a summary like this (seed {seeds[0]}; `[lo, hi]` is a 95 % bootstrap "
             "interval over the held-out questions):")
-    L = [README_BEGIN, wall, "", "```", *console_summary(os.path.join(out, f"seed{seeds[0]}")), "```",
+    summary = console_summary(os.path.join(out, f"seed{seeds[0]}"))
+    if "artefacts:" in summary:  # the file list (one line per artefact) shortened to its first line
+        i = summary.index("artefacts:")
+        j = next((k for k in range(i + 1, len(summary)) if not summary[k].startswith("  ")), len(summary))
+        summary = summary[:i] + [f"artefacts: ({j - i - 1} files in the run dir, listed here)"] + summary[j:]
+    L = [README_BEGIN, wall, "", "```", *summary, "```",
          "", "Held-out toy scores (64 held-out questions x 2 samples at temperature 1.0, static judge "
          "rubrics; `python scripts/reproduce.py`, which runs the seeds and writes this table, the "
          "bootstrap intervals and the figure to docs/results.md and here):", "",

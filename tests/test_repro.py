@@ -27,7 +27,7 @@ torch.set_num_threads(1)
 w = make_world(WorldConfig(seed=0, n_train_entities=40, n_heldout_entities=8))
 cfg = sft.SFTConfig(n_trajectories=20, n_reflections=20, steps=1, batch_size=40)
 ex, stats = sft.build_sft_data(w, BM25SearchTool(w.docs), scaffold.SYSTEM_PROMPT_COMPACT, cfg,
-                               tf.mild_teacher(p_skip=0.5))
+                               sft.TeacherConfig(p_skip=0.5))
 texts = [d.title + " " + d.text for d in w.docs] + [sft.tok_text(m, s) for m, s in ex]
 tok = toy_model.train_tokenizer(texts, names=list(w.entities), vocab_size=300, syllables=SYLLABLES)
 enc = sft.encode_examples(tok, ex)
@@ -61,7 +61,6 @@ TOY_RUN = r"""
 import json, sys
 sys.path.insert(0, "tests")
 import runfix, train
-import toyfix as tf  # noqa: E402
 run_dir, cache = sys.argv[1], sys.argv[2]
 args = runfix.fast_args(run_dir, cache, 1, "--set", "eval.n_questions=0", "--set", "teacher.p_skip=0.5",
                         "--set", "sft.n_trajectories=20", "--set", "sft.n_reflections=20",
