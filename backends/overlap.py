@@ -70,7 +70,7 @@ def overlapped_step(run, stop_at: int, steps) -> "OverlappedStep | None":
     return OverlappedStep(run, stop_at, steps)
 
 
-class _NoSync:
+class NoSync:
     """The policy as train.apply_reflection_batch sees it in the overlapped step: the update is the
     policy's, the sync a no-op (the step's single sync follows the task update)."""
 
@@ -152,7 +152,7 @@ class OverlappedStep:
         if self.inflight.pending:  # step t-1's branch: its batch joins this step's update
             pending = self._collect(m)
         with S.timed(m, "time/reflection_update_s"):  # no sync: the step's one sync follows
-            m.update(S.apply_reflection_batch(_NoSync(run.policy), pending, run.sampler,
+            m.update(S.apply_reflection_batch(NoSync(run.policy), pending, run.sampler,
                                               run.tok.pad_token_id, rng, cfg.reflection.loss_coef,
                                               cfg.reflection.temperature
                                               if cfg.reflection.score_at_temperature else 1.0))

@@ -71,6 +71,7 @@ import torch.multiprocessing as mp  # noqa: E402
 import ss_grpo  # noqa: E402
 from backends import rollout_engine as re_  # noqa: E402
 from backends.judge_http import HTTPJudge, judge_configs  # noqa: E402
+from backends.overlap import NoSync  # noqa: E402
 from backends.search_http import SearchHTTPConfig, SerperSearchTool  # noqa: E402
 from backends.torch_engine import TorchEngine  # noqa: E402
 from backends.weight_channel import free_port  # noqa: E402
@@ -294,7 +295,7 @@ def worker(rank: int, world: int, port: int, schedule: str, a, urls: dict, out_p
             m["reflection_s"] = rmet["reflect/async_s"]
             if pending.sequences:
                 rb = pending
-                apply_reflection_batch(_NoSync(policy), rb, sampler, tok.pad_token_id, rng, 1.0, rcfg.temperature)
+                apply_reflection_batch(NoSync(policy), rb, sampler, tok.pad_token_id, rng, 1.0, rcfg.temperature)
         A, _ = ss_grpo.task_advantages(R, n, cfg, "ss_grpo")
         policy.update(update_batch(rollouts, A), tok.pad_token_id, rng)
         m["update_s"] = time.perf_counter() - t0 - m.get("reflection_wait_s", 0.0)
@@ -329,20 +330,6 @@ def worker(rank: int, world: int, port: int, schedule: str, a, urls: dict, out_p
     judge.close()
     dist.barrier()
     dist.destroy_process_group()
-
-
-class _NoSync:
-    """The policy engine with its sync deferred: the concurrent schedule applies the reflection
-    batch and the task batch, then syncs once."""
-
-    def __init__(self, policy):
-        self.policy = policy
-
-    def update(self, *a, **k):
-        return self.policy.update(*a, **k)
-
-    def sync(self, sampler) -> None:
-        pass
 
 
 def _run_share(ce, qs, mine, n, step, a, on_done):

@@ -72,6 +72,7 @@ def build(cfg, out: str, progress: bool = False, prefix_steps: int = 0) -> dict:
     Raises FileExistsError if `out` exists."""
     if os.path.exists(out):
         raise FileExistsError(f"{out} exists; remove it or choose another --out")
+    cfg = dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, shipped=False))  # train, never load
     torch.set_num_threads(max(1, cfg.threads))
     world = make_world(cfg.world)
     tool = BM25SearchTool(world.docs)
@@ -121,23 +122,8 @@ def main(argv=None) -> int:
     ap.add_argument("--progress", action="store_true")
     ap.add_argument("--prefix-steps", type=int, default=8, metavar="K",
                     help="also record the digest of the build's first K SFT steps (0: none; default 8)")
-    ap.add_argument("--add-prefix", action="store_true",
-                    help="only add the prefix digest to the existing build --out (its manifest's settings)")
     a = ap.parse_args(argv)
     cfg = apply_overrides(toy_preset(), a.set)
-    if a.add_prefix:
-        path = os.path.join(a.out, "warm_start.json")
-        with open(path) as fh:
-            m = json.load(fh)
-        torch_threads = cfg.threads
-        if m["key"] != warm_start_key_of(cfg) or m["threads"] != torch_threads:
-            raise SystemExit(f"--set does not give {a.out}'s configuration and thread count")
-        m["prefix"] = prefix_digest(cfg, a.prefix_steps, os.path.dirname(os.path.abspath(a.out)))
-        with open(path + ".tmp", "w") as fh:
-            json.dump(m, fh, indent=1, sort_keys=True)
-        os.replace(path + ".tmp", path)
-        print(json.dumps(m["prefix"], indent=1))
-        return 0
     m = build(cfg, a.out, a.progress, a.prefix_steps)
     size = sum(os.path.getsize(os.path.join(a.out, f)) for f in os.listdir(a.out))
     print(json.dumps({"out": a.out, "bytes": size, "params": m["params"], "steps": m["steps"],

@@ -175,12 +175,10 @@ def seed_row(seed: int, d: dict) -> dict:
             "gain": e1["answer"] - e0["answer"], "sft_score": e0["score"], "rl_score": e1["score"],
             "sft_recall": e0["fact_recall"], "rl_recall": e1["fact_recall"],
             "wf_min": min(wf) if wf else float("nan"), "wf": wf, "steps": len(rows),
-            "greedy": "eval_sft_greedy" in ev,
             "sft_answer_g": ev.get("eval_sft_greedy", {}).get("answer", float("nan")),
             "rl_answer_g": ev.get("eval_rl_greedy", {}).get("answer", float("nan")),
             "sft_recall_g": ev.get("eval_sft_greedy", {}).get("fact_recall", float("nan")),
             "rl_recall_g": ev.get("eval_rl_greedy", {}).get("fact_recall", float("nan")),
-            "shipped": bool(ev.get("sft", {}).get("shipped")),
             "cold_s": None if cached else total,
             "cached_s": total if cached else (total - sft_s if total is not None else None),
             "rss_mb": t.get("peak_rss_mb")}

@@ -522,14 +522,21 @@ SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm_start")
 """The shipped warm start (scripts/build_warm_start.py --out toy/warm_start, default configuration)."""
 
 
-def shipped_key() -> str | None:
-    """The `warm_start_key` the shipped warm start was built with (its warm_start.json), or None
-    when there is none or its manifest cannot be read."""
+def shipped_manifest() -> dict | None:
+    """The shipped warm start's warm_start.json (its "key" is the `warm_start_key` it was built
+    with), or None when there is none or it cannot be read."""
     try:
         with open(os.path.join(SHIPPED, "warm_start.json")) as fh:
-            return json.load(fh)["key"]
-    except (OSError, ValueError, KeyError):
+            man = json.load(fh)
+        return man if isinstance(man, dict) and "key" in man else None
+    except (OSError, ValueError):
         return None
+
+
+def shipped_key() -> str | None:
+    """The `warm_start_key` of the shipped warm start, or None (shipped_manifest)."""
+    man = shipped_manifest()
+    return None if man is None else man["key"]
 
 
 def warm_start(world: World, tool, system: str, cfg: SFTConfig, tcfg: TeacherConfig, size: str,
@@ -546,10 +553,9 @@ def warm_start(world: World, tool, system: str, cfg: SFTConfig, tcfg: TeacherCon
     if precision != "fp32":
         extra_key = {**(extra_key or {}), "precision": precision}
     key = warm_start_key(world.config, system, cfg, tcfg, size, vocab_size, scaffold, extra_key)
-    if cfg.shipped and shipped_key() == key:  # the released warm start of this configuration
+    man = shipped_manifest() if cfg.shipped else None
+    if man is not None and man["key"] == key:  # the released warm start of this configuration
         model, tok = policy.load_policy(SHIPPED)
-        with open(os.path.join(SHIPPED, "warm_start.json")) as fh:
-            man = json.load(fh)
         info = {k: man[k] for k in ("key", "params", "final_loss", "steps")}
         info.update(cached=True, shipped=True)
         log.info(warm_start_line(True, SHIPPED, cfg.steps))
