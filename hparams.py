@@ -88,10 +88,6 @@ class SSGRPOConfig:
     only, the same gradient; full: 1"""
     grad_clip: float = 1.0
     """not in the paper; we clip the global gradient norm per optimizer step at 1.0 (verl's default)"""
-    share_prefix: bool = True
-    """not in the paper; we pack the sequences of a micro-batch that share a long prompt (a
-    reflection group's m candidates) into one row (policy.pack_rows): the same values, fewer tokens;
-    not with agg = "seq_mean_token_mean", whose per-row means need one sequence per row"""
     skipped_stage_credit: bool = False
     """not in the paper (off by default); a rollout that skips a stage gives that stage's advantage
     to the token that skipped it (ss_grpo deviation 7; docs/results.md)"""

@@ -22,9 +22,11 @@ Functions
       k3 = exp(d) - d - 1,  d = log pi_ref - log pi_theta
   with the optimizer step's global normalisers (ss_grpo.ss_grpo_loss, ss_grpo.aggregate).
 
-The chunked, masked and prefix-shared log-probs are the toy run's default (ss_grpo.share_prefix):
-the plain log_softmax + gather gives the same values to float rounding (tests/test_logprobs.py,
-tests/test_prefix_sharing.py), not bit for bit, so switching would change the toy's numbers.
+The toy run takes the plain path: each sequence in its own row, log_softmax + gather over every
+position. The engines' fast path (`fast_logprobs`, on in the full preset) projects only the
+loss-masked positions, in chunks, and packs the sequences that share a long prompt into one row
+(pack_rows); it gives the same values to float rounding (tests/test_logprobs.py,
+tests/test_prefix_sharing.py), not bit for bit.
 
 Deviations from the paper
 1. Toy mode trains a tiny model from scratch (SFT warm start, toy/sft.py) instead of starting from a
@@ -187,7 +189,7 @@ def _segment_layout(seg: torch.Tensor, model) -> tuple[torch.Tensor, torch.Tenso
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
     if impl not in ("sdpa", "eager"):
         raise ValueError(f"prefix-shared rows need 'sdpa' or 'eager' attention, not {impl!r}; "
-                         "set ss_grpo.share_prefix = false")
+                         "set fast_logprobs = false")
     B, L = seg.shape
     seg = seg.long()
     ar = torch.arange(L, device=seg.device)
@@ -466,6 +468,9 @@ class PolicyEngine(Protocol):
     each is collective (every rank calls it, in the same order)."""
 
     world_size: int
+    share_prefix: bool
+    """policy_update packs the sequences that share a long prompt into one row (pack_rows); the
+    engine then takes packed rows (segment ids in the attention) and a loss mask"""
 
     def logprobs(self, ids: torch.Tensor, att: torch.Tensor, mask: torch.Tensor | None = None,
                  temperature: float = 1.0) -> torch.Tensor:
@@ -571,7 +576,7 @@ def policy_update(engine: PolicyEngine, local: UpdateBatch, cfg, pad_id: int, pl
     statistics (raw grad_norm included), for the ZeRO-3 self-test. Collective on a multi-rank
     engine: every rank calls it.
     """
-    share = bool(getattr(cfg, "share_prefix", False)) and cfg.agg != "seq_mean_token_mean"
+    share = bool(getattr(engine, "share_prefix", False)) and cfg.agg != "seq_mean_token_mean"
     index = plan.index or None
     old = _later_old_logprobs(engine, local, plan, cfg, pad_id, share)
     ref = sequence_logprobs(functools.partial(engine.ref_logprobs,

@@ -201,7 +201,7 @@ def train(cfg: Config, resume: str | None = None) -> dict:
             model.to(f"cuda:{full.dist_env().local_rank}")  # HF generate on rank 0's GPU
         policy = full.ZeRO3Engine(cfg, model)  # collective with the other ranks' ZeRO3Engine(cfg)
     else:
-        policy = TorchEngine(model, cfg.ss_grpo, precision=cfg.precision)
+        policy = TorchEngine(model, cfg.ss_grpo, precision=cfg.precision, fast=cfg.fast_logprobs)
     try:
         return _train_loop(cfg, state, ckpt_path, policy, model, tok, sft_info, reference, world, tool,
                            train_q, held_q, mpath, timings, t_start)

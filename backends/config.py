@@ -98,7 +98,8 @@ _SEARCH_HTTP = ("base_url", "api_key_env", "timeout_s", "max_retries", "backoff_
                 "cache_dir", "max_snippet_chars", "rpm")
 ALIASES: dict[str, str] = {**{f"judge.{k}": f"judge_http.{k}" for k in _JUDGE_HTTP},
                            **{f"search.{k}": f"search_http.{k}" for k in _SEARCH_HTTP},
-                           "model_size": "toy_model.size", "vocab_size": "toy_model.vocab_size"}
+                           "model_size": "toy_model.size", "vocab_size": "toy_model.vocab_size",
+                           "ss_grpo.share_prefix": "fast_logprobs"}
 
 
 def canonical_key(key: str) -> str:
@@ -431,6 +432,14 @@ class Config(PaperConfig):
     unless $WANDB_MODE says otherwise); --report-to"""
     dry_run: bool = False
     """full mode: check the environment and print the plan only"""
+    fast_logprobs: bool = False
+    """ours: the policy engine's log-probs. False (the toy default): the plain path, one sequence per
+    row and log_softmax + gather over every position (policy.token_logprobs). True (the full
+    preset): the vocabulary projection only where the loss mask is set, in chunks, and the
+    sequences of a micro-batch that share a long prompt (a reflection group's m candidates) packed
+    into one row (policy.pack_rows); the same values to float rounding (tests/test_logprobs.py,
+    tests/test_prefix_sharing.py), less memory and time (docs/performance.md section 7). Was
+    ss_grpo.share_prefix"""
     engine: str = "torch"
     """policy engine: "torch" (one process, torch AdamW) | "zero3" (DeepSpeed ZeRO-3 over the
     launcher's ranks, full.ZeRO3Engine)"""

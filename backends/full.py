@@ -760,6 +760,7 @@ class ZeRO3Engine:
                 ref = FrozenReference.from_pretrained(cfg.model, ds, chunk_size=cfg.full.logprob_chunk)
         self.policy, self.ref = policy, ref
         self.world_size = self.env.world_size
+        self.share_prefix = bool(cfg.fast_logprobs)  # the fast path (the full preset's): see Config
         self.closed = False
         # Every rank samples its share of the groups (build.every_rank_samples): ranks > 0 keep a
         # plain copy of pi_theta and their own rollout engine, and stream finished groups to rank 0
@@ -774,11 +775,12 @@ class ZeRO3Engine:
     # the five calls of policy.policy_update (the one SS-GRPO update of both engines) -------------
     def logprobs(self, ids: torch.Tensor, att: torch.Tensor, mask: torch.Tensor | None = None,
                  temperature: float = 1.0) -> torch.Tensor:
-        return self.policy.logprobs(ids, att, mask, temperature)
+        # the plain path (fast_logprobs false) computes every column, as TorchEngine's
+        return self.policy.logprobs(ids, att, mask if self.share_prefix else None, temperature)
 
     def ref_logprobs(self, ids: torch.Tensor, att: torch.Tensor, mask: torch.Tensor | None = None,
                      temperature: float = 1.0) -> torch.Tensor:
-        return self.ref.logprobs(ids, att, mask, temperature)
+        return self.ref.logprobs(ids, att, mask if self.share_prefix else None, temperature)
 
     def backward(self, loss: torch.Tensor, boundary: bool) -> None:
         self.policy.backward(loss, boundary)

@@ -51,6 +51,7 @@ def full_preset() -> Config:
     c = Config(mode="full", steps=1400, run_dir="runs/full")  # PAPER: final run 1400 steps
     attach_sections(c, "full", "judge_http", "search_http")
     c.engine, c.sampler = "zero3", "vllm"  # PAPER: ZeRO-3 training, vLLM sampling
+    c.fast_logprobs = True  # SCALE: head on the loss tokens only, in chunks; shared prompts packed
     c.data.source = PAPER_RL_DATA  # PAPER: rl-research/dr-tulu-rl-data
     c.search.backend = "serper"  # PAPER: web search tool (google_search)
     c.judge.backend = "gemini"  # PAPER: Gemini Flash judge and rubric generator

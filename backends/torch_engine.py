@@ -65,12 +65,16 @@ class TorchEngine:
     model: pi_theta, also the weights the HF / KV sampler generates with; ref_model: the frozen pi_ref
     (default: a copy of the starting policy); opt: the optimizer (default: AdamW at cfg.lr).
     cfg: hparams.SSGRPOConfig. precision: the forwards' `autocast` ("fp32" | "bf16"; ValueError
-    otherwise). Dropout is disabled in the model (disable_dropout)."""
+    otherwise). fast: the fast log-prob path (Config.fast_logprobs): the head only on loss-masked
+    positions and prompt-sharing sequences packed into one row; False (default): the plain path.
+    Dropout is disabled in the model (disable_dropout)."""
 
     world_size = 1
 
-    def __init__(self, model, cfg, ref_model=None, opt=None, precision: str = "fp32"):
+    def __init__(self, model, cfg, ref_model=None, opt=None, precision: str = "fp32",
+                 fast: bool = False):
         self.model, self.cfg = model, cfg
+        self.share_prefix = bool(fast)  # policy_update packs shared prompts (fast path only)
         autocast(precision)  # ValueError for an unknown precision, before any work
         self.precision = precision
         self.pad_multiple = pad_multiple(precision)  # forwards see lengths rounded up to this
@@ -100,7 +104,10 @@ class TorchEngine:
     def _forward(self, model, ids: torch.Tensor, att: torch.Tensor,
                  mask: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
         """token_logprobs under the engine's precision, right-padded to pad_multiple (attention 0
-        on the padding, which no real position attends to) and cut back to (B, L)."""
+        on the padding, which no real position attends to) and cut back to (B, L). The plain path
+        ignores the loss mask: every column is computed."""
+        if not self.share_prefix:
+            mask = None
         L = ids.shape[1]
         extra = -L % self.pad_multiple
         if extra:

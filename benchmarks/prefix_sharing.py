@@ -1,5 +1,5 @@
 """The reflection GRPO update (§3.4) and the reflection prompts' prefill, with and without sharing the
-prompt: policy.pack_rows / token_logprobs' segment rows (`ss_grpo.share_prefix`) and KVSampler's
+prompt: policy.pack_rows / token_logprobs' segment rows (`fast_logprobs`) and KVSampler's
 once-per-distinct-prompt prefill.
 
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
@@ -8,7 +8,7 @@ pending reflection batch of step N (`state.pt`, "pending": m = 8 candidates behi
 step's reflection prompts). For each repetition, alternating:
     update   TorchEngine.update on that batch (the toy preset's SS-GRPO settings: 2 optimizer steps,
              reference and old log-probs), from the same weights and a fresh optimizer, with
-             share_prefix off and on; the losses must agree (printed)
+             fast_logprobs off and on; the losses must agree (printed)
     prefill  one forward over all the batch's prompts (what a sampler without prompt dedupe does)
              and over its distinct prompts only (what KVSampler does)
 Wall seconds, one process, nothing else should run (a 2-core machine: see docs/performance.md).
@@ -75,9 +75,7 @@ def main(argv=None) -> int:
     for rep in range(a.reps):
         stats = {}
         for share in (False, True):
-            cfg = copy.deepcopy(cfg0)
-            cfg.share_prefix = share
-            eng = TorchEngine(copy.deepcopy(model), cfg)
+            eng = TorchEngine(copy.deepcopy(model), copy.deepcopy(cfg0), fast=share)
             t = time.perf_counter()
             stats[share] = eng.update(batch, tok.pad_token_id, random.Random(rep))
             times["update_on" if share else "update_off"].append(time.perf_counter() - t)

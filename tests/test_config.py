@@ -90,7 +90,8 @@ def test_every_old_key_spelling_still_sets_its_new_key_with_a_deprecation_line(o
     ref = dict((k, v) for k, _, v in config.leaf_fields(presets.reference_config()))
     assert new in ref and old not in ref
     value = ref[new]
-    changed = (value + 1 if isinstance(value, int) and not isinstance(value, bool) else
+    changed = (not value if isinstance(value, bool) else
+               value + 1 if isinstance(value, int) else
                value + 0.5 if isinstance(value, float) else "XS" if new == "toy_model.size" else
                "json_object" if new.endswith("openai_response_format") else
                "responseJsonSchema" if new.endswith("gemini_schema_field") else value + "-x")
@@ -117,10 +118,11 @@ def test_configs_saved_before_the_sections_moved_load_and_resume(preset, caplog)
     saved = OLD[preset]
     assert "base_url" in saved["judge"] and "model_size" in saved  # the old layout
     now = presets.toy_preset() if preset == "toy" else presets.full_preset()
-    # The toy's world, teacher and SFT defaults changed after these were saved: set them back.
+    # The toy's world, teacher, SFT and log-prob defaults changed after these were saved: set them
+    # back (ss_grpo.share_prefix = true, saved then, reads as fast_logprobs = true).
     now = config.apply_overrides(now, ["world.n_train_entities=1000", "sft.n_trajectories=8000",
                                        "sft.steps=1000", "teacher.p_skip=0.15", "teacher.p_uncited=0.15",
-                                       "teacher.p_no_negative=0.3"])
+                                       "teacher.p_no_negative=0.3", "fast_logprobs=true"])
     assert config.resume_config_diff(saved, now) == []
     back = presets.load_config(saved)
     assert dataclasses.asdict(back)["toy_model"] == dataclasses.asdict(now.toy_model)

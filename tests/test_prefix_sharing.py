@@ -129,7 +129,7 @@ def test_eager_attention_packs_too_and_others_are_refused():
     assert max(float((got[i] - want[i]).abs().max()) for i in range(3)) < 1e-5
     other = tiny_qwen3()
     other.config._attn_implementation = "flash_attention_2"  # as a model loaded for FlashAttention
-    with pytest.raises(ValueError, match="share_prefix"):
+    with pytest.raises(ValueError, match="fast_logprobs"):
         policy.token_logprobs(other, ids, att)
 
 
@@ -156,10 +156,10 @@ def test_update_with_sharing_has_the_unshared_losses_and_gradients(agg, minibatc
     for share in (False, True):
         model = tiny_qwen3()
         cfg = SSGRPOConfig(minibatches=minibatches, micro_batch=micro, agg=agg, beta=0.04,
-                           grad_clip=1e9, share_prefix=share)
+                           grad_clip=1e9)
         opt = RecordingOpt(model.parameters())
-        out = TorchEngine(model, cfg, copy.deepcopy(ref_model), opt).update(batch, PAD,
-                                                                           random.Random(0))
+        out = TorchEngine(model, cfg, copy.deepcopy(ref_model), opt, fast=share).update(
+            batch, PAD, random.Random(0))
         runs.append((out, opt.grads))
     (o0, g0), (o1, g1) = runs
     assert len(g0) == len(g1) == minibatches
@@ -177,12 +177,16 @@ def test_per_sequence_aggregation_is_never_packed(monkeypatch):
                         or real(b, i, p, share))
     batch = grouped_batch([(20, [3, 4])])
     cfg = SSGRPOConfig(minibatches=2, micro_batch=4, agg="seq_mean_token_mean", beta=0.01)
-    TorchEngine(tiny_qwen3(), cfg).update(batch, PAD, random.Random(0))
+    TorchEngine(tiny_qwen3(), cfg, fast=True).update(batch, PAD, random.Random(0))
     assert calls and not any(calls)
     calls.clear()
+    TorchEngine(tiny_qwen3(), SSGRPOConfig(micro_batch=4, beta=0.01), fast=True).update(
+        batch, PAD, random.Random(0))
+    assert calls and all(calls)
+    calls.clear()  # the plain path (the toy default) never packs
     TorchEngine(tiny_qwen3(), SSGRPOConfig(micro_batch=4, beta=0.01)).update(batch, PAD,
                                                                              random.Random(0))
-    assert calls and all(calls)
+    assert calls and not any(calls)
 
 
 def test_sequence_logprobs_with_sharing_keeps_the_pass_count(model):
