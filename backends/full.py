@@ -30,7 +30,7 @@ Memory (Qwen3-8B, 8 GPUs, bf16, ZeRO-3, optimizer offloaded; P = 8.2e9 parameter
     fp32 master weights + Adam moments 12P = 98 GB of host RAM per node (12 GB per rank);
     pi_ref ZeRO-3 partitioned too: 2P / 8 = 2.0 GB per GPU (we chose this over a rank-0 copy, which
     would hold 16 GB on one GPU and make every rank wait for rank 0's reference pass);
-    logits: fast_logprobs.token_logprobs projects 1,024 positions at a time, so the old / reference passes
+    logits: fast_logprobs.token_logprobs projects 1,024 positions at a time, so old / reference passes
     (no gradient) of a 26,624-token sequence hold ~2 x 1,024 x 151,936 x 4 B = 1.2 GB of fp32
     logits instead of 2 x 16 GB. With gradient, autograd keeps every chunk's log-softmax output for
     the backward: 26,624 x 151,936 x 4 B = 16 GB per sequence in the micro-batch. Recomputing each
