@@ -66,7 +66,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     sequences sampled at T scores them under it, as TRL, verl and open-instruct do; T = 1 is the
     model's own distribution). Raises ValueError for T <= 0 or not finite.
 
-    This holds the (B, L, V) fp32 logits at once, which the toy can afford; the engines' fast path
+    This holds the (B, L - 1, V) fp32 logits at once, which the toy can afford; the engines' fast path
     (backends/fast_logprobs.py: chunked, head on loss tokens only, recomputed in the backward,
     shared prompts packed) gives the same values to float rounding.
     """
@@ -77,9 +77,9 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     hidden = base(input_ids=input_ids, attention_mask=attention_mask,
                   position_ids=position_ids).last_hidden_state  # (B, L, H)
-    logits = model.get_output_embeddings()(hidden[:, :-1]).float() / temperature  # (B, L - 1, V)
+    logits = model.get_output_embeddings()(hidden[:, :-1]).float()  # (B, L - 1, V)
     # log pi_T(x_{t+1} | x_{<=t}) = log_softmax(logits_t / T)[x_{t+1}]
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    lp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     return torch.cat([lp.new_zeros(lp.shape[0], 1), lp], dim=1)  # (B, L)
 
 
