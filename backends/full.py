@@ -772,12 +772,17 @@ class ZeRO3Engine:
     """
 
     def __init__(self, cfg, model=None, *, policy: ZeRO3Policy | None = None,
-                 ref: FrozenReference | None = None):
+                 ref: FrozenReference | None = None, rollouts: bool | None = None):
         """Load pi_theta (and pi_ref when beta > 0) from cfg.model into ZeRO-3 partitions; collective.
-        policy / ref: already built engines instead (the self-test)."""
+        policy / ref: already built engines instead (the self-test). rollouts: whether the ranks set
+        up their share of the sampling (the side group; on ranks > 0 build.rank_rollouts: a copy of
+        pi_theta or a vLLM engine, the data and the search tool) when every_rank_samples(cfg); None
+        = only for a run that loads its own policy (train.py), not over a given one (the self-test
+        and the update checks sample nothing). Must be the same on every rank."""
         self.cfg = cfg
         self.env = dist_env()
         self.model = model  # rank 0: the plain sampling copy; None elsewhere
+        policy_given = policy is not None
         if policy is None:
             ds = deepspeed_config(cfg, self.env.world_size, device_kind(), cfg.full)
             policy = ZeRO3Policy.from_pretrained(cfg.model, ds, cfg.ss_grpo.lr, full=cfg.full)
@@ -793,7 +798,8 @@ class ZeRO3Engine:
         self.side = self.sampling_copy = self.rank_engine = None
         self.sampler = None  # rank 0's sampler (attach_sampler): its vLLM engine sleeps in updates
         self.rollout_metrics: dict = {}
-        if self.world_size > 1 and every_rank_samples(cfg):
+        rollouts = not policy_given if rollouts is None else bool(rollouts)
+        if rollouts and self.world_size > 1 and every_rank_samples(cfg):
             self.side = torch.distributed.new_group(backend="gloo")
             if not self.env.is_rank0:
                 self.sampling_copy, self.rank_engine = rank_rollouts(cfg)
