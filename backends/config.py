@@ -437,7 +437,7 @@ class Config(PaperConfig):
     row and log_softmax + gather over every position (policy.token_logprobs). True (the full
     preset): the vocabulary projection only where the loss mask is set, in chunks, and the
     sequences of a micro-batch that share a long prompt (a reflection group's m candidates) packed
-    into one row (policy.pack_rows); the same values to float rounding (tests/test_logprobs.py,
+    into one row (backends/fast_logprobs.py); the same values to float rounding (tests/test_logprobs.py,
     tests/test_prefix_sharing.py), less memory and time (docs/performance.md section 7). Was
     ss_grpo.share_prefix"""
     engine: str = "torch"

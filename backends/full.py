@@ -30,7 +30,7 @@ Memory (Qwen3-8B, 8 GPUs, bf16, ZeRO-3, optimizer offloaded; P = 8.2e9 parameter
     fp32 master weights + Adam moments 12P = 98 GB of host RAM per node (12 GB per rank);
     pi_ref ZeRO-3 partitioned too: 2P / 8 = 2.0 GB per GPU (we chose this over a rank-0 copy, which
     would hold 16 GB on one GPU and make every rank wait for rank 0's reference pass);
-    logits: policy.token_logprobs projects 1,024 positions at a time, so the old / reference passes
+    logits: fast_logprobs.token_logprobs projects 1,024 positions at a time, so old / reference passes
     (no gradient) of a 26,624-token sequence hold ~2 x 1,024 x 151,936 x 4 B = 1.2 GB of fp32
     logits instead of 2 x 16 GB. With gradient, autograd keeps every chunk's log-softmax output for
     the backward: 26,624 x 151,936 x 4 B = 16 GB per sequence in the micro-batch. Recomputing each
@@ -80,6 +80,7 @@ from typing import Iterator, Sequence
 import torch
 
 from backends import checkpoint as ckpt_mod
+from backends import fast_logprobs
 from backends import launch_check, versions
 from backends.build import ROLLOUT_RANKS, every_rank_samples, rank_rollouts
 from backends.config import SECRET_ENV_VARS, validate_config
@@ -94,7 +95,7 @@ from backends.runcard import card_mismatch
 from backends.torch_engine import disable_dropout
 from backends.zero3_scope import zero3_loading
 import ss_grpo
-from policy import UpdateBatch, plan_update, policy_update, token_logprobs
+from policy import PaddedRows, UpdateBatch, plan_update, policy_update
 from scaffold import system_prompt
 
 log = logging.getLogger("rubricem.full")
@@ -351,7 +352,7 @@ class FullConfig:
     reference: str = "zero3"
     """pi_ref placement: ZeRO-3 partitioned for inference (see docstring)"""
     logprob_chunk: int = 1024
-    """positions per vocabulary projection in policy.token_logprobs"""
+    """positions per vocabulary projection in fast_logprobs.token_logprobs"""
     world_size_hint: int = 8
     """dry run without a launcher: assume one node of 8 GPUs (the paper's SFT node)"""
     dist_timeout_min: float = 180.0
@@ -501,9 +502,10 @@ def reference_config(ds: dict) -> dict:
 
 
 class _LogProbModule(torch.nn.Module):
-    """The module DeepSpeed wraps: forward = policy.token_logprobs on the HF model. Making the chunked
-    pass the top-level forward lets ZeRO-3's gather/release hooks and end-of-forward bookkeeping run
-    exactly as for a plain model call."""
+    """The module DeepSpeed wraps: forward = fast_logprobs.token_logprobs on the HF model (chunked,
+    memory-bounded at any setting: a full (tokens x vocab) log-softmax does not fit at scale).
+    Making the chunked pass the top-level forward lets ZeRO-3's gather/release hooks and
+    end-of-forward bookkeeping run exactly as for a plain model call."""
 
     def __init__(self, lm, chunk_size: int):
         super().__init__()
@@ -511,8 +513,8 @@ class _LogProbModule(torch.nn.Module):
         self.chunk_size = chunk_size
 
     def forward(self, input_ids, attention_mask, loss_mask=None, temperature: float = 1.0):
-        return token_logprobs(self.lm, input_ids, attention_mask, self.chunk_size,
-                              loss_mask=loss_mask, temperature=temperature)
+        return fast_logprobs.token_logprobs(self.lm, input_ids, attention_mask, self.chunk_size,
+                                            loss_mask=loss_mask, temperature=temperature)
 
 
 def _load_lm(path: str, ds: dict, dtype: torch.dtype):
@@ -591,7 +593,7 @@ class ZeRO3Policy:
 
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  loss_mask: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
-        """log pi_theta of every next token (policy.token_logprobs through the engine).
+        """log pi_theta of every next token (fast_logprobs.token_logprobs through the engine).
 
         input_ids, attention_mask: (B, L) int64 on any device; loss_mask: optional (B, L) bool, the
         columns that are used (the head runs only there; the others are 0); temperature: T > 0,
@@ -791,6 +793,8 @@ class ZeRO3Engine:
         self.policy, self.ref = policy, ref
         self.world_size = self.env.world_size
         self.share_prefix = bool(cfg.fast_logprobs)  # the fast path (the full preset's): see Config
+        # policy_update's row layout: shared prompts packed on the fast path (fast_logprobs.py)
+        self.rows = fast_logprobs.rows_for(cfg.ss_grpo.agg) if self.share_prefix else PaddedRows()
         self.closed = False
         # Every rank samples its share of the groups (build.every_rank_samples): ranks > 0 keep a
         # plain copy of pi_theta and their own rollout engine, and stream finished groups to rank 0

@@ -29,7 +29,7 @@ Memory model (bytes; P parameters, W ranks, T = max pack tokens, b = micro-batch
     one layer recomputed       2 b T (4H + 2 n_q d + 2 n_kv d + 3 I) 2 (its activations and their
                                gradients during the backward; flash / SDPA attention, no T^2 term)
     LM head                    3 b C V 4 (C = full.logprob_chunk rows of fp32 logits, log-softmax
-                               and gradient) with the recompute (policy.token_logprobs); b T V 4
+                               and gradient) with the recompute (fast_logprobs.token_logprobs); b T V 4
                                without it
     vLLM (co-located)          utilization x GPU memory: weights 2P, ~2 GB activation reserve, and the
                                KV cache in what is left: 2 L n_kv d 2 bytes per token; on rank 0, and
@@ -217,7 +217,7 @@ def memory_plan(shape: ModelShape, cfg, world: int, ranks_per_node: int, gpu_byt
             + 3 * shape.intermediate
         g["activations (no checkpointing, max pack)"] = b * T * per_layer * wb * shape.layers
     # Eq.: chunked head with recompute: 3 x (b x chunk) x V x 4 B; the decision is
-    # policy._recompute_head's (positions x V x 4 B above 256 MiB)
+    # fast_logprobs._recompute_head's (positions x V x 4 B above 256 MiB)
     from_recompute = b * T * V * 4 > 256 * 2 ** 20
     rows = b * min(full.logprob_chunk, T)
     g["LM head (fp32 logits, chunked" + (", recomputed)" if from_recompute else ")")] = \

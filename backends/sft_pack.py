@@ -16,8 +16,8 @@ What is here
 
 We bucket by length instead of packing several examples into one row: packing needs a block-diagonal
 attention mask and restarted positions for every packed example, which the chunked log-prob path
-(policy.token_logprobs) supports only for a shared prompt; at the paper's per-device batch of 1 a
-bucket is one example and nothing is padded anyway.
+(backends/fast_logprobs.token_logprobs) supports only for a shared prompt; at the paper's
+per-device batch of 1 a bucket is one example and nothing is padded anyway.
 """
 from __future__ import annotations
 

@@ -15,9 +15,9 @@ Why the project's ZeRO-3 engine and not TRL's SFTTrainer
    completion-only / assistant-only loss masks the prompt, not spans within the answer; we would
    need our own collator anyway, and then the trainer adds nothing but its loop.
 2. One engine for SFT and RL: ZeRO3Policy is what full-mode RL trains with (same DeepSpeed JSON
-   layout, same chunked log-prob head `policy.token_logprobs`, same HF-format gathered save, tested
-   on 2 gloo ranks). The SFT checkpoint is written by the same `save_pretrained` that full mode's
-   checkpoints use, and is read by the same loader.
+   layout, same chunked log-prob head `fast_logprobs.token_logprobs`, same HF-format gathered save,
+   tested on 2 gloo ranks). The SFT checkpoint is written by the same `save_pretrained` that full
+   mode's checkpoints use, and is read by the same loader.
 3. Pins: TRL is not in the tested GPU set (constraints/gpu.txt: vllm 0.32 pins torch and
    transformers); adding it would add a fourth package whose version must agree with them.
 The cost: our loop is ~100 lines that we test ourselves (tests/test_sft_zero3.py) instead of a

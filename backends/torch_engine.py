@@ -16,9 +16,10 @@ from typing import Sequence
 
 import torch
 
+from backends import fast_logprobs
 from backends.checkpoint import load_model_weights
 from toy.hf_sampler import autocast, pad_multiple
-from policy import UpdateBatch, plan_update, policy_update, token_logprobs
+from policy import PaddedRows, UpdateBatch, plan_update, policy_update, token_logprobs
 
 log = logging.getLogger("rubricem")
 
@@ -65,8 +66,10 @@ class TorchEngine:
     model: pi_theta, also the weights the HF / KV sampler generates with; ref_model: the frozen pi_ref
     (default: a copy of the starting policy); opt: the optimizer (default: AdamW at cfg.lr).
     cfg: hparams.SSGRPOConfig. precision: the forwards' `autocast` ("fp32" | "bf16"; ValueError
-    otherwise). fast: the fast log-prob path (Config.fast_logprobs): the head only on loss-masked
-    positions and prompt-sharing sequences packed into one row; False (default): the plain path.
+    otherwise). fast: the fast log-prob path (Config.fast_logprobs, backends/fast_logprobs.py):
+    the head only on loss-masked positions and prompt-sharing sequences packed into one row
+    (`rows` = fast_logprobs.rows_for(cfg.agg)); False (default): the plain path
+    (policy.token_logprobs over policy.PaddedRows).
     Dropout is disabled in the model (disable_dropout)."""
 
     world_size = 1
@@ -74,7 +77,9 @@ class TorchEngine:
     def __init__(self, model, cfg, ref_model=None, opt=None, precision: str = "fp32",
                  fast: bool = False):
         self.model, self.cfg = model, cfg
-        self.share_prefix = bool(fast)  # policy_update packs shared prompts (fast path only)
+        self.fast = bool(fast)
+        # how policy_update lays out its rows: shared prompts packed on the fast path only
+        self.rows = fast_logprobs.rows_for(cfg.agg) if self.fast else PaddedRows()
         autocast(precision)  # ValueError for an unknown precision, before any work
         self.precision = precision
         self.pad_multiple = pad_multiple(precision)  # forwards see lengths rounded up to this
@@ -92,8 +97,9 @@ class TorchEngine:
     # the calls of policy_update (PolicyEngine documents each) ---------------------------------------
     def logprobs(self, ids: torch.Tensor, att: torch.Tensor, mask: torch.Tensor | None = None,
                  temperature: float = 1.0) -> torch.Tensor:
-        """(B, L) float32 log pi_theta of each next token (policy.token_logprobs on `model`; with a
-        loss mask, 0 outside it; at `temperature`, of softmax(logits / T))."""
+        """(B, L) float32 log pi_theta of each next token (policy.token_logprobs on `model`, or
+        fast_logprobs.token_logprobs on the fast path: with a loss mask, 0 outside it; at
+        `temperature`, of softmax(logits / T))."""
         return self._forward(self.model, ids, att, mask, temperature)
 
     def ref_logprobs(self, ids: torch.Tensor, att: torch.Tensor, mask: torch.Tensor | None = None,
@@ -105,8 +111,9 @@ class TorchEngine:
                  mask: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
         """token_logprobs under the engine's precision, right-padded to pad_multiple (attention 0
         on the padding, which no real position attends to) and cut back to (B, L). The plain path
-        ignores the loss mask: every column is computed."""
-        if not self.share_prefix:
+        (policy.token_logprobs) ignores the loss mask: every column is computed; the fast path
+        (fast_logprobs.token_logprobs) runs the head on the loss-masked columns only."""
+        if not self.fast:
             mask = None
         L = ids.shape[1]
         extra = -L % self.pad_multiple
@@ -115,7 +122,12 @@ class TorchEngine:
             att = torch.nn.functional.pad(att, (0, extra), value=0)
             mask = torch.nn.functional.pad(mask, (0, extra), value=0) if mask is not None else None
         with autocast(self.precision, _device_type(model)):
-            return token_logprobs(model, ids, att, loss_mask=mask, temperature=temperature)[:, :L]
+            if self.fast:
+                lp = fast_logprobs.token_logprobs(model, ids, att, loss_mask=mask,
+                                                  temperature=temperature)
+            else:
+                lp = token_logprobs(model, ids, att, temperature=temperature)
+            return lp[:, :L]
 
     def backward(self, loss: torch.Tensor, boundary: bool) -> None:
         """loss.backward(); the first call of an optimizer step clears the previous gradients."""

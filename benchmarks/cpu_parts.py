@@ -4,10 +4,10 @@ RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewa
 Sampling (§3.1): one token draw over (32, 8192) probabilities with torch.multinomial (HF generate's
 draw) and with kv_sampler.draw_inverse_cdf, next to one lm-head projection of 32 rows. Update (§3.3,
 policy.policy_update's work on 32 sequences of 28 prompt + 128 response tokens): the reference
-forward (policy.batch_logprobs), the policy forward (policy.token_logprobs with gradient, with and
-without its lm-head recompute) and the backward of the SS-GRPO loss, AdamW's step. Token advantages
-of a toy step (one ss_grpo.token_advantages call per rollout, as the loop, against one call). CPU
-seconds, because on a shared machine they change far less than wall seconds.
+forward (policy.batch_logprobs), the policy forward (fast_logprobs.token_logprobs with gradient,
+with and without its lm-head recompute) and the backward of the SS-GRPO loss, AdamW's step. Token
+advantages of a toy step (one ss_grpo.token_advantages call per rollout, as the loop, against one
+call). CPU seconds, because on a shared machine they change far less than wall seconds.
 
 Run:
     python benchmarks/cpu_parts.py --threads 1
@@ -29,6 +29,7 @@ import torch  # noqa: E402
 import policy  # noqa: E402
 import ss_grpo  # noqa: E402
 import step_vs_trl as svt  # noqa: E402
+from backends import fast_logprobs  # noqa: E402
 from toy.kv_sampler import draw_inverse_cdf  # noqa: E402
 
 
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
         _, t_ref = cpu(lambda: policy.batch_logprobs(ref, ub, tok.pad_token_id, 32))
         for rc in (True, False):
             model.train()
-            logp, t_f = cpu(lambda: policy.token_logprobs(model, ids, att, recompute=rc))
+            logp, t_f = cpu(lambda: fast_logprobs.token_logprobs(model, ids, att, recompute=rc))
             loss, _ = ss_grpo.ss_grpo_loss(logp, logp.detach(), logp.detach(), adv, mask,
                                            agg="seq_mean_token_mean")
             _, t_b = cpu(lambda: loss.backward())

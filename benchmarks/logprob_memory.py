@@ -1,16 +1,17 @@
-"""Peak memory and time of the log-prob pass: policy.token_logprobs (chunked) vs full-logits log_softmax.
+"""Peak memory and time of the log-prob pass: the fast path's chunked token_logprobs
+(backends/fast_logprobs.py) vs the full-logits log_softmax of the plain path (policy.token_logprobs).
 
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
 Supports the appendix's full-mode setting: Qwen3's vocabulary of 151,936 and packed sequences of up to
 26,624 tokens, where the full fp32 logits of one sequence take 26,624 x 151,936 x 4 B = 16 GB. The
-SS-GRPO loss (§3.3) needs only log pi of each sampled token, so policy.token_logprobs projects
-`chunk` positions at a time.
+SS-GRPO loss (§3.3) needs only log pi of each sampled token, so fast_logprobs.token_logprobs
+projects `chunk` positions at a time.
 
 Variants (each in a fresh subprocess, so every peak is its own)
     naive            model(...).logits -> log_softmax over (B, L, V) -> gather
-    chunked          policy.token_logprobs(model, ids, att, chunk, recompute=False): chunks, but
+    chunked          fast_logprobs.token_logprobs(model, ids, att, chunk, recompute=False): chunks, but
                      with gradient autograd keeps every chunk's log-softmax for the backward
-    chunked_recompute  policy.token_logprobs(model, ids, att, chunk, recompute=True), the training
+    chunked_recompute  fast_logprobs.token_logprobs(model, ids, att, chunk, recompute=True), the training
                      default whenever the kept log-softmax would exceed 256 MiB: with gradient
                      each chunk is wrapped in torch.utils.checkpoint and the backward recomputes
                      its logits (without gradient it equals "chunked")
@@ -41,7 +42,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from policy import token_logprobs  # noqa: E402
+from backends.fast_logprobs import token_logprobs  # noqa: E402
 
 VARIANTS = ("naive", "chunked", "chunked_recompute")
 MODES = ("nograd", "grad")

@@ -1,5 +1,5 @@
 """The reflection GRPO update (§3.4) and the reflection prompts' prefill, with and without sharing the
-prompt: policy.pack_rows / token_logprobs' segment rows (`fast_logprobs`) and KVSampler's
+prompt: backends/fast_logprobs.py's pack_rows and segment rows (`fast_logprobs`) and KVSampler's
 once-per-distinct-prompt prefill.
 
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).

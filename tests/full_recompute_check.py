@@ -1,8 +1,9 @@
-"""Worker of tests/test_full_memory.py: which LM-head path does policy.token_logprobs take under ZeRO-3?
+"""Worker of tests/test_full_memory.py: which LM-head path does backends/fast_logprobs.token_logprobs
+take under ZeRO-3?
 
 usage: torchrun --nproc_per_node 2 tests/full_recompute_check.py MODEL_DIR OUT_DIR THRESHOLD_BYTES [MIN_LEN MAX_LEN]
 One SS-GRPO update (§3.3; one optimizer step, micro-batch 2, no reference model) of a ZeRO-3 policy on a
-synthetic batch, with policy.RECOMPUTE_ABOVE_BYTES = THRESHOLD_BYTES. Every `_recompute_head`
+synthetic batch, with fast_logprobs.RECOMPUTE_ABOVE_BYTES = THRESHOLD_BYTES. Every `_recompute_head`
 decision is recorded (the head weight's local shape, the vocabulary the decision read, positions,
 whether gradients were recorded, the verdict), and every chunk projection as "recompute" (under
 torch.utils.checkpoint) or "plain"; and one decision outside the forward, where the head is an
@@ -18,18 +19,20 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from backends import full  # noqa: E402
+from backends import fast_logprobs  # noqa: E402
 import policy  # noqa: E402
 
 
 def main(model_dir: str, out_dir: str, threshold: int, min_len: int = 40, max_len: int = 56) -> None:
     env = full.init_distributed()
-    policy.RECOMPUTE_ABOVE_BYTES = int(threshold)
+    fast_logprobs.RECOMPUTE_ABOVE_BYTES = int(threshold)
     decisions, calls = [], {"recompute": 0, "plain": 0}
-    decide, project = policy._recompute_head, policy._project
+    decide, project = fast_logprobs._recompute_head, fast_logprobs._project
 
     def spy_decide(head, hidden, positions):
         verdict = decide(head, hidden, positions)
-        decisions.append({"local_rows": int(head.weight.shape[0]), "rows": policy.head_rows(head),
+        decisions.append({"local_rows": int(head.weight.shape[0]),
+                          "rows": fast_logprobs.head_rows(head),
                           "status": str(getattr(head.weight, "ds_status", None)),
                           "persist": bool(getattr(head.weight, "ds_persist", False)),
                           "positions": int(positions), "verdict": bool(verdict),
@@ -40,7 +43,7 @@ def main(model_dir: str, out_dir: str, threshold: int, min_len: int = 40, max_le
         calls["recompute" if recompute else "plain"] += 1
         return project(head, h, nxt, recompute, temperature)
 
-    policy._recompute_head, policy._project = spy_decide, spy_project
+    fast_logprobs._recompute_head, fast_logprobs._project = spy_decide, spy_project
     cfg = full.selftest_config(8, 4, 1, 2, 1e-3)
     cfg.ss_grpo.beta = 0.0  # no reference model: the policy's passes are what we watch
     ds = full.deepspeed_config(cfg, env.world_size, full.device_kind(), full.FullConfig())
@@ -53,8 +56,9 @@ def main(model_dir: str, out_dir: str, threshold: int, min_len: int = 40, max_le
     # parameter getter gathers it on access): the decision must still see the true vocabulary.
     head = pol.module.get_output_embeddings()
     h = torch.zeros(4, pol.module.config.hidden_size, requires_grad=True, device=pol.device)
-    n_pos = policy.RECOMPUTE_ABOVE_BYTES // (4 * vocab) + 1  # positions x V x 4 B just above it
-    outside = {"local_rows": int(head.weight.shape[0]), "rows": policy.head_rows(head),
+    # positions x V x 4 B just above it
+    n_pos = fast_logprobs.RECOMPUTE_ABOVE_BYTES // (4 * vocab) + 1
+    outside = {"local_rows": int(head.weight.shape[0]), "rows": fast_logprobs.head_rows(head),
                "positions": n_pos, "verdict": bool(decide(head, h, n_pos))}
     st = policy.policy_update(engine, shards[env.rank], cfg.ss_grpo, 0, plans[env.rank])
     os.makedirs(out_dir, exist_ok=True)

@@ -1,5 +1,5 @@
-"""Full-mode memory: the LM-head recompute decision under ZeRO-3 (policy._recompute_head reads the
-vocabulary from `ds_shape`, not from the empty local partition), on 2 gloo ranks.
+"""Full-mode memory: the LM-head recompute decision under ZeRO-3 (fast_logprobs._recompute_head reads
+the vocabulary from `ds_shape`, not from the empty local partition), on 2 gloo ranks.
 
 The 2-rank test launches tests/full_recompute_check.py under torchrun (~30 s on 2 cores): a tiny
 untied Qwen3 (as Qwen3-8B: tie_word_embeddings false) with a vocabulary of 8,192, whose log-softmax
@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-import policy
+from backends import fast_logprobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_DS = (importlib.util.find_spec("deepspeed") is not None
@@ -29,16 +29,17 @@ needs_ds = pytest.mark.skipif(not HAVE_DS, reason="deepspeed and accelerate are 
 
 def test_head_rows_reads_the_zero3_partition_shape():
     head = torch.nn.Linear(16, 300, bias=False)
-    assert policy.head_rows(head) == 300
+    assert fast_logprobs.head_rows(head) == 300
     # a ZeRO-3 partition outside forward: an empty local tensor, the full shape in ds_shape
     head.weight = torch.nn.Parameter(torch.empty(0))
     head.weight.ds_shape = torch.Size([151936, 4096])
-    assert policy.head_rows(head) == 151936
+    assert fast_logprobs.head_rows(head) == 151936
     h = torch.zeros(26624, 16, requires_grad=True)
     # PAPER-scale decision: 26,624 positions x 151,936 x 4 B = 16 GB > 256 MiB -> recompute
-    assert policy._recompute_head(head, h, 26624)
+    assert fast_logprobs._recompute_head(head, h, 26624)
     with torch.no_grad():
-        assert not policy._recompute_head(head, h.detach(), 26624)  # no backward, nothing kept
+        # no backward, nothing kept
+        assert not fast_logprobs._recompute_head(head, h.detach(), 26624)
 
 
 @needs_ds

@@ -1,7 +1,9 @@
-"""policy.token_logprobs (the chunked log pi pass behind every SS-GRPO ratio and KL term, §3.3)
-equals the full-logits log_softmax: values for several chunk sizes, right and left padding, and
-gradients, with and without recomputing each chunk in the backward; and that recomputing keeps no
-(tokens x vocab) tensor alive for the backward."""
+"""The log pi pass behind every SS-GRPO ratio and KL term (§3.3). policy.token_logprobs (the plain
+path) equals the model's own full-logits log_softmax; backends/fast_logprobs.token_logprobs (the
+fast path: chunked, head on loss-masked columns only, recomputed in the backward) equals the plain
+path: values for several chunk sizes, right and left padding, gradients with and without
+recomputing each chunk in the backward, temperatures; and recomputing keeps no (tokens x vocab)
+tensor alive for the backward."""
 import os
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 
 import policy
 
+from backends import fast_logprobs as fast
 from toy import model as toy_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,12 +28,16 @@ def model():
     return Qwen3ForCausalLM(cfg).eval()
 
 
-def naive(model, ids, att):
-    """Full (B, L, V) logits -> log_softmax -> gather; column 0 = 0; positions as token_logprobs."""
+def hf_logprobs(model, ids, att, T: float = 1.0):
+    """The model's own forward: full (B, L, V) logits / T -> log_softmax -> gather; column 0 = 0;
+    positions counted from each row's first real token."""
     pos = (att.long().cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=att, position_ids=pos).logits.float()
-    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    lp = torch.log_softmax(logits[:, :-1] / T, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     return torch.cat([torch.zeros_like(lp[:, :1]), lp], 1)
+
+
+plain = policy.token_logprobs  # the plain path: the reference of every fast-path test below
 
 
 def batch(lengths, left: bool, seed: int = 0):
@@ -55,11 +62,37 @@ def valid(att):
 
 
 @pytest.mark.parametrize("left", [False, True], ids=["right_pad", "left_pad"])
+def test_plain_path_is_the_models_own_log_softmax(model, left):
+    """policy.token_logprobs: values and gradients of the HF forward's log_softmax (logits / T);
+    T <= 0 or not finite raises."""
+    ids, att = batch([19, 11, 4], left)
+    m = valid(att)
+    w = torch.randn(ids.shape, generator=torch.Generator().manual_seed(9)) * m
+    for T in (1.0, 0.7):
+        grads = []
+        for fn in (lambda: policy.token_logprobs(model, ids, att, temperature=T),
+                   lambda: hf_logprobs(model, ids, att, T)):
+            model.zero_grad(set_to_none=True)
+            lp = fn()
+            (lp * w).sum().backward()
+            grads.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        (got, g_got), (want, g_want) = grads
+        assert got.shape == ids.shape and got.dtype == torch.float32
+        assert torch.equal(got[:, 0], torch.zeros(3))
+        assert torch.allclose(got[m], want[m], atol=1e-5, rtol=0), (got[m] - want[m]).abs().max()
+        for n in g_want:
+            assert torch.allclose(g_got[n], g_want[n], atol=1e-6, rtol=1e-4), (T, n)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="temperature"):
+            policy.token_logprobs(model, ids, att, temperature=bad)
+
+
+@pytest.mark.parametrize("left", [False, True], ids=["right_pad", "left_pad"])
 @pytest.mark.parametrize("chunk", [1, 3, 7, 18, 19, 1024])
-def test_chunked_equals_naive_values(model, chunk, left):
+def test_chunked_equals_plain_values(model, chunk, left):
     ids, att = batch([19, 11, 4], left)
     with torch.no_grad():
-        got, want = policy.token_logprobs(model, ids, att, chunk), naive(model, ids, att)
+        got, want = fast.token_logprobs(model, ids, att, chunk), plain(model, ids, att)
     assert got.shape == ids.shape and got.dtype == torch.float32
     assert torch.equal(got[:, 0], torch.zeros(3))
     m = valid(att)
@@ -69,16 +102,16 @@ def test_chunked_equals_naive_values(model, chunk, left):
 def test_left_padding_equals_each_sequence_alone(model):
     ids, att = batch([12, 5], left=True, seed=3)
     with torch.no_grad():
-        lp = policy.token_logprobs(model, ids, att, chunk_size=4)
-        for r in range(2):
-            real = att[r].bool()
-            alone = policy.token_logprobs(model, ids[r:r + 1, real], att[r:r + 1, real], 4)[0]
-            assert torch.allclose(lp[r, real][1:], alone[1:], atol=1e-5)
+        for lp in (fast.token_logprobs(model, ids, att, chunk_size=4), plain(model, ids, att)):
+            for r in range(2):
+                real = att[r].bool()
+                alone = plain(model, ids[r:r + 1, real], att[r:r + 1, real])[0]
+                assert torch.allclose(lp[r, real][1:], alone[1:], atol=1e-5)
 
 
 @pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "keep"])
 @pytest.mark.parametrize("left", [False, True], ids=["right_pad", "left_pad"])
-def test_chunked_gradients_equal_naive(model, left, recompute):
+def test_chunked_gradients_equal_plain(model, left, recompute):
     ids, att = batch([16, 9], left, seed=1)
     w = torch.randn(ids.shape, generator=torch.Generator().manual_seed(2)) * valid(att)
 
@@ -87,10 +120,10 @@ def test_chunked_gradients_equal_naive(model, left, recompute):
         (fn() * w).sum().backward()  # an advantage-weighted sum, like the surrogate at rho = 1
         return {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    g_chunk = grads(lambda: policy.token_logprobs(model, ids, att, chunk_size=5, recompute=recompute))
-    g_naive = grads(lambda: naive(model, ids, att))
-    for n in g_naive:
-        assert torch.allclose(g_chunk[n], g_naive[n], atol=1e-6, rtol=1e-4), n
+    g_chunk = grads(lambda: fast.token_logprobs(model, ids, att, chunk_size=5, recompute=recompute))
+    g_plain = grads(lambda: plain(model, ids, att))
+    for n in g_plain:
+        assert torch.allclose(g_chunk[n], g_plain[n], atol=1e-6, rtol=1e-4), n
 
 
 def _saved_numel(fn) -> int:
@@ -109,19 +142,19 @@ def _saved_numel(fn) -> int:
 def test_recompute_saves_no_tokens_by_vocab_tensor_for_the_backward(model, monkeypatch):
     ids, att = batch([40, 40], left=False, seed=4)
     B, L = ids.shape
-    keep = _saved_numel(lambda: policy.token_logprobs(model, ids, att, 8, recompute=False))
+    keep = _saved_numel(lambda: fast.token_logprobs(model, ids, att, 8, recompute=False))
     # the default keeps a log-softmax under RECOMPUTE_ABOVE_BYTES (this one is 2 * 39 * V floats)
-    assert _saved_numel(lambda: policy.token_logprobs(model, ids, att, 8)) == keep
-    monkeypatch.setattr(policy, "RECOMPUTE_ABOVE_BYTES", B * (L - 1) * V * 4 - 1)
-    auto = _saved_numel(lambda: policy.token_logprobs(model, ids, att, 8))  # grad on: recompute
+    assert _saved_numel(lambda: fast.token_logprobs(model, ids, att, 8)) == keep
+    monkeypatch.setattr(fast, "RECOMPUTE_ABOVE_BYTES", B * (L - 1) * V * 4 - 1)
+    auto = _saved_numel(lambda: fast.token_logprobs(model, ids, att, 8))  # grad on: recompute
     # Without recomputation the log-softmax of every chunk is kept: >= B * (L - 1) * V elements.
     assert keep >= B * (L - 1) * V
     # With it, what remains is the decoder's activations plus each chunk's hidden input; removing
     # the head's share must save at least the (B, L-1, V) log-softmax.
     assert keep - auto >= B * (L - 1) * V, (keep, auto)
     with torch.no_grad():
-        assert torch.equal(policy.token_logprobs(model, ids, att, 8),
-                           policy.token_logprobs(model, ids, att, 8, recompute=True))
+        assert torch.equal(fast.token_logprobs(model, ids, att, 8),
+                           fast.token_logprobs(model, ids, att, 8, recompute=True))
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -138,18 +171,18 @@ def test_loss_mask_projects_only_the_used_columns(model, chunk, recompute, monke
     hook = model.lm_head.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[0]))
     try:
         model.zero_grad(set_to_none=True)
-        got = policy.token_logprobs(model, ids, att, chunk, recompute=recompute, loss_mask=lm)
+        got = fast.token_logprobs(model, ids, att, chunk, recompute=recompute, loss_mask=lm)
         (got * w).sum().backward()
         g_mask = {n: p.grad.clone() for n, p in model.named_parameters()}
         assert sum(seen[: -(-int(lm.sum()) // (chunk * 3))]) == int(lm.sum())
         seen.clear()
         with torch.no_grad():
-            none = policy.token_logprobs(model, ids, att, chunk, loss_mask=torch.zeros_like(lm))
+            none = fast.token_logprobs(model, ids, att, chunk, loss_mask=torch.zeros_like(lm))
         assert seen == [0] and not none.any()
     finally:
         hook.remove()
     model.zero_grad(set_to_none=True)
-    full = policy.token_logprobs(model, ids, att, chunk)
+    full = plain(model, ids, att)
     (full * w).sum().backward()
     assert torch.allclose(got[lm], full[lm], atol=1e-6, rtol=0)
     assert not got[~lm].any()
@@ -166,10 +199,10 @@ def test_loss_mask_on_packed_rows(model):
     seg = torch.tensor([[1] * 9 + [2] * 5 + [3] * 4])
     lm = seg >= 2
     with torch.no_grad():
-        got = policy.token_logprobs(model, ids, seg, loss_mask=lm)[0]
+        got = fast.token_logprobs(model, ids, seg, loss_mask=lm)[0]
         for cont, start in ((a, 9), (b, 14)):
             x = torch.cat([prefix, cont])[None]
-            alone = policy.token_logprobs(model, x, torch.ones_like(x))[0, 9:]
+            alone = plain(model, x, torch.ones_like(x))[0, 9:]
             assert torch.allclose(got[start: start + len(cont)], alone, atol=1e-5, rtol=0)
     assert not got[:9].any()
 
@@ -177,31 +210,29 @@ def test_loss_mask_on_packed_rows(model):
 @pytest.mark.parametrize("masked", [False, True], ids=["all_columns", "loss_mask"])
 @pytest.mark.parametrize("recompute", [False, True])
 def test_temperature_gives_the_sampling_distributions_log_probs(model, masked, recompute):
-    """temperature T: log_softmax(logits / T) at the token, values and gradients (the distribution a
-    sampler at T draws from); T = 1 is bit-identical to the default; T <= 0 raises."""
+    """temperature T: the fast path's log_softmax(logits / T) at the token equals the plain path's,
+    values and gradients (the distribution a sampler at T draws from); T = 1 is bit-identical to
+    the default; T <= 0 raises."""
     ids, att = batch([15, 9], left=False, seed=7)
     lm = valid(att) if masked else None
     m = valid(att)
     w = torch.randn(ids.shape, generator=torch.Generator().manual_seed(8)) * m
-    pos = (att.long().cumsum(-1) - 1).clamp(min=0)
     for T in (0.7, 1.3):
         model.zero_grad(set_to_none=True)
-        got = policy.token_logprobs(model, ids, att, 4, recompute=recompute, loss_mask=lm,
-                                    temperature=T)
+        got = fast.token_logprobs(model, ids, att, 4, recompute=recompute, loss_mask=lm,
+                                  temperature=T)
         (got * w).sum().backward()
         g_got = {n: p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad(set_to_none=True)
-        logits = model(input_ids=ids, attention_mask=att, position_ids=pos).logits.float()
-        lp = torch.log_softmax(logits[:, :-1] / T, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        want = torch.cat([torch.zeros_like(lp[:, :1]), lp], 1)
+        want = plain(model, ids, att, temperature=T)
         (want * w).sum().backward()
         assert torch.allclose(got[m], want[m], atol=1e-5, rtol=0), T
-        assert not torch.allclose(got[m], naive(model, ids, att).detach()[m], atol=1e-3)
+        assert not torch.allclose(got[m], plain(model, ids, att).detach()[m], atol=1e-3)
         for n, p in model.named_parameters():
             assert torch.allclose(g_got[n], p.grad, atol=1e-5, rtol=1e-4), (T, n)
     with torch.no_grad():
-        assert torch.equal(policy.token_logprobs(model, ids, att, 4, loss_mask=lm, temperature=1.0),
-                           policy.token_logprobs(model, ids, att, 4, loss_mask=lm))
+        assert torch.equal(fast.token_logprobs(model, ids, att, 4, loss_mask=lm, temperature=1.0),
+                           fast.token_logprobs(model, ids, att, 4, loss_mask=lm))
         for bad in (0.0, -1.0, float("nan"), float("inf")):
             with pytest.raises(ValueError, match="temperature"):
-                policy.token_logprobs(model, ids, att, 4, temperature=bad)
+                fast.token_logprobs(model, ids, att, 4, temperature=bad)

@@ -1,7 +1,9 @@
-"""Prefix sharing in the SS-GRPO update (policy.pack_rows, token_logprobs' segment rows): sequences
-that begin with the same loss-free prompt (a reflection group's m candidates, §3.4) are packed into
-one row, the prompt once. Every log-prob and every gradient must be what the separate rows give
-(to float rounding), for any grouping; which sequences get packed follows share_groups' rule."""
+"""Prefix sharing in the SS-GRPO update, the fast path's (backends/fast_logprobs.py: pack_rows,
+SharedPrefixRows, token_logprobs' segment rows): sequences that begin with the same loss-free prompt
+(a reflection group's m candidates, §3.4) are packed into one row, the prompt once. Every log-prob
+and every gradient must be what the plain path's separate rows give (policy.token_logprobs,
+policy.PaddedRows; to float rounding), for any grouping; which sequences get packed follows
+share_groups' rule."""
 import copy
 import random
 
@@ -12,6 +14,7 @@ from hypothesis import strategies as st
 
 import policy
 
+from backends import fast_logprobs as fast
 from toy import model as toy_model
 from backends.torch_engine import TorchEngine
 from policy import UpdateBatch
@@ -74,9 +77,9 @@ def test_packed_rows_give_each_sequences_own_logprobs(model, shape, seed):
     batch = grouped_batch(shape, seed)
     idx = list(range(len(batch.ids)))
     random.Random(seed).shuffle(idx)
-    ids, att, mask, adv, layout = policy.pack_rows(batch, idx, PAD, share=True)
+    ids, att, mask, adv, layout = fast.pack_rows(batch, idx, PAD, share=True)
     with torch.no_grad():
-        got = policy.unpack(policy.token_logprobs(model, ids, att), layout,
+        got = fast.unpack(fast.token_logprobs(model, ids, att), layout,
                             [len(x) for x in batch.ids])
         want = separate(model, batch)
     assert sorted(got) == sorted(idx)
@@ -91,21 +94,21 @@ def test_packed_rows_give_each_sequences_own_logprobs(model, shape, seed):
 def test_a_reflection_group_is_one_row_and_short_prompts_stay_apart():
     # two groups behind long prompts, one group whose prompt is shorter than its continuations
     batch = grouped_batch([(20, [3, 4, 5]), (18, [2, 6]), (3, [7, 9])])
-    groups_ = policy.share_groups(batch, range(7))
+    groups_ = fast.share_groups(batch, range(7))
     assert groups_ == [[0, 1, 2], [3, 4], [5], [6]]
-    ids, att, *_ = policy.pack_rows(batch, list(range(7)), PAD)
+    ids, att, *_ = fast.pack_rows(batch, list(range(7)), PAD)
     assert ids.shape[0] == 4
     assert att[0].tolist()[:20] == [1] * 20 and set(att[0].tolist()[20:32]) == {2, 3, 4}
     # same prompt ids but a different loss-free length are not one group
     b2 = grouped_batch([(10, [2, 2])])
     b2.mask[1][10] = 0
-    assert policy.share_groups(b2, [0, 1]) == [[0], [1]]
+    assert fast.share_groups(b2, [0, 1]) == [[0], [1]]
 
 
 def test_without_sharing_every_sequence_is_its_own_right_padded_row():
     batch = grouped_batch([(20, [3, 4]), (5, [9])])
     idx = [2, 0, 1]
-    ids, att, mask, adv, layout = policy.pack_rows(batch, idx, PAD, share=False)
+    ids, att, mask, adv, layout = fast.pack_rows(batch, idx, PAD, share=False)
     L = max(len(batch.ids[i]) for i in idx)
     assert ids.shape == att.shape == mask.shape == adv.shape == (3, L)
     for r, i in enumerate(idx):
@@ -116,21 +119,29 @@ def test_without_sharing_every_sequence_is_its_own_right_padded_row():
         assert torch.equal(adv[r, :n], torch.tensor(batch.adv[i])) and not adv[r, n:].any()
         assert layout[r] == [(i, 0, 0, n)]
     assert all(torch.equal(x, y) for x, y in zip(policy.pad_rows(batch, idx, PAD), (ids, att, mask, adv)))
+    # the plain layout places and unpacks per-sequence values as the packer's unshared layout does
+    rows, vals = policy.PaddedRows(), [torch.rand(len(x)) for x in batch.ids]
+    *_, plain_layout = rows.pack(batch, idx, PAD)
+    assert plain_layout == idx
+    placed = rows.place(vals, plain_layout, ids.shape)
+    assert torch.equal(placed, fast.place(vals, layout, ids.shape))
+    back = rows.unpack(placed, plain_layout, [len(x) for x in batch.ids])
+    assert sorted(back) == sorted(idx) and all(torch.equal(back[i], vals[i]) for i in idx)
 
 
 def test_eager_attention_packs_too_and_others_are_refused():
     batch = grouped_batch([(16, [3, 5, 2])])
     eager = tiny_qwen3(attn="eager")
-    ids, att, _, _, layout = policy.pack_rows(batch, [0, 1, 2], PAD)
+    ids, att, _, _, layout = fast.pack_rows(batch, [0, 1, 2], PAD)
     with torch.no_grad():
-        got = policy.unpack(policy.token_logprobs(eager, ids, att), layout,
+        got = fast.unpack(fast.token_logprobs(eager, ids, att), layout,
                             [len(x) for x in batch.ids])
         want = separate(eager, batch)
     assert max(float((got[i] - want[i]).abs().max()) for i in range(3)) < 1e-5
     other = tiny_qwen3()
     other.config._attn_implementation = "flash_attention_2"  # as a model loaded for FlashAttention
     with pytest.raises(ValueError, match="fast_logprobs"):
-        policy.token_logprobs(other, ids, att)
+        fast.token_logprobs(other, ids, att)
 
 
 class RecordingOpt:
@@ -171,10 +182,10 @@ def test_update_with_sharing_has_the_unshared_losses_and_gradients(agg, minibatc
 
 
 def test_per_sequence_aggregation_is_never_packed(monkeypatch):
-    calls = []
-    real = policy.pack_rows
-    monkeypatch.setattr(policy, "pack_rows", lambda b, i, p, share=True: calls.append(share)
-                        or real(b, i, p, share))
+    calls = []  # per micro-batch the update lays out: packed (True) or one sequence per row
+    for cls in (policy.PaddedRows, fast.SharedPrefixRows):
+        monkeypatch.setattr(cls, "pack", lambda self, b, i, p, real=cls.pack: calls.append(
+            isinstance(self, fast.SharedPrefixRows)) or real(self, b, i, p))
     batch = grouped_batch([(20, [3, 4])])
     cfg = SSGRPOConfig(minibatches=2, micro_batch=4, agg="seq_mean_token_mean", beta=0.01)
     TorchEngine(tiny_qwen3(), cfg, fast=True).update(batch, PAD, random.Random(0))
@@ -195,12 +206,12 @@ def test_sequence_logprobs_with_sharing_keeps_the_pass_count(model):
 
     def fn(ids, att, mask=None):
         calls.append(ids.shape[0])
-        return policy.token_logprobs(model, ids, att)
+        return fast.token_logprobs(model, ids, att)
 
     plain = policy.sequence_logprobs(fn, batch, PAD, 2, 4)
     n_plain = len(calls)
     calls.clear()
-    shared = policy.sequence_logprobs(fn, batch, PAD, 2, 4, None, True)
+    shared = policy.sequence_logprobs(fn, batch, PAD, 2, 4, None, fast.SharedPrefixRows())
     assert len(calls) == n_plain == 4  # 3 passes of 2 sequences + 1 padding pass, either way
     for a, b in zip(plain, shared):
         assert float((a - b).abs().max()) < 1e-5

@@ -29,7 +29,8 @@ from backends import robust, torch_engine
 
 from toy import model as toy_model
 from backends.torch_engine import TorchEngine
-from policy import UpdateBatch, plan_update, policy_update, token_logprobs
+from backends.fast_logprobs import token_logprobs
+from policy import UpdateBatch, plan_update, policy_update
 from hparams import SSGRPOConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
