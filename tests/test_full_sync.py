@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -53,6 +54,43 @@ def test_weight_channel_moves_tensors_bitwise_between_processes():
     assert nbytes == ch.bytes == sum(t.numel() * t.element_size() for t in tensors)
     with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
         dtype_name(torch.int64)
+
+
+def test_channels_opened_at_once_get_their_own_ports():
+    """Every rank of a node opens its engine's channel at the same time: each store binds a port the
+    OS picks and holds it (WeightChannel.listen), so two channels never meet, and each receiver gets
+    its own sender's tensors."""
+    import hashlib
+
+    stores = [WeightChannel.listen("127.0.0.1", 60) for _ in range(2)]
+    ports = [int(s.port) for s in stores]
+    assert ports[0] != ports[1] and min(ports) > 0
+    ctx = mp.get_context("spawn")
+    tensors = [torch.arange(6, dtype=torch.float32).reshape(2, 3) + 100 * i for i in range(2)]
+    qs = [ctx.Queue() for _ in range(2)]
+    procs = [ctx.Process(target=_receiver, args=(p, [([2, 3], "float32")], q)) for p, q in zip(ports, qs)]
+    for p in procs:
+        p.start()
+    chans = [None, None]
+
+    def open_and_send(i):
+        chans[i] = WeightChannel.open("127.0.0.1", ports[i], 0, timeout_s=60, store=stores[i])
+        chans[i].send(tensors[i])
+
+    threads = [threading.Thread(target=open_and_send, args=(i,)) for i in range(2)]
+    for th in threads:
+        th.start()
+    got = [q.get(timeout=120)[0] for q in qs]
+    for th in threads:
+        th.join(60)
+    for p in procs:
+        p.join(60)
+    for ch in chans:
+        ch.close()
+    want = [[hashlib.sha256(t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()] for t in tensors]
+    assert got == want
+    with pytest.raises(ValueError, match="only member 0 hosts the store"):
+        WeightChannel.open("127.0.0.1", ports[0], 1, store=stores[0])
 
 
 @pytest.mark.slow

