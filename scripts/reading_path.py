@@ -50,7 +50,11 @@ def counted(path: str) -> str | None:
     if not path.startswith(ROOT + os.sep) or not path.endswith(".py"):
         return None
     rel = os.path.relpath(path, ROOT)
-    return None if rel.split(os.sep)[0] in NOT_COUNTED else rel
+    parts = rel.split(os.sep)
+    # a virtual environment inside the checkout (README's `python3 -m venv .venv`) is not the project
+    if parts[0] in NOT_COUNTED or parts[0].startswith(".") or "site-packages" in parts:
+        return None
+    return rel
 
 
 class LineTrace:

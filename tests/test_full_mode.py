@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from loopback import TEST_KEY, FakeServer
-from toyfix import tiny_world
+from toyfix import MILD, tiny_world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_DS = (importlib.util.find_spec("deepspeed") is not None
@@ -107,8 +107,12 @@ def _full_run(tmp, name, model, rows, ranks, *extra, python=sys.executable, torc
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fullmode")
-    # A tiny Qwen3 with a short SFT warm start on the toy world (it writes tags and tool calls).
-    warm = ["--toy", "--steps", "0", "--run-dir", str(tmp / "warm"), "--no-progress",
+    # A tiny Qwen3 with a short SFT warm start on the toy world (it writes tags and tool calls). Its
+    # teacher is the mild one and searches every asked fact (p_skip 0): the toy's default teacher
+    # makes systematic mistakes on purpose, after which 150 SFT steps need not give a policy that
+    # calls the search tool within 96 tokens, and the tests below need those calls.
+    teacher = [x for k, v in {**MILD, "p_skip": 0.0}.items() for x in ("--set", f"teacher.{k}={v}")]
+    warm = ["--toy", "--steps", "0", "--run-dir", str(tmp / "warm"), "--no-progress", *teacher,
             "--set", "world.n_train_entities=40", "--set", "world.n_heldout_entities=8",
             "--set", "sft.steps=150", "--set", "sft.n_trajectories=300", "--set", "sft.n_reflections=20",
             "--set", "sft.batch_size=8", "--set", 'toy_model.size="XS"', "--set", "toy_model.vocab_size=400",

@@ -81,7 +81,9 @@ def same(a: dict, b: dict) -> bool:
 class OneProcessPolicy:
     """A policy engine (policy.PolicyEngine) with backends/full.py's ZeRO-3 step semantics over a
     plain model: torch AdamW, clip_grad_norm_ in step(), which (like DeepSpeed's ZeRO-3 optimizer)
-    discards a step whose gradient norm is not finite and always clears the gradients."""
+    discards a step whose gradient norm is not finite and always clears the gradients. Its log-probs
+    are ZeRO3Engine's on the toy's plain path (fast_logprobs false: the chunked head over every
+    column, no loss mask), so its steps equal TorchEngine's to the last bit."""
 
     world_size = 1
 
@@ -96,10 +98,10 @@ class OneProcessPolicy:
         self.model.train(mode)
 
     def logprobs(self, ids, att, mask=None, temperature=1.0):
-        return token_logprobs(self.model, ids, att, loss_mask=mask, temperature=temperature)
+        return token_logprobs(self.model, ids, att, temperature=temperature)
 
     def ref_logprobs(self, ids, att, mask=None, temperature=1.0):
-        return token_logprobs(self.ref, ids, att, loss_mask=mask, temperature=temperature)
+        return token_logprobs(self.ref, ids, att, temperature=temperature)
 
     def backward(self, loss, boundary: bool) -> None:
         loss.backward()
