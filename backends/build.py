@@ -24,7 +24,7 @@ from scaffold import RolloutEngine, load_rows, system_prompt
 from toy.hf_sampler import HFSampler
 from toy.judge import ToyJudge
 from toy.kv_sampler import KVSampler
-from toy.model import load_policy
+from toy.model import load_policy, load_tokenizer
 from toy.sft import warm_start
 from toy.world import BM25SearchTool, make_world
 from backends.config import ARMS, Config, attach_sections, needed_sections
@@ -195,24 +195,27 @@ def seeded_rollouts(cfg: Config) -> bool:
     rollout_engine.SeededRollouts: mode "full" and sampler "hf" or "kv" (vLLM takes per-request
     seeds itself; the toy path keeps its samplers). Raises ValueError for an unknown
     full.rollout_ranks."""
+    return _full_section(cfg) is not None and cfg.sampler in ("hf", "kv")
+
+
+def _full_section(cfg: Config):
+    """cfg.full of a full-mode run (None otherwise), its full.rollout_ranks checked: ValueError for
+    a value not in ROLLOUT_RANKS."""
     full = getattr(cfg, "full", None)
     if getattr(cfg, "mode", None) != "full" or full is None:
-        return False
+        return None
     if full.rollout_ranks not in ROLLOUT_RANKS:
         raise ValueError(f"full.rollout_ranks must be one of {ROLLOUT_RANKS}, got {full.rollout_ranks!r}")
-    return cfg.sampler in ("hf", "kv")
+    return full
 
 
 def vllm_rank_engines(cfg: Config) -> bool:
     """True when a full-mode run samples with vLLM, every ZeRO-3 rank on its own engine: mode "full",
     sampler "vllm", engine "zero3", full.rollout_ranks "all" (the engines take per-request seeds
     themselves). Raises ValueError for an unknown full.rollout_ranks."""
-    full = getattr(cfg, "full", None)
-    if getattr(cfg, "mode", None) != "full" or full is None or cfg.sampler != "vllm":
-        return False
-    if full.rollout_ranks not in ROLLOUT_RANKS:
-        raise ValueError(f"full.rollout_ranks must be one of {ROLLOUT_RANKS}, got {full.rollout_ranks!r}")
-    return full.rollout_ranks == "all" and cfg.engine == "zero3"
+    full = _full_section(cfg)
+    return full is not None and cfg.sampler == "vllm" and full.rollout_ranks == "all" \
+        and cfg.engine == "zero3"
 
 
 def every_rank_samples(cfg: Config) -> bool:
@@ -221,8 +224,9 @@ def every_rank_samples(cfg: Config) -> bool:
     full.rollout_ranks "all", engine "zero3" and no injected tool faults (their schedule counts the
     calls of one process; with faults rank 0 samples every group, logged). Same answer on every
     rank. With "rank0" rank 0 samples alone (HF / KV: the same rollouts)."""
-    if not ((seeded_rollouts(cfg) or vllm_rank_engines(cfg)) and cfg.full.rollout_ranks == "all"
-            and cfg.engine == "zero3"):
+    full = _full_section(cfg)
+    if not (full is not None and full.rollout_ranks == "all" and cfg.engine == "zero3"
+            and cfg.sampler in ("hf", "kv", "vllm")):
         return False
     if cfg.faults.tool_rate > 0:
         log.warning("faults.tool_rate > 0: rank 0 samples every rollout (the fault schedule counts "
@@ -241,11 +245,7 @@ def rank_rollouts(cfg: Config):
     the search tool of cfg and cfg's rollout settings, as rank 0's."""
     _, tool, _, _ = build_environment(cfg)
     if vllm_rank_engines(cfg):
-        from transformers import AutoTokenizer  # lazy: transformers only when a sampler starts
-
-        tok = AutoTokenizer.from_pretrained(cfg.model, local_files_only=True)  # as load_policy's
-        if tok.pad_token is None:
-            tok.pad_token = tok.eos_token
+        tok = load_tokenizer(cfg.model)
         sampler = build_sampler(cfg, None, tok)
         system = system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
         engine = make_rollout_engine(cfg, sampler, tok, tool, system)

@@ -69,7 +69,6 @@ import logging
 import math
 import os
 import resource
-import socket
 import sys
 import threading
 import time
@@ -93,6 +92,7 @@ from backends.pricing import format_cost_plan, judge_cost_plan
 from backends.rollout_engine import shard
 from backends.runcard import card_mismatch
 from backends.torch_engine import disable_dropout
+from backends.weight_channel import free_port
 from backends.zero3_scope import zero3_loading
 import ss_grpo
 from policy import PaddedRows, UpdateBatch, plan_update, policy_update
@@ -149,14 +149,6 @@ def dist_env(environ: dict | None = None) -> DistEnv:
                          f"WORLD_SIZE={ws}")
     return DistEnv(rank, local, ws, e.get("MASTER_ADDR") or "127.0.0.1", _int("MASTER_PORT", 29500),
                    launched)
-
-
-def free_port() -> int:
-    """An unused TCP port on 127.0.0.1 (for single-process runs and tests); another process may
-    take it before we bind it, which is acceptable on a test machine."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def device_kind() -> str:
@@ -792,9 +784,9 @@ class ZeRO3Engine:
                 ref = FrozenReference.from_pretrained(cfg.model, ds, chunk_size=cfg.full.logprob_chunk)
         self.policy, self.ref = policy, ref
         self.world_size = self.env.world_size
-        self.share_prefix = bool(cfg.fast_logprobs)  # the fast path (the full preset's): see Config
+        self.fast = bool(cfg.fast_logprobs)  # the fast log-prob path (the full preset's): see Config
         # policy_update's row layout: shared prompts packed on the fast path (fast_logprobs.py)
-        self.rows = fast_logprobs.rows_for(cfg.ss_grpo.agg) if self.share_prefix else PaddedRows()
+        self.rows = fast_logprobs.rows_for(cfg.ss_grpo.agg) if self.fast else PaddedRows()
         self.closed = False
         # Every rank samples its share of the groups (build.every_rank_samples): ranks > 0 keep a
         # plain copy of pi_theta and their own rollout engine, and stream finished groups to rank 0
@@ -812,11 +804,11 @@ class ZeRO3Engine:
     def logprobs(self, ids: torch.Tensor, att: torch.Tensor, mask: torch.Tensor | None = None,
                  temperature: float = 1.0) -> torch.Tensor:
         # the plain path (fast_logprobs false) computes every column, as TorchEngine's
-        return self.policy.logprobs(ids, att, mask if self.share_prefix else None, temperature)
+        return self.policy.logprobs(ids, att, mask if self.fast else None, temperature)
 
     def ref_logprobs(self, ids: torch.Tensor, att: torch.Tensor, mask: torch.Tensor | None = None,
                      temperature: float = 1.0) -> torch.Tensor:
-        return self.ref.logprobs(ids, att, mask if self.share_prefix else None, temperature)
+        return self.ref.logprobs(ids, att, mask if self.fast else None, temperature)
 
     def backward(self, loss: torch.Tensor, boundary: bool) -> None:
         self.policy.backward(loss, boundary)

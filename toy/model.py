@@ -119,16 +119,25 @@ def build_tiny_qwen3(tokenizer, size: str = "S", seed: int = 0):
     return model
 
 
+def load_tokenizer(path: str):
+    """The tokenizer of a local model directory, its pad token the EOS token when it has none.
+    Raises OSError if the path is not a local model directory (toy mode never downloads)."""
+    from transformers import AutoTokenizer  # lazy: transformers only when a model loads
+
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
 def load_policy(path: str, dtype: torch.dtype = torch.float32):
     """Load (model, tokenizer) from a local directory saved with `save_pretrained`.
 
     Works for any Hugging Face causal LM directory (e.g. a local copy of Qwen/Qwen3-0.6B). Raises
     OSError if the path is not a local model directory (toy mode never downloads).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: transformers only when a model loads
+    from transformers import AutoModelForCausalLM  # lazy: transformers only when a model loads
 
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
+    tok = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     return model, tok
