@@ -8,7 +8,9 @@ Reproduces in the toy world the comparisons of §4 "Ablation: RL training recipe
 memory-reuse analysis (Fig. 6d: RubricEM +0.4 / +0.7 at cross-episode pass 1 / within-episode pass 2,
 Baseline RL -0.5 / -0.6; scripts/memory_eval.py) and, with --scaffold, the scaffold ablation (Fig. 6a-c: the
 structured SFT start beats the unstructured one, DRB 43.0 vs 39.8, and without the scaffold RL gains
-are small and unstable).
+are small and unstable), and with --paper-sft, the SFT-confound ablation: RubricEM and Baseline RL
+from a warm start trained without reflection and memory examples, as the paper's SFT set (appendix:
+teacher trajectories only).
 
 What one grid does
     1. For each seed, then each arm (settings.ARMS), one subprocess
@@ -31,6 +33,17 @@ What one grid does
        order and held-out questions, each from its own scaffold's SFT start. The report compares
        the two after SFT and after RL (held-out answer score, scored by the same answer rubrics, and
        fact recall; mean and 95 % interval over seeds x questions).
+    6. With --paper-sft, per seed also RubricEM and Baseline RL from a warm start trained without
+       the toy's reflection and memory examples (run dirs GRID/rubricem-papersft-seedS and
+       GRID/baseline_rl-papersft-seedS: train.py --arm rubricem / baseline_rl with PAPER_SFT_SET,
+       sft.n_reflections=0 teacher.p_memory=0, after the other overrides), beside the rubricem and
+       baseline_rl runs from the toy's default SFT (added to --arms if missing). The toy's default
+       SFT set teaches writing a reflection and using retrieved memory, which the paper's does not
+       (its backbone writes reflections from pre-training); this measures that confound. The
+       paper-style warm start is not the shipped one: the first such run trains it into cache_dir
+       (about 45 min on 2 cores at threads=1), the others load it (with --jobs > 1 they wait for
+       that run, queued after every other run). No memory-reuse evaluation for these runs. The
+       report gives both arms' RL gain on both starts and RubricEM - Baseline RL per start.
 
 Resumable: a run whose eval.json exists is done and never redone; a run dir with checkpoints
 continues with --resume latest; memory.json marks a finished memory evaluation. Kill the grid at any
@@ -41,6 +54,7 @@ Launch
     python scripts/ablate.py --quick                         # fewer steps, questions, smaller SFT
     python scripts/ablate.py --arms rubricem,baseline_rl --seeds 0 --steps 12 --set threads=1
     python scripts/ablate.py --arms baseline_rl --scaffold --quick   # scaffold ablation (Fig. 6a-c)
+    python scripts/ablate.py --paper-sft --arms rubricem,baseline_rl --set threads=1 --set sample_threads=1
     python scripts/ablate.py --render-only                   # redraw the doc from GRID/results.jsonl
     python scripts/ablate.py memory --run-dir runs/toy       # memory reuse of one run (scripts/memory_eval.py)
 
@@ -62,6 +76,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
@@ -97,6 +112,14 @@ SCAFFOLD_FINDINGS = (
     ("structured > unstructured after RL", "per_question_answer", False),
     ("RL gain (RL - SFT) larger with the scaffold (paper: without it RL gains are small and "
      "unstable)", "per_question_delta", False))
+# The SFT-confound ablation (--paper-sft): RubricEM and Baseline RL from a warm start trained without
+# the toy's reflection examples and retrieved memory in the SFT prompts, as the paper's SFT set
+# (teacher trajectories only), run beside the default-SFT runs under these names (run dirs
+# GRID/<name>-seedS). PAPER_SFT_SET goes after the other overrides, so it wins.
+PAPER_SFT_SET = ["sft.n_reflections=0", "teacher.p_memory=0"]
+PAPERSFT = {"rubricem-papersft": "rubricem", "baseline_rl-papersft": "baseline_rl"}  # name -> arm
+PAPER_NAMES["rubricem-papersft"] = "RubricEM, paper-style SFT"
+PAPER_NAMES["baseline_rl-papersft"] = "Baseline RL, paper-style SFT"
 # Paper findings on the recipe (Fig. 5): (lower arm, higher arm).
 ORDER_FINDINGS = (("baseline_rl", "ss_grpo"), ("baseline_rl", "meta_policy"),
                   ("ss_grpo", "rubricem"), ("meta_policy", "rubricem"))
@@ -156,10 +179,10 @@ def sign_verdict(stat: tuple, sign: int) -> str:
 
 def curve_rows(arm: str, seed: int, curve: list[dict]) -> list[dict]:
     """results.jsonl rows of one run from its eval_curve.jsonl rows: one per evaluated step with the
-    scaffold ("unstructured" for the UNSTRUCTURED run, else "structured"), the answer score, score
-    and fact recall, the answer score of the SFT start (the run's step-0 row) and the per-question
-    answer scores, their differences from the SFT start and fact recalls. Raises ValueError when
-    the curve has no step-0 row."""
+    scaffold ("unstructured" for the UNSTRUCTURED run, else "structured"), the SFT set ("paper" for
+    a PAPERSFT run, else "toy"), the answer score, score and fact recall, the answer score of the
+    SFT start (the run's step-0 row) and the per-question answer scores, their differences from the
+    SFT start and fact recalls. Raises ValueError when the curve has no step-0 row."""
     base = next((r for r in curve if r["step"] == 0), None)
     if base is None:
         raise ValueError(f"{arm}-seed{seed}: eval_curve.jsonl has no step-0 (SFT start) row")
@@ -172,6 +195,7 @@ def curve_rows(arm: str, seed: int, curve: list[dict]) -> list[dict]:
         out.append({"per_question_score_delta": (sc - s0).tolist() if len(sc) == len(s0) else [],
                     "arm": arm, "seed": seed, "step": r["step"],
                     "scaffold": "unstructured" if arm == UNSTRUCTURED else "structured",
+                    "sft_set": "paper" if arm in PAPERSFT else "toy",
                     "answer": r["answer"], "score": r["score"], "fact_recall": r["fact_recall"],
                     "answer_sft": base["answer"], "delta_answer": float((a - a0).mean()),
                     "per_question_answer": a.tolist(), "per_question_delta": (a - a0).tolist(),
@@ -187,8 +211,8 @@ def arm_stats(rows: list[dict], arm: str, step: int) -> tuple[float, float, floa
 
 def pooled_stats(rows: list[dict], arm: str, step: int, key: str) -> tuple[float, float, float]:
     """(mean, lo, hi) of the per-question values `key` of results rows (per_question_answer,
-    per_question_delta, per_question_fact_recall) of run `arm` (an arm or UNSTRUCTURED) at `step`,
-    pooled over its seeds x questions; all NaN when there are none."""
+    per_question_delta, per_question_fact_recall) of run `arm` (an arm, UNSTRUCTURED or a PAPERSFT
+    name) at `step`, pooled over its seeds x questions; all NaN when there are none."""
     return mean_ci([d for r in rows if r["arm"] == arm and r["step"] == step for d in r.get(key, [])])
 
 
@@ -232,9 +256,15 @@ def train_command(grid: str, arm: str, seed: int, steps: int, eval_every: int,
                   sets: Sequence[str]) -> list[str]:
     """The train.py command line of one (arm, seed); `--resume latest` when its run dir holds
     checkpoints (a half-finished run). arm UNSTRUCTURED: Baseline RL on the unstructured scaffold
-    (--arm baseline_rl, SCAFFOLD_SET after the other overrides)."""
+    (--arm baseline_rl, SCAFFOLD_SET after the other overrides); a PAPERSFT name: its arm from the
+    paper-style SFT set (PAPER_SFT_SET after the other overrides)."""
     rd = run_dir(grid, arm, seed)
-    cli_arm, sets = (("baseline_rl", [*sets, SCAFFOLD_SET]) if arm == UNSTRUCTURED else (arm, sets))
+    if arm == UNSTRUCTURED:
+        cli_arm, sets = "baseline_rl", [*sets, SCAFFOLD_SET]
+    elif arm in PAPERSFT:
+        cli_arm, sets = PAPERSFT[arm], [*sets, *PAPER_SFT_SET]
+    else:
+        cli_arm = arm
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--toy", "--arm", cli_arm, "--seed",
            str(seed), "--run-dir", rd, "--steps", str(steps), "--eval-every", str(eval_every),
            "--no-progress"]
@@ -266,13 +296,19 @@ def run_logged(cmd: list[str], log_path: str) -> int:
 
 def run_grid(grid: str, arms: Sequence[str], seeds: Sequence[int], steps: int, eval_every: int,
              sets: Sequence[str], memory: bool = True, progress: bool = True,
-             scaffold: bool = False, jobs: int = 1) -> dict:
-    """Train every (arm, seed) not yet done (with `scaffold`, also the UNSTRUCTURED run per seed),
-    then the memory evaluations; returns {"done": [...], "skipped": [...], "failed": [...]} of
-    "arm-seedS" (memory: "memory:arm-seedS"). jobs: subprocesses at once (>= 1); each run's result
-    does not depend on it (every run is its own process, seeded alone), its wall time does."""
+             scaffold: bool = False, jobs: int = 1, paper_sft: bool = False) -> dict:
+    """Train every (arm, seed) not yet done (with `scaffold`, also the UNSTRUCTURED run per seed;
+    with `paper_sft`, the PAPERSFT runs per seed), then the memory evaluations; returns {"done":
+    [...], "skipped": [...], "failed": [...]} of "arm-seedS" (memory: "memory:arm-seedS"). jobs:
+    subprocesses at once (>= 1); each run's result does not depend on it (every run is its own
+    process, seeded alone), its wall time does. The first PAPERSFT run trains the paper-style warm
+    start (every seed shares it: sft.seed is not the run's seed), so it goes first and the other
+    PAPERSFT runs go last and wait for it to end: the warm start is trained once, beside the others."""
     runs = list(arms) + ([UNSTRUCTURED] if scaffold else [])
     todo = [("train", a, s) for s in seeds for a in runs]
+    paper = [("train", n, s) for s in seeds for n in PAPERSFT] if paper_sft else []
+    todo = paper[:1] + todo + paper[1:]
+    leader_done = threading.Event()  # the first PAPERSFT run ended (done, skipped or failed)
     if memory:
         todo += [("memory", a, s) for s in seeds for a in arms if a in MEMORY_ARMS]
 
@@ -285,6 +321,15 @@ def run_grid(grid: str, arms: Sequence[str], seeds: Sequence[int], steps: int, e
     bar = tqdm(total=len(todo), initial=n_done, desc="ablation grid", disable=not progress,
                unit="run")
     def one(job: tuple) -> None:
+        try:
+            if job in paper[1:]:
+                leader_done.wait()  # the paper-style warm start is in the cache (or its run failed)
+            train_or_evaluate(job)
+        finally:
+            if paper and job == paper[0]:
+                leader_done.set()
+
+    def train_or_evaluate(job: tuple) -> None:
         kind, a, s = job
         tag = f"{a}-seed{s}" if kind == "train" else f"memory:{a}-seed{s}"
         if finished(kind, a, s):
@@ -354,12 +399,14 @@ def _sft_key(ev: dict) -> str:
 
 
 def collect(grid: str, arms: Sequence[str], seeds: Sequence[int],
-            scaffold: bool = False) -> tuple[list[dict], dict, list[str]]:
+            scaffold: bool = False, paper_sft: bool = False) -> tuple[list[dict], dict, list[str]]:
     """(results rows, memory results by (arm, seed), checks) from the finished runs (with
-    `scaffold`, the UNSTRUCTURED runs too); writes GRID/results.jsonl. Checks: the SFT start is the
-    same for every arm of a seed (warm-start cache key and the step-0 evaluation), the evaluations
-    used the same settings, and an unstructured run had its own warm start and the structured
-    run's held-out questions and evaluation settings."""
+    `scaffold`, the UNSTRUCTURED runs too; with `paper_sft`, the PAPERSFT runs); writes
+    GRID/results.jsonl. Checks: the SFT start is the same for every arm of a seed (warm-start cache
+    key and the step-0 evaluation), the evaluations used the same settings, an unstructured run
+    had its own warm start and the structured run's held-out questions and evaluation settings,
+    and the PAPERSFT runs of a seed shared one warm start (key and step-0 evaluation) other than
+    the main arms' (`_papersft_rows`)."""
     rows, mem, checks = [], {}, []
     for s in seeds:
         keys, base = {}, {}
@@ -390,6 +437,9 @@ def collect(grid: str, arms: Sequence[str], seeds: Sequence[int],
         if got is not None:
             more, lines = _unstructured_rows(got, s, keys.get("baseline_rl"), base.get("baseline_rl"))
             rows, checks = rows + more, checks + lines
+        if paper_sft:
+            more, lines = _papersft_rows(grid, s, keys, base)
+            rows, checks = rows + more, checks + lines
     if os.path.isdir(grid):
         data = "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8")
         ckpt_mod.atomic_write_bytes(os.path.join(grid, "results.jsonl"), data)
@@ -417,26 +467,71 @@ def _unstructured_rows(got: tuple[dict, list[dict]], seed: int, key_structured: 
     return rows, [line]
 
 
+def _papersft_rows(grid: str, seed: int, main_keys: dict,
+                   main_base: dict) -> tuple[list[dict], list[str]]:
+    """Results rows and the check line of one seed's finished PAPERSFT runs (none: no line). The
+    check: both runs loaded one warm start (cache key) and evaluated it identically at step 0 (the
+    same per-question answer scores and evaluation settings), that key is none of the main arms'
+    (`main_keys`: arm -> key; a paper-style warm start equal to the default one would measure
+    nothing), and the held-out question count and evaluation settings are the main arms'
+    (`main_base`: arm -> (step-0 per-question answers, evaluation settings as JSON)). Any failed
+    part reads NO."""
+    rows, keys, base, lines = [], {}, {}, []
+    for name in PAPERSFT:
+        got = _finished_run(grid, name, seed)
+        if got is None:
+            continue
+        ev, curve = got
+        try:
+            rows += curve_rows(name, seed, curve)
+        except ValueError as e:
+            lines.append(f"{e}; left out")
+            continue
+        keys[name] = _sft_key(ev)
+        base[name] = (curve[0]["per_question"]["answer"], json.dumps(curve[0]["eval"]))
+    if not keys:
+        return rows, lines
+    distinct = sorted(set(keys.values()))
+    same_base = len({json.dumps(v) for v in base.values()}) == 1
+    line = (f"seed {seed}: paper-style SFT: warm start shared by {len(keys)} runs: "
+            f"{'yes' if len(distinct) == 1 else 'NO'} (cache key {', '.join(k[:12] for k in distinct)}); "
+            f"identical step-0 held-out evaluation: {'yes' if same_base else 'NO'}")
+    main = sorted(set(map(str, main_keys.values())))
+    if main:
+        line += (f"; own warm start, not the default SFT's (cache key {', '.join(k[:12] for k in main)}): "
+                 f"{'yes' if not set(distinct) & set(main) else 'NO'}")
+    if main_base:
+        ref_answers, ref_eval = next(iter(main_base.values()))
+        same = all(len(a) == len(ref_answers) and e == ref_eval for a, e in base.values())
+        line += (f"; same held-out question count and evaluation settings as the default-SFT arms: "
+                 f"{'yes' if same else 'NO'}")
+    return rows, lines + [line]
+
+
 # ----------------------------------------------------------------------------------------------------
 # The report
 
 
 def plot(rows: list[dict], arms: Sequence[str], path: str) -> None:
     """Fig. 5-style figure: answer-score difference from the SFT start vs RL step, one line per arm,
-    its 95 % interval over seeds x questions as a band."""
+    its 95 % interval over seeds x questions as a band; a PAPERSFT run dashed, in its arm's colour
+    when that arm is drawn too."""
     import matplotlib  # lazy: matplotlib only for the figure
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # lazy: matplotlib only for the figure
 
     fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=120)
-    for a in arms:
+    colour = {}
+    for a in sorted(arms, key=lambda x: x in PAPERSFT):  # the default-SFT arms first: their colours
         steps = sorted({r["step"] for r in rows if r["arm"] == a})
         if not steps:
             continue
         st = [arm_stats(rows, a, t) for t in steps]
         m, lo, hi = (np.array([x[i] for x in st]) for i in range(3))
-        (line,) = ax.plot(steps, m, marker="o", ms=3, label=PAPER_NAMES[a])
+        style = {"ls": "--", "color": colour.get(PAPERSFT[a])} if a in PAPERSFT else {}
+        (line,) = ax.plot(steps, m, marker="o", ms=3, label=PAPER_NAMES[a], **style)
+        colour[a] = line.get_color()
         ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15)
     ax.axhline(0, color="k", lw=0.6)
     ax.set_xlabel("RL step")
@@ -516,6 +611,8 @@ def render(rows: list[dict], mem: dict, checks: list[str], arms: Sequence[str], 
         L += [f"![held-out answer score minus SFT start per RL step]({meta['figure']})", ""]
     if meta.get("scaffold") or any(r["arm"] == UNSTRUCTURED for r in rows):
         L += render_scaffold(rows, fs)
+    if meta.get("paper_sft") or any(r["arm"] in PAPERSFT for r in rows):
+        L += render_papersft(rows, fs)
     if fmt:
         L += ["## Format during RL", "",
               "`rollout/well_formed` of the training rollouts (share of a step's rollouts with every "
@@ -600,6 +697,75 @@ def render_scaffold(rows: list[dict], fs: int | None) -> list[str]:
     return L + [""]
 
 
+def difference_verdict(a: tuple, b: tuple, a_name: str, b_name: str) -> str:
+    """Verdict on "the two values differ" from two (mean, lo, hi) triples: "yes: larger on A" or
+    "yes: larger on B" (intervals disjoint), "inconclusive (CIs overlap)", or "not run" when either
+    is missing (NaN); the same rule as `order_verdict`, without a side the paper predicts."""
+    v = order_verdict(b, a)
+    return {"reproduced": f"yes: larger on {a_name} (CIs disjoint)",
+            "not reproduced": f"yes: larger on {b_name} (CIs disjoint)"}.get(v, v)
+
+
+def render_papersft(rows: list[dict], fs: int | None) -> list[str]:
+    """The report's SFT-confound section (--paper-sft): RubricEM and Baseline RL from the toy's
+    default SFT start and from the paper-style one (no reflection and memory examples); per (start,
+    arm) the held-out answer score after SFT (step 0) and after RL (step `fs`), the RL gain and the
+    mean-stage RL gain (mean and 95 % interval over seeds x questions); per start RubricEM minus
+    Baseline RL of the RL gain, paired by seed and question (`paired_difference`); a verdict on
+    whether the reflection SFT changes RubricEM's gain (`difference_verdict`) and on the paper's
+    order RubricEM > Baseline RL on the paper-style start (`sign_verdict`)."""
+    toy = presets.toy_preset()
+    L = ["## SFT without reflection and memory examples (the paper's SFT set)", "",
+         "The toy's default SFT set holds, besides the teacher's research trajectories, reflection "
+         f"examples (`sft.n_reflections`, toy default {toy.sft.n_reflections}) and retrieved memory in "
+         f"a share of the SFT prompts (`teacher.p_memory`, toy default {toy.teacher.p_memory:g}); the "
+         "paper's SFT set has neither (teacher trajectories only: its backbone writes reflections "
+         "from pre-training). The default keeps them because the tiny policy has no pre-trained "
+         "ability to write a lesson or to use a retrieved one. Here RubricEM and Baseline RL also "
+         "start from a warm start trained without them (`" + " ".join(PAPER_SFT_SET) + "`; "
+         "otherwise the same teacher, SFT budget and seed), with the same RL steps, data order and "
+         "held-out questions as the default-SFT runs. Memory reuse (`scripts/memory_eval.py`) is not "
+         "run for the paper-style runs.", ""]
+    if fs is None or not any(r["arm"] in PAPERSFT for r in rows):
+        return L + ["Not run yet: `python scripts/ablate.py --paper-sft` fills this section.", ""]
+    starts = (("toy default SFT", "rubricem", "baseline_rl"),
+              ("paper-style SFT", "rubricem-papersft", "baseline_rl-papersft"))
+    L += [f"At RL step {fs} (after RL) and step 0 (after SFT); the RL gain is the answer score after "
+          "RL minus the same run's after SFT, the mean-stage gain that of the mean of the four stage "
+          "scores.", "",
+          "| SFT start | arm | run | seeds | answer after SFT [95% CI] | answer after RL [95% CI] "
+          "| RL gain [95% CI] | mean-stage RL gain [95% CI] |", "|---|---|---|---|---|---|---|---|"]
+
+    def cell(name: str, step: int, key: str, sign: str = "") -> str:
+        m, lo, hi = pooled_stats(rows, name, step, key)
+        return f"{m:{sign}.3f} [{lo:{sign}.3f}, {hi:{sign}.3f}]" if np.isfinite(m) else "n/a"
+
+    for start, *names in starts:
+        for name in names:
+            n = len({r["seed"] for r in rows if r["arm"] == name and r["step"] == fs})
+            arm = PAPERSFT.get(name, name)
+            cells = [cell(name, 0, "per_question_answer"), cell(name, fs, "per_question_answer"),
+                     cell(name, fs, "per_question_delta", "+"),
+                     cell(name, fs, "per_question_score_delta", "+")]
+            L.append(f"| {start} | {PAPER_NAMES[arm]} | `{name}` | {n} | " + " | ".join(cells) + " |")
+    L += ["", "RubricEM minus Baseline RL of the RL gain at the final step, paired by seed and held-out "
+          "question (both from the same SFT start, questions and sampling seed):", ""]
+    paired = {}
+    for start, a, b in starts:
+        d = paired[start] = paired_difference(rows, a, b, fs)
+        L.append(f"- {start}: " + ("not run (a seed lacks either run)" if d is None else
+                 f"answer score {d['answer'][0]:+.3f} [{d['answer'][1]:+.3f}, {d['answer'][2]:+.3f}], "
+                 f"mean-stage score {d['score'][0]:+.3f} [{d['score'][1]:+.3f}, {d['score'][2]:+.3f}]"))
+    v = difference_verdict(arm_stats(rows, "rubricem", fs), arm_stats(rows, "rubricem-papersft", fs),
+                           "the toy default SFT start", "the paper-style SFT start")
+    d = paired["paper-style SFT"]
+    L += ["", "- the reflection SFT changes RubricEM's RL gain (CIs of the gain on the two starts): "
+          f"**{v}**",
+          "- RubricEM > Baseline RL on the paper-style SFT start (RL gain, paired difference; the "
+          f"paper's order, Fig. 5): **{'not run' if d is None else sign_verdict(d['answer'], +1)}**"]
+    return L + [""]
+
+
 def memory_stats(mem: dict, arm: str, p: str) -> tuple[float, float, float]:
     """(mean, lo, hi) of a pass's with-minus-without answer difference, pooled over the arm's seeds
     x questions."""
@@ -609,15 +775,17 @@ def memory_stats(mem: dict, arm: str, p: str) -> tuple[float, float, float]:
 
 def write_report(grid: str, arms: Sequence[str], seeds: Sequence[int], doc: str, meta: dict) -> str:
     """Collect the finished runs, write GRID/results.jsonl, the figure next to `doc` and `doc`
-    (meta["scaffold"]: the UNSTRUCTURED runs too, drawn in the figure as a line of their own)."""
-    scaffold = bool(meta.get("scaffold"))
-    rows, mem, checks = collect(grid, arms, seeds, scaffold)
+    (meta["scaffold"]: the UNSTRUCTURED runs too, drawn in the figure as a line of their own;
+    meta["paper_sft"]: the PAPERSFT runs too, drawn dashed)."""
+    scaffold, paper_sft = bool(meta.get("scaffold")), bool(meta.get("paper_sft"))
+    rows, mem, checks = collect(grid, arms, seeds, scaffold, paper_sft)
+    runs = list(arms) + ([UNSTRUCTURED] if scaffold else []) + (list(PAPERSFT) if paper_sft else [])
     png = os.path.splitext(doc)[0] + ".png"
     os.makedirs(os.path.dirname(os.path.abspath(doc)), exist_ok=True)
     if rows:
-        plot(rows, list(arms) + ([UNSTRUCTURED] if scaffold else []), png)
+        plot(rows, runs, png)
         meta = {**meta, "figure": os.path.basename(png)}
-    fmt = format_stats(grid, list(arms) + ([UNSTRUCTURED] if scaffold else []), seeds)
+    fmt = format_stats(grid, runs, seeds)
     text = render(rows, mem, checks, arms, meta, fmt)
     ckpt_mod.atomic_write_bytes(doc, text.encode("utf-8"))
     return text
@@ -661,6 +829,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--scaffold", action="store_true", help="also the scaffold ablation (Fig. 6a-c): "
                     "per seed, Baseline RL on the unstructured scaffold (its own SFT start) beside "
                     "the structured baseline_rl run, which is added to --arms if missing")
+    ap.add_argument("--paper-sft", action="store_true", help="also the SFT-confound ablation: per "
+                    "seed, rubricem and baseline_rl from a warm start trained without reflection and "
+                    "memory examples (" + " ".join(PAPER_SFT_SET) + ", as the paper's SFT set; the "
+                    "first such run trains it, about 45 min on 2 cores) beside the default-SFT "
+                    "rubricem and baseline_rl runs, which are added to --arms if missing")
     ap.add_argument("--render-only", action="store_true", help="only rewrite the report from the "
                     "finished runs in --out")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -675,6 +848,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         ap.error(f"unknown arms {bad}; choose from {ARM_ORDER}")
     if a.scaffold and "baseline_rl" not in a.arms:
         a.arms.append("baseline_rl")  # the structured side of the scaffold comparison
+    for arm in dict.fromkeys(PAPERSFT.values()) if a.paper_sft else ():
+        if arm not in a.arms:
+            a.arms.append(arm)  # the default-SFT side of the SFT-confound comparison
     a.seeds = [int(x) for x in a.seeds.split(",")] if a.seeds else (QUICK_SEEDS if a.quick else [0, 1, 2])
     a.steps = a.steps or (QUICK_STEPS if a.quick else presets.toy_preset().steps)
     a.eval_every = a.eval_every or max(1, a.steps // 6)
@@ -700,15 +876,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not a.render_only:
         status = run_grid(a.out, a.arms, a.seeds, a.steps, a.eval_every, a.sets,
                           memory=not a.no_memory, progress=not a.no_progress, scaffold=a.scaffold,
-                          jobs=a.jobs)
+                          jobs=a.jobs, paper_sft=a.paper_sft)
     meta = {"command": "python scripts/ablate.py " + shlex.join(argv), "commit": commit(),
             "command_note": " (the report of finished runs: the same command without `--render-only` "
                             "trains them)" if a.render_only else "",
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
             "machine": machine(), "threads": threads_of(a.out, a.arms, a.seeds, a.sets),
-            "scaffold": a.scaffold,
+            "scaffold": a.scaffold, "paper_sft": a.paper_sft,
             "grid": f"arms {','.join(a.arms)}"
-                    f"{' + baseline_rl on the unstructured scaffold' if a.scaffold else ''}; "
+                    f"{' + baseline_rl on the unstructured scaffold' if a.scaffold else ''}"
+                    f"{' + rubricem and baseline_rl from the paper-style SFT' if a.paper_sft else ''}; "
                     f"seeds {','.join(map(str, a.seeds))}; {a.steps} RL "
                     f"steps; evaluation every {a.eval_every} steps; overrides "
                     f"{' '.join(a.sets) or 'none'}; run dirs under {a.out}"}

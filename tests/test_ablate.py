@@ -261,3 +261,199 @@ def test_tiny_scaffold_grid_structured_vs_unstructured_fig6(tmp_path, toy_cache)
             and "): yes; same held-out question count and evaluation settings as structured "
                 "baseline_rl: yes" in doc)
     assert "structured > unstructured after SFT (paper: DRB 43.0 vs 39.8): **" in doc
+
+
+# ---------------------------------------------------------------------------------------------------
+# The SFT-confound ablation (--paper-sft): RubricEM and Baseline RL from the paper-style SFT set
+
+
+def test_papersft_runs_are_rubricem_and_baseline_rl_without_reflection_and_memory_sft(tmp_path):
+    for name, arm in (("rubricem-papersft", "rubricem"), ("baseline_rl-papersft", "baseline_rl")):
+        cmd = ablate.train_command(str(tmp_path), name, 2, 3, 1, ["threads=1", "sft.n_reflections=200"])
+        assert cmd[cmd.index("--arm") + 1] == arm and cmd[cmd.index("--seed") + 1] == "2"
+        assert cmd[cmd.index("--run-dir") + 1] == str(tmp_path / f"{name}-seed2")
+        sets = [cmd[i + 1] for i, x in enumerate(cmd) if x == "--set"]
+        # the paper-style set last: it wins over --quick's or the user's sft.n_reflections
+        assert sets == ["threads=1", "sft.n_reflections=200", "sft.n_reflections=0", "teacher.p_memory=0"]
+        cfg = ablate.settings.apply_overrides(ablate.presets.toy_preset(), sets)
+        assert cfg.sft.n_reflections == 0 and cfg.teacher.p_memory == 0
+    a = ablate.parse_args(["--arms", "ss_grpo", "--paper-sft", "--quick"])
+    assert a.paper_sft and a.arms == ["ss_grpo", "rubricem", "baseline_rl"]
+    both = ["baseline_rl", "rubricem"]
+    assert ablate.parse_args(["--arms", ",".join(both), "--paper-sft"]).arms == both
+    assert not ablate.parse_args(["--arms", "rubricem"]).paper_sft
+
+
+def test_papersft_warm_start_is_trained_once_the_other_runs_wait_for_it(tmp_path, monkeypatch):
+    """The first paper-style run goes first; with --jobs 2 the others start only after it ended (it
+    trains the shared warm start), while the default-SFT runs proceed beside it. No memory-reuse
+    evaluation for the paper-style runs."""
+    events, memory, lock = [], [], __import__("threading").Lock()
+
+    def fake_run(cmd, log_path):
+        if cmd[1].endswith("memory_eval.py"):
+            memory.append(os.path.basename(cmd[2]))
+            open(os.path.join(cmd[2], "memory.json"), "w").write("{}")
+            return 0
+        rd = cmd[cmd.index("--run-dir") + 1]
+        name = os.path.basename(rd)
+        with lock:
+            events.append(("start", name))
+        time.sleep(0.3 if name == "rubricem-papersft-seed0" else 0.02)
+        os.makedirs(rd, exist_ok=True)
+        open(os.path.join(rd, "eval.json"), "w").write("{}")
+        with lock:
+            events.append(("end", name))
+        return 0
+
+    monkeypatch.setattr(ablate, "run_logged", fake_run)
+    st = ablate.run_grid(str(tmp_path), ["rubricem", "baseline_rl"], [0, 1], 2, 1, [], memory=True,
+                         progress=False, jobs=2, paper_sft=True)
+    assert not st["failed"] and len(st["done"]) == 12
+    assert sorted(memory) == ["baseline_rl-seed0", "baseline_rl-seed1", "rubricem-seed0", "rubricem-seed1"]
+    assert events[0] == ("start", "rubricem-papersft-seed0")
+    leader_end = events.index(("end", "rubricem-papersft-seed0"))
+    for name in ("baseline_rl-papersft-seed0", "rubricem-papersft-seed1", "baseline_rl-papersft-seed1"):
+        assert events.index(("start", name)) > leader_end
+    assert events.index(("start", "rubricem-seed0")) < leader_end  # the default-SFT runs went on
+    # resumed: nothing is redone, nobody waits for ever on a leader that is already done
+    st = ablate.run_grid(str(tmp_path), ["rubricem", "baseline_rl"], [0, 1], 2, 1, [], memory=True,
+                         progress=False, jobs=2, paper_sft=True)
+    assert len(st["skipped"]) == 12 and len(events) == 16 and len(memory) == 4
+
+
+def _papersft_rows(rng, sft_rl, seeds=(0, 1), nq=20):
+    """Synthetic results rows: {run name: (answer after SFT, after RL)}, the mean-stage gain half the
+    answer gain."""
+    rows = []
+    for name, (sft, rl) in sft_rl.items():
+        for r in _scaffold_rows(rng, name, sft, rl, 0.3, 0.3, seeds, nq):
+            rows.append({**r, "per_question_score_delta": [0.5 * d for d in r["per_question_delta"]]})
+    return rows
+
+
+def test_report_compares_rl_gains_on_the_toy_and_the_paper_style_sft_start():
+    rng = np.random.default_rng(0)
+    rows = _papersft_rows(rng, {"rubricem": (0.5, 0.7), "baseline_rl": (0.5, 0.55),
+                                "rubricem-papersft": (0.4, 0.45), "baseline_rl-papersft": (0.4, 0.5)})
+    meta = dict(command="c", commit="x", date="d", machine="m", threads="1", grid="g", paper_sft=True)
+    doc = ablate.render(rows, {}, [], ["rubricem", "baseline_rl"], meta)
+    assert "## SFT without reflection and memory examples (the paper's SFT set)" in doc
+    assert "`sft.n_reflections=0 teacher.p_memory=0`" in doc and "Memory reuse" in doc
+    line = {(r.split("|")[1].strip(), r.split("|")[3].strip()): [c.strip() for c in r.split("|")[4:-1]]
+            for r in doc.splitlines() if r.startswith(("| toy default SFT", "| paper-style SFT"))}
+    assert set(line) == {("toy default SFT", "`rubricem`"), ("toy default SFT", "`baseline_rl`"),
+                         ("paper-style SFT", "`rubricem-papersft`"),
+                         ("paper-style SFT", "`baseline_rl-papersft`")}
+    seeds, sft, rl, gain, stage = line[("paper-style SFT", "`rubricem-papersft`")]
+    assert seeds == "2" and abs(float(sft.split()[0]) - 0.4) < 0.01
+    assert abs(float(rl.split()[0]) - 0.45) < 0.01
+    assert gain.startswith("+") and abs(float(gain.split()[0]) - 0.05) < 0.01
+    assert abs(float(stage.split()[0]) - 0.5 * float(gain.split()[0])) < 0.001  # half, as in the rows
+    assert abs(float(line[("toy default SFT", "`rubricem`")][3].split()[0]) - 0.2) < 0.01
+    # paired RubricEM - Baseline RL per start: +0.15 on the toy start, -0.05 on the paper-style one
+    toy = next(l for l in doc.splitlines() if l.startswith("- toy default SFT: answer score"))
+    paper = next(l for l in doc.splitlines() if l.startswith("- paper-style SFT: answer score"))
+    value = lambda l: float(l.split("answer score ")[1].split()[0])
+    assert abs(value(toy) - 0.15) < 0.01 and abs(value(paper) + 0.05) < 0.01
+    assert ("the reflection SFT changes RubricEM's RL gain (CIs of the gain on the two starts): "
+            "**yes: larger on the toy default SFT start (CIs disjoint)**") in doc
+    assert ("RubricEM > Baseline RL on the paper-style SFT start (RL gain, paired difference; the "
+            "paper's order, Fig. 5): **not reproduced**") in doc
+    # the same gain on both starts, RubricEM ahead on the paper-style one
+    rows = _papersft_rows(rng, {"rubricem": (0.5, 0.6), "baseline_rl": (0.5, 0.55),
+                                "rubricem-papersft": (0.4, 0.5), "baseline_rl-papersft": (0.4, 0.4)})
+    doc = ablate.render(rows, {}, [], ["rubricem", "baseline_rl"], meta)
+    assert ("changes RubricEM's RL gain (CIs of the gain on the two starts): "
+            "**inconclusive (CIs overlap)**") in doc
+    assert ("on the paper-style SFT start (RL gain, paired difference; the paper's order, Fig. 5): "
+            "**reproduced**") in doc
+    # asked for but not run yet; not asked for: no section
+    main_only = [r for r in rows if r["arm"] in ("rubricem", "baseline_rl")]
+    assert "Not run yet: `python scripts/ablate.py --paper-sft` fills this section." in ablate.render(
+        main_only, {}, [], ["rubricem", "baseline_rl"], meta)
+    assert "the paper's SFT set" not in ablate.render(main_only, {}, [], ["rubricem", "baseline_rl"],
+                                                      {**meta, "paper_sft": False})
+
+
+def _fake_run(grid, name, seed, key, answers, eval_settings=None):
+    """A finished run dir: eval.json with the warm-start key, eval_curve.jsonl with step 0 and 2."""
+    rd = grid / f"{name}-seed{seed}"
+    os.makedirs(rd)
+    (rd / "eval.json").write_text(json.dumps({"sft": {"key": key}}))
+    ev = eval_settings or {"n_questions": len(answers), "samples": 1, "temperature": 1.0}
+    curve = [{"step": t, "eval": ev, "answer": float(np.mean(answers)) + 0.1 * t, "score": 0.5,
+              "fact_recall": 0.2, "per_question": {"answer": [a + 0.1 * t for a in answers]}}
+             for t in (0, 2)]
+    (rd / "eval_curve.jsonl").write_text("".join(json.dumps(r) + "\n" for r in curve))
+
+
+def test_papersft_runs_share_their_own_warm_start_and_are_checked_apart(tmp_path):
+    def check(grid):
+        rows, _, checks = ablate.collect(str(grid), ["rubricem", "baseline_rl"], [0], paper_sft=True)
+        main = next(c for c in checks if "SFT warm start shared by" in c)
+        paper = next(c for c in checks if "paper-style SFT" in c)
+        return rows, main, paper
+
+    ok = tmp_path / "ok"
+    for a in ("rubricem", "baseline_rl"):
+        _fake_run(ok, a, 0, "toykey000000aaaa", [0.5, 0.6])
+        _fake_run(ok, f"{a}-papersft", 0, "paperkey0000bbbb", [0.3, 0.4])
+    rows, main, paper = check(ok)
+    # the paper-style runs have their own start: they are not part of the main arms' check
+    assert "shared by 2 arms: yes" in main and "step-0 held-out evaluation: yes" in main
+    assert "NO" not in paper and "shared by 2 runs: yes (cache key paperkey0000)" in paper
+    assert "not the default SFT's (cache key toykey000000): yes" in paper
+    assert "same held-out question count and evaluation settings as the default-SFT arms: yes" in paper
+    assert {(r["arm"], r["sft_set"]) for r in rows} == {
+        ("rubricem", "toy"), ("baseline_rl", "toy"), ("rubricem-papersft", "paper"),
+        ("baseline_rl-papersft", "paper")}
+    assert len([json.loads(l) for l in open(ok / "results.jsonl")]) == 8
+    assert not ablate.collect(str(ok), ["rubricem", "baseline_rl"], [0])[2][1:]  # not asked: no check
+
+    same_key = tmp_path / "same_key"  # a paper-style run on the default warm start
+    for a in ("rubricem", "baseline_rl"):
+        _fake_run(same_key, a, 0, "toykey000000aaaa", [0.5, 0.6])
+    _fake_run(same_key, "rubricem-papersft", 0, "toykey000000aaaa", [0.5, 0.6])
+    assert "not the default SFT's (cache key toykey000000): NO" in check(same_key)[2]
+
+    two_keys = tmp_path / "two_keys"  # the two paper-style runs of a seed from different starts
+    _fake_run(two_keys, "rubricem", 0, "toykey000000aaaa", [0.5, 0.6])
+    _fake_run(two_keys, "rubricem-papersft", 0, "paperkey0000bbbb", [0.3, 0.4])
+    _fake_run(two_keys, "baseline_rl-papersft", 0, "paperkey0000cccc", [0.3, 0.45])
+    paper = check(two_keys)[2]
+    assert "shared by 2 runs: NO (cache key paperkey0000, paperkey0000)" in paper
+    assert "identical step-0 held-out evaluation: NO" in paper
+
+    other_eval = tmp_path / "other_eval"  # other held-out evaluation settings than the main arms'
+    _fake_run(other_eval, "rubricem", 0, "toykey000000aaaa", [0.5, 0.6])
+    _fake_run(other_eval, "rubricem-papersft", 0, "paperkey0000bbbb", [0.3, 0.4],
+              {"n_questions": 2, "samples": 2, "temperature": 1.0})
+    assert "evaluation settings as the default-SFT arms: NO" in check(other_eval)[2]
+
+
+@pytest.mark.slow
+def test_tiny_papersft_grid_trains_its_own_warm_start_once(tmp_path, toy_cache):
+    out = tmp_path / "grid"
+    argv = ["--arms", "rubricem", "--paper-sft", "--seeds", "0", "--steps", "1", "--eval-every", "1",
+            "--out", str(out), "--doc", str(out / "doc" / "ablations.md"), "--no-progress", "--no-memory",
+            "--jobs", "2"]
+    for s in tiny_sets(toy_cache):
+        argv += ["--set", s]
+    assert ablate.main(argv) == 0
+    rows = [json.loads(l) for l in open(out / "results.jsonl")]
+    assert sorted((r["arm"], r["sft_set"], r["step"]) for r in rows) == [
+        (a, sft, s) for a, sft in (("baseline_rl", "toy"), ("baseline_rl-papersft", "paper"),
+                                   ("rubricem", "toy"), ("rubricem-papersft", "paper")) for s in (0, 1)]
+    for name, arm in ablate.PAPERSFT.items():
+        cfg = json.load(open(out / f"{name}-seed0" / "config.json"))
+        assert cfg["arm"] == arm and cfg["sft"]["n_reflections"] == 0 and cfg["teacher"]["p_memory"] == 0
+    ev = [json.load(open(out / f"{n}-seed0" / "eval.json"))["sft"] for n in ablate.PAPERSFT]
+    assert [e["cached"] for e in ev] == [False, True]  # trained by the first, loaded by the second
+    doc = open(out / "doc" / "ablations.md").read()
+    assert "SFT warm start shared by 2 arms: yes" in doc
+    assert ("seed 0: paper-style SFT: warm start shared by 2 runs: yes" in doc
+            and "identical step-0 held-out evaluation: yes; own warm start, not the default SFT's" in doc
+            and "evaluation settings as the default-SFT arms: yes" in doc)
+    assert "| paper-style SFT | RubricEM | `rubricem-papersft` | 1 |" in doc
+    assert "the reflection SFT changes RubricEM's RL gain (CIs of the gain on the two starts): **" in doc
