@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from backends.rollout_engine import (AsyncTurns, ConcurrentRolloutEngine, SeededRollouts,
+from backends.rollout_engine import (ConcurrentRolloutEngine, SeededRollouts,
                                      SeededTorchSampler, pool_map)
 from bank import RubricBank
 from scaffold import RolloutEngine, load_rows, system_prompt
@@ -314,7 +314,8 @@ def build_run(cfg: Config, policy, model, tok, world, tool, train_q: list, held_
         rollout_engine = SeededRollouts(rollout_engine, cfg.full.rollout_schedule,
                                         cfg.full.tool_concurrency, policy.sample_shards)
     elif cfg.sampler == "vllm" and cfg.full.rollout_schedule == "async":
-        rollout_engine = AsyncTurns(rollout_engine, cfg.full.tool_concurrency)
+        # one engine (rank 0's): no turn barrier, one seed per request
+        rollout_engine = SeededRollouts(rollout_engine, "async", cfg.full.tool_concurrency)
     elif seeded_rollouts(cfg):  # full mode, HF / KV sampler: one seed per request, every rank samples
         deal = policy.sample_shards if cfg.engine == "zero3" else None  # ZeRO-3: logs the ranks
         rollout_engine = SeededRollouts(rollout_engine, cfg.full.rollout_schedule,

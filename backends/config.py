@@ -550,6 +550,8 @@ def validate_config(cfg: Config) -> None:
         if cfg.full.rollout_schedule not in ("lockstep", "async"):
             raise ValueError(f"full.rollout_schedule must be one of ('lockstep', 'async'), got "
                              f"{cfg.full.rollout_schedule!r}")
+        if not 0.0 <= cfg.full.rank0_rollout_share <= 1.0:
+            raise ValueError(f"full.rank0_rollout_share must be in [0, 1], got {cfg.full.rank0_rollout_share}")
         if cfg.full.tool_concurrency < 1:
             raise ValueError(f"full.tool_concurrency must be >= 1, got {cfg.full.tool_concurrency}")
     if cfg.judge.backend == "toy" and cfg.data.source:

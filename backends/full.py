@@ -375,11 +375,17 @@ class FullConfig:
     rollout_schedule: str = "lockstep"
     """ours: "lockstep" (train.rl_step: every tool turn waits for every rollout, calls one at a time,
     judge after the rollouts, reflection in sequence, two weight syncs) or "async" (a rollout moves
-    on when its own tool result arrives, calls concurrent; with the HF / KV sampler also each group
-    judged as it finishes and step t's reflection branch overlapping step t+1's rollouts, one sync
-    per step: backends/overlap.py; with vLLM the rollouts only: rollout_engine.AsyncTurns)"""
+    on when its own tool result arrives, calls concurrent, each group judged as it finishes and
+    step t's reflection branch overlapping step t+1's rollouts, one sync per step:
+    backends/overlap.py; with every sampler, vLLM included)"""
     tool_concurrency: int = 8
     """ours: tool calls in flight at once under rollout_schedule "async" (>= 1)"""
+    rank0_rollout_share: float = 0.5
+    """ours: under the overlapped step (rollout_schedule "async") with every rank sampling, rank 0's
+    share of a step's groups relative to another rank's while step t-1's reflection branch is in
+    flight, since that branch samples its P x m candidates on rank 0's engine too (0.5: at the
+    paper's scale rank 0 then finishes with the others, backends/plan.py); 1 = equal shares; in
+    [0, 1]. Changes only which rank samples a rollout, not its tokens (request_seed)."""
     rollout_ranks: str = "all"
     """"all" = every ZeRO-3 rank samples its share of a step's groups (build.every_rank_samples;
     docs/full_mode.md): with the HF / KV sampler on its own copy of pi_theta, with vLLM on its own
@@ -854,7 +860,7 @@ class ZeRO3Engine:
         return out
 
     def sample_shards(self, ce, queries: list, n: int, bank_items, seed: int,
-                      temperature: float | None = None, on_group=None) -> list:
+                      temperature: float | None = None, on_group=None, rank0_share: float = 1.0) -> list:
         """Every rank samples its share of the step's groups (rollout_engine.shard: contiguous,
         rank 0 first) with rollout_engine.ConcurrentRolloutEngine and the same per-request seeds
         (request_seed(seed, global rollout index, turn)); rank 0 samples its own share with `ce`
@@ -868,11 +874,13 @@ class ZeRO3Engine:
         often it has slept through an update so far), which the next task update returns.
         on_group(g, group g's n rollouts), when given, is called as each group is final: rank 0's
         own from its sampling loop, the others' from the receiving threads (the overlapped step's
-        StreamingJudge, backends/overlap.py).
+        StreamingJudge, backends/overlap.py). rank0_share: rank 0's share relative to another
+        rank's (rollout_engine.shard; the overlapped step passes full.rank0_rollout_share while
+        the reflection branch samples on rank 0's engine); rollout/rank0_groups logs its groups.
         Raises what rank 0's sampling raised; another rank's error as a RuntimeError naming the
         rank (with the error's exit_code, e.g. 4 for an API's 401/403/404, when it had one)."""
         W, P = (self.world_size if self.side is not None else 1), len(queries)
-        parts = [shard(P, W, r) for r in range(W)]
+        parts = [shard(P, W, r, rank0_share) for r in range(W)]
         items = list(bank_items) if bank_items else None
         if W > 1:
             self._send("sample", [(queries[p.start:p.stop], items[p.start:p.stop] if items else None,
@@ -896,14 +904,14 @@ class ZeRO3Engine:
         for th in threads:
             th.start()
         t0, c0 = time.perf_counter(), time.process_time()
-        tok0 = _gen_tokens(ce.engine.sampler)
+        tok0 = _gen_tokens(ce)
         sink: list = []
         done = None if on_group is None else (lambda g: on_group(g, sink[g * n:(g + 1) * n]))
         own = ce.run(queries[parts[0].start:parts[0].stop], n,
                      items[parts[0].start:parts[0].stop] if items else None, seed, temperature,
                      on_group_done=done, sink=sink)
         own_s, own_cpu = time.perf_counter() - t0, time.process_time() - c0
-        own_tokens = None if tok0 is None else _gen_tokens(ce.engine.sampler) - tok0
+        own_tokens = None if tok0 is None else _gen_tokens(ce) - tok0
         for th in threads:
             th.join()
         bad = [(r, info) for r, info in sorted(infos.items()) if info.get("error")]
@@ -917,7 +925,7 @@ class ZeRO3Engine:
         for g in range(parts[0].stop):
             groups[g] = own[g * n:(g + 1) * n]
         self.rollout_metrics = {"rollout/sampling_ranks": 1 + len(threads), "time/rollout_rank0_s": own_s,
-                                "time/rollout_rank0_cpu_s": own_cpu}
+                                "time/rollout_rank0_cpu_s": own_cpu, "rollout/rank0_groups": len(parts[0])}
         if own_tokens is not None:  # tokens each rank's own sampler generated (vLLM counts them)
             self.rollout_metrics["rollout/rank0_gen_tokens"] = own_tokens
             self.rollout_metrics["rollout/rank0_engine_sleeps"] = ce.engine.sampler.stats.get("sleeps", 0)
@@ -937,7 +945,7 @@ class ZeRO3Engine:
         is reported to rank 0 instead of ending this rank, so the run stops cleanly there."""
         queries, items, n, seed, temperature, offset = payload
         before = dict(self.rank_engine.engine.stats)
-        tok0 = _gen_tokens(self.rank_engine.engine.sampler)
+        tok0 = _gen_tokens(self.rank_engine)
         info: dict = {"error": None}
         t0, c0 = time.perf_counter(), time.process_time()
         if queries:
@@ -957,7 +965,7 @@ class ZeRO3Engine:
                 info["exit_code"] = getattr(e, "exit_code", None)
         info["seconds"], info["cpu_seconds"] = time.perf_counter() - t0, time.process_time() - c0
         info["stats"] = {k: v - before.get(k, 0) for k, v in self.rank_engine.engine.stats.items()}
-        info["gen_tokens"] = None if tok0 is None else _gen_tokens(self.rank_engine.engine.sampler) - tok0
+        info["gen_tokens"] = None if tok0 is None else _gen_tokens(self.rank_engine) - tok0
         info["sleeps"] = getattr(self.rank_engine.engine.sampler, "stats", {}).get("sleeps", 0)
         if queries:
             torch.distributed.send_object_list([None, info], dst=0, group=self.side)
@@ -1113,11 +1121,14 @@ def _after_update(sampler) -> None:
         torch.cuda.empty_cache()  # SCALE
 
 
-def _gen_tokens(sampler):
-    """Tokens a sampler has generated so far (VLLMSampler.stats["gen_tokens"]), None if it does
-    not count them."""
-    v = getattr(sampler, "stats", {}).get("gen_tokens")
-    return None if v is None else int(v)
+def _gen_tokens(ce):
+    """Tokens the rollouts of a rollout_engine.ConcurrentRolloutEngine have sampled so far, None when
+    its sampler does not count tokens (only VLLMSampler does: the metric is vLLM's). The engine's
+    own count, not the sampler's: in the overlapped step rank 0's sampler also serves the reflection
+    branch, whose tokens would make the figure depend on thread timing."""
+    if "gen_tokens" not in getattr(ce.engine.sampler, "stats", {}):
+        return None
+    return int(ce.stats["gen_tokens"])
 
 
 # ----------------------------------------------------------------------------------------------------

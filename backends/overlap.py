@@ -1,4 +1,4 @@
-"""Full mode's overlapped step: `full.rollout_schedule = "async"` with the HF / KV sampler.
+"""Full mode's overlapped step: `full.rollout_schedule = "async"` (HF / KV or vLLM sampler).
 
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
 Algorithm 1 (§3.1-3.6) in the order the paper runs it at scale: the reflection branch of step t
@@ -20,6 +20,12 @@ One step t (`OverlappedStep.__call__`):
     6. step t's branch starts in a thread (rollout_engine.reflection_branch: sampling through
        SeededView with its own seeds, trajectory picks from its own random.Random, privileged judge
        calls on a pool; its judge calls and bank writes wait for step t+1's gate)
+
+Rank 0's sampler serves two threads: the branch's reflection requests and rank 0's share of step
+t+1's rollouts. Both samplers take that: SeededTorchSampler decodes one seeded request at a time
+(TORCH_RNG_LOCK), and VLLMSampler runs one generate call at a time on its engine (its lock), each
+request with its own seed, so the tokens never depend on how the two threads interleave; only rank
+0's rollouts may wait for a reflection call (the other ranks' engines never serve the branch).
 
 Synchronisation points. After a step that ends on a checkpoint (checkpoint.every, the run's last
 step or checkpoint.stop_after) or a held-out evaluation point, the branch is collected before the
@@ -60,12 +66,13 @@ REFLECTION_SEED_OFFSET = 1_000_003
 
 
 def overlapped_step(run, stop_at: int, steps) -> "OverlappedStep | None":
-    """The overlapped step for `run` (full mode, full.rollout_schedule "async", HF / KV sampler),
-    or None: train.rl_step is the step (toy mode, "lockstep", and the vLLM sampler, whose engine is
-    not shared between threads; with vLLM, "async" removes the turn barrier only, AsyncTurns).
-    stop_at: the loop's last step + 1 (a synchronisation point); steps: the train module."""
+    """The overlapped step for `run` (full mode, full.rollout_schedule "async", any sampler of full
+    mode: HF / KV, or vLLM on rank 0 or on every rank), or None: train.rl_step is the step (toy
+    mode, "lockstep"). stop_at: the loop's last step + 1 (a synchronisation point); steps: the
+    train module."""
     cfg = run.cfg
-    if cfg.mode != "full" or cfg.full.rollout_schedule != "async" or not seeded_rollouts(cfg):
+    if cfg.mode != "full" or cfg.full.rollout_schedule != "async" \
+            or not (seeded_rollouts(cfg) or cfg.sampler == "vllm"):
         return None
     return OverlappedStep(run, stop_at, steps)
 
@@ -163,6 +170,9 @@ class OverlappedStep:
             m.update(run.policy.update(batch, run.tok.pad_token_id, rng))  # Alg. 1 step 6
         with S.timed(m, "time/sync_s"):
             run.policy.sync(run.sampler)  # the one weight sync of the step
+        if "syncs" in run.sampler.stats:  # vLLM: weight syncs so far and the last one's size
+            m["sampler/syncs"] = run.sampler.stats["syncs"] + run.sampler.stats["reloads"]
+            m["sampler/sync_bytes"] = run.sampler.stats["last_sync"].get("bytes", 0)
         nxt = ReflectionBatch(step)
         self.gate = None
         if run.arm.reflection:  # Alg. 1 step 7, in a thread: it overlaps step t+1's rollouts
@@ -186,9 +196,12 @@ class OverlappedStep:
         with TORCH_RNG_LOCK:  # the branch in flight may hold torch's RNG (SeededTorchSampler)
             torch.manual_seed(seed)
             run.sampler.reseed(seed)
+        # SCALE: while step t-1's branch samples on rank 0's engine, rank 0 takes a smaller share of
+        # the groups (full.rank0_rollout_share; which rank samples a rollout never changes its tokens)
+        share = {"rank0_share": cfg.full.rank0_rollout_share} if self.inflight.pending else {}
         t0 = time.perf_counter()
         if not self.judge_concurrency:
-            rollouts = run.rollout_engine.run(queries, n=n, bank_items=items)
+            rollouts = run.rollout_engine.run(queries, n=n, bank_items=items, **share)
             t1 = m["time/rollout_s"] = time.perf_counter() - t0
             raws = judge_all(run.judge, queries, [rollouts[g * n:(g + 1) * n] for g in range(len(queries))],
                              step)
@@ -202,9 +215,9 @@ class OverlappedStep:
             sj.submit(g)
 
         try:
-            rollouts = run.rollout_engine.run(queries, n=n, bank_items=items, on_group=on_group)
+            rollouts = run.rollout_engine.run(queries, n=n, bank_items=items, on_group=on_group, **share)
         except BaseException:
-            sj.pool.shutdown(wait=True, cancel_futures=True)
+            sj.close()  # another rank's groups may still arrive: their submits become no-ops
             raise
         t1 = m["time/rollout_s"] = time.perf_counter() - t0
         raws = sj.results()

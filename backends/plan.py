@@ -59,6 +59,8 @@ import os
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from backends.rollout_engine import shard
+
 GB = 1e9
 GIB = 2 ** 30
 
@@ -377,8 +379,9 @@ def step_time_concurrent(shape: ModelShape, cfg, world: int, kv_tokens: int,
     """Estimated seconds per RL step under the concurrent schedule (backends/rollout_engine.py): every
     rank samples 1/W of the sequences on its own engine with `kv_tokens` of KV cache; a rollout's
     searches delay only that rollout (no turn barrier); groups are judged while others still sample,
-    so only what the judge cannot hide behind the rollouts is counted; step t's reflection (sampling
-    and judging) overlaps step t+1's rollouts and counts only where it is longer; one weight sync.
+    so only what the judge cannot hide behind the rollouts is counted; step t's reflection overlaps
+    step t+1's rollouts (its judging counts only where it is longer; its sampling delays rank 0's
+    rollouts, which share rank 0's engine with it); one weight sync.
     The same ASSUME figures as step_time (plus ASSUME_CONCURRENT), so the two compare like for like."""
     a = {**ASSUME, **ASSUME_CONCURRENT,
          "judge_concurrency": int(getattr(cfg.judge, "concurrency", ASSUME["judge_concurrency"])),
@@ -386,14 +389,20 @@ def step_time_concurrent(shape: ModelShape, cfg, world: int, kv_tokens: int,
     P, W = shape.params, world
     ranks = int(a["sampling_ranks"]) or W
     seqs = cfg.rollout.prompts_per_step * cfg.rollout.n
-    per_rank = math.ceil(seqs / ranks)
+    # each rank's groups (rank 0 takes full.rank0_rollout_share of a share: the reflection branch
+    # samples on its engine too)
+    share = float(getattr(getattr(cfg, "full", None), "rank0_rollout_share", 1.0)) if ranks > 1 else 1.0
+    groups = [len(shard(cfg.rollout.prompts_per_step, ranks, r, share)) for r in range(ranks)]
+    per_rank = max(groups) * cfg.rollout.n
     resp = a["mean_response_frac"] * cfg.rollout.max_response_tokens
     prompt = min(pack_tokens(cfg) - cfg.rollout.max_response_tokens, 2048)
     ctx = prompt + resp
-    concurrency = max(1, min(per_rank, int(kv_tokens // max(ctx, 1)) if kv_tokens else 1))
+    fits = int(kv_tokens // max(ctx, 1)) if kv_tokens else 1
+    concurrency = max(1, min(per_rank, fits))
     # Eq.: one decode step reads the weights once: 2P bytes / bandwidth x eager overhead
     decode_step = 2 * P / a["hbm_bytes_per_s"] * a["eager_overhead"]
     waves = math.ceil(per_rank / concurrency)
+    waves0 = math.ceil(groups[0] * cfg.rollout.n / max(1, min(groups[0] * cfg.rollout.n, fits)))
     rollouts = waves * resp * decode_step
     # each rollout waits only for its own searches, one after another (its turns are sequential)
     search = waves * a["tool_calls_per_rollout"] * a["search_s"]
@@ -402,11 +411,17 @@ def step_time_concurrent(shape: ModelShape, cfg, world: int, kv_tokens: int,
     judge_busy = math.ceil(judge_calls / C) * L  # the judge's own time at C requests in flight
     judge = max(a["judge_rounds_exposed"] * L, judge_busy - (rollouts + search))
     reflect_calls = cfg.rollout.prompts_per_step
-    reflect_seqs = math.ceil(reflect_calls * a["reflection_m"] / ranks)
+    # the branch samples its P x m candidates on rank 0's engine alone, one generate call that rank
+    # 0's rollout calls wait for (VLLMSampler's lock): rank 0 finishes its own rollouts that much later
+    reflect_seqs = reflect_calls * a["reflection_m"]
     reflect_sample = math.ceil(reflect_seqs / max(1, int(kv_tokens // (ctx + a["reflection_tokens"]))
                                                  if kv_tokens else 1)) * a["reflection_tokens"] * decode_step
-    reflection = reflect_sample + math.ceil(reflect_calls / C) * L
-    reflection_exposed = max(0.0, reflection - (rollouts + search))
+    reflect_judge = math.ceil(reflect_calls / C) * L
+    reflection = reflect_sample + reflect_judge
+    rank0_busy = waves0 * resp * decode_step + reflect_sample
+    # Eq.: exposed = how much later rank 0 (its rollouts + the candidates) ends than the slowest
+    # other rank, + the judging the rollouts do not hide
+    reflection_exposed = max(0.0, rank0_busy - rollouts) + max(0.0, reflect_judge - (rollouts + search))
     tokens = seqs * (prompt + resp)
     flops = tokens * P * (8 + (2 if cfg.ss_grpo.beta > 0 else 0)
                           + (2 if cfg.ss_grpo.minibatches > 1 else 0))
@@ -420,15 +435,19 @@ def step_time_concurrent(shape: ModelShape, cfg, world: int, kv_tokens: int,
     if a["sleeps"]:  # one update per step: one sleep + wake
         phases["vLLM sleep + wake (1 per step)"] = 2 * 2 * P / a["pcie_bytes_per_s"]
     assumptions = [
-        f"{ranks} sampling ranks, one co-located vLLM engine each: {per_rank} sequences per engine, "
-        f"{concurrency} concurrent (KV capacity / mean context), {waves} waves; decode step as today",
+        f"{ranks} sampling ranks, one co-located vLLM engine each: up to {per_rank} sequences per "
+        f"engine, {concurrency} concurrent (KV capacity / mean context), {waves} waves; decode step "
+        "as today" + ("" if share == 1.0 else f"; rank 0 takes {groups[0]} of "
+                      f"{cfg.rollout.prompts_per_step} groups ({waves0} waves; "
+                      f"full.rank0_rollout_share {share:g})"),
         f"{a['tool_calls_per_rollout']:g} searches per rollout at {a['search_s']:g} s, on each rollout's "
         "own path (no turn barrier; calls of different rollouts concurrent)",
         f"judge busy {judge_busy / 60:.1f} min ({judge_calls} calls, {C} in flight) runs during the "
         f"rollouts; at least {a['judge_rounds_exposed']:g} round trips of the last group after them",
         f"reflection: {reflect_calls * a['reflection_m']:g} candidates of {a['reflection_tokens']:g} "
         f"tokens + {reflect_calls} judge calls ({C} in flight) = {reflection / 60:.1f} min, "
-        "overlapping the next step's rollouts (one-step lag)",
+        "overlapping the next step's rollouts (one-step lag); the candidates take "
+        f"{reflect_sample / 60:.1f} min of rank 0's engine",
         f"sync: 1 x 2P bytes at {a['sync_bytes_per_s'] / 1e9:g} GB/s",
     ]
     return StepTime(phases, assumptions, float(sum(phases.values())))
@@ -486,12 +505,14 @@ def plan_lines(cfg, world: int, ranks_per_node: int, gpu_bytes: float, gpu_src: 
                             f"{host_bytes / GIB:.1f} GiB ({host_src})")
     st = step_time(shape, cfg, world, mp.kv_tokens, {"sampling_ranks": mp.engines or 1,
                                                     "sleeps": mp.sleeps})
-    lines += ["", f"step time (estimate): {st.total_s / 60:.1f} min per RL step, "
+    ours = getattr(getattr(cfg, "full", None), "rollout_schedule", "lockstep")
+    mark = {s: f', this run\'s: full.rollout_schedule="{s}"' if s == ours else "" for s in ("lockstep", "async")}
+    lines += ["", f"step time (estimate{mark['lockstep']}): {st.total_s / 60:.1f} min per RL step, "
                   f"{st.total_s * cfg.steps / 3600:.0f} h for {cfg.steps} steps"]
     lines += [f"    {k:<46} {v / 60:8.1f} min" for k, v in st.phases.items()]
     lines += ["  assumptions:"] + [f"    - {x}" for x in st.assumptions]
     sc = step_time_concurrent(shape, cfg, world, mp.kv_tokens, {"sleeps": mp.sleeps})
-    lines += ["", f"step time, concurrent schedule (estimate; backends/rollout_engine.py): "
+    lines += ["", f"step time, concurrent schedule (estimate; backends/overlap.py{mark['async']}): "
                   f"{sc.total_s / 60:.1f} min per RL step ({sc.total_s / st.total_s:.2f}x), "
                   f"{sc.total_s * cfg.steps / 3600:.0f} h for {cfg.steps} steps"]
     lines += [f"    {k:<46} {v / 60:8.1f} min" for k, v in sc.phases.items()]

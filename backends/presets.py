@@ -51,6 +51,10 @@ def full_preset() -> Config:
     c = Config(mode="full", steps=1400, run_dir="runs/full")  # PAPER: final run 1400 steps
     attach_sections(c, "full", "judge_http", "search_http")
     c.engine, c.sampler = "zero3", "vllm"  # PAPER: ZeRO-3 training, vLLM sampling
+    # PAPER: step t's reflection branch overlaps step t+1's rollouts, its batch joins step t+1's
+    # update (one-step lag, Algorithm 1, §3.6): the overlapped step of backends/overlap.py ("lockstep"
+    # is the sequential schedule, kept for exact comparison)
+    c.full.rollout_schedule = "async"
     c.fast_logprobs = True  # SCALE: head on the loss tokens only, in chunks; shared prompts packed
     c.data.source = PAPER_RL_DATA  # PAPER: rl-research/dr-tulu-rl-data
     c.search.backend = "serper"  # PAPER: web search tool (google_search)

@@ -30,10 +30,10 @@ What is here
     TORCH_RNG_LOCK                         one seeded request at a time on torch's global RNG
     SeededTorchSampler                     the HF / KV sampler with one seed per request (each
                                            request decoded on its own under a forked, seeded RNG)
-    SeededRollouts                         train.py's rollout engine in full mode with the HF / KV
-                                           sampler: per-request seeds, "lockstep" or "async", and
-                                           every ZeRO-3 rank's share (full.ZeRO3Engine.sample_shards)
-    AsyncTurns                             the same for the vLLM sampler on rank 0 ("async")
+    SeededRollouts                         train.py's rollout engine in full mode (HF / KV sampler,
+                                           and vLLM with "async" or an engine per rank):
+                                           per-request seeds, "lockstep" or "async", and every
+                                           ZeRO-3 rank's share (full.ZeRO3Engine.sample_shards)
 
 Determinism: a request's seed depends only on (step seed, rollout index, turn), so the tokens a
 rollout samples do not depend on which rank sampled it, on the batch it shared, or on the order the
@@ -86,11 +86,22 @@ class SeededSampler(Protocol):
                  seeds: list[int] | None = None) -> list[list[int]]: ...
 
 
-def shard(n_groups: int, world: int, rank: int) -> range:
-    """The groups rank `rank` of `world` samples: contiguous, sizes differing by at most 1, the
-    larger shares first. Raises ValueError for world < 1 or rank outside [0, world)."""
+def shard(n_groups: int, world: int, rank: int, rank0_share: float = 1.0) -> range:
+    """The groups rank `rank` of `world` samples: contiguous, rank 0 first. rank0_share 1: sizes
+    differing by at most 1, the larger shares first. rank0_share in [0, 1): rank 0 takes
+    round(n_groups * rank0_share / (rank0_share + world - 1)) groups (its engine also samples the
+    overlapped reflection branch), the other ranks split the rest as above. Raises ValueError for
+    world < 1, rank outside [0, world) or rank0_share outside [0, 1]."""
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"rank {rank} outside a world of {world}")
+    if not 0.0 <= rank0_share <= 1.0:
+        raise ValueError(f"rank0_share must be in [0, 1], got {rank0_share}")
+    if rank0_share < 1.0 and world > 1:
+        first = min(n_groups, int(n_groups * rank0_share / (rank0_share + world - 1) + 0.5))
+        if rank == 0:
+            return range(0, first)
+        rest = shard(n_groups - first, world - 1, rank - 1)
+        return range(first + rest.start, first + rest.stop)
     base, extra = divmod(n_groups, world)
     start = rank * base + min(rank, extra)
     return range(start, start + base + (1 if rank < extra else 0))
@@ -109,8 +120,10 @@ class ConcurrentRolloutEngine:
     on_group_done(g) is called from the loop when the n rollouts of group g (0-based, of this call)
     are all finished and finalised, so a judge can start on it while other groups still sample.
     `stats` adds up the engine's tool counters (tool_errors, tool_refusals, tool_timeouts,
-    deadline_refusals) plus sampler_calls and max_tool_calls_pending (calls handed to the pool,
-    running or queued; at most tool_concurrency of them run).
+    deadline_refusals) plus sampler_calls, gen_tokens (tokens this engine's rollouts sampled: a
+    sampler shared with the overlapped reflection branch counts that branch's tokens too, these
+    never do) and max_tool_calls_pending (calls handed to the pool, running or queued; at most
+    tool_concurrency of them run).
 
     engine: a scaffold.RolloutEngine whose sampler takes seeds (SeededSampler); tool_concurrency
     >= 1; max_batch >= 1 or None. Raises ValueError for an unknown schedule or a bound below 1.
@@ -136,8 +149,10 @@ class ConcurrentRolloutEngine:
         budgets = [e.max_response_tokens - len(r.response_ids) for r in batch]
         seeds = [request_seed(seed, r._index, turns[id(r)]) for r in batch]
         self.stats["sampler_calls"] += 1
-        return e.sampler.generate([r.prompt_ids + r.response_ids for r in batch], budgets, temp,
-                                  seeds=seeds)
+        out = e.sampler.generate([r.prompt_ids + r.response_ids for r in batch], budgets, temp,
+                                 seeds=seeds)
+        self.stats["gen_tokens"] += sum(len(ids) for ids in out)
+        return out
 
     def _tool(self, r: Rollout) -> None:
         """engine._run_tool on a private copy of the engine (its counters merged under a lock), so
@@ -278,7 +293,9 @@ class StreamingJudge:
     one after another, because they share that query's rubric buffer.
 
     submit(g) from any thread once group g's rollouts are final; results() waits for all and returns
-    them in group order. Raises what judge_group raised."""
+    them in group order. Raises what judge_group raised. close() (when the rollouts failed) cancels
+    what has not started and makes later submits no-ops, so a thread still handing in another
+    rank's groups goes on receiving them (that rank must not be left waiting on its sends)."""
 
     def __init__(self, judge, queries: Sequence, groups: Sequence[Sequence[Rollout]], step: int,
                  concurrency: int = 8):
@@ -290,12 +307,20 @@ class StreamingJudge:
         self.submitted_at: dict[int, float] = {}
         self._lock = threading.Lock()
         self._waiting: set[int] = set()
+        self._closed = False
 
     def _prior(self, g: int) -> list[int]:
         return [h for h in range(g) if self.queries[h].query == self.queries[g].query]
 
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
     def submit(self, g: int) -> None:
         with self._lock:
+            if self._closed:
+                return
             self._waiting.add(g)
             self.submitted_at[g] = time.perf_counter()
             self._launch()
@@ -462,38 +487,6 @@ def reflection_branch(step: int, rollouts, judged, judge, bank, sampler, tok, sy
     return branch
 
 
-class _EngineOver:
-    """A rollout engine's interface over ConcurrentRolloutEngine: the wrapped engine's attributes
-    (prompt_ids, ...) and counters (`stats`) pass through; subclasses define `run`."""
-
-    def __init__(self, engine, tool_concurrency: int, schedule: str):
-        self._engine = engine
-        self._ce = ConcurrentRolloutEngine(engine, tool_concurrency, schedule)
-
-    @property
-    def stats(self) -> dict:
-        return self._engine.stats
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-
-class AsyncTurns(_EngineOver):
-    """scaffold.RolloutEngine's interface (run(queries, n, bank_items, temperature), prompt_ids,
-    stats, ...) with ConcurrentRolloutEngine's "async" schedule underneath, for train.py's full loop
-    (build.build_run, `full.rollout_schedule = "async"`, sampler "vllm"). The step's seed is the one
-    train.sample_rollouts gave the sampler (`sampler.reseed(seed)`, VLLMSampler.seed); every request
-    then carries request_seed(seed, rollout index, turn). The counters are the wrapped engine's."""
-
-    def __init__(self, engine, tool_concurrency: int = 8):
-        super().__init__(engine, tool_concurrency, "async")
-
-    def run(self, queries: Sequence, n: int = 1, bank_items: Sequence[Sequence[str]] | None = None,
-            temperature: float | None = None) -> list[Rollout]:
-        seed = getattr(self._engine.sampler, "seed", None)
-        return self._ce.run(queries, n, bank_items, 0 if seed is None else int(seed), temperature)
-
-
 class SeededTorchSampler:
     """A SeededSampler over an in-process torch sampler (toy/hf_sampler.HFSampler or
     toy/kv_sampler.KVSampler), for full mode's HF / KV rollouts on every rank.
@@ -539,32 +532,49 @@ class SeededTorchSampler:
         return out
 
 
-class SeededRollouts(_EngineOver):
+class SeededRollouts:
     """scaffold.RolloutEngine's interface (run, prompt_ids, stats, ...) over ConcurrentRolloutEngine
-    with one seed per request, for train.py's full loop with the HF / KV sampler (build.build_run):
-    `schedule` "lockstep" or "async" (full.rollout_schedule). The step's seed is the one
-    train.sample_rollouts gave the sampler (SeededTorchSampler.reseed).
+    with one seed per request, for train.py's loop (build.build_run) in full mode with the HF / KV
+    sampler, and with the vLLM sampler when it runs on every rank or under "async": `schedule`
+    "lockstep" or "async" (full.rollout_schedule). The step's seed is the one train.sample_rollouts
+    gave the sampler (SeededTorchSampler.reseed, VLLMSampler.reseed: its `seed`); every request then
+    carries request_seed(seed, rollout index, turn).
 
     deal: None (this process samples every group), or full.ZeRO3Engine.sample_shards, which gives
     each ZeRO-3 rank its contiguous share of the groups (`shard`), samples rank 0's own, and
     collects the others' as they finish. The rollouts are the same either way (request_seed), so a
-    run is deterministic for a seed, and the same for any rank count up to the weights' rounding."""
+    run is deterministic for a seed, and the same for any rank count up to the weights' rounding.
+    The wrapped engine's attributes (prompt_ids, ...) and counters (`stats`, which checkpoints
+    save) pass through."""
 
     def __init__(self, engine, schedule: str = "lockstep", tool_concurrency: int = 8,
                  deal: Callable | None = None):
-        super().__init__(engine, tool_concurrency, schedule)
+        self._engine = engine
+        self._ce = ConcurrentRolloutEngine(engine, tool_concurrency, schedule)
         self._deal = deal
+
+    @property
+    def stats(self) -> dict:
+        return self._engine.stats
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
 
     def run(self, queries: Sequence, n: int = 1, bank_items: Sequence[Sequence[str]] | None = None,
             temperature: float | None = None,
-            on_group: Callable[[int, list], None] | None = None) -> list[Rollout]:
+            on_group: Callable[[int, list], None] | None = None,
+            rank0_share: float = 1.0) -> list[Rollout]:
         """scaffold.RolloutEngine.run; on_group(g, rollouts of group g), when given, is called (from
         the sampling loop or a receiving thread) as soon as group g of this step is final (the
-        overlapped step's StreamingJudge, backends/overlap.py)."""
+        overlapped step's StreamingJudge, backends/overlap.py). rank0_share: rank 0's share of the
+        groups under `deal` (`shard`; the overlapped step lowers it while the reflection branch
+        shares rank 0's sampler); without `deal` it changes nothing."""
         seed = getattr(self._engine.sampler, "seed", None)
         seed = 0 if seed is None else int(seed)
         if self._deal is not None:
             kw = {} if on_group is None else {"on_group": on_group}
+            if rank0_share != 1.0:
+                kw["rank0_share"] = rank0_share
             return self._deal(self._ce, list(queries), n, bank_items, seed, temperature, **kw)
         sink: list = []
         done = None if on_group is None else (lambda g: on_group(g, sink[g * n:(g + 1) * n]))

@@ -232,6 +232,10 @@ class VLLMSampler:
         string), at most min(max_new_tokens[i], max_model_len - len(prompts[i])) long.
         Raises ValueError on mismatched lengths or a temperature outside [0, 2]; WeightSyncError if
         the last sync failed (the engine's weights are not pi_theta).
+
+        Safe to call from several threads: the calls run on the engine one at a time, in the order
+        they take the sampler's lock; with `seeds`, what each request samples does not depend on
+        that order.
         """
         if len(prompts) != len(max_new_tokens):
             raise ValueError(f"{len(prompts)} prompts but {len(max_new_tokens)} token budgets")
@@ -240,38 +244,44 @@ class VLLMSampler:
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         out: list[list[int]] = [[] for _ in prompts]
-        reqs, params, idx, limits = [], [], [], []
-        for i, (p, m) in enumerate(zip(prompts, max_new_tokens)):
-            room = min(int(m), self.max_model_len - len(p))
-            if room <= 0 or not p:
-                continue
-            reqs.append({"prompt_token_ids": [int(t) for t in p]})  # = vllm.inputs.TokensPrompt
-            params.append(self._sampling_params(room, float(temperature),
-                                                None if seeds is None else int(seeds[i])))
-            idx.append(i)
-            limits.append(room)
-        if not reqs:
-            return out
+        # SCALE: one call at a time on the engine (the lock): the overlapped step's reflection
+        # branch and rank 0's rollouts call from two threads (backends/overlap.py)
         with self._lock:
+            reqs, params, idx, limits = [], [], [], []
+            for i, (p, m) in enumerate(zip(prompts, max_new_tokens)):
+                room = min(int(m), self.max_model_len - len(p))
+                if room <= 0 or not p:
+                    continue
+                reqs.append({"prompt_token_ids": [int(t) for t in p]})  # = vllm.inputs.TokensPrompt
+                params.append(self._sampling_params(room, float(temperature),
+                                                    None if seeds is None else int(seeds[i])))
+                idx.append(i)
+                limits.append(room)
+            if not reqs:
+                return out
             self._check_usable()
             self._wake(None)  # an engine put to sleep for an update samples again only awake
             t0 = time.perf_counter()
             res = self.llm.generate(reqs, params, use_tqdm=False)
             self.stats["gen_s"] += time.perf_counter() - t0
-        self.stats["gen_calls"] += 1
         decode = lambda ids: self.tok.decode(ids, skip_special_tokens=False)  # noqa: E731
+        trims = 0
         for i, r, lim in zip(idx, res, limits):
             ids = [int(t) for t in r.outputs[0].token_ids]
             out[i] = cut_at_stop(ids, lim, self.stop_token_ids, self.string_stops, decode)
-            self.stats["guard_trims"] += len(out[i]) < len(ids)  # 0 unless vLLM's stop differs
-            self.stats["gen_tokens"] += len(out[i])
+            trims += len(out[i]) < len(ids)  # 0 unless vLLM's stop differs
+        with self._lock:
+            self.stats["gen_calls"] += 1
+            self.stats["guard_trims"] += trims
+            self.stats["gen_tokens"] += sum(len(out[i]) for i in idx)
         return out
 
     def reseed(self, seed: int | None) -> None:
         """Restart the per-request seed sequence (seed None = the engine's RNG): the next generate
         calls repeat earlier ones exactly when the weights and prompts are the same."""
-        self.seed = seed
-        self.stats["requests"] = 0
+        with self._lock:
+            self.seed = seed
+            self.stats["requests"] = 0
 
     def score(self, seqs: list[list[int]]) -> list[list[float]]:
         """log pi(x_t | x_<t) under the engine's current weights (vLLM prompt log-probs, raw model

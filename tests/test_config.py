@@ -123,6 +123,9 @@ def test_configs_saved_before_the_sections_moved_load_and_resume(preset, caplog)
     now = config.apply_overrides(now, ["world.n_train_entities=1000", "sft.n_trajectories=8000",
                                        "sft.steps=1000", "teacher.p_skip=0.15", "teacher.p_uncited=0.15",
                                        "teacher.p_no_negative=0.3", "fast_logprobs=true"])
+    if preset == "full":  # the full preset's schedule became the overlapped one after it was saved
+        assert config.resume_config_diff(saved, now) == ["full.rollout_schedule"]
+        now = config.apply_overrides(now, ['full.rollout_schedule="lockstep"'])
     assert config.resume_config_diff(saved, now) == []
     back = presets.load_config(saved)
     assert dataclasses.asdict(back)["toy_model"] == dataclasses.asdict(now.toy_model)

@@ -118,6 +118,15 @@ def test_shard_covers_every_group_once():
             assert max(map(len, parts)) - min(map(len, parts)) <= 1
     with pytest.raises(ValueError):
         shard(4, 2, 2)
+    # rank 0's smaller share (full.rank0_rollout_share, the overlapped step): every group once,
+    # rank 0 about `share` of another rank's groups, the others within 1 of each other
+    for P, w, share, first in ((32, 8, 0.5, 2), (2, 2, 0.5, 1), (8, 2, 0.5, 3), (5, 3, 0.0, 0),
+                               (32, 8, 1.0, 4)):
+        parts = [list(shard(P, w, r, share)) for r in range(w)]
+        assert sum(parts, []) == list(range(P)) and len(parts[0]) == first, (P, w, share, parts)
+        assert max(map(len, parts[1:])) - min(map(len, parts[1:])) <= 1
+    with pytest.raises(ValueError):
+        shard(4, 2, 0, 1.5)
 
 
 def test_no_turn_barrier_and_bounded_tool_concurrency(model_tok):
@@ -190,6 +199,27 @@ def test_streaming_judge_starts_before_the_rollouts_end(model_tok):
     assert first < t_end  # judging began while rollouts were still running
     starts = [g for kind, g, _ in events]
     assert starts.index(2) > starts.index(0)  # the query's second group after its first
+
+
+def test_streaming_judge_close_makes_later_submits_no_ops():
+    """When the rollouts fail, the overlapped step closes its StreamingJudge while another rank's
+    receiving thread may still hand in groups: those submits must return (not raise "cannot schedule
+    new futures after shutdown", which ended that thread and left the sending rank waiting)."""
+    from backends.rollout_engine import StreamingJudge
+
+    qs = list(train_queries()[:2])
+    started = []
+
+    class Judge:
+        def judge_group(self, q, group, step):
+            started.append(q.query)
+            return "R"
+
+    sj = StreamingJudge(Judge(), qs, [["a"], ["b"]], 0, concurrency=2)
+    sj.submit(0)
+    sj.close()
+    sj.submit(1)  # after close: nothing scheduled, nothing raised
+    assert 1 not in sj.futures and started in ([], [qs[0].query])
 
 
 class HashJudge:
@@ -308,25 +338,28 @@ def test_full_step_benchmark_runs_both_schedules_on_two_ranks():
     assert m and float(m.group(1)) > 0 and float(m.group(2)) > 0
 
 
-def test_async_turns_in_the_training_loop_interface(model_tok):
-    """rollout_engine.AsyncTurns, what build.build_run puts in run.rollout_engine for
-    full.rollout_schedule = "async": scaffold.RolloutEngine's run() signature, seeded by the
-    sampler's reseed, the same rollouts as the lockstep comparison schedule, counters shared with the
-    wrapped engine (checkpoints save them); the settings are validated."""
+def test_seeded_rollouts_in_the_training_loop_interface(model_tok):
+    """rollout_engine.SeededRollouts, what build.build_run puts in run.rollout_engine for
+    full.rollout_schedule = "async" on one engine (vLLM on rank 0): scaffold.RolloutEngine's run()
+    signature, seeded by the sampler's reseed, the same rollouts as the lockstep comparison
+    schedule, counters shared with the wrapped engine (checkpoints save them), the rollouts' own
+    token count; the settings are validated."""
     from backends.config import validate_config
     from backends.presets import full_preset
-    from backends.rollout_engine import AsyncTurns
+    from backends.rollout_engine import SeededRollouts
 
     qs = list(train_queries()[:3])
     ce = _engine(model_tok, SlowTool(), "lockstep")
     ref = ce.run(qs, 2, None, seed=6)
     inner = _engine(model_tok, SlowTool()).engine
-    eng = AsyncTurns(inner, 4)
+    eng = SeededRollouts(inner, "async", 4)
     eng.sampler.reseed(6)
     out = eng.run(qs, n=2, bank_items=[[], [], []])
     assert _key(out) == _key(ref)
     assert eng.stats is inner.stats and eng.max_response_tokens == inner.max_response_tokens
     assert eng.prompt_ids(qs[0].query) == ref[0].prompt_ids
+    # the tokens its rollouts sampled (tool outputs are not sampled: loss mask 0)
+    assert eng._ce.stats["gen_tokens"] == sum(sum(r.loss_mask) for r in out) > 0
     cfg = full_preset()
     cfg.full.rollout_schedule = "barrier-free"
     with pytest.raises(ValueError, match="full.rollout_schedule"):

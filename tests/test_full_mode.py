@@ -145,7 +145,8 @@ def test_full_mode_two_zero3_ranks_match_single_process_run(runs):
     for a, b in zip(single, zero3):
         # Both sample with one seed per request; on 2 ranks each rank samples half of the groups.
         assert b["rollout/sampling_ranks"] == 2 and b["time/rollout_rank1_s"] > 0
-        assert set(a) == {k for k in b if not k.startswith(("rollout/sampling_ranks", "time/rollout_rank"))}
+        assert set(a) == {k for k in b if not k.startswith(("rollout/sampling_ranks", "rollout/rank0_groups",
+                                                            "time/rollout_rank"))}
         for k in a:
             if k.startswith("time/"):
                 continue
@@ -268,9 +269,9 @@ def test_full_mode_two_zero3_ranks_with_the_vllm_sampler(runs, tmp_path):
                                      "--set", 'full.rollout_ranks="rank0"', python=py)
         assert not servers["judge"][1] and not servers["search"][1]
         rows_m = _metrics(d)
-        # step 0: the task update's sync; step 1: the deferred reflection update's sync, then the
-        # task update's (Algorithm 1 applies step 0's reflection batch before step 1's rollouts)
-        assert [r["sampler/syncs"] for r in rows_m] == [1, 3]
+        # the full preset's overlapped step (backends/overlap.py): one sync per step, after step
+        # t-1's reflection batch and step t's task batch (Algorithm 1's one-step lag)
+        assert [r["sampler/syncs"] for r in rows_m] == [1, 2]
         with open(d / "samples.jsonl") as fh:
             out[lr] = [json.loads(line) for line in fh]
         print(f"lr {lr}: {secs:.1f} s")
@@ -286,7 +287,7 @@ def test_full_mode_two_zero3_ranks_with_the_vllm_sampler(runs, tmp_path):
     d, _, _ = _full_run(tmp_path, "vllm-1rank", runs["model"], rows, 1, "--set", 'sampler="vllm"',
                         "--set", "ss_grpo.lr=1e-3", python=py, torchrun=True)
     one = _metrics(d)
-    assert [r["sampler/syncs"] for r in one] == [1, 3] and all(r["sampler/sync_bytes"] > 0 for r in one)
+    assert [r["sampler/syncs"] for r in one] == [1, 2] and all(r["sampler/sync_bytes"] > 0 for r in one)
     with open(d / "samples.jsonl") as fh:
         samples = [json.loads(line) for line in fh]
     assert first(samples, 0) == first(out["1e-3"], 0) and first(samples, 1) == first(out["1e-3"], 1)
@@ -294,23 +295,30 @@ def test_full_mode_two_zero3_ranks_with_the_vllm_sampler(runs, tmp_path):
 
 @pytest.mark.slow
 def test_full_mode_async_rollout_schedule_is_deterministic(runs, tmp_path):
-    """full.rollout_schedule="async" on 2 ZeRO-3 ranks + vLLM on rank 0 (full.rollout_ranks="rank0";
-    rollout_engine.AsyncTurns: no turn barrier, concurrent Serper calls against the loopback
-    server, one seed per request): two runs with the same seed sample the same trajectories at
-    both steps, and the weight syncs still reach the engine after every update."""
+    """full.rollout_schedule="async" on 2 ZeRO-3 ranks + vLLM on rank 0 (full.rollout_ranks="rank0"):
+    the overlapped step (backends/overlap.py) with no turn barrier, concurrent Serper calls against
+    the loopback server and one seed per request, step 0's reflection branch sampling on the same
+    engine while step 1's rollouts run (checkpoint.every=0: step 0 is no synchronisation point).
+    Two runs with the same seed log the same metrics and sample the same trajectories at both
+    steps; one weight sync per step reaches the engine."""
     py = _vllm_python_with_deepspeed()
-    samples = []
+    samples, metrics = [], []
     for name in ("async-a", "async-b"):
         d, servers, _ = _full_run(tmp_path, name, runs["model"], runs["rows"], 2, "--set", 'sampler="vllm"',
-                                  "--set", 'full.rollout_ranks="rank0"',
+                                  "--set", 'full.rollout_ranks="rank0"', "--set", "checkpoint.every=0",
                                   "--set", 'full.rollout_schedule="async"', "--set", "full.tool_concurrency=4",
                                   python=py)
         assert not servers["judge"][1] and not servers["search"][1]
         rows_m = _metrics(d)
-        assert [r["sampler/syncs"] for r in rows_m] == [1, 3] and all(r["tokens/total"] > 0 for r in rows_m)
+        assert [r["sampler/syncs"] for r in rows_m] == [1, 2] and all(r["tokens/total"] > 0 for r in rows_m)
+        # step 1 collected step 0's branch, which ran beside its rollouts
+        assert "time/reflection_wait_s" in rows_m[1] and "reflect/candidates" in rows_m[1], rows_m[1]
+        metrics.append([{k: v for k, v in r.items() if not k.startswith(("time/", "judge/http/"))}
+                        for r in rows_m])
         with open(d / "samples.jsonl") as fh:
             samples.append([json.loads(line)["trajectory"] for line in fh])
     assert samples[0] == samples[1] and samples[0]
+    assert json.dumps(metrics[0], sort_keys=True) == json.dumps(metrics[1], sort_keys=True)
 
 
 def test_full_mode_search_key_refused_ends_every_sampling_rank(runs, tmp_path):

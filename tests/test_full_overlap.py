@@ -180,9 +180,12 @@ UPDATE_KEYS = ("loss/total", "loss/policy", "kl", "grad_norm", "reflect/loss/tot
 def test_overlapped_step_on_two_zero3_ranks_equals_one_process(base, monkeypatch):
     every = ["--set", 'full.rollout_schedule="async"', "--set", "checkpoint.every=0"]
     one = _run(base, monkeypatch, "one-process", *every, steps=3)
-    two = _run(base, monkeypatch, "two-ranks", *every, steps=3, ranks=2)
+    # rank 0 samples no group while a reflection branch shares its sampler (steps 1-2; step 0 has
+    # none in flight): which rank samples a rollout must not change it
+    two = _run(base, monkeypatch, "two-ranks", *every, "--set", "full.rank0_rollout_share=0", steps=3, ranks=2)
     r1, r2 = _rows(one), _rows(two)
     assert [r["rollout/sampling_ranks"] for r in r2] == [2, 2, 2]
+    assert [r["rollout/rank0_groups"] for r in r2] == [1, 0, 0]
     assert r2[1]["reflect/candidates"] == 8  # step 0's branch, collected by step 1
     for a, b in zip(r1, r2):
         for k in UPDATE_KEYS:

