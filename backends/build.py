@@ -308,16 +308,14 @@ def build_run(cfg: Config, policy, model, tok, world, tool, train_q: list, held_
     rollout_engine = make_rollout_engine(cfg, sampler, tok, rl_tool, system)
     if hasattr(policy, "attach_sampler"):  # ZeRO-3: rank 0's engine sleeps through the update
         policy.attach_sampler(sampler)
-    if cfg.sampler == "vllm" and getattr(policy, "side", None) is not None:
-        # SCALE: every rank's vLLM engine samples its share (vllm_rank_engines; ZeRO3Engine made the
-        # side group), one seed per request, "lockstep" or "async"
-        rollout_engine = SeededRollouts(rollout_engine, cfg.full.rollout_schedule,
-                                        cfg.full.tool_concurrency, policy.sample_shards)
-    elif cfg.sampler == "vllm" and cfg.full.rollout_schedule == "async":
-        # one engine (rank 0's): no turn barrier, one seed per request
-        rollout_engine = SeededRollouts(rollout_engine, "async", cfg.full.tool_concurrency)
-    elif seeded_rollouts(cfg):  # full mode, HF / KV sampler: one seed per request, every rank samples
-        deal = policy.sample_shards if cfg.engine == "zero3" else None  # ZeRO-3: logs the ranks
+    # SCALE: one seed per request, "lockstep" or "async" (full.rollout_schedule): full mode with the
+    # HF / KV sampler, vLLM with an engine per rank (vllm_rank_engines; ZeRO3Engine made the side
+    # group), and vLLM's one engine under "async"; under ZeRO-3 sample_shards deals every rank its
+    # share (and logs the ranks)
+    vllm_ranks = cfg.sampler == "vllm" and getattr(policy, "side", None) is not None
+    seeded = seeded_rollouts(cfg)
+    if vllm_ranks or seeded or (cfg.sampler == "vllm" and cfg.full.rollout_schedule == "async"):
+        deal = policy.sample_shards if vllm_ranks or (seeded and cfg.engine == "zero3") else None
         rollout_engine = SeededRollouts(rollout_engine, cfg.full.rollout_schedule,
                                         cfg.full.tool_concurrency, deal)
     clean_judge = build_judge(cfg, world)

@@ -50,8 +50,8 @@ import numpy as np
 import torch
 
 import ss_grpo
-from backends.build import seeded_rollouts
-from backends.rollout_engine import TORCH_RNG_LOCK, AsyncReflection, StreamingJudge, reflection_branch
+from backends.rollout_engine import (TORCH_RNG_LOCK, AsyncReflection, SeededRollouts, StreamingJudge,
+                                     reflection_branch)
 from backends.robust import checked_judge_result
 from bank import curriculum
 from judge import judge_all
@@ -71,8 +71,9 @@ def overlapped_step(run, stop_at: int, steps) -> "OverlappedStep | None":
     mode, "lockstep"). stop_at: the loop's last step + 1 (a synchronisation point); steps: the
     train module."""
     cfg = run.cfg
+    # the rollout engine must hand each group over as it finishes (SeededRollouts: build.build_run)
     if cfg.mode != "full" or cfg.full.rollout_schedule != "async" \
-            or not (seeded_rollouts(cfg) or cfg.sampler == "vllm"):
+            or not isinstance(run.rollout_engine, SeededRollouts):
         return None
     return OverlappedStep(run, stop_at, steps)
 

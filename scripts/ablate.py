@@ -427,12 +427,7 @@ def collect(grid: str, arms: Sequence[str], seeds: Sequence[int],
             if os.path.exists(mp):
                 mem[(a, s)] = json.load(open(mp))
         if keys:
-            distinct = sorted(set(map(str, keys.values())))
-            same_base = len({json.dumps(v) for v in base.values()}) == 1
-            checks.append(f"seed {s}: SFT warm start shared by {len(keys)} arms: "
-                          f"{'yes' if len(distinct) == 1 else 'NO'} (cache key "
-                          f"{', '.join(k[:12] for k in distinct)}); identical step-0 held-out "
-                          f"evaluation: {'yes' if same_base else 'NO'}")
+            checks.append(_shared_start(f"seed {s}: SFT warm start shared by {len(keys)} arms", keys, base))
         got = _finished_run(grid, UNSTRUCTURED, s) if scaffold else None
         if got is not None:
             more, lines = _unstructured_rows(got, s, keys.get("baseline_rl"), base.get("baseline_rl"))
@@ -444,6 +439,23 @@ def collect(grid: str, arms: Sequence[str], seeds: Sequence[int],
         data = "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8")
         ckpt_mod.atomic_write_bytes(os.path.join(grid, "results.jsonl"), data)
     return rows, mem, checks
+
+
+def _shared_start(what: str, keys: dict, base: dict) -> str:
+    """The check line "WHAT: yes|NO (cache key ...); identical step-0 held-out evaluation: yes|NO"
+    of runs that must share one SFT start: `keys` run -> warm-start cache key, `base` run ->
+    (step-0 per-question answers, evaluation settings as JSON)."""
+    distinct = sorted(set(map(str, keys.values())))
+    same_base = len({json.dumps(v) for v in base.values()}) == 1
+    return (f"{what}: {'yes' if len(distinct) == 1 else 'NO'} (cache key "
+            f"{', '.join(k[:12] for k in distinct)}); identical step-0 held-out evaluation: "
+            f"{'yes' if same_base else 'NO'}")
+
+
+def _same_questions(base: tuple, ref: tuple) -> bool:
+    """Two runs' step-0 (per-question answers, evaluation settings as JSON): the same number of
+    held-out questions and the same evaluation settings (questions, samples, temperature)."""
+    return len(base[0]) == len(ref[0]) and base[1] == ref[1]
 
 
 def _unstructured_rows(got: tuple[dict, list[dict]], seed: int, key_structured: str | None,
@@ -460,8 +472,8 @@ def _unstructured_rows(got: tuple[dict, list[dict]], seed: int, key_structured: 
     line = (f"seed {seed}: unstructured scaffold: own SFT warm start (cache key {key[:12]}): "
             f"{'yes' if key != key_structured else 'NO'}")
     if base_structured is not None:
-        same = (len(curve[0]["per_question"]["answer"]) == len(base_structured[0])
-                and json.dumps(curve[0]["eval"]) == base_structured[1])
+        same = _same_questions((curve[0]["per_question"]["answer"], json.dumps(curve[0]["eval"])),
+                               base_structured)
         line += (f"; same held-out question count and evaluation settings as structured baseline_rl: "
                  f"{'yes' if same else 'NO'}")
     return rows, [line]
@@ -491,18 +503,14 @@ def _papersft_rows(grid: str, seed: int, main_keys: dict,
         base[name] = (curve[0]["per_question"]["answer"], json.dumps(curve[0]["eval"]))
     if not keys:
         return rows, lines
-    distinct = sorted(set(keys.values()))
-    same_base = len({json.dumps(v) for v in base.values()}) == 1
-    line = (f"seed {seed}: paper-style SFT: warm start shared by {len(keys)} runs: "
-            f"{'yes' if len(distinct) == 1 else 'NO'} (cache key {', '.join(k[:12] for k in distinct)}); "
-            f"identical step-0 held-out evaluation: {'yes' if same_base else 'NO'}")
+    line = _shared_start(f"seed {seed}: paper-style SFT: warm start shared by {len(keys)} runs", keys, base)
     main = sorted(set(map(str, main_keys.values())))
     if main:
         line += (f"; own warm start, not the default SFT's (cache key {', '.join(k[:12] for k in main)}): "
-                 f"{'yes' if not set(distinct) & set(main) else 'NO'}")
+                 f"{'yes' if not set(keys.values()) & set(main) else 'NO'}")
     if main_base:
-        ref_answers, ref_eval = next(iter(main_base.values()))
-        same = all(len(a) == len(ref_answers) and e == ref_eval for a, e in base.values())
+        ref = next(iter(main_base.values()))
+        same = all(_same_questions(b, ref) for b in base.values())
         line += (f"; same held-out question count and evaluation settings as the default-SFT arms: "
                  f"{'yes' if same else 'NO'}")
     return rows, lines + [line]
