@@ -10,7 +10,7 @@ module of its section:
     policy.py     §3.3      the one SS-GRPO update of both policy engines (policy_update)
     reflection.py §3.4      reflection meta-policy, privileged scoring, GRPO over candidates
     bank.py       §3.4-3.5  rubric bank, exact / similar retrieval, the windowed curriculum
-The components are built once (backends/build.build_run); the configuration is config.Config.
+The components are built once (backends/run/build.build_run); the configuration is config.Config.
 The loop around the step (metrics, checkpoints, abort) is `_train_loop` and the functions after it;
 resume, judge guards, held-out evaluation and the command line are in backends/. docs/reading_path.md
 lists, from a trace, every function one step runs outside toy/ and backends/, in order.
@@ -39,7 +39,7 @@ Checkpoints and faults (not in the paper; docs/robustness.md)
     python train.py --toy --resume                 # continue runs/toy from its newest valid checkpoint
     python train.py --resume runs/toy/checkpoints/step-000020       # from a given checkpoint
     python train.py --toy --set checkpoint.stop_after=10            # stop after 10 steps (time slices)
-    python train.py --toy --faults 0.3,0.1         # inject judge / tool faults (backends/faults.py)
+    python train.py --toy --faults 0.3,0.1         # inject judge / tool faults (backends/run/faults.py)
 A resumed run equals the uninterrupted one bit for bit on CPU (metrics except `time/*`, bank bytes,
 weights): a checkpoint holds weights, optimizer, every RNG state, judge buffers and counters, bank,
 the pending reflection batch, the metrics rows and the fault schedule's position; the curriculum
@@ -55,7 +55,7 @@ Deviations from the paper (besides the toy world, see toy/world.py / toy/sft.py)
        step's rollouts, which is Algorithm 1's order: each step may make two updates, with a weight
        sync after each.) Full mode with `full.rollout_schedule = "async"` runs it as the paper does,
        overlapping the next step's rollouts with a one-step lag and one sync per step
-       (backends/overlap.py, docs/full_mode.md).
+       (backends/distributed/overlap.py, docs/full_mode.md).
     4. Fault handling the paper does not describe: a judge call that still fails after
        `judge.max_retries` re-asks leaves its cells of R missing (advantage 0 for those cells);
        the run stops (JudgeFailureAbort, exit code 3) only when more than `judge.max_failure_rate`
@@ -90,19 +90,18 @@ from judge import judge_all
 from policy import UpdateBatch
 from reflection import ReflectionBatch, run_reflection_branch
 from scaffold import STAGES
-from backends.config import Config, check_local_inputs, resume_config_diff, validate_config
-from backends import checkpoint as ckpt_mod
-from backends import report
-from backends.build import Run, build_environment, build_run, setup_policy
-from backends.cli import parse_cli
-from backends.faults import TOOL_KINDS
-from backends.heldout import HeldOut, static_stage_scores
-from backends.overlap import overlapped_step
-from backends.report import Logger, plot_rewards
-from backends.resume import _open_run, restore_training_state, training_state
-from backends.robust import FailureMonitor, JudgeFailureAbort, checked_judge_result, judge_step_metrics
-from backends.runcard import save_with_run_card
-from backends.torch_engine import TorchEngine
+from backends.distributed.overlap import overlapped_step
+from backends.run import checkpoint as ckpt_mod, report
+from backends.run.build import Run, build_environment, build_run, setup_policy
+from backends.run.cli import parse_cli
+from backends.run.config import Config, check_local_inputs, resume_config_diff, validate_config
+from backends.run.faults import TOOL_KINDS
+from backends.run.heldout import HeldOut, static_stage_scores
+from backends.run.report import Logger, plot_rewards
+from backends.run.resume import _open_run, restore_training_state, training_state
+from backends.run.robust import FailureMonitor, JudgeFailureAbort, checked_judge_result, judge_step_metrics
+from backends.run.runcard import save_with_run_card
+from backends.run.torch_engine import TorchEngine
 
 log = logging.getLogger("rubricem")
 
@@ -158,7 +157,7 @@ def train(cfg: Config, resume: str | None = None) -> dict:
 
     resume: None (fresh run; refused if run_dir already holds checkpoints), "latest" (the newest
     checkpoint of cfg.run_dir that verifies; a fresh run if there is none) or a checkpoint directory.
-    Checkpoints are written every cfg.checkpoint.every steps and at the end (backends/checkpoint.py); with
+    Checkpoints are written every cfg.checkpoint.every steps and at the end (backends/run/checkpoint.py); with
     cfg.checkpoint.stop_after > 0 the call returns {"stopped_at": step, ...} after that many steps.
     Raises ValueError (bad configuration, naming the field), checkpoint.CheckpointError (a checkpoint
     that is corrupt or does not fit this configuration) or JudgeFailureAbort.
@@ -167,11 +166,11 @@ def train(cfg: Config, resume: str | None = None) -> dict:
     torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed)
     if cfg.engine == "zero3":
-        from backends import full  # lazy: scale backend (DeepSpeed), only for engine zero3
+        from backends.distributed import dist, engine  # lazy: scale backend (DeepSpeed), only for engine zero3
 
-        env = full.init_distributed(timeout_min=cfg.full.dist_timeout_min)
-        if not env.is_rank0:  # ranks > 0 follow rank 0's commands (full.ZeRO3Engine.serve)
-            full.ZeRO3Engine(cfg).serve()
+        env = dist.init_distributed(timeout_min=cfg.full.dist_timeout_min)
+        if not env.is_rank0:  # ranks > 0 follow rank 0's commands (engine.ZeRO3Engine.serve)
+            engine.ZeRO3Engine(cfg).serve()
             return {}
     ckpt_path, state = _open_run(cfg, resume)
     os.makedirs(cfg.run_dir, exist_ok=True)
@@ -195,11 +194,11 @@ def train(cfg: Config, resume: str | None = None) -> dict:
     reference = {"source": str(sft_info.get("source", "")),
                  "sha256": ckpt_mod.weights_fingerprint(model)}
     if cfg.engine == "zero3":
-        from backends import full  # lazy: scale backend, a toy run never loads it
+        from backends.distributed import dist, engine  # lazy: scale backend, a toy run never loads it
 
         if torch.cuda.is_available() and cfg.sampler in ("hf", "kv"):
-            model.to(f"cuda:{full.dist_env().local_rank}")  # HF generate on rank 0's GPU
-        policy = full.ZeRO3Engine(cfg, model)  # collective with the other ranks' ZeRO3Engine(cfg)
+            model.to(f"cuda:{dist.dist_env().local_rank}")  # HF generate on rank 0's GPU
+        policy = engine.ZeRO3Engine(cfg, model)  # collective with the other ranks' ZeRO3Engine(cfg)
     else:
         policy = TorchEngine(model, cfg.ss_grpo, precision=cfg.precision, fast=cfg.fast_logprobs)
     try:
@@ -447,7 +446,7 @@ def _run_steps(run: Run, ls: "LoopState", state, ckpt_path, start: int, sft_info
         log.info(report.PROGRESS_LEGEND)
     bar = tqdm(range(start, stop_at), desc="rl", initial=start, total=cfg.steps,
                disable=not cfg.progress)
-    overlap = overlapped_step(run, stop_at, sys.modules[__name__])  # None: rl_step (backends/overlap.py)
+    overlap = overlapped_step(run, stop_at, sys.modules[__name__])  # None: rl_step (backends/distributed/overlap.py)
     for step in bar:
         m: dict[str, Any] = {}
         t_step, before = time.perf_counter(), counters(run)
@@ -467,7 +466,7 @@ def _run_steps(run: Run, ls: "LoopState", state, ckpt_path, start: int, sft_info
         try:
             ls.monitor.update(m["judge/failure_rate"], step)
             ls.monitor.update_nonfinite(m, step)  # max_nonfinite_updates (exit code 6)
-            getattr(run.judge, "check_budget", lambda: None)()  # judge_http.max_usd (backends/judge_http)
+            getattr(run.judge, "check_budget", lambda: None)()  # judge_http.max_usd (backends/api/judge_http)
         except Exception as e:  # JudgeFailureAbort, UpdateFailureAbort (6), JudgeBudgetExceeded (5)
             if not isinstance(e, JudgeFailureAbort) and getattr(e, "exit_code", None) not in (5, 6):
                 raise
@@ -589,10 +588,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               "for a new run.")
         return 0
     if cfg.mode == "full":
-        from backends import full  # lazy: scale backend (DeepSpeed / vLLM / HTTP judge), only in full mode
+        from backends.distributed import dry_run  # lazy: scale backend, only in full mode
 
         if cfg.dry_run:
-            return full.main_dry_run(cfg)
+            return dry_run.main_dry_run(cfg)
     try:
         s = train(cfg, resume)
     except JudgeFailureAbort as e:
@@ -629,6 +628,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     _code = main()
-    if "backends.full" in sys.modules:  # a ZeRO-3 rank: leave without racing gloo's threads
-        sys.modules["backends.full"].exit_process(_code)  # (full.exit_process)
+    if "backends.distributed.dist" in sys.modules:  # a ZeRO-3 rank: leave without racing gloo's threads
+        sys.modules["backends.distributed.dist"].exit_process(_code)  # (dist.exit_process)
     sys.exit(_code)

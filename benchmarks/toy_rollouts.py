@@ -27,7 +27,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from backends import build, cli  # noqa: E402
+from backends.run import build, cli  # noqa: E402
 from scaffold import RolloutEngine, system_prompt  # noqa: E402
 from toy.hf_sampler import HFSampler  # noqa: E402
 from toy.kv_sampler import KVSampler  # noqa: E402

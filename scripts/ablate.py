@@ -87,10 +87,7 @@ from tqdm import tqdm
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from backends import checkpoint as ckpt_mod  # noqa: E402
-from backends import report  # noqa: E402
-from backends import config as settings  # noqa: E402
-from backends import presets  # noqa: E402
+from backends.run import checkpoint as ckpt_mod, config as settings, overrides, presets, report  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import memory_eval  # noqa: E402  (scripts/memory_eval.py: `ablate.py memory`)
@@ -864,7 +861,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     a.eval_every = a.eval_every or max(1, a.steps // 6)
     a.sets = (QUICK_SET if a.quick else []) + a.set
     try:  # a bad override stops here, before any run starts
-        settings.apply_overrides(presets.toy_preset(), a.sets)
+        overrides.apply_overrides(presets.toy_preset(), a.sets)
     except ValueError as e:
         ap.error(str(e))
     return a

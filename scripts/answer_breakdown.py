@@ -3,7 +3,7 @@
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
 Not a section of the paper: a diagnosis of the toy demonstration (docs/results.md). For each run
 directory it re-samples the run's own held-out evaluation (the same questions, samples, temperature
-and seed as backends/heldout.py's `HeldOut`, so the rollouts are those behind eval.json) from the SFT start and
+and seed as backends/run/heldout.py's `HeldOut`, so the rollouts are those behind eval.json) from the SFT start and
 from the final policy, and prints two tables:
 
     1. the answer-stage score's loss by rubric kind: for each static Answer rubric, weight x (1 - score)
@@ -41,7 +41,7 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from backends import build, heldout, presets  # noqa: E402
+from backends.run import build, heldout, presets  # noqa: E402
 from scaffold import ANSWER, system_prompt  # noqa: E402
 from toy.judge import FACT_OUTCOMES  # noqa: E402
 

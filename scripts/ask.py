@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import bank as bank_mod  # noqa: E402
 from scaffold import STAGES, SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT, Query, RolloutEngine  # noqa: E402
-from backends import build, presets  # noqa: E402
-from backends.runcard import read_run_card  # noqa: E402
+from backends.run import build, presets  # noqa: E402
+from backends.run.runcard import read_run_card  # noqa: E402
 
 log = logging.getLogger("rubricem.ask")
 

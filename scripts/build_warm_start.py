@@ -33,8 +33,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from backends.config import apply_overrides  # noqa: E402
-from backends.presets import toy_preset  # noqa: E402
+from backends.run.overrides import apply_overrides  # noqa: E402
+from backends.run.presets import toy_preset  # noqa: E402
 from scaffold import system_prompt  # noqa: E402
 from toy.sft import warm_start, warm_start_key  # noqa: E402
 from toy.world import BM25SearchTool, make_world  # noqa: E402

@@ -3,7 +3,7 @@
 # appendix: ZeRO-3 with CPU offload, gradient checkpointing, vLLM sampling, Qwen3-Embedding bank).
 # One summary line per check, "CHECK <name>: PASS|FAIL|SKIP <details>", then a verdict.
 #
-#   1 versions     the installed set against constraints/gpu.txt (backends/versions.py)
+#   1 versions     the installed set against constraints/gpu.txt (backends/distributed/versions.py)
 #   2 dry-run      the full preset's dry run on this node (memory plan, CPUAdam prerequisites, /dev/shm)
 #   3 recompute    a vocabulary of 151,936 (Qwen3's) above the LM-head recompute threshold: under
 #                  ZeRO-3 every gradient pass takes the recompute path (tests/full_recompute_check.py)
@@ -59,7 +59,7 @@ echo "device: $([ "$CPU" = 1 ] && echo cpu || echo "$NGPU GPU(s)"), ranks $NPROC
 
 # -- 1 versions ------------------------------------------------------------------------------------
 VFLAGS=(); [ "$CPU" = 1 ] && VFLAGS=(--cpu)
-if V=$("$PY" -m backends.versions "${VFLAGS[@]+"${VFLAGS[@]}"}" 2>&1); then
+if V=$("$PY" -m backends.distributed.versions "${VFLAGS[@]+"${VFLAGS[@]}"}" 2>&1); then
   line versions "PASS as pinned (constraints/gpu.txt)"
 else
   line versions "FAIL $(echo "$V" | grep MISMATCH | tr '\n' ';' | cut -c1-300)"

@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from backends import checkpoint as ckpt_mod  # noqa: E402
+from backends.run import checkpoint as ckpt_mod  # noqa: E402
 from bank import RubricBank  # noqa: E402
 from runfix import fast_args, run_fingerprint  # noqa: E402
 from test_smoke import tiny_args  # noqa: E402

@@ -52,11 +52,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from backends import checkpoint as ckpt_mod
-from backends import report
-from backends import build
-from backends import heldout
-from backends import presets
+from backends.run import build, checkpoint as ckpt_mod, heldout, presets, report
 from bank import MODE_EXACT, MODE_SIMILAR, RubricBank, format_for_prompt
 from reflection import run_reflection_branch
 from scaffold import RolloutEngine, system_prompt
@@ -138,7 +134,7 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
     retriever = None
     if cfg.bank.retriever == "dense":
         # lazy: scale backend, the dense retriever only when the run used it
-        from backends.retrieval import DenseRetriever
+        from backends.scale.retrieval import DenseRetriever
 
         retriever = DenseRetriever(cfg.bank.embed_model)
     bank_path = bank_path or os.path.join(run_dir, "bank.jsonl")

@@ -49,7 +49,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from backends.report import smooth  # noqa: E402  (the per-run figure's trailing mean)
+from backends.run.report import smooth  # noqa: E402  (the per-run figure's trailing mean)
 
 STAGES = ("plan", "research", "review", "answer")
 BEGIN, END = "<!-- reproduce:begin -->", "<!-- reproduce:end -->"

@@ -40,9 +40,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from backends.build import build_environment, build_judge, heldout_engines  # noqa: E402
-from backends.heldout import heldout_scores, heldout_seed, sample_heldout  # noqa: E402
-from backends.presets import load_config  # noqa: E402
+from backends.run.build import build_environment, build_judge, heldout_engines  # noqa: E402
+from backends.run.heldout import heldout_scores, heldout_seed, sample_heldout  # noqa: E402
+from backends.run.presets import load_config  # noqa: E402
 from scaffold import system_prompt  # noqa: E402
 from toy.model import load_policy  # noqa: E402
 

@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from backends.config import apply_overrides  # noqa: E402
-from backends.presets import toy_preset  # noqa: E402
+from backends.run.overrides import apply_overrides  # noqa: E402
+from backends.run.presets import toy_preset  # noqa: E402
 from scaffold import (_CALL_RE, PARSERS, STAGES, Rollout, ToolCall, _strip_tool_outputs,  # noqa: E402
                       load_rows)
 from toy.judge import ToyJudge  # noqa: E402

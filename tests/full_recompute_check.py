@@ -1,4 +1,4 @@
-"""Worker of tests/test_full_memory.py: which LM-head path does backends/fast_logprobs.token_logprobs
+"""Worker of tests/test_full_memory.py: which LM-head path does backends/run/fast_logprobs.token_logprobs
 take under ZeRO-3?
 
 usage: torchrun --nproc_per_node 2 tests/full_recompute_check.py MODEL_DIR OUT_DIR THRESHOLD_BYTES [MIN_LEN MAX_LEN]
@@ -18,13 +18,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from backends import full  # noqa: E402
-from backends import fast_logprobs  # noqa: E402
+from backends.scale import settings as full_settings  # noqa: E402
+from backends.distributed.engine import ZeRO3Engine  # noqa: E402
+from backends.distributed import dist, selftest, zero3  # noqa: E402
+from backends.run import fast_logprobs  # noqa: E402
 import policy  # noqa: E402
 
 
 def main(model_dir: str, out_dir: str, threshold: int, min_len: int = 40, max_len: int = 56) -> None:
-    env = full.init_distributed()
+    env = dist.init_distributed()
     fast_logprobs.RECOMPUTE_ABOVE_BYTES = int(threshold)
     decisions, calls = [], {"recompute": 0, "plain": 0}
     decide, project = fast_logprobs._recompute_head, fast_logprobs._project
@@ -44,13 +46,13 @@ def main(model_dir: str, out_dir: str, threshold: int, min_len: int = 40, max_le
         return project(head, h, nxt, recompute, temperature)
 
     fast_logprobs._recompute_head, fast_logprobs._project = spy_decide, spy_project
-    cfg = full.selftest_config(8, 4, 1, 2, 1e-3)
+    cfg = selftest.selftest_config(8, 4, 1, 2, 1e-3)
     cfg.ss_grpo.beta = 0.0  # no reference model: the policy's passes are what we watch
-    ds = full.deepspeed_config(cfg, env.world_size, full.device_kind(), full.FullConfig())
-    pol = full.ZeRO3Policy.from_pretrained(model_dir, ds, cfg.ss_grpo.lr)
+    ds = full_settings.deepspeed_config(cfg, env.world_size, dist.device_kind(), full_settings.FullConfig())
+    pol = zero3.ZeRO3Policy.from_pretrained(model_dir, ds, cfg.ss_grpo.lr)
     vocab = pol.module.config.vocab_size
-    batch = full.synthetic_batch(vocab, 8, group=4, seed=0, min_len=min_len, max_len=max_len)
-    engine = full.ZeRO3Engine(cfg, policy=pol)
+    batch = selftest.synthetic_batch(vocab, 8, group=4, seed=0, min_len=min_len, max_len=max_len)
+    engine = ZeRO3Engine(cfg, policy=pol)
     shards, plans = policy.plan_update(batch, env.world_size, 1, 2, random.Random(0))
     # Outside the engine's forward the head is an empty ZeRO-3 partition (inside it, DeepSpeed's
     # parameter getter gathers it on access): the decision must still see the true vocabulary.
@@ -64,12 +66,12 @@ def main(model_dir: str, out_dir: str, threshold: int, min_len: int = 40, max_le
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"rank{env.rank}.json"), "w") as fh:
         json.dump({"vocab": vocab, "outside": outside, "decisions": decisions, "calls": calls, "stats": st,
-                   "world_size": env.world_size, "device": full.device_kind(),
+                   "world_size": env.world_size, "device": dist.device_kind(),
                    "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2 ** 30
                    if torch.cuda.is_available() else None}, fh, default=float)
-    full._shutdown()
+    dist._shutdown()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]), *[int(x) for x in sys.argv[4:6]])
-    full.exit_process(0)
+    dist.exit_process(0)

@@ -175,15 +175,15 @@ def _pyproject_extras(repo: str) -> set:
 
 
 def secret_env_vars(repo: str) -> tuple:
-    """settings.SECRET_ENV_VARS, read from the checkout's backends/config.py without importing it."""
+    """settings.SECRET_ENV_VARS, read from the checkout's backends/run/config.py without importing it."""
     import ast
 
-    with open(os.path.join(repo, "backends", "config.py")) as fh:
+    with open(os.path.join(repo, "backends", "run", "config.py")) as fh:
         for node in ast.parse(fh.read()).body:
             if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "SECRET_ENV_VARS"
                                                     for t in node.targets):
                 return tuple(ast.literal_eval(node.value))
-    raise ValueError("backends/config.py defines no SECRET_ENV_VARS")
+    raise ValueError("backends/run/config.py defines no SECRET_ENV_VARS")
 
 
 def ci_torch_pin(repo: str) -> str:

@@ -1,5 +1,5 @@
 """A loopback teacher for the SFT pipeline tests: tests/loopback.FakeServer speaking the Gemini or
-OpenAI chat wire format of backends/sft_teacher.py (multi-turn, stop sequence "</call_tool>", no JSON
+OpenAI chat wire format of backends/sft/teacher.py (multi-turn, stop sequence "</call_tool>", no JSON
 schema), replying in the four-stage scaffold.
 
 The reply depends only on the query and on the number of tool outputs already in the conversation,

@@ -275,7 +275,7 @@ def test_papersft_runs_are_rubricem_and_baseline_rl_without_reflection_and_memor
         sets = [cmd[i + 1] for i, x in enumerate(cmd) if x == "--set"]
         # the paper-style set last: it wins over --quick's or the user's sft.n_reflections
         assert sets == ["threads=1", "sft.n_reflections=200", "sft.n_reflections=0", "teacher.p_memory=0"]
-        cfg = ablate.settings.apply_overrides(ablate.presets.toy_preset(), sets)
+        cfg = ablate.overrides.apply_overrides(ablate.presets.toy_preset(), sets)
         assert cfg.sft.n_reflections == 0 and cfg.teacher.p_memory == 0
     a = ablate.parse_args(["--arms", "ss_grpo", "--paper-sft", "--quick"])
     assert a.paper_sft and a.arms == ["ss_grpo", "rubricem", "baseline_rl"]

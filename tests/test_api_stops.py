@@ -3,8 +3,8 @@
   failure toward the abort rule (judge.max_failure_rate for judge.max_failure_steps steps), so the run
   stops with exit code 3 and a checkpoint instead of running on with judge/failure_rate 0;
 - judge_http.max_usd reached (HTTPJudge.check_budget raises JudgeBudgetExceeded): checkpoint, exit code 5;
-- an API's 401/403/404 (backends/http.APIStopError): exit code 4 with the server's message."""
-from backends import build
+- an API's 401/403/404 (backends/api/http.APIStopError): exit code 4 with the server's message."""
+from backends.run import build
 import train
 from judge import JudgeResult
 from runfix import fast_args, metric_rows
@@ -27,7 +27,7 @@ def test_always_wrong_shaped_judge_aborts_sec3_4(tmp_path, toy_cache, monkeypatc
 
 
 def test_budget_reached_stops_after_the_checkpoint_with_exit_5(tmp_path, toy_cache, monkeypatch):
-    from backends.judge_http import JudgeBudgetExceeded
+    from backends.api.judge_http import JudgeBudgetExceeded
 
     class Billed(ToyJudge):  # spends $1 per step against a $2 cap (judge_http.max_usd)
         spent = 0.0
@@ -47,7 +47,7 @@ def test_budget_reached_stops_after_the_checkpoint_with_exit_5(tmp_path, toy_cac
 
 
 def test_a_401_from_an_api_exits_4_with_its_message(tmp_path, toy_cache, monkeypatch, capsys):
-    from backends.http import APIStopError
+    from backends.api.http import APIStopError
 
     def fail(cfg, resume):
         raise APIStopError("judge", 401, "https://example.invalid/v1beta/models/m:generateContent",

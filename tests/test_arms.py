@@ -10,9 +10,7 @@ import bank as bank_mod
 import ss_grpo
 import hparams
 import train
-from backends import cli
-from backends import config as settings
-from backends import presets
+from backends.run import cli, config as settings, presets
 from runfix import fast_args, metric_rows
 from test_reflection import patch_sampler
 

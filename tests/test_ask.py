@@ -8,10 +8,9 @@ from runfix import load_script
 
 ask = load_script("ask")
 from toy import model as toy_model
-from backends import runcard
+from backends.run import runcard
 import scaffold
-from backends import build
-from backends import presets
+from backends.run import build, presets
 from toyfix import TINY, policy_segments, replay, teacher, tiny_tokenizer, torch_threads, train_queries
 
 

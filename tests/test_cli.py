@@ -9,11 +9,11 @@ import torch
 
 import train
 
-from backends import cli
+from backends.run import cli
 
-from backends import config as settings
+from backends.run import config as settings, overrides
 
-from backends import presets
+from backends.run import presets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -78,7 +78,7 @@ def test_bad_settings_exit_2_naming_the_field_and_write_nothing(tmp_path, capsys
 
 
 def test_overrides_take_the_type_of_their_field():
-    c = settings.apply_overrides(presets.toy_preset(), [
+    c = overrides.apply_overrides(presets.toy_preset(), [
         "ss_grpo.lr=1", "steps=1e3", "rollout.n=4", "progress=false", "curriculum.enabled=Yes",
         "toy_model.size=XS", 'cache_dir="a b"', "data.source=", 'faults.tool_kinds=["error"]',
         "judge.caps=[1,1,1,1]", "ss_grpo.lam=[[1,0,0,0],[0,1,0,0],[0,0,1,0],[0,0,0,1]]"])
@@ -94,10 +94,10 @@ def test_overrides_take_the_type_of_their_field():
 def test_every_field_accepts_its_own_default_as_json():
     import json
 
-    from backends.config import leaf_fields
+    from backends.run.overrides import leaf_fields
 
     for key, _, value in leaf_fields(presets.toy_preset()):
-        c = settings.apply_overrides(presets.toy_preset(), [f"{key}={json.dumps(value)}"])
+        c = overrides.apply_overrides(presets.toy_preset(), [f"{key}={json.dumps(value)}"])
         assert dict(((k, v) for k, _, v in leaf_fields(c)))[key] == value, key
 
 
@@ -141,7 +141,7 @@ def _tree(d) -> dict:
 
 
 def test_resume_of_a_finished_run_says_complete_and_changes_nothing(tmp_path, capsys):
-    from backends import checkpoint
+    from backends.run import checkpoint
 
     d = tmp_path / "run"
     _finished_run(d)

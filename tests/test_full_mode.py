@@ -269,7 +269,7 @@ def test_full_mode_two_zero3_ranks_with_the_vllm_sampler(runs, tmp_path):
                                      "--set", 'full.rollout_ranks="rank0"', python=py)
         assert not servers["judge"][1] and not servers["search"][1]
         rows_m = _metrics(d)
-        # the full preset's overlapped step (backends/overlap.py): one sync per step, after step
+        # the full preset's overlapped step (backends/distributed/overlap.py): one sync per step, after step
         # t-1's reflection batch and step t's task batch (Algorithm 1's one-step lag)
         assert [r["sampler/syncs"] for r in rows_m] == [1, 2]
         with open(d / "samples.jsonl") as fh:
@@ -280,7 +280,7 @@ def test_full_mode_two_zero3_ranks_with_the_vllm_sampler(runs, tmp_path):
     assert first(out["0"], 0) == first(out["1e-3"], 0)
     assert first(out["0"], 1) != first(out["1e-3"], 1)
     # 2 ranks: the engine runs in its own process and takes pi_theta in memory through the weight
-    # channel (backends/weight_channel.py), never from a checkpoint on tmpfs
+    # channel (backends/scale/weight_channel.py), never from a checkpoint on tmpfs
     assert all(b > 0 for b in syncs["1e-3"]), syncs
     # One ZeRO-3 rank keeps vLLM in process and streams iter_full_params() into sync_weights; the
     # engine then holds the same weights as after the 2-rank reload, so it samples the same.
@@ -296,7 +296,7 @@ def test_full_mode_two_zero3_ranks_with_the_vllm_sampler(runs, tmp_path):
 @pytest.mark.slow
 def test_full_mode_async_rollout_schedule_is_deterministic(runs, tmp_path):
     """full.rollout_schedule="async" on 2 ZeRO-3 ranks + vLLM on rank 0 (full.rollout_ranks="rank0"):
-    the overlapped step (backends/overlap.py) with no turn barrier, concurrent Serper calls against
+    the overlapped step (backends/distributed/overlap.py) with no turn barrier, concurrent Serper calls against
     the loopback server and one seed per request, step 0's reflection branch sampling on the same
     engine while step 1's rollouts run (checkpoint.every=0: step 0 is no synchronisation point).
     Two runs with the same seed log the same metrics and sample the same trajectories at both

@@ -1,4 +1,4 @@
-"""The overlapped full-mode step (backends/overlap.py): `train.py --full` with full.rollout_schedule
+"""The overlapped full-mode step (backends/distributed/overlap.py): `train.py --full` with full.rollout_schedule
 "async", one process (engine "torch"), the HF sampler over a tiny Qwen3 with a short SFT warm start,
 the Gemini judge and Serper search on loopback servers (tests/loopback.py).
 
@@ -22,7 +22,8 @@ import sys
 import pytest
 
 import train
-from backends import overlap, rollout_engine
+from backends.distributed import overlap
+from backends.scale import rollout_engine
 from loopback import TEST_KEY, FakeServer
 from toyfix import tiny_world
 

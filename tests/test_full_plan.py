@@ -1,4 +1,4 @@
-"""The dry run's memory plan and step-time estimate (backends/plan.py) on a known configuration: the
+"""The dry run's memory plan and step-time estimate (backends/distributed/plan.py) on a known configuration: the
 full preset (PAPER: 32 x 8 sequences, max prompt 8,192 + max response 18,432 = pack 26,624, ZeRO-3
 with CPU offload, gradient checkpointing) with Qwen3-8B's published sizes on one node of 8 x 80 GiB.
 The expected numbers are worked out by hand below from the sizes, not from the module."""
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from backends import full, plan
-from backends.presets import full_preset
+from backends.distributed import dry_run, plan
+from backends.run.presets import full_preset
 
 P8B = 8_190_735_360  # Qwen3-8B: 2 x 151,936 x 4,096 (untied) + 36 x 192,946,432 + 4,096
 GIB80 = 80 * 2 ** 30
@@ -125,7 +125,7 @@ def test_dry_run_prints_the_memory_plan_for_the_model_folder(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(c))
     cfg = full_preset()
     cfg.model = str(tmp_path)
-    text, problems = full.dry_run(cfg, {"GEMINI_API_KEY": "k" * 10, "SERPER_API_KEY": "k" * 10})
+    text, problems = dry_run.dry_run(cfg, {"GEMINI_API_KEY": "k" * 10, "SERPER_API_KEY": "k" * 10})
     assert "memory plan (estimate" in text and "step time (estimate)" in text
     assert f"({tmp_path / 'config.json'})" in text
     assert f"{plan.param_count(c) / 1e9:.2f}B parameters" in text
@@ -134,7 +134,7 @@ def test_dry_run_prints_the_memory_plan_for_the_model_folder(tmp_path):
 
 
 def test_step_time_concurrent_by_hand():
-    """The concurrent schedule's estimate (backends/rollout_engine.py): 256 sequences over 8 engines
+    """The concurrent schedule's estimate (backends/scale/rollout_engine.py): 256 sequences over 8 engines
     of 14 concurrent sequences (3 waves of the same decode step), each rollout's own 5 searches, the
     judge hidden behind the rollouts but for 2 round trips, the reflection's judging hidden and its
     256 candidates sampled on rank 0's engine (19 waves of 14 at 11,264 + 512 tokens each), which

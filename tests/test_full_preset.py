@@ -9,9 +9,9 @@ import bank
 import reflection
 import scaffold
 import ss_grpo
-from backends import judge_http
-from backends.config import validate_config
-from backends.presets import full_preset, toy_preset
+from backends.api import judge_prompts
+from backends.run.config import validate_config
+from backends.run.presets import full_preset, toy_preset
 
 # The paper prints Lambda flattened (shared/paper/000_*.txt, §3.3):
 PRINTED_LAMBDA = "1.0 000 0.4 1.0 00 0.6 0.4 1.0 0 0.8 0.8 0.8 1.0"
@@ -39,10 +39,10 @@ def test_full_preset_prompt_and_pack_lengths_appendix(monkeypatch):
     cfg = full_preset()
     assert cfg.full.max_prompt_tokens == 8192  # PAPER: max prompt length
     assert cfg.rollout.max_response_tokens == 18432  # PAPER: max response length
-    from backends import plan
+    from backends.distributed import plan
     assert plan.pack_tokens(cfg) == 26624  # PAPER: max total pack length
     # the vLLM engine's context is the pack (build.build_sampler)
-    from backends import build
+    from backends.run import build
     from types import SimpleNamespace
 
     seen = {}
@@ -51,7 +51,7 @@ def test_full_preset_prompt_and_pack_lengths_appendix(monkeypatch):
         def __init__(self, model_dir, tok, **kw):
             seen.update(kw)
 
-    import backends.vllm_sampler as vs
+    import backends.scale.vllm_sampler as vs
     monkeypatch.setattr(vs, "VLLMSampler", Capture)
     model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=40960))
     build.build_sampler(cfg, model, None)
@@ -91,7 +91,7 @@ TOY_WORDS = ("look-alike", "old record", "hedging", "entity the query does not a
 
 
 def test_full_mode_judge_prompts_carry_no_toy_world_criteria():
-    prompts = {n: v for n, v in vars(judge_http).items() if n.startswith("SYSTEM") and isinstance(v, str)}
+    prompts = {n: v for n, v in vars(judge_prompts).items() if n.startswith("SYSTEM") and isinstance(v, str)}
     assert {"SYSTEM_BASE", "SYSTEM_PROPOSE", "SYSTEM_SCORE", "SYSTEM_REFLECT"} <= set(prompts)
     for name, text in prompts.items():
         for w in TOY_WORDS:

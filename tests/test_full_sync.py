@@ -1,5 +1,5 @@
 """Weight sync without files (§3.3: rollouts sample the updated pi_theta): the two-member weight
-channel (backends/weight_channel.py) moves tensors bitwise between processes, and a vLLM engine in
+channel (backends/scale/weight_channel.py) moves tensors bitwise between processes, and a vLLM engine in
 its own process takes pi_theta through it (tests/vllm_channel_check.py, with RUBRICEM_VLLM_PYTHON:
 received bytes equal the trainer's, readable engine parameters equal bitwise, engine log-probs equal
 the trainer's within 1e-4, sampling after an lr = 0 update repeats and after lr = 1e-2 differs, no
@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from backends.weight_channel import WeightChannel, dtype_name, free_port
+from backends.scale.weight_channel import WeightChannel, dtype_name, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,10 +1,10 @@
-"""The tested set of full-mode versions (backends/versions.py): one source of truth repeated in
+"""The tested set of full-mode versions (backends/distributed/versions.py): one source of truth repeated in
 constraints/gpu.txt and pyproject's `gpu` extra, and the dry run's report of mismatches."""
 import os
 import tomllib
 
-from backends import full, versions
-from backends.presets import full_preset
+from backends.distributed import dry_run, versions
+from backends.run.presets import full_preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,7 +48,7 @@ def test_check_reports_mismatches_and_accepts_local_build_tags():
 
 
 def test_dry_run_prints_the_version_check(monkeypatch):
-    monkeypatch.setattr(full, "_version", {**versions.GPU_PINS, "transformers": "5.24.0"}.get)
-    text, problems = full.dry_run(full_preset(), {})
+    monkeypatch.setattr(dry_run, "_version", {**versions.GPU_PINS, "transformers": "5.24.0"}.get)
+    text, problems = dry_run.dry_run(full_preset(), {})
     assert "versions (the tested set: constraints/gpu.txt)" in text
     assert any(p.startswith("versions: transformers 5.24.0") for p in problems)

@@ -111,7 +111,7 @@ def test_every_rank_samples_its_share_on_its_own_vllm_engine(tmp_path, setup, mo
 @pytest.mark.slow
 def test_overlapped_step_with_an_engine_per_rank(tmp_path, setup, monkeypatch):
     """The full preset's schedule with vLLM on every rank (full.rollout_schedule="async",
-    backends/overlap.py): both engines sample their share without a turn barrier, each group is
+    backends/distributed/overlap.py): both engines sample their share without a turn barrier, each group is
     judged as it finishes, step 0's reflection branch samples on rank 0's engine while step 1's
     rollouts run there and on rank 1's engine, one weight sync per step reaches both engines, and
     two identical runs log the same metrics and write the same bank, samples and weights."""

@@ -2,7 +2,7 @@
 batch arithmetic, the DeepSpeed config, and the equivalence of the SS-GRPO update (§3.3) on two
 ZeRO-3 ranks with the same update in one plain PyTorch process.
 
-The equivalence test launches `torchrun --nproc_per_node 2 -m backends.full selftest` on 2 CPU ranks (gloo,
+The equivalence test launches `torchrun --nproc_per_node 2 -m backends.distributed selftest` on 2 CPU ranks (gloo,
 one thread each), then repeats the two optimizer steps single-process and compares per-step losses
 (rtol 1e-4) and final weights (max abs diff 1e-5, 1% of one AdamW step of lr 1e-3; measured
 1.6e-6). Runtime: ~20 s on 2 CPU cores.
@@ -18,7 +18,9 @@ import time
 import pytest
 import torch
 
-from backends import full
+from backends.distributed import dist, dry_run, selftest
+from backends.scale import settings as full_settings
+from backends.scale.weight_channel import free_port
 import policy
 from toy import model as toy_model
 import ss_grpo
@@ -40,69 +42,69 @@ N_SEQ, GROUP, MINIBATCHES, MICRO, LR, ETA, WORLD = 16, 8, 2, 2, 1e-3, 0.02, 2
 
 
 def test_appendix_batch_arithmetic_full_preset_32x8_on_8_gpus():
-    from backends.presets import full_preset
-    plan = full.batch_plan(full_preset(), 8)
+    from backends.run.presets import full_preset
+    plan = full_settings.batch_plan(full_preset(), 8)
     # PAPER: 32 prompts x 8 rollouts = 256 sequences; micro-batch 1 -> 256 / (1 x 8) = 32 accumulations
     assert (plan.sequences, plan.per_optimizer_step, plan.per_rank, plan.micro_batch, plan.grad_accum) \
         == (256, 256, 32, 1, 32)
-    assert full.batch_plan(full_preset(), 16).grad_accum == 16  # 2 nodes
-    assert full.batch_plan(full_preset(), 32).grad_accum == 8  # 4 nodes (the final run)
+    assert full_settings.batch_plan(full_preset(), 16).grad_accum == 16  # 2 nodes
+    assert full_settings.batch_plan(full_preset(), 32).grad_accum == 8  # 4 nodes (the final run)
 
 
 def test_appendix_batch_arithmetic_rejects_inexact_splits():
-    from backends.presets import full_preset
+    from backends.run.presets import full_preset
     cfg = full_preset()
     with pytest.raises(ValueError, match="micro_batch x world_size"):
-        full.batch_plan(cfg, 3)
+        full_settings.batch_plan(cfg, 3)
     cfg.ss_grpo.minibatches = 3
     with pytest.raises(ValueError, match="minibatches=3"):
-        full.batch_plan(cfg, 8)
+        full_settings.batch_plan(cfg, 8)
 
 
 def test_appendix_deepspeed_config_zero3_offload_bf16_on_gpu_only():
-    from backends.presets import full_preset
-    gpu = full.deepspeed_config(full_preset(), 8, "cuda")
+    from backends.run.presets import full_preset
+    gpu = full_settings.deepspeed_config(full_preset(), 8, "cuda")
     assert gpu["zero_optimization"]["stage"] == 3
     assert gpu["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert gpu["bf16"]["enabled"] is True
     assert gpu["train_batch_size"] == 256 and gpu["gradient_accumulation_steps"] == 32
     assert gpu["optimizer"]["type"] == "AdamW" and gpu["optimizer"]["params"]["lr"] == 5e-7  # PAPER
-    cpu = full.deepspeed_config(full_preset(), 2, "cpu")
+    cpu = full_settings.deepspeed_config(full_preset(), 2, "cpu")
     assert cpu["bf16"]["enabled"] is False
     assert cpu["zero_allow_untested_optimizer"] is True and "optimizer" not in cpu
-    ref = full.reference_config(gpu)
+    ref = full_settings.reference_config(gpu)
     assert "offload_optimizer" not in ref["zero_optimization"] and ref["zero_optimization"]["stage"] == 3
 
 
 def test_dist_env_reads_launcher_variables_and_names_bad_ones():
-    e = full.dist_env({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "node0",
+    e = dist.dist_env({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "node0",
                        "MASTER_PORT": "29555"})
     assert (e.rank, e.local_rank, e.world_size, e.master_addr, e.master_port, e.launched) \
         == (3, 1, 4, "node0", 29555, True)
     assert not e.is_rank0
-    assert full.dist_env({}) == full.DistEnv()
+    assert dist.dist_env({}) == dist.DistEnv()
     with pytest.raises(ValueError, match="WORLD_SIZE"):
-        full.dist_env({"WORLD_SIZE": "two"})
+        dist.dist_env({"WORLD_SIZE": "two"})
     with pytest.raises(ValueError, match="inconsistent"):
-        full.dist_env({"WORLD_SIZE": "2", "RANK": "2"})
+        dist.dist_env({"WORLD_SIZE": "2", "RANK": "2"})
 
 
 def test_rank_leaves_before_finalization_after_the_process_group_is_torn_down(tmp_path):
-    """full.exit_process: once _shutdown() has taken a gloo group down (its worker threads live on,
+    """dist.exit_process: once _shutdown() has taken a gloo group down (its worker threads live on,
     as with DeepSpeed's references), the process ends with the given code and flushed output but
     without interpreter finalization (no atexit handler runs), so no gloo thread can need the GIL of
     a finalizing interpreter; without a torn-down group it is sys.exit."""
-    code = ("import atexit, sys, torch.distributed as dist\nfrom backends import full\n"
+    code = ("import atexit, sys, torch.distributed as tdist\nfrom backends.distributed import dist\n"
             "atexit.register(lambda: print('finalized', flush=True))\n"
             "if sys.argv[1] == 'group':\n"
-            f"    dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=0,"
+            f"    tdist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=0,"
             " world_size=1)\n"
-            "    keep = dist.group.WORLD\n"
+            "    keep = tdist.group.WORLD\n"
             "    out = [None]\n"
-            "    dist.scatter_object_list(out, [('stop', None)], src=0)\n"
-            "    full._shutdown()\n"
+            "    tdist.scatter_object_list(out, [('stop', None)], src=0)\n"
+            "    dist._shutdown()\n"
             "print('last words', end='')\n"
-            "full.exit_process(7)\n")
+            "dist.exit_process(7)\n")
     env = {**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""}
     runs = {kind: subprocess.run([sys.executable, "-c", code, kind], cwd=ROOT, env=env,
                                  capture_output=True, text=True, timeout=120)
@@ -113,8 +115,8 @@ def test_rank_leaves_before_finalization_after_the_process_group_is_torn_down(tm
 
 
 def test_toy_mode_and_dry_run_never_import_deepspeed_or_vllm():
-    code = ("import sys, train\nfrom backends import full, presets\n"
-            "text, problems = full.dry_run(presets.full_preset(), {'GEMINI_API_KEY': 'sekrit-123'})\n"
+    code = ("import sys, train\nfrom backends.distributed import dry_run\nfrom backends.run import presets\n"
+            "text, problems = dry_run.dry_run(presets.full_preset(), {'GEMINI_API_KEY': 'sekrit-123'})\n"
             "assert 'deepspeed' not in sys.modules and 'vllm' not in sys.modules, 'heavy import'\n"
             "print(text)\n")
     env = {**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""}
@@ -129,18 +131,18 @@ def test_toy_mode_and_dry_run_never_import_deepspeed_or_vllm():
 
 
 def test_dry_run_reports_key_names_only_and_lists_problems(monkeypatch):
-    from backends.presets import full_preset
+    from backends.run.presets import full_preset
     cfg = full_preset()
     cfg.judge.backend = "gemini"
     cfg.model = "/models/sft"
-    text, problems = full.dry_run(cfg, {"GEMINI_API_KEY": "abc-value", "SERPER_API_KEY": "x"})
+    text, problems = dry_run.dry_run(cfg, {"GEMINI_API_KEY": "abc-value", "SERPER_API_KEY": "x"})
     assert "$GEMINI_API_KEY set" in text and "abc-value" not in text
     assert not any("GEMINI_API_KEY" in p for p in problems)
-    _, problems = full.dry_run(full_preset(), {})
+    _, problems = dry_run.dry_run(full_preset(), {})
     assert not any("judge.backend is 'toy'" in p for p in problems)  # PAPER: Gemini judge by default
     toy_judge = full_preset()
     toy_judge.judge.backend = "toy"
-    _, with_toy = full.dry_run(toy_judge, {})
+    _, with_toy = dry_run.dry_run(toy_judge, {})
     assert any("judge.backend is 'toy'" in p for p in with_toy)
     assert any("GEMINI" in p or "SERPER_API_KEY" in p for p in problems)
     assert any("no policy model" in p for p in problems)
@@ -163,7 +165,7 @@ def zero3_run(tmp_path_factory):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
            "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
-           "--master_port", str(full.free_port()), "-m", "backends.full", "selftest",
+           "--master_port", str(free_port()), "-m", "backends.distributed", "selftest",
            "--model", str(tmp / "init"), "--out", str(tmp / "out"), "--n-seq", str(N_SEQ),
            "--group", str(GROUP), "--minibatches", str(MINIBATCHES), "--micro", str(MICRO),
            "--lr", str(LR), "--eta", str(ETA)]
@@ -185,7 +187,7 @@ def _reference_steps(init_dir):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)
     ref = copy.deepcopy(model).eval()
-    batch = full.synthetic_batch(model.config.vocab_size, N_SEQ, GROUP, seed=0)
+    batch = selftest.synthetic_batch(model.config.vocab_size, N_SEQ, GROUP, seed=0)
     pad = model.config.pad_token_id or 0
     everything = list(range(N_SEQ))
     with torch.no_grad():

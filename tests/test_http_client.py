@@ -1,4 +1,4 @@
-"""The rate-limit-aware HTTP client (backends/http.py) as the judge and the search tool use it, against
+"""The rate-limit-aware HTTP client (backends/api/http.py) as the judge and the search tool use it, against
 loopback servers (tests/loopback.py): proxy from the environment, Retry-After (seconds and HTTP-date),
 429 back-off of the whole client, requests- and tokens-per-minute limits, 401/403/404 stopping at once
 with the server's message, the Gemini thinking budget, the schema in the prompt under json_object,
@@ -16,11 +16,12 @@ import pytest
 
 pytest.importorskip("requests", reason="the HTTP backends need the `full` extra (requests, urllib3)")
 
-from backends.http import APIStopError, HTTPClient, RateLimiter, parse_retry_after
-from backends.judge_http import HTTPJudge, JudgeBudgetExceeded, schema_scores
-from backends.pricing import (PRICE_TABLE, format_cost_plan, judge_cost_plan, resolve_prices,
-                              table_prices)
-from backends.search_http import SearchHTTPConfig, SerperSearchTool
+from backends.api.http import APIStopError, HTTPClient, RateLimiter, parse_retry_after
+from backends.api.judge_http import HTTPJudge, JudgeBudgetExceeded
+from backends.api.judge_prompts import schema_scores
+from backends.api.pricing import PRICE_TABLE, format_cost_plan, judge_cost_plan, resolve_prices, table_prices
+from backends.api.settings import SearchHTTPConfig
+from backends.api.search_http import SerperSearchTool
 from hparams import JudgeConfig
 from loopback import TEST_KEY, FakeProxy, FakeServer
 from test_judge_http import GOOD, fake_query, fake_rollout, make_judge
@@ -333,8 +334,7 @@ def test_budget_stops_once_reached():
 
 
 def test_judge_cost_plan_of_the_full_preset():
-    from backends import config as settings
-    from backends import presets
+    from backends.run import config as settings, presets
 
     cfg = presets.full_preset()
     plan = judge_cost_plan(cfg)

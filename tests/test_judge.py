@@ -680,7 +680,7 @@ def test_static_stage_scores_of_training_rollouts_are_buffer_independent_sec3_4(
     # The logged score/{stage} of a step: the static rubric set's mean stage scores of the step's
     # rollouts, the same whatever the evolving buffers hold (R is not), None for a judge without
     # a static rubric set.
-    from backends import heldout
+    from backends.run import heldout
 
     ros = [r for q in queries for r in pool[q.query]]
     n = len(pool[queries[0].query])

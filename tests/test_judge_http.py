@@ -1,4 +1,4 @@
-"""HTTP judge (backends/judge_http.py, §3.4 full mode) against loopback fake Gemini / OpenAI servers.
+"""HTTP judge (backends/api/judge_http.py, §3.4 full mode) against loopback fake Gemini / OpenAI servers.
 
 No request leaves 127.0.0.1; backoff is 0.01 s so the file runs in a few seconds.
 """
@@ -24,7 +24,9 @@ import scaffold
 from toy import sft
 from judge import BUFFER_CAPS, JudgeResult
 from toy.judge import ToyJudge
-from backends.judge_http import TRUNCATED_NOTE, HTTPJudge, JudgeCallError, judge_configs
+from backends.api.judge_prompts import TRUNCATED_NOTE
+from backends.api.judge_http import HTTPJudge, JudgeCallError
+from backends.api.settings import judge_configs
 from loopback import TEST_KEY, FakeServer
 from scaffold import ANSWER, STAGES, Rollout, ToolCall, parse_response
 from toy.world import BM25SearchTool, WorldConfig, make_world
@@ -34,7 +36,7 @@ import toyfix as tf  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _loopback_bypasses_any_proxy(monkeypatch):
-    """The HTTP client honours the environment's proxy (backends/http.py); the loopback servers are
+    """The HTTP client honours the environment's proxy (backends/api/http.py); the loopback servers are
     local, so a machine with HTTP_PROXY set must still reach them directly."""
     for v in ("NO_PROXY", "no_proxy"):
         monkeypatch.setenv(v, "127.0.0.1,localhost")
@@ -491,7 +493,7 @@ def test_s34_truncated_rollout_is_announced_to_the_judge_outside_the_fences(gemi
 
 
 def test_full_backend_import_is_lazy():
-    code = "from backends import judge_http, search_http; import sys; print('requests' in sys.modules, 'urllib3' in sys.modules)"
+    code = "from backends.api import judge_http, search_http; import sys; print('requests' in sys.modules, 'urllib3' in sys.modules)"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]

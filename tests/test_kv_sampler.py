@@ -217,9 +217,7 @@ def test_rollout_engine_greedy_tool_loop_same_rollouts_sec3_2(tok, model):
 
 
 def test_config_sampler_kv_builds_the_kv_sampler(tok, model):
-    from backends import build
-    from backends import config as settings
-    from backends import presets
+    from backends.run import build, config as settings, presets
 
     cfg = presets.toy_preset()
     cfg.sampler = "kv"

@@ -1,5 +1,5 @@
 """The log pi pass behind every SS-GRPO ratio and KL term (§3.3). policy.token_logprobs (the plain
-path) equals the model's own full-logits log_softmax; backends/fast_logprobs.token_logprobs (the
+path) equals the model's own full-logits log_softmax; backends/run/fast_logprobs.token_logprobs (the
 fast path: chunked, head on loss-masked columns only, recomputed in the backward) equals the plain
 path: values for several chunk sizes, right and left padding, gradients with and without
 recomputing each chunk in the backward, temperatures; and recomputing keeps no (tokens x vocab)
@@ -11,7 +11,7 @@ import torch
 
 import policy
 
-from backends import fast_logprobs as fast
+from backends.run import fast_logprobs as fast
 from toy import model as toy_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

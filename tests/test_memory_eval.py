@@ -12,8 +12,7 @@ from runfix import load_script
 
 memory_eval = load_script("memory_eval")
 import train
-from backends import build
-from backends import presets
+from backends.run import build, presets
 from runfix import fast_args, sha256
 from test_reflection import LESSON, ReflectionTextSampler, patch_sampler
 

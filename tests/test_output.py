@@ -11,11 +11,9 @@ import re
 import numpy as np
 import pytest
 
-from backends import report
+from backends.run import report
 import train
-from backends import cli
-from backends import config as settings
-from backends import presets
+from backends.run import cli, config as settings, presets
 from runfix import fast_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,7 +80,7 @@ def test_every_logged_metric_key_is_in_the_readme_glossary_and_every_line_has_th
 
 def test_glossary_names_the_fault_and_bank_keys():
     import bank
-    from backends.faults import JUDGE_KINDS, TOOL_KINDS
+    from backends.run.faults import JUDGE_KINDS, TOOL_KINDS
 
     keys = glossary_keys()
     reasons = [getattr(bank, n) for n in dir(bank) if n.startswith("REASON_") and n != "REASON_OK"]
@@ -158,7 +156,7 @@ def test_help_explains_every_flag_with_its_default(capsys):
 
 
 def test_list_config_prints_every_key_with_its_default_and_doc(capsys):
-    from backends.config import leaf_fields
+    from backends.run.overrides import leaf_fields
 
     with pytest.raises(SystemExit) as e:
         cli.parse_cli(["--list-config"])
@@ -213,9 +211,9 @@ def test_report_to_tensorboard_and_wandb_log_what_metrics_jsonl_logs(tmp_path, t
 def test_report_to_refuses_unknown_or_missing_backends(monkeypatch):
     import importlib.util
 
-    from backends import config as settings
+    from backends.run import config as settings
 
-    from backends import presets
+    from backends.run import presets
 
     cfg = presets.toy_preset()
     cfg.report_to = ["mlflow"]
@@ -315,7 +313,7 @@ def test_final_generation_config_stops_at_a_tool_call(tmp_path):
     joins eos_token_id; a multi-token stop goes into stop_strings."""
     from transformers import GenerationConfig
 
-    from backends.runcard import write_generation_stops
+    from backends.run.runcard import write_generation_stops
     from toy.model import train_tokenizer
 
     tok = train_tokenizer(["a b c plan research"], vocab_size=300)

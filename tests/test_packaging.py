@@ -38,6 +38,16 @@ def _top_level_packages() -> list[str]:
                   if d not in NOT_CODE and os.path.isfile(os.path.join(ROOT, d, "__init__.py")))
 
 
+def _packages() -> list[str]:
+    """Every importable package of the checkout, sub-packages included (backends.api, ...)."""
+    out = []
+    for top in _top_level_packages():
+        for folder, dirs, _ in os.walk(os.path.join(ROOT, top)):
+            dirs[:] = [d for d in dirs if os.path.isfile(os.path.join(folder, d, "__init__.py"))]
+            out.append(os.path.relpath(folder, ROOT).replace(os.sep, "."))
+    return sorted(out)
+
+
 def test_pyproject_lists_every_top_level_module_and_package():
     table = _setuptools_table()
     listed = table.get("py-modules", [])
@@ -47,10 +57,10 @@ def test_pyproject_lists_every_top_level_module_and_package():
         f"pyproject.toml [tool.setuptools] py-modules must name every top-level module; "
         f"missing: {sorted(set(on_disk) - set(listed))}, "
         f"not on disk: {sorted(set(listed) - set(on_disk))}")
-    packages = _top_level_packages()
+    packages = _packages()
     assert sorted(table.get("packages", [])) == packages, (
-        f"package folders {packages} must be listed in [tool.setuptools] packages "
-        f"(listed: {table.get('packages', [])})")
+        f"package folders {packages} (sub-packages included) must be listed in [tool.setuptools] "
+        f"packages (listed: {table.get('packages', [])})")
 
 
 @pytest.mark.slow
@@ -74,12 +84,13 @@ def test_built_wheel_installs_and_imports_every_module_outside_the_checkout(tmp_
     shipped = sorted(n[:-3] for n in zipfile.ZipFile(wheel).namelist()
                      if n.endswith(".py") and "/" not in n)
     assert shipped == modules, f"wheel lacks {sorted(set(modules) - set(shipped))}"
-    # The package folders' modules (toy/, backends/) ship too, and import as toy.world, ...
-    in_packages = sorted(f"{d}.{os.path.basename(f)[:-3]}" for d in _top_level_packages()
-                         for f in glob.glob(os.path.join(ROOT, d, "*.py"))
+    # The packages' modules (toy/, backends/ and its sub-packages) ship too, and import as
+    # toy.world, backends.run.build, ...
+    in_packages = sorted(f"{d}.{os.path.basename(f)[:-3]}" for d in _packages()
+                         for f in glob.glob(os.path.join(ROOT, *d.split("."), "*.py"))
                          if not f.endswith("__init__.py"))
     shipped_pk = sorted(n[:-3].replace("/", ".") for n in zipfile.ZipFile(wheel).namelist()
-                        if n.endswith(".py") and n.count("/") == 1 and not n.endswith("__init__.py")
+                        if n.endswith(".py") and "/" in n and not n.endswith("__init__.py")
                         and ".dist-info" not in n)
     assert shipped_pk == in_packages, f"wheel lacks {sorted(set(in_packages) - set(shipped_pk))}"
     # ... and the shipped SFT warm start, which a default toy run loads

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from backends import config as settings
+from backends.run import config as settings
 
-from backends import presets
+from backends.run import presets
 import ss_grpo
 import train
 from judge import BUFFER_CAPS, JudgeResult

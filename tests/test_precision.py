@@ -10,13 +10,13 @@ import torch
 
 import policy
 
-from backends import torch_engine
+from backends.run import torch_engine
 
 from toy import model as toy_model
 import toyfix as tf
 from toy.hf_sampler import HFSampler, autocast
-from backends.config import validate_config
-from backends.presets import toy_preset
+from backends.run.config import validate_config
+from backends.run.presets import toy_preset
 from hparams import SSGRPOConfig
 from toy import sft
 from toy.kv_sampler import KVSampler

@@ -1,4 +1,4 @@
-"""Prefix sharing in the SS-GRPO update, the fast path's (backends/fast_logprobs.py: pack_rows,
+"""Prefix sharing in the SS-GRPO update, the fast path's (backends/run/fast_logprobs.py: pack_rows,
 SharedPrefixRows, token_logprobs' segment rows): sequences that begin with the same loss-free prompt
 (a reflection group's m candidates, §3.4) are packed into one row, the prompt once. Every log-prob
 and every gradient must be what the plain path's separate rows give (policy.token_logprobs,
@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 import policy
 
-from backends import fast_logprobs as fast
+from backends.run import fast_logprobs as fast
 from toy import model as toy_model
-from backends.torch_engine import TorchEngine
+from backends.run.torch_engine import TorchEngine
 from policy import UpdateBatch
 from hparams import SSGRPOConfig
 

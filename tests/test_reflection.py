@@ -16,14 +16,14 @@ from runfix import fast_args, metric_rows
 
 import train
 
-from backends import build
+from backends.run import build
 
-from backends import config as settings
+from backends.run import config as settings
 
-from backends import presets
+from backends.run import presets
 
 
-from backends import torch_engine
+from backends.run import torch_engine
 
 LESSON = "Lesson: search every asked aspect with the full name; cite a snippet for every claim."
 

@@ -14,11 +14,9 @@ import sys
 import pytest
 import torch
 
-from backends import checkpoint as ckpt_mod
+from backends.run import checkpoint as ckpt_mod
 import train
-from backends import build
-from backends import config as settings
-from backends import presets
+from backends.run import build, config as settings, overrides, presets
 from runfix import fast_args, metric_rows, run_fingerprint
 from test_reflection import ReflectionTextSampler
 
@@ -240,4 +238,4 @@ def test_config_round_trips_through_json_sec3_5():
 ])
 def test_checkpoint_config_errors_name_the_field(item, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):  # a type error at parse time,
-        settings.validate_config(settings.apply_overrides(presets.toy_preset(), [item]))  # a range error here
+        settings.validate_config(overrides.apply_overrides(presets.toy_preset(), [item]))  # a range error here

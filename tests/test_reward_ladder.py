@@ -8,8 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from backends import build
-from backends import config as settings, presets
+from backends.run import build, config as settings, presets
 from toy import sft
 from toy.judge import ToyJudge
 

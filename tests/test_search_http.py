@@ -1,4 +1,4 @@
-"""Serper-compatible `google_search` (backends/search_http.py, the §3.1 tool environment in full mode) against a
+"""Serper-compatible `google_search` (backends/api/search_http.py, the §3.1 tool environment in full mode) against a
 loopback fake server. No request leaves 127.0.0.1."""
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ pytest.importorskip("requests", reason="the HTTP backends need the `full` extra 
 
 import scaffold
 from loopback import TEST_KEY, FakeServer
-from backends.http import APIStopError
-from backends.search_http import SearchError, SearchHTTPConfig, SerperSearchTool
+from backends.api.http import APIStopError
+from backends.api.search_http import SearchError, SerperSearchTool
+from backends.api.settings import SearchHTTPConfig
 from scaffold import SearchResult
 
 
 @pytest.fixture(autouse=True)
 def _loopback_bypasses_any_proxy(monkeypatch):
-    """The HTTP client honours the environment's proxy (backends/http.py); the loopback servers are
+    """The HTTP client honours the environment's proxy (backends/api/http.py); the loopback servers are
     local, so a machine with HTTP_PROXY set must still reach them directly."""
     for v in ("NO_PROXY", "no_proxy"):
         monkeypatch.setenv(v, "127.0.0.1,localhost")

@@ -262,8 +262,7 @@ def test_warm_start_trains_once_then_loads_from_cache_appendix(tmp_path, monkeyp
 def test_warm_start_is_shared_by_rl_seeds_and_ignores_global_rng_appendix(tmp_path, monkeypatch):
     # The SFT policy depends on sft.seed only: a run with another --seed (which seeds the global
     # generators first) must find the same cached warm start instead of training an identical one.
-    from backends import build
-    from backends import presets
+    from backends.run import build, presets
     import train
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

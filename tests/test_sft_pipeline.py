@@ -1,8 +1,8 @@
 """The SFT stage end to end on CPU (appendix, "Training configuration"), each command a subprocess:
 
-  1. `python -m backends.sft_teacher`: a loopback Gemini teacher (tests/sft_loopback.py) writes trajectories in
+  1. `python -m backends.sft.teacher`: a loopback Gemini teacher (tests/sft_loopback.py) writes trajectories in
      the scaffold through the loopback Serper search; a rerun resumes and sends nothing;
-  2. `torchrun --nproc_per_node 2 -m backends.sft_zero3`: 2 SFT steps of a tiny Qwen3 on 2 ZeRO-3 gloo ranks;
+  2. `torchrun --nproc_per_node 2 -m backends.sft.zero3`: 2 SFT steps of a tiny Qwen3 on 2 ZeRO-3 gloo ranks;
   3. `torchrun --nproc_per_node 2 train.py --full --model <the SFT checkpoint>`: 1 full-mode RL step
      (Gemini judge and Serper search on loopback servers), started from that checkpoint.
 The starting model is a tiny Qwen3 with its toy tokenizer (a short toy warm start). ~3-4 min on 2 cores.
@@ -41,7 +41,7 @@ def pipeline(tmp_path_factory):
     qfile = tmp / "queries.jsonl"
     qfile.write_text("".join(json.dumps({"query": q}) + "\n" for q in QUERIES))
     out = tmp / "teacher.jsonl"
-    gen = [sys.executable, "-m", "backends.sft_teacher", "--queries", str(qfile),
+    gen = [sys.executable, "-m", "backends.sft.teacher", "--queries", str(qfile),
            "--out", str(out), "--backend", "gemini", "--model", "gemini-test", "--price-in", "1",
            "--price-out", "2", "--max-usd", "5", "--concurrency", "3"]
     res = {}
@@ -57,7 +57,7 @@ def pipeline(tmp_path_factory):
     res["records"] = [json.loads(x) for x in out.read_text().splitlines()]
     sft_out = tmp / "sft"
     fm._run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-             "-m", "backends.sft_zero3", "--data", str(out), "--model", str(base),
+             "-m", "backends.sft.zero3", "--data", str(out), "--model", str(base),
              "--out", str(sft_out), "--max-steps", "2", "--batch", "2", "--max-len", "2048",
              "--system", "compact", "--lr", "1e-3", "--warmup-frac", "0.5"])
     rows = tmp / "rows.jsonl"
@@ -107,7 +107,7 @@ def test_sft_teacher_resumes_without_paying_twice_and_counts_cost(pipeline):
 def test_sft_checkpoint_is_hf_format_with_run_card_and_trained_two_steps(pipeline):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from backends.runcard import read_run_card
+    from backends.run.runcard import read_run_card
     from scaffold import SYSTEM_PROMPT_COMPACT
 
     d = pipeline["sft"]
@@ -117,7 +117,7 @@ def test_sft_checkpoint_is_hf_format_with_run_card_and_trained_two_steps(pipelin
     assert info["world_size"] == 2 and len(info["steps"]) == 2
     assert info["stats"]["kept"] == 4 and info["stats"]["examples"] == 4
     assert all(s["loss"] > 0 and s["tokens"] > 0 for s in info["steps"])
-    from backends.sft_pack import lr_at
+    from backends.sft.pack import lr_at
 
     # the optimizer held the schedule's rates: 4 examples x 5 epochs / batch 2 = 10 steps, warm-up of
     # ceil(0.5 x 10) = 5 steps
@@ -128,7 +128,7 @@ def test_sft_checkpoint_is_hf_format_with_run_card_and_trained_two_steps(pipelin
     tok = AutoTokenizer.from_pretrained(str(d))
     diff = sum(float((a - b).abs().sum()) for a, b in zip(m.state_dict().values(), base.state_dict().values()))
     assert diff > 0  # the two steps changed the weights
-    # The chat template carries the system prompt by default (backends/runcard.py).
+    # The chat template carries the system prompt by default (backends/run/runcard.py).
     txt = tok.apply_chat_template([{"role": "user", "content": "q"}], tokenize=False)
     assert SYSTEM_PROMPT_COMPACT in txt
 

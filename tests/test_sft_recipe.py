@@ -8,7 +8,7 @@ import math
 import pytest
 
 import sft
-from backends import sft_pack
+from backends.sft import pack as sft_pack
 from scaffold import CALL_OPEN, format_tool_error, format_tool_output, SearchResult
 import toyfix as tf  # noqa: E402
 
@@ -93,7 +93,7 @@ def test_conversion_leaves_unknown_tools_and_tool_outputs_alone():
 
 
 def test_dr_tulu_tool_calls_reach_the_search_tool_in_the_teacher():
-    from backends.sft_teacher import Teacher, TeacherConfig
+    from backends.sft.teacher import Teacher, TeacherConfig
 
     seen = []
 
@@ -196,9 +196,9 @@ def test_lr_schedule_cosine_with_ten_percent_warmup_appendix():
 # ---- the teacher: budget cap, resume, dry run ----------------------------------------------------
 
 def _teacher(server, search, tmp, concurrency=1, **kw):
-    from backends.search_http import SerperSearchTool
-    from backends.sft_teacher import Teacher, TeacherConfig
-    from backends.search_http import SearchHTTPConfig
+    from backends.api.search_http import SerperSearchTool
+    from backends.sft.teacher import Teacher, TeacherConfig
+    from backends.api.settings import SearchHTTPConfig
 
     cfg = TeacherConfig(backend=server.kind, model=server.model, base_url=server.url, concurrency=concurrency,
                         max_retries=0, **kw)
@@ -211,7 +211,7 @@ def test_teacher_budget_cap_stops_cleanly_and_resume_pays_nothing_twice(tmp_path
     from loopback import TEST_KEY, FakeServer
     from sft_loopback import TeacherServer
 
-    from backends.sft_teacher import generate
+    from backends.sft.teacher import generate
 
     monkeypatch.setenv("OPENAI_API_KEY", TEST_KEY)
     monkeypatch.setenv("GEMINI_API_KEY", TEST_KEY)
@@ -244,8 +244,8 @@ def test_teacher_budget_cap_stops_cleanly_and_resume_pays_nothing_twice(tmp_path
 
 
 def test_teacher_dry_run_prints_calls_tokens_and_dollars(tmp_path, capsys):
-    from backends.sft_teacher import GEN_ASSUMPTIONS, cost_plan, main
-    from backends.pricing import Prices
+    from backends.sft.teacher import GEN_ASSUMPTIONS, cost_plan, main
+    from backends.api.pricing import Prices
 
     q = tmp_path / "q.jsonl"
     q.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"}]}) + "\n"
@@ -266,8 +266,8 @@ def test_teacher_dry_run_prints_calls_tokens_and_dollars(tmp_path, capsys):
 # ---- the SFT plan (memory per GPU at 16,384 tokens, GPU-hours) ----------------------------------
 
 def test_sft_memory_plan_and_gpu_hours_hand_worked():
-    from backends.plan import QWEN3_8B, model_shape, sft_gpu_hours, sft_memory_plan
-    from backends.sft_zero3 import SFTRunConfig
+    from backends.distributed.plan import QWEN3_8B, model_shape, sft_gpu_hours, sft_memory_plan
+    from backends.sft.zero3 import SFTRunConfig
 
     shape = model_shape(None)
     cfg = SFTRunConfig()
@@ -287,9 +287,9 @@ def test_teacher_tool_errors_reach_filter_4_in_the_stats(tmp_path, monkeypatch):
     from loopback import TEST_KEY, FakeServer
     from sft_loopback import TeacherServer
 
-    from backends.search_http import SerperSearchTool
-    from backends.sft_teacher import Teacher, TeacherConfig, generate
-    from backends.search_http import SearchHTTPConfig
+    from backends.api.search_http import SerperSearchTool
+    from backends.sft.teacher import Teacher, TeacherConfig, generate
+    from backends.api.settings import SearchHTTPConfig
 
     monkeypatch.setenv("OPENAI_API_KEY", TEST_KEY)
     monkeypatch.setenv("SERPER_API_KEY", TEST_KEY)
@@ -310,7 +310,7 @@ def test_chatml_rows_in_dr_tulu_form_are_converted_filtered_and_masked():
     and <scratchpad>) goes through the same conversions, filters and mask as teacher records."""
     from toyfix import tiny_tokenizer
 
-    from backends.sft_zero3 import SFTRunConfig, prepare, read_records
+    from backends.sft.zero3 import SFTRunConfig, prepare, read_records
 
     text = "".join(t for _, t in good()).replace(CALL_OPEN, '<call_tool name="snippet_search">')
     text = "<scratchpad>think first</scratchpad>" + text
@@ -336,7 +336,7 @@ def test_chatml_rows_in_dr_tulu_form_are_converted_filtered_and_masked():
 
 
 def test_teacher_writes_a_repeated_query_once_and_repairs_a_torn_last_line(tmp_path):
-    from backends.sft_teacher import Teacher, TeacherConfig, generate, read_queries
+    from backends.sft.teacher import Teacher, TeacherConfig, generate, read_queries
 
     q = tmp_path / "q.jsonl"
     q.write_text('{"query": "a?"}\n{"query": "b?"}\n{"query": "a?"}\n')

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from backends.config import apply_overrides
-from backends.presets import toy_preset
+from backends.run.overrides import apply_overrides
+from backends.run.presets import toy_preset
 from toy import sft as toy_sft
 
 from toyfix import torch_threads

@@ -10,9 +10,7 @@ import sys
 import pytest
 import torch
 
-from backends import build
-from backends import config as settings
-from backends import presets
+from backends.run import build, config as settings, presets
 from toy.hf_sampler import HFSampler, intra_op_threads
 from toy.kv_sampler import KVSampler
 from test_kv_sampler import model, prompt  # noqa: F401  (the XS model fixture, a chat prompt)

@@ -11,13 +11,12 @@ import torch
 from hypothesis import given, strategies as st
 
 import scaffold
-from backends import config as settings
-from backends import presets
+from backends.run import config as settings, presets
 import ss_grpo
 import hparams
 import train
-from backends import cli
-from backends.heldout import heldout_scores
+from backends.run import cli
+from backends.run.heldout import heldout_scores
 from scaffold import (ANSWER, CALL_OPEN, SCAFFOLD_TAGS, THINK_TAGS, assign_stage_ids,
                       parse_unstructured)
 from toy import sft

@@ -12,7 +12,7 @@ import policy
 
 from toy import model as toy_model
 import ss_grpo
-from backends.torch_engine import TorchEngine
+from backends.run.torch_engine import TorchEngine
 from policy import UpdateBatch
 from hparams import SSGRPOConfig
 

@@ -1,6 +1,6 @@
 """The SS-GRPO update (§3.3) under inputs a long run meets sooner or later, on both engines: the one
 update, policy.policy_update, over torch_engine.TorchEngine (one process) and over `OneProcessPolicy`, a
-plain-PyTorch engine with ZeRO-3's step semantics (backends/full.py's ZeRO3Policy: the optimizer
+plain-PyTorch engine with ZeRO-3's step semantics (backends/distributed/zero3.py's ZeRO3Policy: the optimizer
 itself discards a step whose gradient norm is not finite), so no DeepSpeed is needed; world size 1,
 so policy.plan_update hands it the whole batch.
 
@@ -25,11 +25,11 @@ import torch
 
 import policy
 
-from backends import robust, torch_engine
+from backends.run import robust, torch_engine
 
 from toy import model as toy_model
-from backends.torch_engine import TorchEngine
-from backends.fast_logprobs import token_logprobs
+from backends.run.torch_engine import TorchEngine
+from backends.run.fast_logprobs import token_logprobs
 from policy import UpdateBatch, plan_update, policy_update
 from hparams import SSGRPOConfig
 
@@ -79,7 +79,7 @@ def same(a: dict, b: dict) -> bool:
 
 
 class OneProcessPolicy:
-    """A policy engine (policy.PolicyEngine) with backends/full.py's ZeRO-3 step semantics over a
+    """A policy engine (policy.PolicyEngine) with backends/distributed/zero3.py's ZeRO-3 step semantics over a
     plain model: torch AdamW, clip_grad_norm_ in step(), which (like DeepSpeed's ZeRO-3 optimizer)
     discards a step whose gradient norm is not finite and always clears the gradients. Its log-probs
     are ZeRO3Engine's on the toy's plain path (fast_logprobs false: the chunked head over every
@@ -361,7 +361,7 @@ def test_monitor_counts_updates_that_skipped_every_optimizer_step():
 def test_run_stops_with_exit_code_6_and_a_checkpoint_after_repeated_nonfinite_updates(
         tmp_path, toy_cache, monkeypatch, capsys):
     import train
-    from backends import torch_engine
+    from backends.run import torch_engine
     from runfix import fast_args, metric_rows
 
     def overflowing_step(self):  # every gradient norm is infinite: the engine drops the gradients

