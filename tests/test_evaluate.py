@@ -17,13 +17,16 @@ from hypothesis import strategies as st
 pytest.importorskip("requests", reason="the HTTP judge needs the `full` extra (requests, urllib3)")
 
 import evaluate as ev
-from backends.judge_http import HTTPJudge, judge_configs
+from backends.eval import answers as eval_answers
+from backends.eval import data as eval_data
+from backends.api.judge_http import HTTPJudge
+from backends.api.settings import judge_configs
 from loopback import TEST_KEY, FakeServer
 
 
 @pytest.fixture(autouse=True)
 def _loopback_bypasses_any_proxy(monkeypatch):
-    """The HTTP client honours the environment's proxy (backends/http.py); the loopback servers are
+    """The HTTP client honours the environment's proxy (backends/api/http.py); the loopback servers are
     local, so a machine with HTTP_PROXY set must still reach them directly."""
     for v in ("NO_PROXY", "no_proxy"):
         monkeypatch.setenv(v, "127.0.0.1,localhost")
@@ -202,8 +205,8 @@ def hb_rule(req):
 
 
 def test_healthbench_scores_tags_and_skips_by_hand(tmp_path, key):
-    rows = ev.load_healthbench(write_jsonl(tmp_path / "hb.jsonl", HB_ROWS))
-    answers = ev.match_answers(rows, HB_ANSWERS)
+    rows = eval_data.load_healthbench(write_jsonl(tmp_path / "hb.jsonl", HB_ROWS))
+    answers = eval_data.match_answers(rows, HB_ANSWERS)
     with FakeServer("gemini") as srv:
         srv.rule = hb_rule
         with make_judge(srv) as j:
@@ -242,11 +245,11 @@ def test_healthbench_scores_tags_and_skips_by_hand(tmp_path, key):
 
 
 def test_healthbench_benchmark_clipped_at_zero_examples_not(tmp_path, key):
-    rows = ev.load_healthbench(write_jsonl(tmp_path / "hb.jsonl", HB_ROWS[:1]))
+    rows = eval_data.load_healthbench(write_jsonl(tmp_path / "hb.jsonl", HB_ROWS[:1]))
     with FakeServer("gemini") as srv:
         srv.rule = hb_rule
         with make_judge(srv) as j:
-            out = ev.grade("healthbench", rows, ev.match_answers(rows, HB_ANSWERS), j, progress=False)
+            out = ev.grade("healthbench", rows, eval_data.match_answers(rows, HB_ANSWERS), j, progress=False)
     assert out["examples"][0]["score"] == pytest.approx(-3 / 8)
     assert out["summary"]["score"] == 0.0 and out["summary"]["ci95"] == [0.0, 0.0]
 
@@ -254,9 +257,9 @@ def test_healthbench_benchmark_clipped_at_zero_examples_not(tmp_path, key):
 def test_healthbench_loader_names_bad_rows(tmp_path):
     bad = dict(HB_ROWS[0], rubrics=[{"criterion": "x", "points": "five", "tags": []}])
     with pytest.raises(ValueError, match="line 1.*points"):
-        ev.load_healthbench(write_jsonl(tmp_path / "bad.jsonl", [bad]))
+        eval_data.load_healthbench(write_jsonl(tmp_path / "bad.jsonl", [bad]))
     with pytest.raises(FileNotFoundError):
-        ev.load_healthbench(str(tmp_path / "missing.jsonl"))
+        eval_data.load_healthbench(str(tmp_path / "missing.jsonl"))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -293,10 +296,10 @@ def rqa_rule(req):
 def test_researchqa_coverage_batches_and_skips_by_hand(tmp_path, key):
     path = tmp_path / "test.json"
     path.write_text(json.dumps(RQA_ROWS), encoding="utf-8")  # a JSON list, as released
-    rows = ev.load_researchqa(str(path))
+    rows = eval_data.load_researchqa(str(path))
     resp = tmp_path / "responses.json"  # ResearchQA's own response map: id -> {"answer": ...}
     resp.write_text(json.dumps({k: {"answer": f"answer to {k}"} for k in ("q1", "q2", "q3")}))
-    answers = ev.match_answers(rows, ev.load_responses(str(resp)))
+    answers = eval_data.match_answers(rows, eval_data.load_responses(str(resp)))
     with FakeServer("openai") as srv:
         srv.rule = rqa_rule
         with make_judge(srv) as j:
@@ -375,14 +378,14 @@ def drb_rule(req):
 
 
 def test_drb_race_scores_and_criteria_matching_by_hand(tmp_path, key):
-    rows = ev.load_rows("drb", write_jsonl(tmp_path / "query.jsonl", DRB_QUERIES),
+    rows = eval_data.load_rows("drb", write_jsonl(tmp_path / "query.jsonl", DRB_QUERIES),
                         write_jsonl(tmp_path / "criteria.jsonl", DRB_CRITERIA),
                         write_jsonl(tmp_path / "reference.jsonl", DRB_REFERENCE))
     assert [r["id"] for r in rows] == ["1", "2", "3"] and rows[1]["reference"] == "Reference article two."
     resp = write_jsonl(tmp_path / "model.jsonl", [
         {"id": 1, "prompt": "Task one: grid storage", "article": "Our article one."},
         {"id": 2, "prompt": "Task two: bond ladders", "article": "Our article two."}])
-    answers = ev.match_answers(rows, ev.load_responses(resp))
+    answers = eval_data.match_answers(rows, eval_data.load_responses(resp))
     with FakeServer("gemini") as srv:
         srv.rule = drb_rule
         with make_judge(srv) as j:
@@ -418,7 +421,7 @@ def test_drb_loader_checks_dimension_weights(tmp_path):
     bad = [dict(DRB_CRITERIA[0], dimension_weight={"comprehensiveness": 0.5, "insight": 0.3,
                                                    "instruction_following": 0.2, "readability": 0.1})]
     with pytest.raises(ValueError, match="sum to 1"):
-        ev.load_drb(write_jsonl(tmp_path / "q.jsonl", DRB_QUERIES[:1]),
+        eval_data.load_drb(write_jsonl(tmp_path / "q.jsonl", DRB_QUERIES[:1]),
                     write_jsonl(tmp_path / "c.jsonl", bad), write_jsonl(tmp_path / "r.jsonl", DRB_REFERENCE))
 
 
@@ -458,10 +461,10 @@ def rr_rule(req):
 
 @pytest.mark.parametrize("ternary", [False, True])
 def test_researchrubrics_compliance_negative_weights_and_ternary(tmp_path, key, ternary):
-    rows = ev.load_researchrubrics(write_jsonl(tmp_path / "rr.jsonl", RR_ROWS))
+    rows = eval_data.load_researchrubrics(write_jsonl(tmp_path / "rr.jsonl", RR_ROWS))
     resp = write_jsonl(tmp_path / "r.jsonl", [{"sample_id": s, "response": f"report {s}"}
                                               for s in ("s1", "s2", "s3")])
-    answers = ev.match_answers(rows, ev.load_responses(resp, "sample_id"))
+    answers = eval_data.match_answers(rows, eval_data.load_responses(resp, "sample_id"))
     with FakeServer("openai") as srv:
         srv.rule = rr_rule
         with make_judge(srv) as j:
@@ -506,12 +509,12 @@ def test_researchrubrics_binary_rejects_partial_verdict():
 
 def test_load_responses_formats_and_errors(tmp_path):
     p = write_jsonl(tmp_path / "a.jsonl", [{"prompt_id": "x", "completion": "A"}, {"id": 7, "answer": "B"}])
-    assert ev.load_responses(p, "prompt_id") == {"x": "A", "7": "B"}
+    assert eval_data.load_responses(p, "prompt_id") == {"x": "A", "7": "B"}
     with pytest.raises(ValueError, match="repeated"):
-        ev.load_responses(write_jsonl(tmp_path / "d.jsonl", [{"id": 1, "answer": "a"},
+        eval_data.load_responses(write_jsonl(tmp_path / "d.jsonl", [{"id": 1, "answer": "a"},
                                                                {"id": 1, "answer": "b"}]))
     with pytest.raises(ValueError, match="no response text"):
-        ev.load_responses(write_jsonl(tmp_path / "n.jsonl", [{"id": 1, "score": 3}]))
+        eval_data.load_responses(write_jsonl(tmp_path / "n.jsonl", [{"id": 1, "score": 3}]))
 
 
 def test_generate_answers_takes_the_answer_text_through_the_scaffold():
@@ -525,7 +528,7 @@ def test_generate_answers_takes_the_answer_text_through_the_scaffold():
             "<writing_plan>w</writing_plan></review><answer>Wolves reshape rivers [1].</answer><|im_end|>")
     sampler = toyfix.scripted_from_texts(tok, [[first, last], ["no tags at all<|im_end|>"]])
     engine = toyfix.make_engine(sampler, tok)
-    answers, missing = ev.generate_answers(engine, ["q one", "q two"], batch=2, progress=False)
+    answers, missing = eval_answers.generate_answers(engine, ["q one", "q two"], batch=2, progress=False)
     assert answers == ["Wolves reshape rivers [1].", ""] and missing == 1
     assert len(engine.tools["google_search"].docs) > 0 and sampler.calls == 2  # the tool ran
 
@@ -558,10 +561,9 @@ def test_cli_checkpoint_path_offline_with_toy_search(tmp_path, key):
 
 
 def test_build_engine_uses_the_scaffold_and_prompt_of_the_checkpoints_run_card(tmp_path):
-    from backends import runcard
+    from backends.run import runcard
     from toy import model as toy_model
-    from backends import config as settings
-    from backends import presets
+    from backends.run import config as settings, presets
     import toyfix
     from scaffold import SYSTEM_PROMPT_COMPACT
 
@@ -574,11 +576,11 @@ def test_build_engine_uses_the_scaffold_and_prompt_of_the_checkpoints_run_card(t
     cfg = presets.toy_preset()
     cfg.rollout.scaffold = "unstructured"
     runcard.save_with_run_card(str(trained), tok, dataclasses.asdict(cfg), "Think, search, answer.")
-    engine, info = ev.build_engine(str(trained), "toy", cache_dir=str(tmp_path / "cache"))
+    engine, info = eval_answers.build_engine(str(trained), "toy", cache_dir=str(tmp_path / "cache"))
     assert engine.scaffold == "unstructured" and info["scaffold"] == "unstructured"
     assert engine.system_prompt == info["system_prompt"] == "Think, search, answer."
     # no run card: the structured scaffold and the preset's prompt
-    engine, info = ev.build_engine(str(plain), "toy", cache_dir=str(tmp_path / "cache"))
+    engine, info = eval_answers.build_engine(str(plain), "toy", cache_dir=str(tmp_path / "cache"))
     assert engine.scaffold == "structured" and engine.system_prompt == SYSTEM_PROMPT_COMPACT
 
 

@@ -13,6 +13,8 @@ import pytest
 pytest.importorskip("requests", reason="the HTTP backends need the `full` extra (requests, urllib3)")
 
 import evaluate as ev
+from backends.eval import cleaning
+from backends.eval import data as eval_data
 from loopback import TEST_KEY, FakeServer
 from test_evaluate import (DRB_CRITERIA, DRB_QUERIES, DRB_REFERENCE, DRB_REPLIES, HB_ROWS, RQA_ROWS,
                            RR_ROWS, write_jsonl)
@@ -139,14 +141,14 @@ def test_deadline_cancels_the_rest(tmp_path):
 
 def test_duplicate_ids_are_refused(tmp_path):
     path = write_jsonl(tmp_path / "rr.jsonl", RR_ROWS[:1] + RR_ROWS[:1])
-    with pytest.raises(ev.DataError, match="appears twice.*line 1 and .*line 2"):
-        ev.load_researchrubrics(path)
+    with pytest.raises(eval_data.DataError, match="appears twice.*line 1 and .*line 2"):
+        eval_data.load_researchrubrics(path)
 
 
 def test_list_typed_researchqa_types_count_under_each_type(tmp_path):
     rows = [dict(RQA_ROWS[2], rubric=[{"rubric_item": "S1 explains guide RNA", "type": ["general", "citation"]},
                                       {"rubric_item": "S2 cites the 2012 paper", "type": "citation"}])]
-    loaded = ev.load_researchqa(write_jsonl(tmp_path / "rqa.jsonl", rows))
+    loaded = eval_data.load_researchqa(write_jsonl(tmp_path / "rqa.jsonl", rows))
     assert loaded[0]["items"][0]["type"] == ["citation", "general"]
 
     class Judge:
@@ -189,10 +191,10 @@ def test_a_bad_row_is_one_line_naming_file_line_and_field(tmp_path, caplog, caps
 def test_limit_samples_like_simple_evals(tmp_path):
     many = [dict(RR_ROWS[0], sample_id=f"s{i}") for i in range(20)]
     path = write_jsonl(tmp_path / "rr.jsonl", many)
-    all_rows = ev.load_rows("researchrubrics", path)
-    got = ev.load_rows("researchrubrics", path, limit=5)
+    all_rows = eval_data.load_rows("researchrubrics", path)
+    got = eval_data.load_rows("researchrubrics", path, limit=5)
     assert [r["id"] for r in got] == [r["id"] for r in random.Random(0).sample(all_rows, 5)]
-    assert [r["id"] for r in ev.load_rows("researchrubrics", path, limit=5, first=True)] == \
+    assert [r["id"] for r in eval_data.load_rows("researchrubrics", path, limit=5, first=True)] == \
         [f"s{i}" for i in range(5)]
 
 
@@ -256,7 +258,7 @@ def test_drb_articles_are_cleaned_by_default_and_raw_is_stated(tmp_path):
 
 def test_drb_cleaning_falls_back_to_two_halves(tmp_path):
     text = ("First part sentence. " * 6) + ("Second part sentence. " * 6)
-    a, b = ev.split_in_two(text)
+    a, b = cleaning.split_in_two(text)
     assert a + b == text and a.endswith(". ") is False and a.endswith(".")
     with FakeServer("gemini") as srv:
         srv.rule = drb_judge(long_fails=True)
