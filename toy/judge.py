@@ -25,7 +25,7 @@ which is the terminal Answer score.
 
 Deviations from the paper
 1. Toy rubric proposal picks from a finite pool of checks derived from ground truth, ranked by d_r;
-   the paper's Gemini judge writes free-text rubrics (full mode, backends/judge_http.py).
+   the paper's Gemini judge writes free-text rubrics (full mode, backends/api/judge_http.py).
 2. When a stage's buffer is empty (nothing separates the group), the stage is scored with its whole
    candidate pool, which gives every rollout the same score and so zero advantage.
 3. Held-out evaluation uses a *static* rubric set (the whole pool + initial rubrics) so scores are
@@ -43,7 +43,9 @@ import numpy as np
 
 from judge import BUFFER_CAPS, EvolvingJudge, JudgeResult, ReflectionScore, Rubric
 from scaffold import ANSWER, PLAN, RESEARCH, REVIEW, SCAFFOLDS, STAGES, Rollout
-from toy.world import ANSWER_TEMPLATES, SYLLABLES
+from toy import lessons
+from toy.lessons import _KIND_OF_CHECK
+from toy.world import ANSWER_TEMPLATES
 
 # ----------------------------------------------------------------------------------------------------
 # Toy judge: deterministic checks against the toy world's ground truth
@@ -130,83 +132,12 @@ def answer_defect(ro) -> str:
     return ""
 
 
-# ---- reflection validity: degenerate, cut-off or off-topic candidates are never bank material ----
-
-_REPEAT_RE = re.compile(r"(.{1,6}?)\1{3,}")  # a unit of 1-6 characters written 4+ times in a row
-_WORD_REPEAT_RE = re.compile(r"\b(\w+)\b(?:\W+\1\b){2,}")  # the same word 3+ times in a row
-# The same phrase of 2-4 words 3+ times in a row ("Sunnana year, Sunnana year, Sunnana year").
-_PHRASE_REPEAT_RE = re.compile(r"\b(\w+(?:\W+\w+){1,3})\b(?:\W+\1\b){2,}")
-_MISSED_CLAUSE_RE = re.compile(r"\bmissed:?([^.;:]*)", re.I)  # "missed: A year, B use." -> facts
-_END_RE = re.compile(r"[.!?][\"')\]]*$")
-_LABEL_RE = re.compile(r"(?:^|[.;!?]\s+)([A-Za-z]+):")
-_LABELS = ("missed", "lesson", "lessons", "avoid", "need", "note", "fix")
-_NAME_RE = re.compile(r"\b[A-Z][a-z]{3,10}\b")
-_NAME_ASPECT_RE = re.compile(r"\b([A-Z][a-z]{3,10})(?:'s)? (?:habitat|discoverer|year|use)\b")
-REFLECTION_MAX_CHARS = 600  # ours: toy reflections are one or two sentences
-
-
-def _degenerate(text: str, phrases: bool = False) -> bool:
-    """True for degenerate repetition ("Loelfefefefe", "cite cite cite"): a 1-6 character unit 4+
-    times in a row, one word 3+ times in a row, or one phrase of 2-4 words 3+ times in a row
-    ("Sunnana year, Sunnana year, Sunnana year"; only with phrases=True, the toy judge's fix
-    "repetition"). Sampled text stuck in a loop; no lesson in it."""
-    t = " ".join(text.lower().split())
-    return bool(_REPEAT_RE.search(t) or _WORD_REPEAT_RE.search(t)
-                or (phrases and _PHRASE_REPEAT_RE.search(t)))
-
-
-def _cut_off(text: str) -> bool:
-    """True for a truncated candidate: no sentence end ([.!?], optionally closed by a quote or a
-    bracket), a trailing ellipsis, or a clipped label ("mis:" for "missed:"). Generation cut by the
-    token budget leaves a fragment whose last instruction is unreadable."""
-    t = text.strip()
-    if not _END_RE.search(t) or t.rstrip("\"')]").endswith(("..", "\u2026")):
-        return True
-    for m in _LABEL_RE.finditer(t):
-        w = m.group(1).lower()
-        if len(w) >= 2 and w not in _LABELS and any(lab.startswith(w) for lab in _LABELS):
-            return True
-    return False
-
-
-def _syllabic(word: str) -> bool:
-    """True if `word` splits into the toy world's name syllables (so it reads like an entity name)."""
-    w = word.lower()
-    ok = [True] + [False] * len(w)
-    for i in range(1, len(w) + 1):
-        ok[i] = any(ok[i - len(s)] and w[i - len(s):i] == s for s in SYLLABLES if len(s) <= i)
-    return ok[-1]
-
-
-# ---- lessons: what a reflection teaches, and which failure each rubric kind reveals ----
-
-_STAGE_WORDS = {PLAN: re.compile(r"\bplan\b", re.I),
-                RESEARCH: re.compile(r"\b(?:re)?search|\bquer(?:y|ies)\b", re.I),
-                REVIEW: re.compile(r"\breview\b", re.I),
-                ANSWER: re.compile(r"\banswer\b|\bclaims?\b", re.I)}
+# What became of an asked fact (ToyJudge.fact_outcomes: a diagnosis, not a score)
 FACT_OUTCOMES = ("stated, cited", "stated, uncited", "several values",
                  "wrong value, in a retrieved snippet", "wrong value, in no snippet",
                  "not stated, document found", "not stated, searched, document not returned",
                  "not stated, name mis-copied into the search", "not stated, not searched",
                  "unknown, said so", "unknown, stated a value", "unknown, not stated")
-
-_LESSONS = {
-    "search": ("search every", "search each", "every asked", "each asked", "one search per",
-               "full name"),
-    "cite": ("cite",),
-    "distractor": ("old record", "look-alike", "lookalike", "outdated"),
-    "avoid": ("what to avoid", "negative constraint"),
-    "commit": ("one value", "single value", "hedg"),
-    "honest": ("not found", "missing only"),
-    "plan": ("concrete check", "name the entity", "complete plan"),
-    "efficient": ("repeat", "wasted", "duplicate"),
-    "writing": ("writing plan",),
-    "finish": ("close the answer", "finish the answer", "complete the answer"),
-}
-_KIND_OF_CHECK = {"plan_need": "search", "plan_search": "search", "res_got": "search",
-                  "res_named": "search", "plan_avoid": "avoid", "plan_form": "plan",
-                  "res_efficient": "efficient", "res_honest": "honest", "rev_plan": "writing",
-                  "ans_closed": "finish", "ans_cited": "cite", "ans_nodistractor": "distractor"}
 
 
 class ToyJudge(EvolvingJudge):
@@ -683,84 +614,13 @@ class ToyJudge(EvolvingJudge):
         ctx["fact_kinds"] = by_fact  # failed fact key -> the lesson kinds that fix it
         return ctx, stages, keys, kinds
 
-    def _reflection_defect(self, text: str, entities: set) -> str:
-        """Why a candidate is not a usable lesson ("" if it is): empty, too long, degenerate
-        repetition, cut off, or naming an entity the question does not ask about (a world entity
-        or a name-like word before an aspect). Such candidates score 0 and are marked invalid."""
-        t = " ".join(text.split())
-        if not t:
-            return "empty"
-        if len(t) > REFLECTION_MAX_CHARS:
-            return "too long"
-        if _degenerate(t, phrases="repetition" in self.fixes):
-            return "degenerate repetition"
-        if _cut_off(t):
-            return "cut off"
-        names = {w for w in _NAME_RE.findall(t) if w in self.world.entities}
-        names |= {m.group(1) for m in _NAME_ASPECT_RE.finditer(t) if _syllabic(m.group(1))}
-        foreign = sorted(names - set(entities))
-        return f"names {', '.join(foreign)}, not in the question" if foreign else ""
-
     def score_reflections(self, query, rollout: Rollout, judged: JudgeResult, row: int,
                           candidates: Sequence[str]) -> list[ReflectionScore]:
-        """Privileged scoring (§3.4) of m reflection candidates on one judged trajectory.
-
-        judged: the JudgeResult of the trajectory's group, row its index there; the judge reads the
-        rubrics that scored each stage (what `judged.justifications` summarise) via `_diagnosis`.
-        Returns m ReflectionScores with within, cross, score = (within + cross) / 2 in [0,1]:
-        within (same query again) = mean of
-            facts: share of the failed facts named ("Entity aspect") minus the share of asked facts
-                   named that did not fail (a list of every fact gains nothing); a fact named as
-                   missed ("missed: Entity aspect") counts as named right only if it was missed (a
-                   failure that a search fixes: not searched, or searched and not found), else as
-                   a wrong name (a stated, uncited fact is not "missed"; fix "false_missed"); and
-                   each repeated mention of a fact beyond its first costs 0.25 (repetition is not
-                   specificity; fix "repetition");
-            stage: 1 if it names a stage that failed, minus 0.25 per named stage that did not fail
-                   (1 when no stage failed);
-        cross (similar queries) = share of the failure kinds for which it states the general
-            lesson, minus 0.25 per lesson for a failure that did not occur (a keyword list loses).
-        Invalid candidates (`_reflection_defect`) get 0, 0, 0 and valid=False: they must never be
-        admitted to the bank. Never raises for the candidates' content.
-        """
-        facts = {_key(f): f for f in query.facts}
+        """Privileged scoring (§3.4) of m reflection candidates on one judged trajectory: judged is
+        the JudgeResult of the trajectory's group, row its index there. The judge diagnoses the
+        trajectory with its own checks (`_diagnosis`); the candidates' scores, within, cross and
+        score = (within + cross) / 2 in [0,1] (invalid ones 0 and valid=False), are
+        toy/lessons.py's `score_reflections`."""
         ctx, stages, failed, need = self._diagnosis(query, rollout, judged, row)
-        nf = max(1, len(facts))
-        out = []
-        for text in candidates:
-            t = text if isinstance(text, str) else ""
-            defect = self._reflection_defect(t, ctx["entities"])
-            if defect:
-                out.append(ReflectionScore(0.0, 0.0, 0.0, f"invalid: {defect}", valid=False))
-                continue
-            counts = {k: t.count(k) for k in facts}
-            named = {k for k, n in counts.items() if n}
-            said = {k for k, rx in _STAGE_WORDS.items() if rx.search(t)}
-            # A fact listed as missed that was not missed (stated but uncited, copied from a
-            # distractor, hedged) is a false diagnosis: it counts as a wrong name, not a right one.
-            as_missed = {k for m in _MISSED_CLAUSE_RE.finditer(t) for k in facts if k in m.group(1)} \
-                if "false_missed" in self.fixes else set()
-            false_missed = {k for k in as_missed if "search" not in ctx["fact_kinds"].get(k, ())}
-            repeats = sum(n - 1 for n in counts.values() if n > 1) if "repetition" in self.fixes else 0
-            if failed:
-                fact_term = (len((named & failed) - false_missed) / len(failed)
-                             - len((named - failed) | (false_missed & failed)) / nf)
-            else:
-                fact_term = 1.0 - len(named) / nf
-            fact_term -= 0.25 * repeats
-            # Nothing failed: any stage may carry the general lesson, so none is penalised.
-            stage_term = float(bool(said & stages)) - 0.25 * len(said - stages) if stages else 1.0
-            within = 0.5 * (float(np.clip(fact_term, 0, 1)) + float(np.clip(stage_term, 0, 1)))
-            present = {k for k, ws in _LESSONS.items() if any(w in t.lower() for w in ws)}
-            if need:
-                cross = len(present & need) / len(need) - 0.25 * len(present - need)
-            else:
-                cross = 1.0 if ("one search" in t.lower() or not present) else 0.5
-            cross = float(np.clip(cross, 0, 1))
-            # Eq.: score = (within + cross) / 2  (§3.4, two criteria)
-            out.append(ReflectionScore(within, cross, 0.5 * (within + cross),
-                                       f"failed stages={[STAGES[k] for k in sorted(stages)]} "
-                                       f"facts={sorted(failed)} named={sorted(named)} "
-                                       f"stages named={[STAGES[k] for k in sorted(said)]} "
-                                       f"lessons={sorted(present)} needed={sorted(need)}"))
-        return out
+        return lessons.score_reflections(candidates, ctx, stages, failed, need, self.fixes,
+                                         self.world.entities)
