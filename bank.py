@@ -412,7 +412,7 @@ class BM25Retriever:
 # ----------------------------------------------------------------------------------------------------
 # The bank
 
-# PAPER: "rubric bank embeddings Qwen3-Embedding-0.6B" (dense retrieval, backends/retrieval.py)
+# PAPER: "rubric bank embeddings Qwen3-Embedding-0.6B" (dense retrieval, backends/scale/retrieval.py)
 PAPER_EMBED_MODEL = "Qwen/Qwen3-Embedding-0.6B"
 
 
@@ -694,7 +694,7 @@ class RubricBank:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Atomic file writes (the bank file; backends/checkpoint.py writes checkpoints and artefacts with it)
+# Atomic file writes (the bank file; backends/run/checkpoint.py writes checkpoints and artefacts with it)
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:

@@ -2,7 +2,7 @@
 each with its default, its paper reference (section, equation or appendix value), or "not in the
 paper; we ..." and the reason.
 
-`PaperConfig` is the run configuration's paper part; backends/config.Config extends it with the run's
+`PaperConfig` is the run configuration's paper part; backends/run/config.Config extends it with the run's
 plumbing, and the sections of the backends and of the toy world live with their own modules
 (`python train.py --list-config` prints the whole tree). The defaults are the toy preset's; where the
 full preset (the paper's appendix) differs, the field says "full:". The paper modules take these
@@ -51,7 +51,7 @@ class RolloutConfig:
 @dataclass
 class SearchConfig:
     """The search tool of §3.1 (the tool environment T). Its transport (endpoint, key, retries, cache)
-    is backends/search_http.SearchHTTPConfig, the run's `search_http` section."""
+    is backends/api/settings.SearchHTTPConfig, the run's `search_http` section."""
 
     backend: str = "toy"
     """PAPER (appendix): web search (google_search), "serper" in the full preset; toy: "toy" (BM25
@@ -96,7 +96,7 @@ class SSGRPOConfig:
 @dataclass
 class JudgeConfig:
     """The evolving-rubric judge of §3.4. How the HTTP judge is called (endpoint, key, retries, cache,
-    prices, rate limits) is backends/judge_http.HTTPJudgeConfig, the run's `judge_http` section."""
+    prices, rate limits) is backends/api/settings.HTTPJudgeConfig, the run's `judge_http` section."""
 
     backend: str = "toy"
     """PAPER (appendix): judge and rubric generator Gemini Flash, "gemini" in the full preset |
@@ -139,7 +139,7 @@ class BankConfig:
     save_every: int = 10
     """PAPER (appendix): bank saved every 10 steps"""
     retriever: str = "bm25"
-    """PAPER (appendix): dense embeddings, "dense" in the full preset (backends/retrieval.py); toy:
+    """PAPER (appendix): dense embeddings, "dense" in the full preset (backends/scale/retrieval.py); toy:
     "bm25" (ours: no embedding model on a CPU)"""
     embed_model: str = PAPER_EMBED_MODEL
     """PAPER (appendix): Qwen3-Embedding-0.6B (a hub id or a local directory)"""

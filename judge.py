@@ -23,7 +23,7 @@ Missing values: a judge failure for a (rollout, stage) cell is NaN in R, never 0
 cell advantage 0 (ss_grpo.py). A rubric whose score is NaN for a rollout is left out of that rollout's
 weighted mean; a stage with no scored rubric is NaN.
 
-The toy world's judge (toy/judge.py, `ToyJudge`) and the HTTP judge (backends/judge_http.py,
+The toy world's judge (toy/judge.py, `ToyJudge`) and the HTTP judge (backends/api/judge_http.py,
 Gemini or an OpenAI-compatible server) implement `propose`, `score_rubrics` and `score_reflections`.
 """
 from __future__ import annotations
@@ -228,7 +228,7 @@ class EvolvingJudge:
         try:
             proposals = self.propose(query, rollouts, step)
         except Exception as e:
-            if getattr(e, "stops_run", False):  # 401/403/404 (backends/http.py): stop, not a failure
+            if getattr(e, "stops_run", False):  # 401/403/404 (backends/api/http.py): stop, not a failure
                 raise
             proposals = []
             self.count("failures")
@@ -298,7 +298,7 @@ class EvolvingJudge:
             S[(S < 0) | (S > 1) | ~np.isfinite(S)] = np.nan  # out of range is missing, not clipped
             return S
         except Exception as e:
-            if getattr(e, "stops_run", False):  # 401/403/404 (backends/http.py): stop, not a failure
+            if getattr(e, "stops_run", False):  # 401/403/404 (backends/api/http.py): stop, not a failure
                 raise
             self.count("failures")
             return np.full((n, len(rubrics)), np.nan)
@@ -321,7 +321,7 @@ class EvolvingJudge:
         return None
 
     def stats(self) -> dict | None:
-        """Cumulative HTTP figures of a judge that makes requests (backends/judge_http.py); None."""
+        """Cumulative HTTP figures of a judge that makes requests (backends/api/judge_http.py); None."""
         return None
 
     def close(self) -> None:

@@ -4,7 +4,7 @@ written once for every policy engine.
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
 The paper's policy is Qwen3-8B (appendix); toy mode's tiny Qwen3 and tokenizer are built in
 toy/model.py, and the engines that run this update live in backends/ (`TorchEngine`: one process,
-backends/torch_engine.py; `ZeRO3Engine`: ZeRO-3 ranks, backends/full.py).
+backends/run/torch_engine.py; `ZeRO3Engine`: ZeRO-3 ranks, backends/distributed/engine.py).
 
 Functions
 - `token_logprobs(model, input_ids, attention_mask)`: log pi(a_t | h_t) of every next token: one
@@ -21,7 +21,7 @@ Functions
   with the optimizer step's global normalisers (ss_grpo.ss_grpo_loss, ss_grpo.aggregate).
 
 This is the plain path, the toy run's. The engines' fast path (`fast_logprobs`, on in the full
-preset) lives in backends/fast_logprobs.py: the head projects only the loss-masked positions, in
+preset) lives in backends/run/fast_logprobs.py: the head projects only the loss-masked positions, in
 chunks, recomputed in the backward at scale, and the sequences that share a long prompt are packed
 into one row (the engine's `rows`, SharedPrefixRows); it gives the same values to float rounding
 (tests/test_logprobs.py, tests/test_prefix_sharing.py), not bit for bit.
@@ -67,7 +67,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     model's own distribution). Raises ValueError for T <= 0 or not finite.
 
     This holds the (B, L - 1, V) fp32 logits at once, which the toy can afford; the engines' fast path
-    (backends/fast_logprobs.py: chunked, head on loss tokens only, recomputed in the backward,
+    (backends/run/fast_logprobs.py: chunked, head on loss tokens only, recomputed in the backward,
     shared prompts packed) gives the same values to float rounding.
     """
     if not (math.isfinite(temperature) and temperature > 0):
@@ -88,7 +88,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 #
 # The update needs only five things from an engine (the `PolicyEngine` protocol below): log-probs
 # with and without gradient, a backward with an accumulation boundary, and an optimizer step.
-# `TorchEngine` (one process, toy mode) and backends/full.py's `ZeRO3Engine` (DeepSpeed ZeRO-3 over
+# `TorchEngine` (one process, toy mode) and backends/distributed/engine.py's `ZeRO3Engine` (DeepSpeed ZeRO-3 over
 # the launcher's ranks) both implement them, and both call `policy_update` below.
 
 
@@ -139,7 +139,7 @@ def pad_rows(batch: UpdateBatch, idx: Sequence[int], pad_id: int):
 
 class PaddedRows:
     """How the update lays its sequences out in rows: one sequence per right-padded row (the plain
-    path; every engine's `rows` unless it packs, as backends/fast_logprobs.SharedPrefixRows does).
+    path; every engine's `rows` unless it packs, as backends/run/fast_logprobs.SharedPrefixRows does).
     A layout is opaque to the update: here, the sequence of each row."""
 
     def order(self, batch: UpdateBatch, idx: Sequence[int]) -> list[int]:
@@ -265,13 +265,13 @@ def batch_logprobs(model, batch: UpdateBatch, pad_id: int, micro: int) -> list[t
 
 class PolicyEngine(Protocol):
     """What `policy_update` and the training loop call on pi_theta's engine (TorchEngine here,
-    backends/full.py's ZeRO3Engine at scale). The first six are the update's; on a multi-rank engine
+    backends/distributed/engine.py's ZeRO3Engine at scale). The first six are the update's; on a multi-rank engine
     each is collective (every rank calls it, in the same order)."""
 
     world_size: int
     rows: PaddedRows
     """how policy_update lays sequences out in rows: PaddedRows (the plain path, the default when
-    an engine has none) or the engine's packer (backends/fast_logprobs.SharedPrefixRows: shared
+    an engine has none) or the engine's packer (backends/run/fast_logprobs.SharedPrefixRows: shared
     prompts once per row, segment ids in the attention)"""
 
     def logprobs(self, ids: torch.Tensor, att: torch.Tensor, mask: torch.Tensor | None = None,
@@ -279,7 +279,7 @@ class PolicyEngine(Protocol):
         """(B, L) int64 ids and attention -> (B, L) float32 log pi_theta of each next token (column 0
         is 0), with gradient unless under torch.no_grad(). att: 1 on tokens and 0 on padding, or
         the segment ids of the engine's own `rows`. mask: optional (B, L) bool loss mask; columns
-        outside it may be 0 (backends/fast_logprobs.token_logprobs' loss_mask). temperature: T > 0,
+        outside it may be 0 (backends/run/fast_logprobs.token_logprobs' loss_mask). temperature: T > 0,
         the log-probs of softmax(logits / T) (token_logprobs)."""
 
     def ref_logprobs(self, ids: torch.Tensor, att: torch.Tensor, mask: torch.Tensor | None = None,

@@ -170,7 +170,7 @@ def run_reflection_branch(step: int, rollouts: Sequence[Rollout], judged: dict, 
     candidates form their own GRPO group (normalised on their own).
 
     map_fn: how the privileged judge calls of the trajectories run (map: one after another; full
-    mode passes a thread pool's map, backends/rollout_engine.py); results are used in pick order.
+    mode passes a thread pool's map, backends/scale/rollout_engine.py); results are used in pick order.
     Returns (batch for the next update, metrics). Never raises on model output; a judge failure
     gives NaN scores, whose candidates get advantage 0.
     """

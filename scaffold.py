@@ -427,7 +427,7 @@ class Sampler(Protocol):
     def generate(self, prompts: list[list[int]], max_new_tokens: list[int],
                  temperature: float) -> list[list[int]]: ...
 
-    # What the training loop calls besides generate (HFSampler: no-ops; backends/vllm_sampler.py's
+    # What the training loop calls besides generate (HFSampler: no-ops; backends/scale/vllm_sampler.py's
     # VLLMSampler: a separate engine with its own weights and seeds).
     stats: dict  # counters for the metrics, e.g. {"syncs": ...}; empty when there is nothing to count
 
@@ -438,7 +438,7 @@ class Sampler(Protocol):
 
 # ----------------------------------------------------------------------------------------------------
 # The RL row schema (DR Tulu): a query with its initial rubrics, parsed from rows of the toy world and
-# of real data alike (backends/data.py reads the rows)
+# of real data alike (backends/run/data.py reads the rows)
 
 
 @dataclass
@@ -760,7 +760,7 @@ class RolloutEngine:
                 env = format_tool_error("search timed out")
                 self.stats["tool_timeouts"] += 1
             except Exception as e:  # a failing tool never ends the rollout...
-                if getattr(e, "stops_run", False):  # ...but a 401/403/404 ends the run (backends/http.py)
+                if getattr(e, "stops_run", False):  # ...but a 401/403/404 ends the run (backends/api/http.py)
                     raise
                 call = ToolCall(name, query, [], [], f"{type(e).__name__}: {e}"[:200])
                 env = format_tool_error("search failed")
@@ -781,7 +781,7 @@ class RolloutEngine:
 
 
 # ----------------------------------------------------------------------------------------------------
-# The search tool interface (the toy world's BM25 tool and backends/search_http.py implement it)
+# The search tool interface (the toy world's BM25 tool and backends/api/search_http.py implement it)
 
 
 @dataclass(frozen=True)

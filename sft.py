@@ -4,7 +4,7 @@ RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewa
 Implements the SFT recipe of the appendix ("Training configuration"): a teacher writes trajectories in
 the four-stage scaffold (§3.2); trajectories that fail one of four filters are dropped; the rest are
 converted and trained as single-turn ChatML examples with the loss on the assistant's own tokens and
-the `<tool_output>` spans masked. The toy SFT (toy/sft.py) and the full SFT (backends/sft_zero3.py)
+the `<tool_output>` spans masked. The toy SFT (toy/sft.py) and the full SFT (backends/sft/zero3.py)
 both use the functions here, so both drop and convert the same way.
 
 Glossary: a trajectory is a list of *segments* (is_env, text): text the teacher wrote (is_env False)
@@ -39,10 +39,10 @@ Deviations from the paper
 Launch lines (docs/full_mode.md, "The SFT stage"). The commands live in backends/ (this module is
 imported by the toy SFT, and a command here would import the ZeRO-3 engine, whose configuration
 imports the toy SFT: an import cycle):
-    python -m backends.sft_teacher --queries queries.jsonl --out data/teacher.jsonl [--dry-run]
-    deepspeed --num_gpus 8 --module backends.sft_zero3 --data data/teacher.jsonl \
+    python -m backends.sft.teacher --queries queries.jsonl --out data/teacher.jsonl [--dry-run]
+    deepspeed --num_gpus 8 --module backends.sft.zero3 --data data/teacher.jsonl \
         --model /models/Qwen3-8B --out /ckpt/qwen3-8b-sft
-    python -m backends.sft_zero3 --data data/teacher.jsonl --model /models/Qwen3-8B --out x --dry-run
+    python -m backends.sft.zero3 --data data/teacher.jsonl --model /models/Qwen3-8B --out x --dry-run
 """
 from __future__ import annotations
 

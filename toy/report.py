@@ -1,5 +1,5 @@
 """The toy SFT warm start in words: the line that announces it (cached or not, where) and its filter
-counts (toy/sft.py logs them; backends/report.py prints them in the run summary).
+counts (toy/sft.py logs them; backends/run/report.py prints them in the run summary).
 """
 from __future__ import annotations
 
