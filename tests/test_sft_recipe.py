@@ -348,3 +348,54 @@ def test_teacher_writes_a_repeated_query_once_and_repairs_a_torn_last_line(tmp_p
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert lines[0]["query"] == "old" and sorted(r["query"] for r in lines[1:]) == ["a?", "b?"]
     assert (st["written"], st["duplicates"], st["resumed"]) == (2, 1, 0)
+
+
+@pytest.mark.parametrize("kind", ["gemini", "openai"])
+def test_teacher_output_cap_and_thinking_budget_are_separate_settings(tmp_path, monkeypatch, kind):
+    """Gemini's maxOutputTokens counts thinking and text together: the request asks for the text cap
+    plus the thinking budget, with the budget in thinkingConfig (-1: neither, the old shared cap).
+    A turn the API cut at its cap is counted (it would end in filter 1)."""
+    from loopback import TEST_KEY, FakeServer
+    from sft_loopback import TeacherServer
+
+    from backends.sft.teacher import generate
+
+    for v in ("OPENAI_API_KEY", "GEMINI_API_KEY", "SERPER_API_KEY"):
+        monkeypatch.setenv(v, TEST_KEY)
+    qs = [{"id": f"q{i}", "query": f"Question {i}?"} for i in range(2)]
+    with TeacherServer(kind, model="m-test") as srv, FakeServer("serper") as ss:
+        plain = srv.rule
+
+        def cut_final_turn(req):
+            action = plain(req)
+            if "<answer>" not in action["text"]:
+                return action
+            body = srv._wrap(action["text"].replace("</answer>", ""))
+            if kind == "gemini":
+                body["candidates"][0]["finishReason"] = "MAX_TOKENS"
+            else:
+                body["choices"][0]["finish_reason"] = "length"
+            return {"body": body}
+
+        srv.rule = cut_final_turn
+        t, tool = _teacher(srv, ss, tmp_path, max_output_tokens=3000, thinking_budget=5000)
+        st = generate(qs, str(tmp_path / "a.jsonl"), t)
+        t.close(), tool.close()
+        body = srv.requests[0]["body"]
+        if kind == "gemini":
+            assert body["generationConfig"]["maxOutputTokens"] == 3000 + 5000
+            assert body["generationConfig"]["thinkingConfig"] == {"thinkingBudget": 5000}
+        else:
+            assert body["max_tokens"] == 3000 and "thinkingConfig" not in json.dumps(body)
+        assert st["max_tokens_stops"] == 2 and st["filters"]["no_closing_answer"] == 2
+        t, tool = _teacher(srv, ss, tmp_path / "b", max_output_tokens=3000, thinking_budget=-1)
+        generate(qs[:1], str(tmp_path / "b.jsonl"), t)
+        t.close(), tool.close()
+        last = srv.requests[-1]["body"]
+        if kind == "gemini":
+            assert last["generationConfig"]["maxOutputTokens"] == 3000
+            assert "thinkingConfig" not in last["generationConfig"]
+    from backends.sft.teacher import Teacher, TeacherConfig
+
+    with pytest.raises(ValueError, match="thinking_budget"):
+        Teacher(TeacherConfig(thinking_budget=-2), tool=None)

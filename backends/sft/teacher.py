@@ -28,7 +28,10 @@ Plumbing
   starts; the run ends cleanly with what it has written (stats "stopped": "budget"). Requests
   already in flight still complete, so the spend can pass the cap by up to concurrency - 1 calls.
 - Stats: `<out>.stats.json`: queries, written, resumed, failed, calls, cached calls, tokens, USD,
-  search calls, and the count per filter of sft.filter_and_convert over everything written.
+  search calls, `max_tokens_stops` (turns the API cut at their token cap), and the count per filter
+  of sft.filter_and_convert over everything written.
+- Budgets: `max_output_tokens` caps a turn's text and `thinking_budget` the teacher's thinking, as
+  two settings (Gemini's maxOutputTokens counts both, so the request asks for their sum).
 - Dry run (--dry-run): calls, tokens and dollars for the configured number of queries, from the
   assumptions in GEN_ASSUMPTIONS (printed).
 
@@ -80,8 +83,16 @@ class TeacherConfig:
     """Environment variable of the key; "" = GEMINI_API_KEY / OPENAI_API_KEY by backend."""
     temperature: float = 0.7
     """Ours (deviation 1)."""
-    max_output_tokens: int = 4096
-    """Per request (one turn)."""
+    max_output_tokens: int = 8192
+    """Per request (one turn): the visible text the teacher may write (ours: a final turn with the
+    last evaluation, the review and a ~2,500-token answer fits with room)."""
+    thinking_budget: int = 8192
+    """Gemini `thinkingConfig.thinkingBudget` per request, a separate budget from
+    max_output_tokens: on Gemini's thinking models `maxOutputTokens` caps thinking and text
+    together, so we send maxOutputTokens = max_output_tokens + thinking_budget. -1: no thinking
+    config is sent and maxOutputTokens = max_output_tokens (thinking then eats into the text's cap:
+    a long answer can stop at MAX_TOKENS, counted as `max_tokens_stops`); 0: no thinking (models
+    that allow it). Ignored by the OpenAI-compatible backend (its `max_tokens` is the text cap)."""
     concurrency: int = 8
     """Trajectories written at once (and HTTP requests in flight)."""
     rpm: int = 0
@@ -147,12 +158,13 @@ class _Meter:
     usd: float | None = 0.0
     search_calls: int = 0
     tool_errors: int = 0
+    max_tokens_stops: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def as_dict(self) -> dict:
         with self.lock:
             return {f: getattr(self, f) for f in ("calls", "cached_calls", "tokens_in", "tokens_out",
-                                                  "usd", "search_calls", "tool_errors")}
+                                                  "usd", "search_calls", "tool_errors", "max_tokens_stops")}
 
 
 class Teacher:
@@ -165,6 +177,9 @@ class Teacher:
                  tool_names: dict | None = None):
         if config.backend not in ("gemini", "openai"):
             raise ValueError(f"teacher backend must be 'gemini' or 'openai', got {config.backend!r}")
+        if config.max_output_tokens < 1 or config.thinking_budget < -1:
+            raise ValueError(f"teacher max_output_tokens must be >= 1 and thinking_budget >= -1, got "
+                             f"{config.max_output_tokens}, {config.thinking_budget}")
         self.config, self.tool = config, tool
         self.tool_names = dict(TOOL_ALIASES if tool_names is None else tool_names)
         self.prices = resolve_prices(config.model, config.price_in, config.price_out)
@@ -190,11 +205,14 @@ class Teacher:
             if not key:
                 raise RuntimeError(f"environment variable {c.key_env} is not set")
             headers["x-goog-api-key"] = key
+            gen = {"temperature": c.temperature, "stopSequences": [STOP],
+                   "maxOutputTokens": c.max_output_tokens + max(0, c.thinking_budget)}
+            if c.thinking_budget >= 0:  # SCALE: thinking gets its own budget (TeacherConfig)
+                gen["thinkingConfig"] = {"thinkingBudget": c.thinking_budget}
             body = {"systemInstruction": {"parts": [{"text": system}]},
                     "contents": [{"role": "model" if r == "assistant" else "user", "parts": [{"text": t}]}
                                  for r, t in turns],
-                    "generationConfig": {"temperature": c.temperature, "stopSequences": [STOP],
-                                         "maxOutputTokens": c.max_output_tokens}}
+                    "generationConfig": gen}
             return f"{c.url_root}/models/{c.model}:generateContent", headers, body
         if key:
             headers["Authorization"] = f"Bearer {key}"
@@ -203,18 +221,22 @@ class Teacher:
                 + [{"role": r, "content": t} for r, t in turns]}
         return f"{c.url_root}/chat/completions", headers, body
 
-    def _reply(self, data) -> tuple[str, int, int]:
-        """(text, tokens in, tokens out) of a 200 reply; ValueError for a wrong wire shape."""
+    def _reply(self, data) -> tuple[str, int, int, bool]:
+        """(text, tokens in, tokens out, cut) of a 200 reply; cut: the reply stopped at its token cap
+        (Gemini finishReason "MAX_TOKENS", OpenAI finish_reason "length"). ValueError for a wrong
+        wire shape."""
         try:
             if self.config.backend == "gemini":
                 u = data.get("usageMetadata") or {}
                 tin = int(u.get("promptTokenCount", 0))
                 tout = int(u.get("candidatesTokenCount", 0)) + int(u.get("thoughtsTokenCount", 0))
-                parts = data["candidates"][0]["content"]["parts"]
-                return "".join(p.get("text", "") for p in parts if not p.get("thought")), tin, tout
+                cand = data["candidates"][0]
+                text = "".join(p.get("text", "") for p in cand["content"]["parts"] if not p.get("thought"))
+                return text, tin, tout, cand.get("finishReason") == "MAX_TOKENS"
             u = data.get("usage") or {}
-            return (data["choices"][0]["message"]["content"] or "", int(u.get("prompt_tokens", 0)),
-                    int(u.get("completion_tokens", 0)))
+            ch = data["choices"][0]
+            return (ch["message"]["content"] or "", int(u.get("prompt_tokens", 0)),
+                    int(u.get("completion_tokens", 0)), ch.get("finish_reason") == "length")
         except (KeyError, IndexError, TypeError, AttributeError) as e:
             raise ValueError(f"teacher reply without model text ({type(e).__name__})") from None
 
@@ -232,15 +254,18 @@ class Teacher:
             # SCALE: the budget cap: no request starts once the spend reached it
             if self.config.max_usd > 0 and self.meter.usd is not None and self.meter.usd >= self.config.max_usd:
                 raise BudgetReached(f"teacher spend ${self.meter.usd:.4f} reached the cap ${self.config.max_usd:.4f}")
-        est = sum(len(t) for _, t in turns) // 4 + len(system) // 4 + self.config.max_output_tokens
+        est = sum(len(t) for _, t in turns) // 4 + len(system) // 4 + self.config.max_output_tokens \
+            + max(0, self.config.thinking_budget)
         resp, _, _, ticket = self.client.post(url, body, headers, tokens=est)
         if resp.status_code != 200:
             raise RuntimeError(f"teacher: HTTP {resp.status_code} after retries")
-        text, tin, tout = self._reply(resp.json())
+        text, tin, tout, cut = self._reply(resp.json())
         if tin + tout > 0:
             self.client.limiter.add_tokens(ticket, tin + tout)
         with self.meter.lock:
             self.meter.calls += 1
+            # a turn cut at the cap: filter 1 (no closing </answer>) will likely drop its trajectory
+            self.meter.max_tokens_stops += int(cut)
             self.meter.tokens_in += tin
             self.meter.tokens_out += tout
             if self.prices is not None:
@@ -494,7 +519,7 @@ def main(argv=None) -> int:
         teacher.close()
         tool.close()
     print(json.dumps({k: stats[k] for k in ("queries", "resumed", "written", "failed", "stopped",
-                                             "calls", "cached_calls", "usd")}))
+                                             "calls", "cached_calls", "usd", "max_tokens_stops")}))
     print(f"filters: {json.dumps(stats['filters'])}")
     return 0
 
