@@ -184,6 +184,14 @@ def save_dir_atomic(save, path: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     save(tmp)
+    commit_dir(tmp, path)
+
+
+def commit_dir(tmp: str, path: str) -> None:
+    """Make the finished directory `tmp` (same filesystem) the directory `path` atomically: fsync
+    every file of tmp, delete an old `path` (renamed away first, so no half-deleted one keeps the
+    name), rename tmp onto it, fsync the parent. Raises OSError when a step fails; `path` is then
+    the old directory or absent, never a partial one."""
     _fsync_tree(tmp)
     if os.path.exists(path):
         _remove_dir(path)

@@ -3,6 +3,7 @@
     deepspeed --num_gpus 8 --module backends.sft.zero3 --data data/teacher.jsonl --model /models/Qwen3-8B --out /ckpt/sft
     torchrun --nproc_per_node 8 -m backends.sft.zero3 --data data/teacher.jsonl --model /models/Qwen3-8B --out /ckpt/sft
     python -m backends.sft.zero3 --data data/teacher.jsonl --model /models/Qwen3-8B --out /ckpt/sft --dry-run
+    ... --save-every 50 (checkpoints), the same line + --resume after a stop or a crash
 
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
 Implements the appendix's SFT training: "DeepSpeed ZeRO-3, 5 epochs, lr 4e-5, cosine with 10 %
@@ -26,8 +27,14 @@ trainer used by many.
 Loss per optimizer step (global token mean over the step's examples, all ranks):
     L = - sum_{examples e in the step} sum_t mask_{e,t} log pi(x_{e,t} | x_{e,<t}) / sum_e sum_t mask_{e,t}
 Every rank computes the same step plan (sft_pack.step_plan, deal, bucket) and knows the global
-normaliser without communication; a rank with fewer micro-batches than another runs zero-loss
-passes, so that all ranks make the same number of ZeRO-3 forwards.
+normaliser without communication; a rank with fewer micro-batches than another runs padding passes
+(2 pad tokens through the model, weight 0: `sft_step`), so that all ranks make the same number of
+ZeRO-3 forwards and every backward has a graph.
+
+Checkpoints (`--save-every N`): every N optimizer steps each rank writes its DeepSpeed partition and
+rank 0 the step's records into `<out>.ckpt/checkpoints/step-NNNNNN` (atomically, the newest `--keep`
+kept); `--resume` loads the newest and continues at the next step of the same plan, so a run killed
+after a checkpoint ends with the weights of an uninterrupted run (tests/test_sft_resume.py).
 
 Output (`--out DIR`, written atomically: DIR.tmp, then renamed): the HF checkpoint (config,
 safetensors, tokenizer whose chat template defaults to the scaffold's system prompt), `rubricem.json`
@@ -58,6 +65,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from backends.run import checkpoint as ckpt_mod
 from backends.run.data import _read_jsonl, sft_segments
 from backends.scale.settings import FullConfig
 from backends.distributed.zero3 import ZeRO3Policy
@@ -67,6 +75,7 @@ from backends.distributed.plan import model_shape, sft_plan_lines
 from backends.run.presets import full_preset
 from backends.run.runcard import CARD, save_with_run_card
 from backends.sft.pack import bucket, deal, lr_at, step_plan
+from policy import _padding_pass
 from scaffold import SYSTEM_PROMPT, SYSTEM_PROMPT_COMPACT
 from sft import encode_trajectory, filter_and_convert
 
@@ -103,6 +112,12 @@ class SFTRunConfig:
     """ours (deviation 4)"""
     max_steps: int = 0
     """stop after this many optimizer steps of the full schedule (0 = all epochs; tests)."""
+    save_every: int = 0
+    """ours: a resumable checkpoint (DeepSpeed's partitions + the step's records) every N optimizer
+    steps into `<out>.ckpt/checkpoints/step-NNNNNN` (0 = none); `--resume` continues from the
+    newest. At 8B each one is ~98 GB of fp32 master weights and Adam moments (12P bytes)."""
+    keep: int = 2
+    """ours: newest SFT checkpoints kept (>= 1)"""
     seed: int = 0
     scaffold: str = "structured"
     system: str = "full"
@@ -194,45 +209,142 @@ def _batch(encoded, idx, pad: int):
     return x, att, m
 
 
-def train(policy, encoded: list, cfg: SFTRunConfig, rank: int, world: int, pad: int) -> list[dict]:
+def sft_step(policy, encoded: list, mine: list[list[int]], n_micro: int, n_tok: int, pad: int) -> float:
+    """One optimizer step's forward/backward passes on this rank (collective): `mine`, this rank's
+    micro-batches (lists of example indices into `encoded`), then padding passes up to `n_micro`,
+    the most micro-batches any rank has this step, so that every rank runs the same ZeRO-3
+    forwards. n_tok: the step's masked tokens over all ranks (the global normaliser, >= 1 used).
+    Returns this rank's summed loss (float). Raises ValueError when mine has more than n_micro
+    micro-batches."""
+    if len(mine) > n_micro:
+        raise ValueError(f"{len(mine)} micro-batches on this rank but n_micro = {n_micro}")
+    total = 0.0
+    for j in range(n_micro):
+        if j < len(mine):
+            x, att, m = _batch(encoded, mine[j], pad)
+            logp = policy.logprobs(x, att, loss_mask=m)  # (B, L), column t = log pi(x_t | x_<t)
+            # Eq.: L = - sum_t mask_t log pi(x_t | x_<t) / sum over the step of mask_t
+            loss = -(logp * m.to(logp.device)).sum() / max(1, n_tok)
+        else:
+            # SCALE: a padding pass (the rank has fewer examples this step): 2 pad tokens through
+            # the model and the head with weight 0. It keeps the ZeRO-3 gathers in step with the
+            # other ranks and gives DeepSpeed's backward a loss with a graph (a 1-token pass scores
+            # nothing and has no grad_fn: DeepSpeed asserts, the other ranks hang).
+            x, att = _padding_pass(pad)  # (1, 2), as policy.policy_update's padding pass
+            loss = policy.logprobs(x, att).sum() * 0.0
+        policy.backward(loss, boundary=j == n_micro - 1)
+        total += float(loss.detach())
+    return total
+
+
+def train(policy, encoded: list, cfg: SFTRunConfig, rank: int, world: int, pad: int, *,
+          start: int = 0, records: list | None = None, on_step=None) -> list[dict]:
     """The SFT loop on a ZeRO3Policy (collective: every rank calls it with the same data). Returns one
-    record per optimizer step: step, lr, loss (the global token mean), tokens, grad_norm."""
+    record per optimizer step: step, lr, loss (the global token mean), tokens, grad_norm.
+    start: optimizer steps already done (a resumed run: the plan is a pure function of the data,
+    cfg.epochs, cfg.batch and cfg.seed, so step s is the same step whenever it runs); records:
+    their records. on_step(steps done, records) after each step (checkpoints; collective)."""
     lengths = [len(i) for i, _ in encoded]
     masked = [sum(m) for _, m in encoded]
     steps = step_plan(len(encoded), cfg.epochs, cfg.batch, cfg.seed)
     n_steps = len(steps)  # the schedule's length; max_steps stops early on the same schedule
     if cfg.max_steps:
         steps = steps[: cfg.max_steps]
-    records = []
+    records = list(records or [])
     policy.train()
-    for s, idx in enumerate(steps):
+    for s in range(start, len(steps)):
+        idx = steps[s]
         lr = lr_at(s, n_steps, cfg.lr, cfg.warmup_frac)
         for g in policy.optimizer.param_groups:
             g["lr"] = lr
         # the learning rate the optimizer itself now holds (DeepSpeed's ZeRO-3 wrapper forwards it)
         held = getattr(policy.optimizer, "optimizer", policy.optimizer).param_groups[0]["lr"]
         shares = [bucket(sh, lengths, cfg.max_len, cfg.micro_batch) for sh in deal(idx, lengths, world)]
-        mine, n_micro = shares[rank], max(len(b) for b in shares)
         n_tok = sum(masked[i] for i in idx)  # the global normaliser, known on every rank
-        total = 0.0
-        for j in range(n_micro):
-            if j < len(mine):
-                x, att, m = _batch(encoded, mine[j], pad)
-                logp = policy.logprobs(x, att, loss_mask=m)  # (B, L), column t = log pi(x_t | x_<t)
-                # Eq.: L = - sum_t mask_t log pi(x_t | x_<t) / sum over the step of mask_t
-                loss = -(logp * m.to(logp.device)).sum() / max(1, n_tok)
-            else:  # SCALE: a zero-loss pass, so that every rank runs the same number of forwards
-                one = torch.full((1, 1), pad, dtype=torch.long)
-                loss = policy.logprobs(one, torch.ones_like(one)).sum() * 0.0
-            policy.backward(loss, boundary=j == n_micro - 1)
-            total += float(loss.detach())
+        total = sft_step(policy, encoded, shares[rank], max(len(b) for b in shares), n_tok, pad)
         gn = policy.step()
         total = all_reduce_sum([total])[0]
         rec = {"step": s + 1, "lr": held, "loss": total, "tokens": n_tok, "grad_norm": gn}
         records.append(rec)
         if rank == 0:
             print(json.dumps(rec), flush=True)
+        if on_step is not None:
+            on_step(s + 1, records)
     return records
+
+
+# ----------------------------------------------------------------------------------------------------
+# Resumable SFT checkpoints (ours; not in the paper)
+
+_SFT_STATE = "sft_state.json"
+
+
+def ckpt_root(out: str) -> str:
+    """The run directory of out's resumable checkpoints: `<out>.ckpt` (its checkpoints/step-* are
+    checkpoint.list_checkpoints's layout)."""
+    return out.rstrip("/") + ".ckpt"
+
+
+def plan_identity(cfg: SFTRunConfig, encoded: list, world: int) -> dict:
+    """What must not change between a checkpoint and its resume: the step plan's inputs (examples and
+    their lengths, epochs, batch, seed, max length, micro-batch), the schedule (lr, warm-up) and the
+    world size (each rank's DeepSpeed partition is its own)."""
+    import hashlib
+
+    h = hashlib.sha256(json.dumps([[len(i), sum(m)] for i, m in encoded]).encode()).hexdigest()[:16]
+    return {"examples": len(encoded), "lengths_sha256": h, "epochs": cfg.epochs, "batch": cfg.batch,
+            "seed": cfg.seed, "max_len": cfg.max_len, "micro_batch": cfg.micro_batch, "lr": cfg.lr,
+            "warmup_frac": cfg.warmup_frac, "world_size": world}
+
+
+def save_sft_checkpoint(policy, out: str, step: int, records: list, identity: dict, rank: int,
+                        keep: int) -> str | None:
+    """Collective: every rank writes its DeepSpeed partition (fp32 master weights, Adam moments) into
+    `<out>.ckpt/checkpoints/.tmp-step-N/zero`, then rank 0 adds sft_state.json (step, records,
+    plan identity) and renames the folder to step-N atomically (checkpoint.commit_dir), pruning to
+    the newest `keep`. Returns the checkpoint's path on rank 0, None elsewhere. Raises OSError when
+    a write fails (older checkpoints stay as they were)."""
+    root = os.path.join(ckpt_root(out), ckpt_mod.SUBDIR)
+    name = ckpt_mod.step_name(step)
+    tmp, final = os.path.join(root, f".tmp-{name}"), os.path.join(root, name)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    barrier()
+    policy.engine.save_checkpoint(os.path.join(tmp, "zero"), tag="state")  # SCALE: every rank its partition
+    barrier()
+    if rank != 0:
+        barrier()
+        return None
+    try:
+        with open(os.path.join(tmp, _SFT_STATE), "w", encoding="utf-8") as fh:
+            json.dump({"step": int(step), "records": records, "plan": identity}, fh, indent=1)
+        ckpt_mod.commit_dir(tmp, final)
+        ckpt_mod.prune(ckpt_root(out), max(1, int(keep)))
+    finally:
+        barrier()
+    return final
+
+
+def load_sft_checkpoint(policy, out: str, identity: dict) -> tuple[int, list]:
+    """Collective: the newest SFT checkpoint of `<out>.ckpt` that has its state, loaded into `policy`
+    (DeepSpeed partitions and optimizer); returns (steps done, their records), or (0, []) when there
+    is none. Raises checkpoint.CheckpointError naming every difference when the checkpoint was made
+    for another plan (data, recipe or world size: resume with the same ones)."""
+    ckpts = [p for _, p in ckpt_mod.list_checkpoints(ckpt_root(out))
+             if os.path.isfile(os.path.join(p, _SFT_STATE))]
+    if not ckpts:
+        return 0, []
+    with open(os.path.join(ckpts[-1], _SFT_STATE), encoding="utf-8") as fh:
+        state = json.load(fh)
+    diff = {k: (v, identity.get(k)) for k, v in state["plan"].items() if identity.get(k) != v}
+    if diff:
+        shown = "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in diff.items())
+        raise ckpt_mod.CheckpointError(f"cannot resume SFT from {ckpts[-1]}: {shown}. Resume with the "
+                                       "same data, recipe and number of ranks, or start without --resume")
+    policy.engine.load_checkpoint(os.path.join(ckpts[-1], "zero"), tag="state",
+                                  load_optimizer_states=True, load_lr_scheduler_states=False)
+    return int(state["step"]), list(state["records"])
 
 
 def write_checkpoint(policy, tok, out: str, cfg: SFTRunConfig, info: dict, rank: int) -> None:
@@ -263,11 +375,16 @@ def write_checkpoint(policy, tok, out: str, cfg: SFTRunConfig, info: dict, rank:
     barrier()
 
 
-def run(cfg: SFTRunConfig, data: list[str], model: str, out: str) -> dict:
-    """The whole SFT run on this launch (collective). Returns the info dict written to the card."""
+def run(cfg: SFTRunConfig, data: list[str], model: str, out: str, resume: bool = False) -> dict:
+    """The whole SFT run on this launch (collective). Returns the info dict written to the card.
+    resume: continue from the newest checkpoint in `<out>.ckpt` (cfg.save_every writes them); a
+    fresh run when there is none. Raises ValueError when no example survives the filters, and
+    checkpoint.CheckpointError for a checkpoint of another plan."""
     from transformers import AutoTokenizer  # lazy: transformers when the run starts, not for --dry-run
 
-    env = init_distributed(dist_env())
+    # SCALE: every group of the run waits up to full.dist_timeout_min (rank 0 gathers and writes
+    # the checkpoints while the others wait)
+    env = init_distributed(dist_env(), timeout_min=cfg.full_config().dist_timeout_min)
     rank, world = dist.get_rank(), dist.get_world_size()
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(model)
@@ -279,9 +396,18 @@ def run(cfg: SFTRunConfig, data: list[str], model: str, out: str) -> dict:
     ds, full = sft_deepspeed_config(cfg, world, device_kind())
     policy = ZeRO3Policy.from_pretrained(model, ds, cfg.lr, full=full)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    records = train(policy, encoded, cfg, rank, world, pad)
+    identity = plan_identity(cfg, encoded, world)
+    start, done = load_sft_checkpoint(policy, out, identity) if resume else (0, [])
+    if rank == 0 and start:
+        print(json.dumps({"resumed_at_step": start}), flush=True)
+
+    def checkpoint(step: int, records: list) -> None:
+        if cfg.save_every and step % cfg.save_every == 0:
+            save_sft_checkpoint(policy, out, step, records, identity, rank, cfg.keep)
+
+    records = train(policy, encoded, cfg, rank, world, pad, start=start, records=done, on_step=checkpoint)
     info = {"base_model": model, "data": [os.path.abspath(p) for p in data], "config": asdict(cfg),
-            "world_size": world, "stats": stats, "steps": records,
+            "world_size": world, "stats": stats, "steps": records, "resumed_at_step": start,
             "seconds": round(time.perf_counter() - t0, 2), "launched": env.launched}
     write_checkpoint(policy, tok, out, cfg, info, rank)
     return info
@@ -306,6 +432,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True, help="base model folder (HF format)")
     ap.add_argument("--out", required=True, help="output folder of the SFT checkpoint")
     ap.add_argument("--dry-run", action="store_true", help="print the memory and GPU-hour plan; train nothing")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from the newest checkpoint in OUT.ckpt (--save-every writes them)")
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed's launcher
     ap.add_argument("--world", type=int, default=8, help="dry run: GPUs (PAPER: 8 x H100 80GB)")
     ap.add_argument("--gpu-gib", type=float, default=80.0, help="dry run: GPU memory")
@@ -325,7 +453,14 @@ def main(argv=None) -> int:
         mean = a.mean_tokens or 6000.0
         print(dry_run_text(cfg, a.model, a.world, a.gpu_gib, a.examples, mean))
         return 0
-    run(cfg, a.data, a.model, a.out)
+    if cfg.save_every < 0 or cfg.keep < 1:
+        ap.error("--save-every must be >= 0 and --keep >= 1")
+    try:
+        run(cfg, a.data, a.model, a.out, resume=a.resume)
+    except ckpt_mod.CheckpointError as e:  # every rank reads the same checkpoint and stops here
+        print(f"backends.sft.zero3: {e}", file=sys.stderr, flush=True)
+        _shutdown()
+        exit_process(2)
     _shutdown()
     exit_process(0)
     return 0
