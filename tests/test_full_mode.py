@@ -46,11 +46,11 @@ def _env():
 LAUNCH_TIMEOUT_S = float(os.environ.get("RUBRICEM_TEST_LAUNCH_TIMEOUT_S", 1200))
 
 
-def _run(cmd, timeout=LAUNCH_TIMEOUT_S):
+def _run(cmd, timeout=LAUNCH_TIMEOUT_S, env: dict | None = None):
     """Run one launch to completion in its own process group; returns its wall time in seconds
     (_launch)."""
     t0 = time.perf_counter()
-    _launch(cmd, timeout)
+    _launch(cmd, timeout, env)
     return time.perf_counter() - t0
 
 
@@ -75,9 +75,10 @@ def _launch(cmd, timeout=LAUNCH_TIMEOUT_S, env: dict | None = None) -> tuple[str
     return out, err
 
 
-def _full_run(tmp, name, model, rows, ranks, *extra, python=sys.executable, torchrun=None):
+def _full_run(tmp, name, model, rows, ranks, *extra, python=sys.executable, torchrun=None, env=None):
     """One `train.py --full` run against fresh loopback servers; returns (run dir, servers, seconds).
-    ranks=1 without torchrun: the one-process torch engine; otherwise ZeRO-3 under torchrun."""
+    ranks=1 without torchrun: the one-process torch engine; otherwise ZeRO-3 under torchrun. env:
+    more environment variables for the launch."""
     torchrun = ranks > 1 if torchrun is None else torchrun
     with FakeServer("gemini", model="gemini-test") as gj, FakeServer("serper") as ss:
         args = ["--full", "--model", str(model), "--steps", str(STEPS), "--run-dir", str(tmp / name),
@@ -98,7 +99,7 @@ def _full_run(tmp, name, model, rows, ranks, *extra, python=sys.executable, torc
             # --standalone: torchrun picks a free rendezvous port itself (no race with free_port)
             cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                    str(ranks), os.path.join(ROOT, "train.py"), *args]
-        secs = _run(cmd)
+        secs = _run(cmd, env=env)
         servers = {"judge": (list(gj.requests), list(gj.errors)),
                    "search": (list(ss.requests), list(ss.errors))}
     return tmp / name, servers, secs
@@ -128,7 +129,10 @@ def runs(tmp_path_factory):
     out = {"model": model, "rows": rows}
     out["single"] = _full_run(tmp, "single", model, rows, 1)
     out["zero3"] = _full_run(tmp, "zero3", model, rows, 2)
-    out["zero3-again"] = _full_run(tmp, "zero3-again", model, rows, 2)
+    # the same run again, every process group's timeout recorded at the end (dist.record_group_timeouts)
+    out["zero3-again"] = _full_run(tmp, "zero3-again", model, rows, 2, "--set", "full.dist_timeout_min=47",
+                                   env={"RUBRICEM_GROUP_TIMEOUT_DIR": str(tmp / "timeouts")})
+    out["timeouts"] = tmp / "timeouts"
     _full_run(tmp, "resumed", model, rows, 2, "--set", "checkpoint.stop_after=1")
     out["resumed"] = _full_run(tmp, "resumed", model, rows, 2, "--resume", "latest")
     return out
@@ -177,6 +181,15 @@ def test_full_mode_two_rank_sampling_is_deterministic(runs):
     assert all(r["rollout/sampling_ranks"] == 2 for r in _metrics(a))
     for f in ("bank.jsonl", "samples.jsonl", "final/model.safetensors"):
         assert open(a / f, "rb").read() == open(b / f, "rb").read(), f
+
+
+def test_every_process_group_of_the_run_waits_full_dist_timeout_min(runs):
+    """The default group, DeepSpeed's groups and the side gloo group that streams finished groups to
+    rank 0 (torch would give it 30 min) all wait full.dist_timeout_min (47 in that run)."""
+    for r in range(2):
+        groups = json.loads((runs["timeouts"] / f"rank{r}.json").read_text())
+        assert len(groups) >= 3, groups  # default, DeepSpeed's, the side group
+        assert {g["timeout_s"] for g in groups} == {47 * 60.0}, groups
 
 
 def test_full_mode_speaks_the_gemini_and_serper_wire_formats(runs):

@@ -78,8 +78,9 @@ def init_distributed(env: DistEnv | None = None, timeout_min: float | None = Non
 
     An unlaunched process becomes rank 0 of 1: we export RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR and a
     free MASTER_PORT first, since DeepSpeed would otherwise try MPI discovery (needs mpi4py).
-    timeout_min: collective timeout in minutes (None = torch's default). Idempotent. Returns the
-    DistEnv in effect.
+    timeout_min: collective timeout in minutes (None = torch's default) of the default group and,
+    through set_group_timeout, of every group made later without its own (DeepSpeed's, vLLM's).
+    Idempotent. Returns the DistEnv in effect.
     """
     env = env or dist_env()
     # torch deprecation notices raised inside DeepSpeed's collectives, once per call: not ours to fix.
@@ -105,9 +106,64 @@ def init_distributed(env: DistEnv | None = None, timeout_min: float | None = Non
 
     kw = {}
     if timeout_min is not None:
-        kw["timeout"] = datetime.timedelta(minutes=float(timeout_min))
+        kw["timeout"] = set_group_timeout(timeout_min)
     deepspeed.init_distributed(verbose=False, **kw)
     return env
+
+
+def set_group_timeout(minutes: float) -> datetime.timedelta:
+    """Make `minutes` the timeout of every process group created from now on without one of its own
+    (SCALE): torch gives such a group its constant default (30 min for gloo, 10 for NCCL), not the
+    default group's, so DeepSpeed's and vLLM's groups would otherwise time out before a rank that
+    waits for rank 0's rollouts does. Returns the timedelta (pass it to groups we create ourselves).
+    Raises ValueError for minutes <= 0."""
+    if not float(minutes) > 0:
+        raise ValueError(f"a process-group timeout must be > 0 minutes, got {minutes}")
+    from torch.distributed import distributed_c10d as c10d
+
+    td = datetime.timedelta(minutes=float(minutes))
+    # torch reads these module defaults whenever a group is made without `timeout=`
+    c10d.default_pg_timeout = td
+    if hasattr(c10d, "default_pg_nccl_timeout"):
+        c10d.default_pg_nccl_timeout = td
+    return td
+
+
+def group_timeouts() -> list[dict]:
+    """Every process group of this process with its timeout: [{"ranks": [global ranks], "backend":
+    name, "timeout_s": seconds}], one entry per backend of a group (CPU and CUDA). Empty without
+    torch.distributed. For the dry run's tests and RUBRICEM_GROUP_TIMEOUT_DIR."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return []
+    from torch.distributed import distributed_c10d as c10d
+
+    out = []
+    for pg in list(c10d._world.pg_map):
+        for dev in ("cpu", "cuda"):
+            try:
+                be = pg._get_backend(torch.device(dev))
+            except RuntimeError:  # no backend for this device type
+                continue
+            opts = getattr(be, "options", None)
+            if opts is not None and getattr(opts, "_timeout", None) is not None:
+                out.append({"ranks": torch.distributed.get_process_group_ranks(pg),
+                            "backend": type(be).__name__, "timeout_s": opts._timeout.total_seconds()})
+    return out
+
+
+def record_group_timeouts() -> None:
+    """When $RUBRICEM_GROUP_TIMEOUT_DIR is set, write this rank's group_timeouts() to
+    <dir>/rank<R>.json (atomically). Called by every rank at shutdown; tests check that every group
+    the run made waits full.dist_timeout_min."""
+    d = os.environ.get("RUBRICEM_GROUP_TIMEOUT_DIR")
+    if not d:
+        return
+    rank = _world()[0]
+    os.makedirs(d, exist_ok=True)
+    tmp = os.path.join(d, f".rank{rank}.json.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(group_timeouts(), fh)
+    os.replace(tmp, os.path.join(d, f"rank{rank}.json"))
 
 
 _GROUP_TORN_DOWN = False  # set by _shutdown(): this process ran collectives; see exit_process
@@ -153,6 +209,7 @@ def _shutdown() -> None:
     should then end through `exit_process`."""
     global _GROUP_TORN_DOWN
     record_peak_memory()
+    record_group_timeouts()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         if torch.distributed.get_world_size() > 1:
             torch.distributed.barrier()

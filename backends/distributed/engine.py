@@ -17,6 +17,7 @@ Launch: train.py builds it (`--full`, or `--set engine="zero3"`); see zero3.py a
 """
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import threading
@@ -92,7 +93,10 @@ class ZeRO3Engine:
         self.rollout_metrics: dict = {}
         rollouts = not policy_given if rollouts is None else bool(rollouts)
         if rollouts and self.world_size > 1 and every_rank_samples(cfg):
-            self.side = torch.distributed.new_group(backend="gloo")
+            # SCALE: the run's timeout, not torch's 30-minute default for a new gloo group: a rank's
+            # next group may come after a long rollout tail
+            self.side = torch.distributed.new_group(
+                backend="gloo", timeout=datetime.timedelta(minutes=float(cfg.full.dist_timeout_min)))
             if not self.env.is_rank0:
                 self.sampling_copy, self.rank_engine = rank_rollouts(cfg)
 
