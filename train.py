@@ -517,7 +517,7 @@ def save_checkpoint(run: Run, ls: LoopState, done: int) -> str:
                         ls.samples, run.rollout_engine, run.rl_tool, ls.monitor, ls.reference, run.order)
     return ckpt_mod.save_checkpoint(cfg.run_dir, done, run.policy, run.tok, st,
                                     keep=cfg.checkpoint.keep, meta={"config": asdict(cfg)},
-                                    extra=run.policy.save_state)
+                                    extra=run.policy.save_state, hash_mode=cfg.checkpoint.hash)
 
 
 def finish(run: Run, ls: LoopState, ev: HeldOut, sft_info: dict, timings: dict, t_start: float) -> dict:

@@ -75,10 +75,12 @@ def _launch(cmd, timeout=LAUNCH_TIMEOUT_S, env: dict | None = None) -> tuple[str
     return out, err
 
 
-def _full_run(tmp, name, model, rows, ranks, *extra, python=sys.executable, torchrun=None, env=None):
+def _full_run(tmp, name, model, rows, ranks, *extra, python=sys.executable, torchrun=None, env=None,
+              expect_failure=False):
     """One `train.py --full` run against fresh loopback servers; returns (run dir, servers, seconds).
     ranks=1 without torchrun: the one-process torch engine; otherwise ZeRO-3 under torchrun. env:
-    more environment variables for the launch."""
+    more environment variables for the launch. expect_failure: return the finished
+    subprocess.CompletedProcess instead (the run must fail)."""
     torchrun = ranks > 1 if torchrun is None else torchrun
     with FakeServer("gemini", model="gemini-test") as gj, FakeServer("serper") as ss:
         args = ["--full", "--model", str(model), "--steps", str(STEPS), "--run-dir", str(tmp / name),
@@ -99,6 +101,11 @@ def _full_run(tmp, name, model, rows, ranks, *extra, python=sys.executable, torc
             # --standalone: torchrun picks a free rendezvous port itself (no race with free_port)
             cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                    str(ranks), os.path.join(ROOT, "train.py"), *args]
+        if expect_failure:
+            p = subprocess.run(cmd, cwd=ROOT, env={**_env(), **(env or {})}, capture_output=True,
+                               text=True, timeout=LAUNCH_TIMEOUT_S)
+            assert p.returncode != 0, p.stdout[-2000:]
+            return p
         secs = _run(cmd, env=env)
         servers = {"judge": (list(gj.requests), list(gj.errors)),
                    "search": (list(ss.requests), list(ss.errors))}
@@ -135,6 +142,11 @@ def runs(tmp_path_factory):
     out["timeouts"] = tmp / "timeouts"
     _full_run(tmp, "resumed", model, rows, 2, "--set", "checkpoint.stop_after=1")
     out["resumed"] = _full_run(tmp, "resumed", model, rows, 2, "--resume", "latest")
+    # the same checkpoint (2 ranks' partitions) on 1 ZeRO-3 rank
+    t0 = time.perf_counter()
+    out["one-rank-resume"] = (_full_run(tmp, "one-rank", model, rows, 1, "--resume",
+                                        str(tmp / "resumed" / "checkpoints" / "step-000001"),
+                                        torchrun=True, expect_failure=True), time.perf_counter() - t0)
     return out
 
 
@@ -242,6 +254,15 @@ def test_full_mode_zero3_resume_equals_uninterrupted_run(runs):
     a = open(z / "final" / "model.safetensors", "rb").read()
     b = open(r / "final" / "model.safetensors", "rb").read()
     assert a == b
+
+
+def test_resuming_two_ranks_partitions_on_one_rank_stops_at_once_with_what_to_do(runs):
+    p, secs = runs["one-rank-resume"]
+    assert "exitcode  : 2" in p.stderr, p.stderr[-3000:]  # train.main: unusable input, before any load
+    assert "holds the partitions of 2 ranks" in p.stderr and "on 1 rank(s)" in p.stderr
+    assert "--nproc_per_node 2" in p.stderr and "--model" in p.stderr
+    assert "Loading" not in p.stderr  # no model was loaded first
+    print(f"stopped after {secs:.1f} s")
 
 
 def test_full_mode_never_writes_the_api_key(runs):

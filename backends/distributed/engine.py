@@ -328,6 +328,7 @@ class ZeRO3Engine:
         every rank together. Idempotent."""
         if not self.closed and self.env.is_rank0:
             self.closed = True
+            ckpt_mod.wait_for_hashes()  # the last checkpoint's sha256s (hash mode "background")
             self._send("stop")
             _shutdown()
 

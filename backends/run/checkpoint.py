@@ -12,7 +12,8 @@ Layout of run_dir/checkpoints/step-000010/ (the number counts completed steps):
     state.pt           torch.save of a dict of plain values and tensors (train.py `training_state`):
                        optimizer, RNG states, step, judge buffers and counters, rubric bank, pending
                        reflection batch, metrics rows, fault counters, the reference model's identity
-    checkpoint.json    manifest: format, step, and size + sha256 of every file above
+    checkpoint.json    manifest: format, step, and size + sha256 of every file above (with
+                       hash="background" the sha256s arrive after the save, see below)
 
 How a checkpoint is written (`save_checkpoint`): into a temporary directory beside the others
 (".tmp-step-...", same filesystem), every file fsynced, the manifest last, then one os.replace onto
@@ -20,6 +21,13 @@ How a checkpoint is written (`save_checkpoint`): into a temporary directory besi
 a crash leaves at most a ".tmp-*" directory, which `latest` ignores and the next run deletes. Old
 checkpoints beyond `keep` are first renamed to ".del-*" (atomic) and then deleted, so a crash during
 pruning never leaves a half-deleted step-* directory either.
+
+Hashing (`CheckpointConfig.hash`): "sync" hashes every file before the rename (the toy default:
+a few MB). "background" (the full preset's default) writes the manifest with sizes only, renames,
+and hashes in a thread of this process, adding the sha256s to the manifest atomically when done:
+at 8B a checkpoint holds ~115 GB (98 GB of DeepSpeed partitions), whose sha256 takes minutes, during
+which every rank would wait. A checkpoint whose hashes have not arrived (the process ended first) is
+checked by size. `verify` at resume rehashes what has a sha256 (the full preset: false, sizes only).
 
 `state.pt` is read with torch.load(weights_only=True): a checkpoint can hold only tensors and plain
 containers, never pickled code.
@@ -126,7 +134,7 @@ def _fsync_dir(path: str) -> None:
 
 
 def save_checkpoint(run_dir: str, step: int, model, tokenizer, state: dict, keep: int = 3,
-                    meta: dict | None = None, extra=None) -> str:
+                    meta: dict | None = None, extra=None, hash_mode: str = "sync") -> str:
     """Write checkpoint `step` (completed steps, int >= 0) atomically; returns its directory.
 
     model/tokenizer: Hugging Face objects (save_pretrained); state: a dict of tensors and plain
@@ -134,13 +142,19 @@ def save_checkpoint(run_dir: str, step: int, model, tokenizer, state: dict, keep
     that it can be read without loading state.pt). Keeps the newest `keep` (int >= 1) checkpoints
     and prunes older ones. extra: None or a callable(checkpoint_dir) that writes more files into the
     checkpoint before its manifest (engine.ZeRO3Engine.save_state: DeepSpeed's partitions); they are
-    hashed and made atomic with the rest.
-    Raises OSError if the disk write fails (the previous checkpoints are then untouched).
+    hashed and made atomic with the rest. hash_mode: "sync" (every file's sha256 in the manifest
+    before the rename) or "background" (sizes now, sha256s added by a thread of this process;
+    `wait_for_hashes` waits for it).
+    Raises OSError if the disk write fails (the previous checkpoints are then untouched), ValueError
+    for an unknown hash_mode.
     """
+    if hash_mode not in HASH_MODES:
+        raise ValueError(f"checkpoint hash mode must be one of {HASH_MODES}, got {hash_mode!r}")
     root = checkpoints_dir(run_dir)
     os.makedirs(root, exist_ok=True)
     final = os.path.join(root, step_name(step))
     tmp = os.path.join(root, f".tmp-{step_name(step)}-{os.getpid()}-{time.monotonic_ns()}")
+    wait_for_hashes()  # at most one hashing thread; the previous one finished long ago at 10 steps
     try:
         model.save_pretrained(os.path.join(tmp, _MODEL), safe_serialization=True)
         tokenizer.save_pretrained(os.path.join(tmp, _MODEL))
@@ -152,21 +166,54 @@ def save_checkpoint(run_dir: str, step: int, model, tokenizer, state: dict, keep
             for f in sorted(names):
                 p = os.path.join(dirpath, f)
                 rel = os.path.relpath(p, tmp).replace(os.sep, "/")
-                files[rel] = {"bytes": os.path.getsize(p), "sha256": _sha256_file(p)}
+                files[rel] = {"bytes": os.path.getsize(p),
+                              "sha256": _sha256_file(p) if hash_mode == "sync" else None}
         manifest = {"format": FORMAT_VERSION, "step": int(step), "meta": meta or {},
                     "files": dict(sorted(files.items()))}
         with open(os.path.join(tmp, _MANIFEST), "w") as fh:
             json.dump(manifest, fh, indent=1)
-        _fsync_tree(tmp)
-        if os.path.exists(final):  # the same step written again (e.g. the end of a resumed run)
-            _remove_dir(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
+        commit_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     prune(run_dir, keep)
+    if hash_mode == "background":
+        _start_hashing(final, manifest)
     return final
+
+
+HASH_MODES = ("sync", "background")
+_HASHER: dict = {"thread": None}
+
+
+def _start_hashing(path: str, manifest: dict) -> None:
+    """Hash every file of the committed checkpoint `path` in a daemon thread, then rewrite its
+    manifest atomically with the sha256s. A checkpoint pruned meanwhile ends the thread quietly."""
+    import threading
+
+    def work():
+        t0 = time.perf_counter()
+        try:
+            done = {rel: dict(info, sha256=_sha256_file(os.path.join(path, rel)))
+                    for rel, info in manifest["files"].items()}
+            atomic_write_json(os.path.join(path, _MANIFEST), dict(manifest, files=done))
+            log.info("checkpoint %s hashed in %.1f s (in the background)", path, time.perf_counter() - t0)
+        except OSError as e:  # pruned or moved away before the hashes were done
+            log.info("checkpoint %s not hashed: %s", path, e)
+
+    th = threading.Thread(target=work, name="checkpoint-hash", daemon=True)
+    _HASHER["thread"] = th
+    th.start()
+
+
+def wait_for_hashes(timeout_s: float | None = None) -> bool:
+    """Wait for the background hashing of the last checkpoint (hash mode "background"); True when
+    none is running (any more). Call before the process ends so its last manifest carries them."""
+    th = _HASHER["thread"]
+    if th is None:
+        return True
+    th.join(timeout_s)
+    return not th.is_alive()
 
 
 def _remove_dir(path: str) -> None:
@@ -239,7 +286,8 @@ def list_checkpoints(run_dir: str) -> list[tuple[int, str]]:
 def verify_checkpoint(path: str, deep: bool = True) -> dict:
     """The manifest of checkpoint directory `path` after checking it; raises CheckpointError naming
     what is wrong (no manifest, unknown format, a file missing or of the wrong size, and with deep=True
-    a sha256 mismatch)."""
+    a sha256 mismatch; a file whose sha256 never arrived, hash mode "background", is checked by
+    size only)."""
     mpath = os.path.join(path, _MANIFEST)
     try:
         with open(mpath) as fh:
@@ -255,7 +303,7 @@ def verify_checkpoint(path: str, deep: bool = True) -> dict:
         p = os.path.join(path, rel)
         if not os.path.isfile(p) or os.path.getsize(p) != info["bytes"]:
             raise CheckpointError(f"{path}: file {rel} is missing or has the wrong size")
-        if deep and _sha256_file(p) != info["sha256"]:
+        if deep and info.get("sha256") is not None and _sha256_file(p) != info["sha256"]:
             raise CheckpointError(f"{path}: file {rel} does not match its sha256 (corrupt)")
     if _STATE not in manifest.get("files", {}):
         raise CheckpointError(f"{path}: the manifest lists no {_STATE}")
@@ -305,6 +353,15 @@ def completed_run(run_dir: str, resume: str | None, steps: int) -> dict | None:
     manifest = verify_checkpoint(path, deep=False)
     ends = os.path.isdir(os.path.join(run_dir, "final")) and os.path.isfile(os.path.join(run_dir, "eval.json"))
     return manifest if int(manifest.get("step", -1)) == steps and ends else None
+
+
+def zero_world_size(path: str) -> int | None:
+    """The number of data-parallel ranks whose DeepSpeed partitions checkpoint `path` holds (its
+    zero/ folder: one *optim_states.pt file per rank), or None without a zero/ folder."""
+    d = os.path.join(path, "zero")
+    if not os.path.isdir(d):
+        return None
+    return sum(1 for _, _, fs in os.walk(d) for f in fs if f.endswith("optim_states.pt"))
 
 
 def run_dir_of(checkpoint_path: str) -> str:
@@ -361,4 +418,10 @@ class CheckpointConfig:
     """stop this invocation after this many steps, with a checkpoint (0 = run to `steps`); for
     time-sliced jobs: continue with --resume latest"""
     verify: bool = True
-    """check every file's sha256 before resuming from a checkpoint"""
+    """check every file's sha256 before resuming from a checkpoint (false: sizes and the manifest
+    only; the full preset's default, where rehashing ~115 GB on rank 0 would hold every rank for
+    minutes)"""
+    hash: str = "sync"
+    """ours: "sync" (every file's sha256 before the checkpoint is renamed into place) or
+    "background" (the full preset: sizes at once, sha256s added to the manifest by a thread while
+    training goes on); see the module docstring"""

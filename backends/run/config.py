@@ -261,6 +261,8 @@ def validate_config(cfg: Config) -> None:
         raise ValueError("rollout.n must be >= 2: group normalisation needs a group")
     if cfg.rollout.prompts_per_step < 1 or cfg.steps < 0:
         raise ValueError("rollout.prompts_per_step must be >= 1 and steps >= 0")
+    if cfg.checkpoint.hash not in ("sync", "background"):
+        raise ValueError(f"checkpoint.hash must be 'sync' or 'background', got {cfg.checkpoint.hash!r}")
     for name, lo in (("checkpoint.every", 0), ("checkpoint.keep", 1), ("checkpoint.stop_after", 0),
                      ("eval.every", 0), ("max_nonfinite_updates", 0),
                      ("judge.max_retries", 0), ("judge.max_failure_steps", 1)):

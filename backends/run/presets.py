@@ -72,6 +72,9 @@ def full_preset() -> Config:
                                       - c.reflection.max_new_tokens)
     c.reflection.system_prompt = "reflect"  # plain prose: the bank refuses stage tags
     c.bank.max_chars = 3000
+    # SCALE: a checkpoint is ~115 GB at 8B: its sha256s are computed in the background, and a resume
+    # checks sizes (checkpoint.verify=true rehashes it all on rank 0 first, minutes)
+    c.checkpoint.hash, c.checkpoint.verify = "background", False
     return c
 
 

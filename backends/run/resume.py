@@ -5,6 +5,7 @@ A resumed run equals the uninterrupted one bit for bit on CPU.
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import asdict
 
@@ -61,6 +62,26 @@ def restore_training_state(state: dict, rng: random.Random, judge, bank, rollout
     monitor.nonfinite = int(state.get("monitor_nonfinite", 0))  # checkpoints from before it: 0
 
 
+def _check_world_size(cfg: Config, path: str) -> None:
+    """Engine zero3: the checkpoint's DeepSpeed partitions (one per rank) must meet as many ranks as
+    this launch has; raises checkpoint.CheckpointError at once, before any model is loaded, naming
+    both counts and the two ways on. ZeRO-3 partitions belong to their rank count (DeepSpeed's
+    universal-checkpoint conversion would lift that; not done here)."""
+    saved = ckpt_mod.zero_world_size(path) if cfg.engine == "zero3" else None
+    if not saved:
+        return
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        now = torch.distributed.get_world_size()
+    else:
+        now = int(os.environ.get("WORLD_SIZE") or 1)
+    if saved != now:
+        raise ckpt_mod.CheckpointError(
+            f"cannot resume from {path} on {now} rank(s): its DeepSpeed state (zero/) holds the "
+            f"partitions of {saved} ranks, and ZeRO-3 partitions fit only that count. Resume with "
+            f"{saved} ranks (torchrun --nproc_per_node {saved} ... --resume), or start a new run "
+            f"from its weights: --model {os.path.join(path, 'model')} (Adam's moments start afresh)")
+
+
 def _open_run(cfg: Config, resume: str | None) -> tuple[str | None, dict | None]:
     """(checkpoint path, training state) to resume from, or (None, None) for a fresh run."""
     path = ckpt_mod.resolve_resume(resume, cfg.run_dir, deep=cfg.checkpoint.verify)
@@ -74,6 +95,7 @@ def _open_run(cfg: Config, resume: str | None) -> tuple[str | None, dict | None]
                                            f"{have[-1][0]}); {why}")
         return None, None
     state = ckpt_mod.load_state(path)
+    _check_world_size(cfg, path)
     diff = resume_config_diff(state["config"], cfg)
     if diff:
         saved = _flatten(migrate_config_dict(state["config"]))
