@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from backends.distributed import dry_run, launch_check
+from backends.distributed import dry_run, launch_check, site_check
 from backends.distributed.versions import GPU_PINS
 import train
 from backends.run import presets
@@ -39,7 +39,11 @@ def ready(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda i: types.SimpleNamespace(name="H100", total_memory=80 * 2 ** 30))
-    return cfg, {**KEYS, "CUDA_HOME": "/usr/local/cuda"}, missing
+    # the site: GPUs in the default compute mode, 10 TB free for checkpoints, no extension built yet
+    monkeypatch.setattr(site_check, "read_compute_modes", lambda: ["Default"] * 8)
+    monkeypatch.setattr(site_check, "free_bytes", lambda p: (10e12, "/scratch"))
+    return cfg, {**KEYS, "CUDA_HOME": "/usr/local/cuda",
+                 "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}, missing
 
 
 def test_dry_run_ready_machine_has_no_problem_and_lists_versions(ready):

@@ -21,10 +21,10 @@ import torch
 
 from backends.api.pricing import format_cost_plan, judge_cost_plan
 from backends.api.settings import HTTPJudgeConfig
-from backends.distributed import launch_check, versions
+from backends.distributed import launch_check, site_check, versions
 from backends.distributed.dist import DistEnv, dist_env
 from backends.distributed.launch_check import ranks_per_node
-from backends.distributed.plan import plan_lines
+from backends.distributed.plan import model_shape, plan_lines
 from backends.run.build import ROLLOUT_RANKS, every_rank_samples
 from backends.run.config import SECRET_ENV_VARS, validate_config
 from backends.run.data import _is_local
@@ -178,6 +178,44 @@ def _memory_section(cfg, ws: int, n_gpu: int, environ) -> tuple[list[str], list[
         return [f"memory plan: not computed ({err})"], [f"memory plan: {err}"]
 
 
+def _checkpoint_bytes_in(run_dir: str) -> float:
+    """Bytes of the checkpoints already in run_dir (a resumed run keeps them)."""
+    root = os.path.join(run_dir, "checkpoints")
+    total = 0.0
+    for d, _, fs in os.walk(root):
+        for f in fs:
+            try:
+                total += os.path.getsize(os.path.join(d, f))
+            except OSError:
+                pass
+    return total
+
+
+def site_lines(cfg, environ, env: DistEnv, n_gpu: int) -> tuple[list[str], list[str]]:
+    """The "site" section (site_check.py): compute mode, the allocator setting with vLLM's sleep
+    mode, GPUs visible against LOCAL_RANK, a stale extension-build lock, checkpoint size and free
+    disk. Returns (lines, problems)."""
+    full = full_config(cfg)
+    lines = ["site (settings that stop a run before step 0 or at its first checkpoint)"]
+    problems: list[str] = []
+    sleep = cfg.sampler == "vllm" and int(full.vllm_sleep_level) > 0
+    shape = model_shape(cfg.model)
+    free, where = site_check.free_bytes(cfg.run_dir)
+    checks = [
+        site_check.compute_mode_lines(site_check.read_compute_modes() if n_gpu else None),
+        site_check.alloc_conf_lines(environ, sleep, site_check.vllm_allocator_source()),
+        site_check.visible_gpu_lines(environ, n_gpu, env.local_rank, ranks_per_node(environ)),
+        site_check.build_lock_lines(site_check.extensions_dir(environ)),
+        site_check.checkpoint_disk_lines(shape.params, cfg.checkpoint.keep, cfg.checkpoint.every,
+                                         cfg.run_dir, free, where, _checkpoint_bytes_in(cfg.run_dir),
+                                         bf16=full.bf16 != "off"),
+    ]
+    for more, bad in checks:
+        lines += [f"  {x}" for x in more]
+        problems += bad
+    return lines, problems
+
+
 def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
     """Resolve `cfg` (a config.Config, normally the `full` preset) into a launch plan without training.
 
@@ -187,7 +225,9 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
     FullConfig.world_size_hint GPUs when not launched), each API key's environment variable
     (reported by NAME only; values never reach the report), GPUs via torch.cuda, and the packages
     the chosen backends need (deepspeed, accelerate, vllm, sentence-transformers, requests,
-    datasets) with the versions found (importlib.metadata; nothing heavy is imported). Returns
+    datasets) with the versions found (importlib.metadata; nothing heavy is imported), and the
+    site (site_lines: compute mode, the allocator setting, GPUs visible per process, a stale
+    extension-build lock, checkpoint size against free disk). Returns
     (report text, list of problems); an empty list means the plan is launchable as far as we can
     tell.
     """
@@ -268,6 +308,9 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
         more, bad = fn()
         lines += [""] + more
         problems += bad
+    more, bad = site_lines(cfg, e, env, n_gpu)
+    lines += [""] + more
+    problems += bad
     v_lines, v_bad = versions.check(_version)
     lines += ["", "versions (the tested set: constraints/gpu.txt)"] + v_lines
     problems += [f"versions: {b}" for b in v_bad]

@@ -1,0 +1,202 @@
+"""The dry run's site checks: settings of a GPU node that stop a full-mode run before step 0 (or at
+its first checkpoint), each read from the machine and judged by a pure function that tests feed
+with faked inputs (tests/test_site_check.py).
+
+RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
+Plumbing only (SCALE). What is checked, and why it matters for the engine path full mode uses (one
+vLLM engine inside each trainer process, on the rank's GPU: docs/full_mode.md, "One engine path"):
+    compute_mode_lines      the GPUs' compute mode (nvidia-smi): "Prohibited" refuses every CUDA
+                            context; "Exclusive_Process" admits one process per GPU, which the
+                            in-process engine satisfies (an engine in its own process would not)
+    alloc_conf_lines        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True with vLLM's sleep mode:
+                            vLLM releases before the pinned 0.32 asserted against it in its
+                            sleep-mode allocator; 0.32 turns it off around its own pool
+    visible_gpu_lines       GPUs visible to this process against LOCAL_RANK: the trainer and its
+                            engine both use GPU number LOCAL_RANK, so a launcher that shows each
+                            process only its own GPU (SLURM --gpus-per-task=1) breaks both
+    build_lock_lines        a stale torch-extension build lock (an interrupted DeepSpeedCPUAdam
+                            JIT build leaves `lock` behind; every later start waits on it forever)
+    checkpoint_disk_lines   one checkpoint's size (DeepSpeed's fp32 master weights and Adam
+                            moments, the HF weights) and free disk for checkpoint.keep of them
+
+Each returns (report lines, problems). Nothing here imports torch, DeepSpeed or vLLM.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import time
+
+GB = 1e9
+
+# Markers of the two vLLM sleep-mode allocators (vllm/device_allocator/cumem.py): releases before
+# vLLM PR 40812 assert against expandable segments; later ones switch them off around their pool.
+_OLD_ASSERT = "Expandable segments are not compatible with memory pool"
+_TOGGLE = "expandable_was_enabled"
+
+
+def read_compute_modes(run=subprocess.run) -> list[str] | None:
+    """Each visible GPU's compute mode from nvidia-smi ("Default", "Exclusive_Process",
+    "Prohibited", ...), or None when nvidia-smi is missing or fails. `run`: subprocess.run (tests
+    pass a stand-in)."""
+    if run is subprocess.run and shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        r = run(["nvidia-smi", "--query-gpu=compute_mode", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if r.returncode != 0:
+        return None
+    return [x.strip() for x in r.stdout.splitlines() if x.strip()]
+
+
+def compute_mode_lines(modes: list[str] | None) -> tuple[list[str], list[str]]:
+    """modes: per GPU (read_compute_modes), None when unknown. A GPU in "Prohibited" mode (no CUDA
+    context at all) or the retired "Exclusive_Thread" is a problem; "Exclusive_Process" is fine
+    for the in-process engine (one process per GPU) and is noted."""
+    if modes is None:
+        return ["compute mode: not checked (no nvidia-smi here)"], []
+    if not modes:
+        return ["compute mode: no GPU listed by nvidia-smi"], []
+    lines = [f"compute mode: {', '.join(f'GPU {i} {m}' for i, m in enumerate(modes))}"]
+    bad = [i for i, m in enumerate(modes) if m.replace(" ", "_").lower() in ("prohibited", "exclusive_thread")]
+    excl = [i for i, m in enumerate(modes) if m.replace(" ", "_").lower() == "exclusive_process"]
+    if excl:
+        lines.append("  exclusive-process GPUs admit one process each: the trainer with its vLLM engine "
+                     "inside it needs no more (an engine in its own process would be refused)")
+    problems = [f"GPU {i} is in compute mode {modes[i]}: no process may use it (nvidia-smi -c DEFAULT, "
+                "as root, or ask the site)" for i in bad]
+    return lines, problems
+
+
+def vllm_allocator_source() -> str | None:
+    """The text of the installed vLLM's sleep-mode allocator (vllm/device_allocator/cumem.py), read
+    without importing vLLM; None when vLLM is not installed or the file is not there."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "device_allocator", "cumem.py")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except OSError:
+        return None
+
+
+def alloc_conf_lines(environ, sleep_mode: bool, allocator_source: str | None) -> tuple[list[str], list[str]]:
+    """PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) with expandable_segments:True, when the run's
+    vLLM engines use sleep mode (sleep_mode). allocator_source: vllm_allocator_source(). A vLLM
+    whose sleep-mode allocator asserts against expandable segments is a problem (the engine fails to
+    build); one that switches them off around its pool keeps them for the trainer's allocations."""
+    conf = environ.get("PYTORCH_CUDA_ALLOC_CONF") or environ.get("PYTORCH_ALLOC_CONF") or ""
+    on = "expandable_segments:true" in conf.replace(" ", "").lower()
+    line = f"PYTORCH_CUDA_ALLOC_CONF: {conf or 'not set'}"
+    if not on or not sleep_mode:
+        return [line + ("" if not on else " (no vLLM sleep mode in this run: no conflict)")], []
+    if allocator_source is None:
+        return [line + "; vLLM not installed: its sleep-mode allocator not checked"], []
+    if _OLD_ASSERT in allocator_source:
+        return [line], ["PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, which this vLLM's sleep "
+                        "mode refuses (CuMemAllocator asserts): unset it, or install the pinned vllm "
+                        "(constraints/gpu.txt), which switches it off around its own memory pool"]
+    if _TOGGLE in allocator_source:
+        return [line + "; vLLM turns expandable segments off around its sleep-mode pool, the "
+                "trainer keeps them"], []
+    return [line + "; vLLM's sleep-mode allocator not recognised: unchecked"], []
+
+
+def visible_gpu_lines(environ, n_visible: int, local_rank: int, local_world: int) -> tuple[list[str], list[str]]:
+    """GPUs this process sees (n_visible: torch.cuda.device_count()) against its LOCAL_RANK and the
+    ranks per node (local_world; 0 = unknown). The trainer (torch.cuda.set_device) and its vLLM
+    engine (external launcher: device LOCAL_RANK) both take GPU number LOCAL_RANK, so every process
+    must see every GPU of its node, as torchrun and the deepspeed launcher arrange. No GPU: no check."""
+    cvd = environ.get("CUDA_VISIBLE_DEVICES")
+    line = (f"GPUs visible to this process: {n_visible} (CUDA_VISIBLE_DEVICES={cvd if cvd is not None else 'unset'}), "
+            f"LOCAL_RANK {local_rank}" + (f" of {local_world} per node" if local_world else ""))
+    if not n_visible:
+        return [line], []
+    need = max(local_rank + 1, local_world)
+    if n_visible >= need:
+        return [line], []
+    return [line], [f"this process sees {n_visible} GPU(s) but is local rank {local_rank}"
+                    + (f" of {local_world}" if local_world else "") + ": the trainer and its vLLM engine "
+                    "use GPU number LOCAL_RANK, so every process must see all of its node's GPUs (torchrun "
+                    "and deepspeed do this; under SLURM do not bind GPUs per task: one task per node "
+                    "running torchrun, or --gpu-bind=none)"]
+
+
+def extensions_dir(environ) -> str:
+    """Where torch builds JIT extensions (DeepSpeedCPUAdam): $TORCH_EXTENSIONS_DIR, else
+    ~/.cache/torch_extensions."""
+    return environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                               "torch_extensions")
+
+
+def build_lock_lines(root: str, now: float | None = None, stale_s: float = 1800.0) -> tuple[list[str], list[str]]:
+    """Lock files of torch's extension builds under `root` (torch's FileBaton writes `<build>/lock`
+    and deletes it when the build ends). One older than stale_s seconds (a DeepSpeedCPUAdam build
+    takes 1-5 min) is left by a killed build, and every rank's next start waits on it forever: a
+    problem naming the file to delete. A younger one may be a build in progress (noted)."""
+    now = time.time() if now is None else now
+    if not os.path.isdir(root):
+        return [f"torch extensions: {root} (none built yet)"], []
+    locks = []
+    for d, _, fs in os.walk(root):
+        locks += [os.path.join(d, f) for f in fs if f == "lock"]
+    if not locks:
+        return [f"torch extensions: {root}, no build lock"], []
+    lines, problems = [f"torch extensions: {root}"], []
+    for p in sorted(locks):
+        try:
+            age = now - os.path.getmtime(p)
+        except OSError:
+            continue
+        if age > stale_s:
+            problems.append(f"stale extension-build lock {p} ({age / 60:.0f} min old): an interrupted "
+                            f"build left it and every start will wait on it; delete it (rm {p})")
+        else:
+            lines.append(f"  build lock {p} ({age:.0f} s old): a build may be running")
+    return lines, problems
+
+
+def checkpoint_bytes(params: int, bf16: bool = True) -> dict:
+    """One full-mode checkpoint (backends/run/checkpoint.py layout, engine zero3) in bytes by part:
+    DeepSpeed's partitions (fp32 master weights + Adam m and v: 12 bytes per parameter, over all
+    ranks together), the HF weights (2 or 4 bytes per parameter) and state.pt (bank, metrics, RNGs:
+    ~0.1 GB, ours)."""
+    # Eq.: checkpoint = 12 P (zero/) + 2 P (model/, bf16) + state.pt
+    return {"DeepSpeed partitions (fp32 master, Adam m, v)": 12 * params,
+            "HF weights (model/)": (2 if bf16 else 4) * params, "training state (state.pt)": 0.1 * GB}
+
+
+def free_bytes(path: str) -> tuple[float, str]:
+    """(free bytes, the existing directory measured) of the filesystem that holds `path` (its
+    nearest existing parent)."""
+    p = os.path.abspath(os.path.expanduser(path))
+    while not os.path.isdir(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    st = os.statvfs(p)
+    return float(st.f_frsize * st.f_bavail), p
+
+
+def checkpoint_disk_lines(params: int, keep: int, every: int, run_dir: str, free: float, where: str,
+                          existing: float = 0.0, bf16: bool = True) -> tuple[list[str], list[str]]:
+    """One checkpoint's size and the disk checkpoint.keep of them need: a new checkpoint is written
+    in full before the oldest is pruned, so (keep + 1) checkpoints exist for a moment. free: bytes
+    free where run_dir lives (free_bytes); existing: bytes of checkpoints already there (a resume),
+    which the count includes. every = 0: only the last one (keep still applies to a resumed run)."""
+    parts = checkpoint_bytes(params, bf16)
+    one = float(sum(parts.values()))
+    need = (max(1, keep) + 1) * one - existing
+    lines = [f"checkpoints: {one / GB:.1f} GB each ("
+             + ", ".join(f"{k} {v / GB:.1f} GB" for k, v in parts.items()) + ")",
+             f"  checkpoint.keep {keep}, every {every} steps: {(keep + 1) * one / GB:.0f} GB at the peak "
+             f"(keep + 1 while the newest is written); {free / GB:.0f} GB free at {where}"]
+    if free < need:
+        return lines, [f"disk: {free / GB:.0f} GB free at {where} for run_dir {run_dir}, but "
+                       f"checkpoint.keep={keep} checkpoints of {one / GB:.0f} GB need {need / GB:.0f} GB "
+                       "more (lower checkpoint.keep, or a larger filesystem)"]
+    return lines, []
