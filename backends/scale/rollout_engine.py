@@ -12,11 +12,15 @@ What is here
     SeededSampler                          what the engine needs of a sampler: generate(...) with one
                                            seed per prompt (backends/scale/vllm_sampler.VLLMSampler and
                                            the CPU benchmark's sampler implement it)
-    ConcurrentRolloutEngine.run            schedule "async": a rollout goes to its next turn as soon as
-                                           its own tool result arrives (tools on a bounded thread
-                                           pool, rollout.tool_concurrency); "lockstep": today's
-                                           rounds, every rollout waits for every tool call, run one
-                                           after another (the comparison schedule)
+    ConcurrentRolloutEngine.run            schedule "async": continuous batching, one request per
+                                           segment (backends/scale/continuous.py): a rollout's next
+                                           turn reaches the engine as soon as its own tool result
+                                           arrives (tools on a bounded thread pool,
+                                           full.tool_concurrency), never waiting for another
+                                           rollout's segment; "batched": every ready rollout in one
+                                           blocking generate call (the convoy schedule, kept for
+                                           benchmarks/rollout_phase.py); "lockstep": rounds, every
+                                           rollout waits for every tool call, run one after another
     shard(n_groups, world, rank)           the contiguous groups rank `rank` samples
     StreamingJudge                         judge.judge_group of a group as soon as its n rollouts are
                                            done, on a bounded pool; groups of the same query text in
@@ -57,11 +61,12 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from backends.scale.continuous import requests_for
 from reflection import run_reflection_branch
 from scaffold import Rollout, finalize
 
 
-SCHEDULES = ("async", "lockstep")
+SCHEDULES = ("async", "batched", "lockstep")
 
 # Held around each seeded request of SeededTorchSampler (fork the global RNG, seed, decode, restore)
 # and around the step's torch.manual_seed in backends/distributed/overlap.py: the overlapped reflection branch
@@ -111,10 +116,14 @@ class ConcurrentRolloutEngine:
     """Multi-turn rollouts (§3.1-3.2) over a scaffold.RolloutEngine's sampler, tools, prompt, parser
     and fault rules, with one seed per request (request_seed).
 
-    schedule "async": a loop hands the sampler every rollout that is ready (its prompt, or its own
-    tool output, is in place), `max_batch` at a time (None: all that are ready); a rollout that ends
-    with a call goes to the tool pool (at most `tool_concurrency` calls in flight) and rejoins the
-    loop when its result arrives, while the others keep sampling. schedule "lockstep": the rounds of
+    schedule "async" (continuous batching): each segment is one request to the sampler
+    (continuous.requests_for: VLLMSampler.submit, or one request at a time for a sampler with only
+    `generate`); a segment that ends with a call goes to the tool pool (at most `tool_concurrency`
+    calls in flight) and the rollout's next segment is submitted the moment the tool returns, while
+    the others keep sampling. schedule "batched": a loop hands the sampler every rollout that is
+    ready in one blocking generate call, `max_batch` at a time (None: all that are ready), so a
+    rollout whose tool returned waits for that call's longest segment (the convoy the "async"
+    schedule removes; kept to measure it). schedule "lockstep": the rounds of
     scaffold.RolloutEngine.run (every active rollout samples, then every call runs, one at a time).
 
     on_group_done(g) is called from the loop when the n rollouts of group g (0-based, of this call)
@@ -123,7 +132,8 @@ class ConcurrentRolloutEngine:
     deadline_refusals) plus sampler_calls, gen_tokens (tokens this engine's rollouts sampled: a
     sampler shared with the overlapped reflection branch counts that branch's tokens too, these
     never do) and max_tool_calls_pending (calls handed to the pool, running or queued; at most
-    tool_concurrency of them run).
+    tool_concurrency of them run); sampler_calls counts generate calls ("batched", "lockstep") or
+    requests ("async").
 
     engine: a scaffold.RolloutEngine whose sampler takes seeds (SeededSampler); tool_concurrency
     >= 1; max_batch >= 1 or None. Raises ValueError for an unknown schedule or a bound below 1.
@@ -225,8 +235,10 @@ class ConcurrentRolloutEngine:
         turns = {id(r): 0 for r in rollouts}
         if self.schedule == "lockstep":
             self._lockstep(rollouts, seed, temp, turns, done)
+        elif self.schedule == "batched":
+            self._batched(rollouts, seed, temp, turns, done)
         else:
-            self._async(rollouts, seed, temp, turns, done)
+            self._continuous(rollouts, seed, temp, turns, done)
         for r in rollouts:
             r.__dict__.pop("_index", None)
         return rollouts
@@ -253,7 +265,55 @@ class ConcurrentRolloutEngine:
             r.truncated = True
             done(r)
 
-    def _async(self, rollouts, seed, temp, turns, done) -> None:
+    def _continuous(self, rollouts, seed, temp, turns, done) -> None:
+        """Schedule "async": one request per segment; every future (a segment or a tool call) is
+        handled as it completes, in rollout-index order among those done together."""
+        e = self.engine
+        front, close = requests_for(e.sampler)
+        rounds = {id(r): 0 for r in rollouts}
+        pending: dict = {}  # future -> ("sample" | "tool", rollout)
+
+        def next_turn(r: Rollout) -> None:
+            # SCALE: the rollout's next segment goes to the engine now, whatever else is running
+            budget = e.max_response_tokens - len(r.response_ids)
+            f = front.submit(r.prompt_ids + r.response_ids, budget, temp,
+                             request_seed(seed, r._index, turns[id(r)]))
+            self.stats["sampler_calls"] += 1
+            pending[f] = ("sample", r)
+
+        try:
+            with cf.ThreadPoolExecutor(self.tool_concurrency, thread_name_prefix="tool") as pool:
+                for r in rollouts:
+                    next_turn(r)
+                while pending:
+                    finished, _ = cf.wait(list(pending), return_when=cf.FIRST_COMPLETED)
+                    for f in sorted(finished, key=lambda f: pending[f][1]._index):
+                        kind, r = pending.pop(f)
+                        if kind == "sample":
+                            ids = f.result()  # re-raise what the sampler raised
+                            self.stats["gen_tokens"] += len(ids)
+                            rounds[id(r)] += 1
+                            if self._after_sample(r, ids) != "call":
+                                done(r)
+                                continue
+                            pending[pool.submit(self._tool, r)] = ("tool", r)
+                            n_tools = sum(k == "tool" for k, _ in pending.values())
+                            self.stats["max_tool_calls_pending"] = max(
+                                self.stats["max_tool_calls_pending"], n_tools)
+                            continue
+                        f.result()  # a 401/403/404 of the search API stops the run
+                        turns[id(r)] += 1
+                        if len(r.response_ids) >= e.max_response_tokens or rounds[id(r)] >= e.max_rounds:
+                            r.truncated = True
+                            done(r)
+                        else:
+                            next_turn(r)
+        finally:
+            for f in pending:  # an error above: requests still queued are not waited for
+                f.cancel()
+            close()
+
+    def _batched(self, rollouts, seed, temp, turns, done) -> None:
         e = self.engine
         ready = collections.deque(rollouts)
         rounds = {id(r): 0 for r in rollouts}
