@@ -259,6 +259,7 @@ def rl_step(run: Run, step: int, pending: ReflectionBatch, rng: random.Random, m
     if "syncs" in run.sampler.stats:  # vLLM: weight syncs so far and the last one's size
         m["sampler/syncs"] = run.sampler.stats["syncs"] + run.sampler.stats["reloads"]
         m["sampler/sync_bytes"] = run.sampler.stats["last_sync"].get("bytes", 0)
+        m["sampler/sleeps"] = run.sampler.stats.get("sleeps", 0)  # rank 0's engine asleep in updates
     with timed(m, "time/reflection_s"):
         pending, rmet = reflect(run, step, rollouts, judged, rng)  # Alg. 1 step 7
         m.update(rmet)

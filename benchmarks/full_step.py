@@ -82,7 +82,7 @@ from backends.distributed.overlap import NoSync  # noqa: E402
 from backends.api.settings import SearchHTTPConfig  # noqa: E402
 from backends.api.search_http import SerperSearchTool  # noqa: E402
 from backends.run.torch_engine import TorchEngine  # noqa: E402
-from backends.scale.weight_channel import free_port  # noqa: E402
+from backends.distributed.dist import free_port  # noqa: E402
 from bank import RubricBank  # noqa: E402
 from hparams import ReflectionConfig, SSGRPOConfig  # noqa: E402
 from judge import judge_all  # noqa: E402
@@ -494,7 +494,7 @@ def _train_loop_schedules(a, urls) -> int:
     """A whole RL step of `train.py --full` itself (time/step_s) under full.rollout_schedule
     "lockstep" (train.rl_step: turn barriers, judge after the rollouts, reflection after the update,
     two syncs) and "async" (backends/distributed/overlap.py: the overlapped step), same seed and work, every
-    rank sampling on --sampler ("vllm": an engine per rank in its own process, with the python of
+    rank sampling on --sampler ("vllm": an engine per rank inside its process, with the python of
     RUBRICEM_VLLM_PYTHON; "hf": a copy of pi_theta per rank). Step 0 is left out of the mean (no
     branch overlaps it; the engines warm up). Prints TRAIN_LOOP_SCHEDULE sampler=.. step_s=..
     sequential_step_s=.. ratio=.. same_step0=..: the mean of steps 1.. per schedule, their ratio,

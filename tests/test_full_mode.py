@@ -287,13 +287,13 @@ def _vllm_python_with_deepspeed():
 
 @pytest.mark.slow
 def test_full_mode_two_zero3_ranks_with_the_vllm_sampler(runs, tmp_path):
-    """ZeRO-3 on 2 ranks + vLLM on rank 0 alone (full.rollout_ranks="rank0", the fallback; its
-    engine in its own process: see build.build_sampler), synced after every update in memory
-    through the weight channel. The sync must reach the engine: with lr 0 and lr 1e-3
-    the first step samples the same trajectories (same weights, same per-request seeds) and the
-    second step differs only if the engine received the updated weights. Then one ZeRO-3 rank with
-    the in-process engine and the in-place sync samples the same as the 2-rank run. (An engine per
-    rank, the default "all": tests/test_full_vllm_ranks.py.)"""
+    """ZeRO-3 on 2 ranks + vLLM sampling on rank 0 alone (full.rollout_ranks="rank0", the fallback;
+    every rank's engine inside its own process, built together: see build.build_sampler), synced
+    after every update in memory. The sync must reach the engine: with lr 0 and lr 1e-3 the first
+    step samples the same trajectories (same weights, same per-request seeds) and the second step
+    differs only if the engine received the updated weights. Then one ZeRO-3 rank, on the same
+    engine path, samples the same as the 2-rank run. (An engine per sampling rank, the default
+    "all": tests/test_full_vllm_ranks.py.)"""
     py = _vllm_python_with_deepspeed()
     rows = runs["rows"]
     out, syncs = {}, {}
@@ -313,11 +313,11 @@ def test_full_mode_two_zero3_ranks_with_the_vllm_sampler(runs, tmp_path):
     first = lambda xs, step: [x["trajectory"] for x in xs if x["step"] == step]  # noqa: E731
     assert first(out["0"], 0) == first(out["1e-3"], 0)
     assert first(out["0"], 1) != first(out["1e-3"], 1)
-    # 2 ranks: the engine runs in its own process and takes pi_theta in memory through the weight
-    # channel (backends/scale/weight_channel.py), never from a checkpoint on tmpfs
+    # 2 ranks: the engine takes pi_theta in memory (the gathered tensors as rpc arguments), never
+    # from a checkpoint on tmpfs
     assert all(b > 0 for b in syncs["1e-3"]), syncs
-    # One ZeRO-3 rank keeps vLLM in process and streams iter_full_params() into sync_weights; the
-    # engine then holds the same weights as after the 2-rank reload, so it samples the same.
+    # One ZeRO-3 rank streams iter_full_params() into its engine's sync_weights as every rank does;
+    # the engine then holds the same weights as after the 2-rank sync, so it samples the same.
     d, _, _ = _full_run(tmp_path, "vllm-1rank", runs["model"], rows, 1, "--set", 'sampler="vllm"',
                         "--set", "ss_grpo.lr=1e-3", python=py, torchrun=True)
     one = _metrics(d)

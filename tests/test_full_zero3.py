@@ -20,7 +20,7 @@ import torch
 
 from backends.distributed import dist, dry_run, selftest
 from backends.scale import settings as full_settings
-from backends.scale.weight_channel import free_port
+from backends.distributed.dist import free_port
 import policy
 from toy import model as toy_model
 import ss_grpo

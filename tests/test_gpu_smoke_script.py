@@ -27,7 +27,7 @@ def test_gpu_smoke_has_one_check_per_gpu_only_path():
     for name in ("versions", "dry-run", "recompute", "full-loop", "peak-memory", "sync"):
         assert f"line {name} " in text, name
     for what in ('bank.retriever=\'"dense"\'', "151936", "DeepSpeedCPUAdam", "RUBRICEM_PEAK_MEM_DIR",
-                 "vllm_channel_check.py", 'NPROC=2', "--cpu"):
+                 "vllm_sync_check.py", "sampler/sleeps", 'NPROC=2', "--cpu"):
         assert what in text, what
 
 

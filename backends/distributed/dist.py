@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import resource
+import socket
 import sys
 import warnings
 from dataclasses import dataclass
@@ -20,7 +21,14 @@ from typing import Sequence
 
 import torch
 
-from backends.scale.weight_channel import free_port
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """An unused TCP port on `host` (int; another process may take it before it is bound: torchrun's
+    --standalone picks its own instead)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

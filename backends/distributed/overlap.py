@@ -23,9 +23,10 @@ One step t (`OverlappedStep.__call__`):
 
 Rank 0's sampler serves two threads: the branch's reflection requests and rank 0's share of step
 t+1's rollouts. Both samplers take that: SeededTorchSampler decodes one seeded request at a time
-(TORCH_RNG_LOCK), and VLLMSampler runs one generate call at a time on its engine (its lock), each
-request with its own seed, so the tokens never depend on how the two threads interleave; only rank
-0's rollouts may wait for a reflection call (the other ranks' engines never serve the branch).
+(TORCH_RNG_LOCK); VLLMSampler puts both threads' requests into its engine loop
+(backends/scale/engine_loop.py), so reflection candidates and rollout segments decode in the same
+batches. Each request has its own seed, so the tokens never depend on how the two threads
+interleave (the other ranks' engines never serve the branch).
 
 Synchronisation points. After a step that ends on a checkpoint (checkpoint.every, the run's last
 step or checkpoint.stop_after) or a held-out evaluation point, the branch is collected before the
@@ -174,6 +175,7 @@ class OverlappedStep:
         if "syncs" in run.sampler.stats:  # vLLM: weight syncs so far and the last one's size
             m["sampler/syncs"] = run.sampler.stats["syncs"] + run.sampler.stats["reloads"]
             m["sampler/sync_bytes"] = run.sampler.stats["last_sync"].get("bytes", 0)
+            m["sampler/sleeps"] = run.sampler.stats.get("sleeps", 0)  # rank 0's engine asleep in updates
         nxt = ReflectionBatch(step)
         self.gate = None
         if run.arm.reflection:  # Alg. 1 step 7, in a thread: it overlaps step t+1's rollouts

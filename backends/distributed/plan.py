@@ -64,7 +64,11 @@ from backends.scale.rollout_engine import shard
 GB = 1e9
 GIB = 2 ** 30
 
-CUDA_CONTEXT_B = 0.6 * GB  # ours: a CUDA context with cuBLAS / NCCL handles, per process
+CUDA_CONTEXT_B = 1.5 * GB  # ours: the trainer's CUDA context with NCCL communicators, cuBLAS workspace
+# What the memory plan leaves unused beside vLLM on a GPU (ours): allocator fragmentation, NCCL
+# buffers, what a sleeping engine keeps; 6 % of the GPU, at least 3 GiB
+ENGINE_SLACK_FRAC = 0.06
+ENGINE_SLACK_MIN_B = 3 * GIB
 VLLM_ACTIVATION_RESERVE_B = 2.0 * GB  # ours: vLLM's profiled peak activations for an 8B model
 REDUCE_BUCKET_ELEMS = 5e8  # DeepSpeed's default reduce_bucket_size
 HOST_PER_RANK_B = 4.0 * GB  # ours: torch / CUDA libraries, Python, tokenizer, data, per process
@@ -164,7 +168,21 @@ class MemoryPlan:
     ranks_per_node: int = 1
     notes: list = field(default_factory=list)
     sleeps: bool = False  # vLLM engines sleep through the update (the peak is then by phase)
-    engines: int = 0  # vLLM engines (one per sampling rank)
+    engines: int = 0  # vLLM engines (one per rank with engine zero3)
+    sampling_ranks: int = 1  # ranks whose engine samples (full.rollout_ranks)
+    util: dict = field(default_factory=dict)  # vLLM's share of the GPU: "rank 0", "ranks 1.."
+
+    def utilization_for(self, d: dict, gpu_bytes: float) -> float:
+        """vLLM's share of one GPU whose other items are `d` (VLLM_ITEM left out): what stays
+        resident while the engine samples (everything but the update's transients when the engine
+        sleeps through the update, everything otherwise) plus ENGINE_SLACK, the rest for vLLM;
+        floored to 0.01 and kept in [0.3, 0.9]. vLLM checks at start that this share is free."""
+        resident = float(sum(v for k, v in d.items() if k != VLLM_ITEM
+                             and (not self.sleeps or k not in UPDATE_TRANSIENTS)))
+        slack = max(ENGINE_SLACK_MIN_B, ENGINE_SLACK_FRAC * gpu_bytes)
+        # Eq.: util = floor((G - resident - slack) / G, 0.01), in [0.3, 0.9]
+        util = math.floor((gpu_bytes - resident - slack) / gpu_bytes * 100) / 100
+        return min(0.9, max(0.3, util))
 
     @staticmethod
     def total(d: dict) -> float:
@@ -228,26 +246,29 @@ def memory_plan(shape: ModelShape, cfg, world: int, ranks_per_node: int, gpu_byt
     others = dict(g)
     r0 = dict(g)
     plan = MemoryPlan(world=W, ranks_per_node=ranks_per_node, gpu_bytes=gpu_bytes, host_bytes=host_bytes)
+    if cfg.bank.retriever == "dense":
+        r0["embedding model (fp32, Qwen3-Embedding-0.6B)"] = 4 * EMBED_PARAMS
     if cfg.sampler == "vllm":
-        util = float(full.vllm_gpu_memory_utilization)
-        every = W > 1 and full.rollout_ranks == "all" and getattr(cfg, "engine", "zero3") == "zero3"
-        for d in (r0, others) if every else (r0,):  # build.vllm_rank_engines: an engine per rank
+        # build.vllm_engines: with engine zero3 every rank holds an engine inside its own process
+        # (one CUDA context per GPU), at every world size, asleep through each update
+        everywhere = getattr(cfg, "engine", "zero3") == "zero3"
+        plan.engines = W if everywhere else 1
+        plan.sleeps = everywhere and int(getattr(full, "vllm_sleep_level", 1)) > 0
+        plan.sampling_ranks = W if everywhere and full.rollout_ranks == "all" else 1
+        for who, d in (("rank 0", r0), ("ranks 1..", others)) if everywhere and W > 1 else (("rank 0", r0),):
+            # Eq.: utilisation = (GPU - what stays resident while the engine runs - slack) / GPU
+            util = float(full.vllm_gpu_memory_utilization) or plan.utilization_for(d, gpu_bytes)
             d[VLLM_ITEM] = util * gpu_bytes
-            if W > 1:  # build.build_sampler: its own process under a multi-rank launcher
-                d["vLLM process CUDA context"] = CUDA_CONTEXT_B
-        plan.engines = W if every else 1
-        # SCALE: under a launcher each engine sleeps through the update (engine.ZeRO3Engine.update)
-        plan.sleeps = W > 1 and int(getattr(full, "vllm_sleep_level", 1)) > 0
-        kv = util * gpu_bytes - 2 * P - VLLM_ACTIVATION_RESERVE_B
-        plan.kv_tokens = max(0, int(kv // shape.kv_bytes_per_token))
+            plan.util[who] = util
+            # Eq.: KV tokens = (util x GPU - 2P weights - activation reserve) / KV bytes per token
+            kv = max(0, int((util * gpu_bytes - 2 * P - VLLM_ACTIVATION_RESERVE_B) // shape.kv_bytes_per_token))
+            plan.kv_tokens = kv if not plan.kv_tokens else min(plan.kv_tokens, kv)
         max_len = full.vllm_max_model_len or T
         plan.kv_contexts = plan.kv_tokens / max_len
     elif cfg.sampler in ("hf", "kv"):
         r0["sampling copy (HF generate, bf16)"] = wb * P
         if W > 1 and full.rollout_ranks == "all":  # every rank samples with its own copy
             others["sampling copy (HF generate, bf16)"] = wb * P
-    if cfg.bank.retriever == "dense":
-        r0["embedding model (fp32, Qwen3-Embedding-0.6B)"] = 4 * EMBED_PARAMS
     plan.rank0, plan.others = r0, others
     n_local = min(ranks_per_node, W)
     h = {}
@@ -271,11 +292,26 @@ def memory_plan(shape: ModelShape, cfg, world: int, ranks_per_node: int, gpu_byt
     return plan
 
 
+def vllm_utilization(shape: ModelShape, cfg, world: int, gpu_bytes: float, rank0: bool = True) -> float:
+    """vLLM's gpu_memory_utilization for one rank's engine from the memory plan
+    (MemoryPlan.utilization_for; full.vllm_gpu_memory_utilization > 0 overrides it): rank 0's GPU
+    also holds the embedding model. A float in [0.3, 0.9]."""
+    mp = memory_plan(shape, cfg, world, min(world, 8), gpu_bytes, 0.0)
+    return mp.util.get("rank 0" if rank0 else "ranks 1..", mp.util.get("rank 0", 0.3))
+
+
 def pack_tokens(cfg) -> int:
     """The longest sequence an update sees: full.max_prompt_tokens + rollout.max_response_tokens
     (PAPER: 8,192 + 18,432 = 26,624), or full.vllm_max_model_len when that is set."""
     mp = int(getattr(cfg.full, "max_prompt_tokens", 0) or 4096)
     return int(cfg.full.vllm_max_model_len or mp + cfg.rollout.max_response_tokens)
+
+
+def mean_context(cfg) -> float:
+    """The mean context of a sampled sequence while it decodes to its end, in tokens: the prompt
+    (~2,048 of the 8,192 allowed, ours) plus the mean response (ASSUME mean_response_frac of the max)."""
+    prompt = min(pack_tokens(cfg) - cfg.rollout.max_response_tokens, 2048)
+    return prompt + ASSUME["mean_response_frac"] * cfg.rollout.max_response_tokens
 
 
 @dataclass
@@ -299,11 +335,41 @@ ASSUME = {
     "gpu_flops": 989e12,  # H100 dense bf16
     "mfu": 0.25,  # ZeRO-3 with optimizer offload and checkpointing
     "cpu_adam_params_per_s": 1.0e9,  # DeepSpeedCPUAdam, per rank
-    "sync_bytes_per_s": 2e9,  # gather to host + gloo over loopback TCP into vLLM's process (weight_channel)
+    "sync_bytes_per_s": 2e9,  # ours, conservative: gathers + two device copies per byte into the in-process engine
     "sampling_ranks": 1,  # vLLM engines sampling (1: rank 0 alone; plan_lines passes MemoryPlan.engines)
     "sleeps": False,  # engines sleep through each update (level 1: weights to host and back)
     "pcie_bytes_per_s": 25e9,  # host <-> GPU copy of a sleeping engine's weights (pinned, PCIe 5)
+    # Convoys: with blocking batch calls (schedule "lockstep": every turn is one generate call over
+    # the wave) a call lasts as long as its longest segment, and a rollout whose search returned
+    # waits for it. The rollout phase is then this factor x the continuous-batching one: the ratio
+    # of a discrete-event model of one engine (docs/full_mode.md, "Convoys"; 15.5 / 9.0 min, 1.7-1.9
+    # over its variants). Continuous batching (schedule "async", backends/scale/engine_loop.py) has none.
+    "convoy_factor": 1.7,
 }
+
+
+def reflection_update_tokens(cfg, ctx: float) -> tuple[float, float]:
+    """(tokens the reflection update processes as the code runs it, the same packed per group) for
+    one step's reflection batch (train.apply_reflection_batch): rollout.prompts_per_step groups
+    (PAPER: one reflection group per question) of reflection.m candidates, each candidate = the
+    reflection prompt (the trajectory it reflects on, ~`ctx` tokens, ASSUME) + at most
+    reflection.max_new_tokens. The update deals sequences one by one (policy.plan_update), so a
+    group's candidates share a row (backends/run/fast_logprobs.SharedPrefixRows) only when they meet
+    in one pass of ss_grpo.micro_batch sequences: never at micro_batch 1 (the full preset), which is
+    counted here as one sequence per row: groups x m x (ctx + new). Packed per group (not built) it
+    would be groups x (ctx + m x new). Floats, tokens."""
+    g, m = cfg.rollout.prompts_per_step, int(cfg.reflection.m)
+    new = float(cfg.reflection.max_new_tokens or 512)
+    # Eq.: as run (micro_batch 1) = G m (ctx + new); packed per group = G (ctx + m new)
+    return g * m * (ctx + new), g * (ctx + m * new)
+
+
+def _update_s(tokens: float, P: float, W: int, cfg, a: dict) -> float:
+    """Seconds of one policy update over `tokens` tokens: training FLOPs (6 + 2 recompute) P per token,
+    + 2P (pi_ref) + 2P (old pass when > 1 minibatch), at the MFU; + DeepSpeedCPUAdam's steps."""
+    # Eq.: training FLOPs = (6 + 2 recompute) P per token; + 2P (pi_ref) + 2P (old pass if > 1 minibatch)
+    flops = tokens * P * (8 + (2 if cfg.ss_grpo.beta > 0 else 0) + (2 if cfg.ss_grpo.minibatches > 1 else 0))
+    return flops / (W * a["gpu_flops"] * a["mfu"]) + cfg.ss_grpo.minibatches * P / W / a["cpu_adam_params_per_s"]
 
 
 def step_time(shape: ModelShape, cfg, world: int, kv_tokens: int, assume: dict | None = None) -> StepTime:
@@ -326,7 +392,8 @@ def step_time(shape: ModelShape, cfg, world: int, kv_tokens: int, assume: dict |
     # Eq.: one decode step reads the weights once: 2P bytes / bandwidth x eager overhead
     decode_step = 2 * P / a["hbm_bytes_per_s"] * a["eager_overhead"]
     waves = math.ceil(seqs / concurrency)
-    rollouts = waves * resp * decode_step
+    # Eq.: rollouts = waves x mean response x decode step x convoy factor (blocking calls per turn)
+    rollouts = waves * resp * decode_step * a["convoy_factor"]
     # rounds are synchronised across the rollouts of a wave and searches run one at a time
     search = waves * a["tool_calls_per_rollout"] * concurrency * a["search_s"]
     judge_calls = cfg.rollout.prompts_per_step * (1 + cfg.rollout.n)
@@ -334,14 +401,13 @@ def step_time(shape: ModelShape, cfg, world: int, kv_tokens: int, assume: dict |
     judge = math.ceil(judge_calls / a["judge_concurrency"]) * a["judge_call_s"] \
         + reflect_calls * a["judge_call_s"]
     tokens = cfg.rollout.prompts_per_step * cfg.rollout.n * (prompt + resp)
-    # Eq.: training FLOPs = (6 + 2 recompute) P per token; + 2P (pi_ref) + 2P (old pass if > 1 minibatch)
-    flops = tokens * P * (8 + (2 if cfg.ss_grpo.beta > 0 else 0)
-                          + (2 if cfg.ss_grpo.minibatches > 1 else 0))
-    update = flops / (W * a["gpu_flops"] * a["mfu"]) \
-        + cfg.ss_grpo.minibatches * P / W / a["cpu_adam_params_per_s"]
+    update = _update_s(tokens, P, W, cfg, a)
+    r_tok, r_packed = reflection_update_tokens(cfg, ctx)
+    r_update = _update_s(r_tok, P, W, cfg, a)
     sync = 2 * 2 * P / a["sync_bytes_per_s"]  # two syncs per step (task and reflection updates)
     phases = {"rollouts (decode)": rollouts, "search calls": search, "judge + reflection judge": judge,
-              "update (forward/backward/optimizer)": update, "weight syncs (2 per step)": sync}
+              "update (forward/backward/optimizer)": update, "reflection update": r_update,
+              "weight syncs (2 per step)": sync}
     if a["sleeps"]:  # Eq.: per update, weights 2P to host and back at PCIe speed (all engines at once)
         phases["vLLM sleep + wake (2 per step)"] = 2 * 2 * 2 * P / a["pcie_bytes_per_s"]
     engines = "one vLLM engine (rank 0)" if ranks == 1 else \
@@ -350,14 +416,16 @@ def step_time(shape: ModelShape, cfg, world: int, kv_tokens: int, assume: dict |
         f"mean response {resp:.0f} tokens ({a['mean_response_frac']:g} x max), prompt ~{prompt} tokens",
         f"{engines}: {concurrency} concurrent sequences (KV capacity / mean context), "
         f"{waves} waves; decode step {decode_step * 1e3:.0f} ms = 2P / {a['hbm_bytes_per_s'] / 1e12:g} "
-        f"TB/s x {a['eager_overhead']:g} (eager)",
+        f"TB/s x {a['eager_overhead']:g} (eager); convoys x {a['convoy_factor']:g} (every turn one "
+        "blocking call over the wave: a call lasts its longest segment)",
         f"{a['tool_calls_per_rollout']:g} searches per rollout at {a['search_s']:g} s, one at a time "
         "on each engine's rank (a turn waits for every rollout of its wave)",
         f"{judge_calls} judge calls ({a['judge_concurrency']} in flight) + {reflect_calls} serial "
         f"reflection calls, {a['judge_call_s']:g} s each",
         f"update at {a['mfu']:g} MFU of {a['gpu_flops'] / 1e12:g} TFLOP/s per GPU, CPU Adam at "
         f"{a['cpu_adam_params_per_s'] / 1e9:g}e9 params/s per rank",
-        f"sync: 2 x 2P bytes at {a['sync_bytes_per_s'] / 1e9:g} GB/s (in memory: gloo over loopback)",
+        _reflection_line(cfg, r_tok, r_packed, ctx),
+        f"sync: 2 x 2P bytes at {a['sync_bytes_per_s'] / 1e9:g} GB/s (in memory, into each rank's engine)",
     ]
     if a["sleeps"]:
         assumptions.append(f"vLLM sleep (level 1) through each update: 2P to host and back at "
@@ -401,8 +469,11 @@ def step_time_concurrent(shape: ModelShape, cfg, world: int, kv_tokens: int,
     concurrency = max(1, min(per_rank, fits))
     # Eq.: one decode step reads the weights once: 2P bytes / bandwidth x eager overhead
     decode_step = 2 * P / a["hbm_bytes_per_s"] * a["eager_overhead"]
-    waves = math.ceil(per_rank / concurrency)
-    waves0 = math.ceil(groups[0] * cfg.rollout.n / max(1, min(groups[0] * cfg.rollout.n, fits)))
+    # continuous batching (engine_loop.py): a segment joins the running batch when its search
+    # returns and a waiting sequence takes the place of one that ends, so no convoy factor (ASSUME
+    # convoy_factor applies to blocking calls only) and no wave barrier: waves = sequences / concurrency
+    waves = max(1.0, per_rank / concurrency)
+    waves0 = max(1.0, groups[0] * cfg.rollout.n / max(1, min(groups[0] * cfg.rollout.n, fits)))
     rollouts = waves * resp * decode_step
     # each rollout waits only for its own searches, one after another (its turns are sequential)
     search = waves * a["tool_calls_per_rollout"] * a["search_s"]
@@ -411,11 +482,12 @@ def step_time_concurrent(shape: ModelShape, cfg, world: int, kv_tokens: int,
     judge_busy = math.ceil(judge_calls / C) * L  # the judge's own time at C requests in flight
     judge = max(a["judge_rounds_exposed"] * L, judge_busy - (rollouts + search))
     reflect_calls = cfg.rollout.prompts_per_step
-    # the branch samples its P x m candidates on rank 0's engine alone, one generate call that rank
-    # 0's rollout calls wait for (VLLMSampler's lock): rank 0 finishes its own rollouts that much later
+    # the branch samples its P x m candidates on rank 0's engine, in the same batches as rank 0's
+    # rollouts (engine_loop.py): they take engine steps from it, so rank 0 finishes that much later
     reflect_seqs = reflect_calls * a["reflection_m"]
-    reflect_sample = math.ceil(reflect_seqs / max(1, int(kv_tokens // (ctx + a["reflection_tokens"]))
-                                                 if kv_tokens else 1)) * a["reflection_tokens"] * decode_step
+    # (continuous batching: no wave barrier here either)
+    reflect_sample = max(1.0, reflect_seqs / max(1, int(kv_tokens // (ctx + a["reflection_tokens"]))
+                                                if kv_tokens else 1)) * a["reflection_tokens"] * decode_step
     reflect_judge = math.ceil(reflect_calls / C) * L
     reflection = reflect_sample + reflect_judge
     rank0_busy = waves0 * resp * decode_step + reflect_sample
@@ -423,22 +495,22 @@ def step_time_concurrent(shape: ModelShape, cfg, world: int, kv_tokens: int,
     # other rank, + the judging the rollouts do not hide
     reflection_exposed = max(0.0, rank0_busy - rollouts) + max(0.0, reflect_judge - (rollouts + search))
     tokens = seqs * (prompt + resp)
-    flops = tokens * P * (8 + (2 if cfg.ss_grpo.beta > 0 else 0)
-                          + (2 if cfg.ss_grpo.minibatches > 1 else 0))
-    update = flops / (W * a["gpu_flops"] * a["mfu"]) \
-        + cfg.ss_grpo.minibatches * P / W / a["cpu_adam_params_per_s"]
+    update = _update_s(tokens, P, W, cfg, a)
+    r_tok, r_packed = reflection_update_tokens(cfg, ctx)
+    r_update = _update_s(r_tok, P, W, cfg, a)  # step t-1's reflection batch, before the task batch
     sync = 2 * P / a["sync_bytes_per_s"]  # one sync per step (reflection and task batch, then sync)
     phases = {"rollouts (decode)": rollouts, "search calls": search,
               "judge (not hidden by rollouts)": judge,
               "reflection (not hidden by next rollouts)": reflection_exposed,
-              "update (forward/backward/optimizer)": update, "weight sync (1 per step)": sync}
+              "update (forward/backward/optimizer)": update, "reflection update": r_update,
+              "weight sync (1 per step)": sync}
     if a["sleeps"]:  # one update per step: one sleep + wake
         phases["vLLM sleep + wake (1 per step)"] = 2 * 2 * P / a["pcie_bytes_per_s"]
     assumptions = [
         f"{ranks} sampling ranks, one co-located vLLM engine each: up to {per_rank} sequences per "
-        f"engine, {concurrency} concurrent (KV capacity / mean context), {waves} waves; decode step "
-        "as today" + ("" if share == 1.0 else f"; rank 0 takes {groups[0]} of "
-                      f"{cfg.rollout.prompts_per_step} groups ({waves0} waves; "
+        f"engine, {concurrency} concurrent (KV capacity / mean context), {waves:.2f} waves; decode step "
+        "as above; continuous batching: no convoys, no wave barrier" + ("" if share == 1.0 else f"; rank 0 takes {groups[0]} of "
+                      f"{cfg.rollout.prompts_per_step} groups ({waves0:.2f} waves; "
                       f"full.rank0_rollout_share {share:g})"),
         f"{a['tool_calls_per_rollout']:g} searches per rollout at {a['search_s']:g} s, on each rollout's "
         "own path (no turn barrier; calls of different rollouts concurrent)",
@@ -448,9 +520,18 @@ def step_time_concurrent(shape: ModelShape, cfg, world: int, kv_tokens: int,
         f"tokens + {reflect_calls} judge calls ({C} in flight) = {reflection / 60:.1f} min, "
         "overlapping the next step's rollouts (one-step lag); the candidates take "
         f"{reflect_sample / 60:.1f} min of rank 0's engine",
+        _reflection_line(cfg, r_tok, r_packed, ctx),
         f"sync: 1 x 2P bytes at {a['sync_bytes_per_s'] / 1e9:g} GB/s",
     ]
     return StepTime(phases, assumptions, float(sum(phases.values())))
+
+
+def _reflection_line(cfg, as_run: float, packed: float, ctx: float) -> str:
+    """The reflection update's assumption line (reflection_update_tokens)."""
+    return (f"reflection update: {cfg.rollout.prompts_per_step} groups x {cfg.reflection.m} candidates "
+            f"behind their ~{ctx:.0f}-token trajectories, one sequence per "
+            f"row: {as_run / 1e6:.2f}M tokens, its own optimizer step(s) (packed per group, not built, "
+            f"it would be {packed / 1e6:.2f}M)")
 
 
 def _fmt(d: dict) -> list[str]:
@@ -486,10 +567,16 @@ def plan_lines(cfg, world: int, ranks_per_node: int, gpu_bytes: float, gpu_src: 
                             "shorter packs, or more ranks)")
     if cfg.sampler == "vllm":
         max_len = cfg.full.vllm_max_model_len or pack_tokens(cfg)
-        lines.append(f"  vLLM KV cache: {mp.kv_tokens} tokens = {mp.kv_contexts:.1f} full contexts of "
-                     f"{max_len} ({shape.kv_bytes_per_token / 1024:.0f} KiB per token) per engine, "
-                     f"{mp.engines} engine(s)" + (f", asleep (level {cfg.full.vllm_sleep_level}) "
-                                                  "during the update" if mp.sleeps else ""))
+        mean_ctx = mean_context(cfg)
+        src = "full.vllm_gpu_memory_utilization" if cfg.full.vllm_gpu_memory_utilization else \
+            "from this plan: what the rollouts leave free, less slack"
+        lines.append("  vLLM gpu_memory_utilization " + ", ".join(f"{k} {v:.2f}" for k, v in mp.util.items())
+                     + f" ({src})")
+        lines.append(f"  vLLM KV cache: {mp.kv_tokens} tokens per engine ({shape.kv_bytes_per_token / 1024:.0f} "
+                     f"KiB per token) = {mp.kv_tokens / mean_ctx:.1f} concurrent sequences at the mean "
+                     f"context ({mean_ctx:.0f} tokens), {mp.kv_contexts:.1f} at the max context ({max_len}); "
+                     f"{mp.engines} engine(s), one inside each rank's process"
+                     + (f", asleep (level {cfg.full.vllm_sleep_level}) during the update" if mp.sleeps else ""))
         if mp.kv_tokens < max_len:
             problems.append(f"memory plan: vLLM's KV cache holds {mp.kv_tokens} tokens, less than one "
                             f"context of {max_len} (raise full.vllm_gpu_memory_utilization)")
@@ -503,7 +590,7 @@ def plan_lines(cfg, world: int, ranks_per_node: int, gpu_bytes: float, gpu_src: 
         if host_bytes and tot > host_bytes:
             problems.append(f"memory plan: host RAM of {who} needs ~{tot / GIB:.1f} GiB, more than "
                             f"{host_bytes / GIB:.1f} GiB ({host_src})")
-    st = step_time(shape, cfg, world, mp.kv_tokens, {"sampling_ranks": mp.engines or 1,
+    st = step_time(shape, cfg, world, mp.kv_tokens, {"sampling_ranks": mp.sampling_ranks,
                                                     "sleeps": mp.sleeps})
     ours = getattr(getattr(cfg, "full", None), "rollout_schedule", "lockstep")
     mark = {s: f', this run\'s: full.rollout_schedule="{s}"' if s == ours else "" for s in ("lockstep", "async")}

@@ -118,11 +118,16 @@ def torch_sampler(cfg: Config, model, tok):
     return HFSampler(model, tok, precision=cfg.precision, threads=cfg.sample_threads)
 
 
-def build_sampler(cfg: Config, model, tok):
-    """The rollout sampler of rank 0 (and, for vLLM under every_rank_samples, of every rank: model
-    None, build.rank_rollouts): HF generate over `model` ("hf"), the KV-cache decode loop over
-    `model` ("kv", kv_sampler.KVSampler), or vLLM loaded from cfg.model (its weights follow pi_theta
-    through the engine's sync after every update)."""
+def build_sampler(cfg: Config, model, tok, utilization: float | None = None):
+    """The rollout sampler: HF generate over `model` ("hf"), the KV-cache decode loop over `model`
+    ("kv", kv_sampler.KVSampler), or vLLM loaded from cfg.model (its weights follow pi_theta through
+    the engine's sync after every update). With engine "zero3" the vLLM engine is the one of this
+    trainer rank, inside its process (executor "external_launcher"; every rank builds its own at the
+    same point, engine.ZeRO3Engine, at every world size) with vLLM's sleep mode where the platform
+    has it; otherwise a plain in-process engine ("uni": the one-process torch engine, evaluation).
+    utilization: vLLM's share of the GPU (None: full.vllm_gpu_memory_utilization, whose 0 means 0.3
+    here; ZeRO3Engine passes the memory plan's figure, distributed/plan.py). model may be None for
+    vLLM (only cfg.model's config is read)."""
     if cfg.sampler != "vllm":
         return torch_sampler(cfg, model, tok)
     from backends.scale.vllm_sampler import VLLMSampler  # lazy: scale backend, vLLM only when asked for
@@ -131,29 +136,33 @@ def build_sampler(cfg: Config, model, tok):
 
     # SCALE: on GPU the fraction of GPU memory for weights + KV cache; on CPU vLLM reads the same
     # setting as a fraction of RAM it checks is free, and the KV cache has its own size.
-    kw = {"gpu_memory_utilization": cfg.full.vllm_gpu_memory_utilization}
+    util = utilization if utilization is not None else (cfg.full.vllm_gpu_memory_utilization or 0.3)
+    kw = {"gpu_memory_utilization": float(util)}
     if not torch.cuda.is_available():
         kw["kv_cache_space_gib"] = cfg.full.vllm_cpu_kv_cache_gib
     # The engine's context: the configured length, else the prompt budget plus the response budget
     # (PAPER: 8,192 + 18,432 = 26,624), never beyond what the model's positions allow.
     if model is not None:
         mcfg = model.config
-    else:  # a rank > 0's engine: only the model's config is needed here
+    else:  # an engine built before any HF copy: only the model's config is needed here
         from transformers import AutoConfig  # lazy: transformers only when a sampler starts
 
         mcfg = AutoConfig.from_pretrained(cfg.model, local_files_only=True)
     limit = int(getattr(mcfg, "max_position_embeddings", 0) or 1 << 30)
     max_len = min(cfg.full.vllm_max_model_len
                   or cfg.full.max_prompt_tokens + cfg.rollout.max_response_tokens, limit)
-    # Under a multi-rank launcher, vLLM's in-process engine would build its process groups on the
-    # trainer's default group, which every rank must join (it hangs): the engine then runs in its
-    # own process and takes new weights in memory through a weight channel (engine.ZeRO3Engine.sync).
-    in_process = int(os.environ.get("WORLD_SIZE", "1")) <= 1
-    if not in_process and torch.cuda.is_available():
-        # SCALE: every rank's engine on the rank's own GPU (LOCAL_RANK), asleep during the update
-        kw.update(device_index=int(os.environ.get("LOCAL_RANK", "0")), enable_sleep_mode=True)
-    return VLLMSampler(cfg.model, tok, seed=cfg.seed, max_model_len=max_len, in_process=in_process,
-                       **kw)
+    if cfg.engine == "zero3":
+        # SCALE: the trainer rank's own engine, in its process, on its GPU (LOCAL_RANK), asleep during
+        # the update where vLLM has sleep mode: the same path at every world size
+        kw.update(executor="external_launcher", enable_sleep_mode=int(cfg.full.vllm_sleep_level) > 0)
+    return VLLMSampler(cfg.model, tok, seed=cfg.seed, max_model_len=max_len, **kw)
+
+
+def rank_engine(cfg: Config, utilization: float | None = None):
+    """This trainer rank's vLLM engine when vllm_engines(cfg): build_sampler with cfg.model's
+    tokenizer and no HF copy (engine.ZeRO3Engine builds every rank's, rank 0's included, at one
+    point; utilization: the memory plan's share of this GPU)."""
+    return build_sampler(cfg, None, load_tokenizer(cfg.model), utilization)
 
 
 def eval_settings(cfg: Config) -> dict:
@@ -209,13 +218,20 @@ def _full_section(cfg: Config):
     return full
 
 
+def vllm_engines(cfg: Config) -> bool:
+    """True when every ZeRO-3 rank holds a vLLM engine inside its process (sampler "vllm", engine
+    "zero3"; built at one point by engine.ZeRO3Engine, at every world size), whether or not it
+    samples (full.rollout_ranks "rank0": rank 0 alone samples, the others' engines only follow the
+    weights)."""
+    return cfg.sampler == "vllm" and cfg.engine == "zero3"
+
+
 def vllm_rank_engines(cfg: Config) -> bool:
     """True when a full-mode run samples with vLLM, every ZeRO-3 rank on its own engine: mode "full",
     sampler "vllm", engine "zero3", full.rollout_ranks "all" (the engines take per-request seeds
     themselves). Raises ValueError for an unknown full.rollout_ranks."""
     full = _full_section(cfg)
-    return full is not None and cfg.sampler == "vllm" and full.rollout_ranks == "all" \
-        and cfg.engine == "zero3"
+    return full is not None and vllm_engines(cfg) and full.rollout_ranks == "all"
 
 
 def every_rank_samples(cfg: Config) -> bool:
@@ -235,18 +251,19 @@ def every_rank_samples(cfg: Config) -> bool:
     return True
 
 
-def rank_rollouts(cfg: Config):
+def rank_rollouts(cfg: Config, sampler=None):
     """A ZeRO-3 rank > 0's own rollout engine for every_rank_samples(cfg): (copy, engine).
     HF / KV: `copy` is a plain copy of pi_theta loaded from cfg.model (bf16 on its GPU when there is
     one; the weight sync refreshes it) and `engine` a rollout_engine.ConcurrentRolloutEngine over a
-    SeededTorchSampler. vLLM (vllm_rank_engines): `copy` is this rank's own VLLMSampler, its engine
-    in its own process (on GPU pinned to the rank's GPU, with sleep mode; build_sampler), which every
-    weight sync streams pi_theta into, and `engine` the ConcurrentRolloutEngine over it. Both with
-    the search tool of cfg and cfg's rollout settings, as rank 0's."""
+    SeededTorchSampler. vLLM (vllm_rank_engines): `copy` is `sampler`, this rank's own VLLMSampler
+    (built by engine.ZeRO3Engine with every rank's at one point: build_sampler), which every weight
+    sync loads pi_theta into, and `engine` the ConcurrentRolloutEngine over it. Both with the search
+    tool of cfg and cfg's rollout settings, as rank 0's. Raises ValueError for vLLM without `sampler`."""
     _, tool, _, _ = build_environment(cfg)
     if vllm_rank_engines(cfg):
-        tok = load_tokenizer(cfg.model)
-        sampler = build_sampler(cfg, None, tok)
+        if sampler is None:
+            raise ValueError("rank_rollouts: this rank's vLLM engine must be built first (ZeRO3Engine)")
+        tok = sampler.tok
         system = system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
         engine = make_rollout_engine(cfg, sampler, tok, tool, system)
         return sampler, ConcurrentRolloutEngine(engine, cfg.full.tool_concurrency, cfg.full.rollout_schedule)
@@ -299,7 +316,8 @@ def build_run(cfg: Config, policy, model, tok, world, tool, train_q: list, held_
     (built by train.train, collectively on every rank for ZeRO-3)."""
 
     system = system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
-    sampler = build_sampler(cfg, model, tok)
+    # ZeRO-3 with vLLM: rank 0's engine exists already, built with every rank's at one point
+    sampler = getattr(policy, "engine_sampler", None) or build_sampler(cfg, model, tok)
     if seeded_rollouts(cfg):
         sampler = SeededTorchSampler(sampler)
     # Injected tool faults reach the RL rollouts only: the warm start and evaluation use the clean

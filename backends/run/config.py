@@ -300,6 +300,9 @@ def validate_config(cfg: Config) -> None:
             raise ValueError(f"full.rank0_rollout_share must be in [0, 1], got {cfg.full.rank0_rollout_share}")
         if cfg.full.tool_concurrency < 1:
             raise ValueError(f"full.tool_concurrency must be >= 1, got {cfg.full.tool_concurrency}")
+        if not 0.0 <= cfg.full.vllm_gpu_memory_utilization < 1.0:
+            raise ValueError("full.vllm_gpu_memory_utilization must be in [0, 1) (0: from the memory "
+                             f"plan), got {cfg.full.vllm_gpu_memory_utilization}")
     if cfg.judge.backend == "toy" and cfg.data.source:
         raise ValueError("judge.backend 'toy' scores against the toy world's ground truth: it needs "
                          "data.source = \"\" (the toy world's questions); use an HTTP judge "

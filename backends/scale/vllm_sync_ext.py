@@ -20,10 +20,9 @@ model never exists twice in memory:
 These are the same steps, in the same order, as vLLM's own `reload_weights(weights_iterator=...)`
 (vllm.model_executor.model_loader.reload.inplace, 0.32), split at the iterator so that each chunk can
 travel in its own `collective_rpc` call with its own deadline.
-An engine in its own process (the multi-rank launch) cannot take tensors as rpc arguments (they arrive
-as lists): `rubricem_channel_open` joins the trainer's two-member weight channel
-(backends/scale/weight_channel.py) once, and `rubricem_sync_load_channel(meta)` receives a chunk's tensors
-through it, in memory, then loads them as `rubricem_sync_load` does.
+The engine runs in the trainer's process (docs/full_mode.md, "One engine path"), so a chunk's tensors
+arrive as they are: on a GPU the gathered parameters stay on the device and `load_weights` copies
+them into the engine's storage, one device copy per byte.
 `rubricem_reload_from_path(path)` is the disk fallback: vLLM's `reload_weights(weights_path=...)` plus
 the same re-pack.
 
@@ -41,8 +40,6 @@ import os
 import time
 
 import torch
-
-from backends.scale.weight_channel import WeightChannel
 
 
 def _tied_lm_head(model):
@@ -92,19 +89,27 @@ class WeightSyncExt:
         (Hugging Face names and shapes, any float dtype; the loader casts to the engine dtype).
 
         Returns {"n": tensors in this chunk, "loaded": engine parameters that received data (a
-        fused qkv_proj counts once), "t_s": seconds}. Raises RuntimeError outside a
-        transaction; an unknown name raises whatever the model's `load_weights` raises (KeyError).
+        fused qkv_proj counts once), "t_s": seconds, "sha256": {hf_name: hex digest of the bytes
+        handed over} when RUBRICEM_SYNC_DIGESTS=1 (tests compare them with the trainer's weights),
+        else {}}. Raises RuntimeError outside a transaction; an unknown name raises whatever the
+        model's `load_weights` raises (KeyError).
         """
         from vllm.config import set_current_vllm_config  # lazy: as above
 
         if not getattr(self, "_rubricem_open", False):
             raise RuntimeError("no weight-sync transaction is open; call rubricem_sync_begin first")
         t0 = time.perf_counter()
+        digests = {}
+        if os.environ.get("RUBRICEM_SYNC_DIGESTS") == "1":
+            for name, t in weights:
+                b = t.detach().cpu().contiguous().view(-1).view(torch.uint8)
+                digests[name] = hashlib.sha256(b.numpy().tobytes()).hexdigest()
         model = self.model_runner.get_model()
         with set_current_vllm_config(self.vllm_config):
             loaded = model.load_weights(iter(weights))
         self._rubricem_loaded += len(weights)
-        return {"n": len(weights), "loaded": len(loaded or ()), "t_s": time.perf_counter() - t0}
+        return {"n": len(weights), "loaded": len(loaded or ()), "t_s": time.perf_counter() - t0,
+                "sha256": digests}
 
     def rubricem_sync_finish(self) -> dict:
         """Close the transaction: vLLM's `finalize_layerwise_reload` (layers that received nothing get
@@ -128,37 +133,6 @@ class WeightSyncExt:
         self._rubricem_reset_runner_caches()
         return {"n_tensors": getattr(self, "_rubricem_loaded", 0), "repacked_lm_head": repacked,
                 "t_finalize_s": t1 - t0, "t_repack_s": t2 - t1}
-
-    def rubricem_channel_open(self, host: str, port: int, backend: str = "gloo",
-                              timeout_s: float = 600.0) -> dict:
-        """Join the trainer's two-member weight channel as member 1 (backends/scale/weight_channel.py;
-        it blocks until the trainer joins as member 0). For an engine in its own process: tensors
-        then travel through the channel, only their names, shapes and dtypes through the rpc.
-        Returns {"backend", "device"}."""
-        old = getattr(self, "_rubricem_channel", None)
-        if old is not None:
-            old.close()
-        dev = getattr(self, "device", None) if backend == "nccl" else None
-        self._rubricem_channel = WeightChannel.open(host, int(port), 1, backend, timeout_s, device=dev)
-        return {"backend": backend, "device": str(self._rubricem_channel.device)}
-
-    def rubricem_sync_load_channel(self, meta) -> dict:
-        """`rubricem_sync_load` for a chunk whose tensors arrive through the weight channel: meta is
-        a list of [hf_name, shape, dtype name] in the order the trainer sends them. Besides the
-        load's result, returns "sha256": {hf_name: hex digest of the received bytes} when
-        RUBRICEM_SYNC_DIGESTS=1 (tests compare it with the trainer's tensors)."""
-        ch = getattr(self, "_rubricem_channel", None)
-        if ch is None:
-            raise RuntimeError("no weight channel: call rubricem_channel_open first")
-        weights = [(name, ch.recv(shape, dtype)) for name, shape, dtype in meta]
-        digests = {}
-        if os.environ.get("RUBRICEM_SYNC_DIGESTS") == "1":
-            for name, t in weights:
-                b = t.detach().cpu().contiguous().view(-1).view(torch.uint8)
-                digests[name] = hashlib.sha256(b.numpy().tobytes()).hexdigest()
-        out = self.rubricem_sync_load(weights)
-        out["sha256"] = digests
-        return out
 
     def rubricem_named_tensors(self, names) -> dict:
         """{name: [shape, flat float list]} of the engine's own parameters with these names that hold
