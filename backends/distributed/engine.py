@@ -101,7 +101,10 @@ class ZeRO3Engine:
         if rollouts and vllm_engines(cfg):
             # SCALE: one engine path at every world size: each rank's vLLM engine inside its own
             # process, on its GPU, all built here at once (vLLM's external launcher makes its
-            # process groups on the trainer's, which every rank must join together)
+            # process groups on the trainer's, which every rank must join together). vLLM checks at
+            # start that its share of the GPU is free: the loads' cached blocks go back first.
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
             self.engine_sampler = rank_engine(cfg, engine_utilization(cfg, self.world_size, self.env.rank))
         if not self.env.is_rank0:
             if self.side is not None:
