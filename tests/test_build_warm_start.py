@@ -147,3 +147,15 @@ def test_a_prefix_under_another_kernel_set_matches_within_the_tolerance(tmp_path
     assert diff["world"] is diff["data"] is diff["tokenizer"] is True
     assert build_warm_start.prefix_mismatches(diff) == [], diff
 
+
+def test_the_contract_states_the_tolerances_the_code_uses():
+    """docs/metrics.md, "Reproducibility", is the contract: its tolerances are PREFIX_TOLERANCE and it
+    gives the command that rewrites a build's prefix record."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    doc = open(os.path.join(root, "docs", "metrics.md"), encoding="utf-8").read()
+    section = " ".join(doc.split("\n## Reproducibility\n", 1)[1].split("\n## ", 1)[0].split())
+    e = lambda x: f"{x:.0e}".replace("e-0", "e-")  # noqa: E731  (1e-4)
+    tol = build_warm_start.PREFIX_TOLERANCE
+    assert f"loss {e(tol['loss'])}, weights {e(tol['weights'])}, l2 {e(tol['l2'])}" in section
+    assert "python scripts/build_warm_start.py --out toy/warm_start --prefix-only" in section
+    assert "stored_figures" in section and "ATEN_CPU_CAPABILITY=default" in section

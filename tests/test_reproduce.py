@@ -107,3 +107,15 @@ def test_curve_prefers_the_static_score_and_falls_back_to_reward():
     rows = [{"score/answer": 0.1, "reward/answer": 0.9}, {"score/answer": 0.3, "reward/answer": 0.2}]
     assert reproduce.curve(rows, "answer") == [0.1, 0.3]
     assert reproduce.curve([{"reward/answer": 0.9}], "answer") == [0.9]
+
+
+def test_the_readme_block_names_its_machine_and_the_spread_to_expect():
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    block = readme.split(reproduce.README_BEGIN, 1)[1].split(reproduce.README_END, 1)[0]
+    assert "(this machine: " in block and "torch threads: " in block
+    assert block.rstrip().endswith(reproduce.SPREAD)
+    results = open(os.path.join(ROOT, "docs", "results.md"), encoding="utf-8").read()
+    line = next(l for l in results.splitlines() if l.startswith("Machine: "))
+    assert line.endswith(reproduce.SPREAD)
+    metrics = open(os.path.join(ROOT, "docs", "metrics.md"), encoding="utf-8").read()
+    assert "\n## Reproducibility\n" in metrics  # where SPREAD points
