@@ -91,7 +91,7 @@ from policy import UpdateBatch
 from reflection import ReflectionBatch, run_reflection_branch
 from scaffold import STAGES
 from backends.distributed.overlap import overlapped_step
-from backends.run import checkpoint as ckpt_mod, report
+from backends.run import checkpoint as ckpt_mod, provenance, report
 from backends.run.build import Run, build_environment, build_run, setup_policy
 from backends.run.cli import parse_cli
 from backends.run.config import Config, check_local_inputs, resume_config_diff, validate_config
@@ -535,7 +535,8 @@ def finish(run: Run, ls: LoopState, ev: HeldOut, sft_info: dict, timings: dict, 
         save_with_run_card(d, tok, asdict(cfg), run.system)  # the system prompt travels with the policy
 
     ckpt_mod.save_dir_atomic(save_final, os.path.join(cfg.run_dir, "final"))
-    summary = {"sft": sft_info, "timings": timings}
+    # where the figures below come from: other CPUs and versions give other floats (docs/results.md)
+    summary = {"sft": sft_info, "timings": timings, "machine": provenance.machine()}
     run.judge.close()
     run.sampler.close()
     if ev.enabled:

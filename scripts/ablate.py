@@ -87,7 +87,8 @@ from tqdm import tqdm
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from backends.run import checkpoint as ckpt_mod, config as settings, overrides, presets, report  # noqa: E402
+from backends.run import (checkpoint as ckpt_mod, config as settings, overrides,  # noqa: E402
+                          presets, provenance, report)
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import memory_eval  # noqa: E402  (scripts/memory_eval.py: `ablate.py memory`)
@@ -549,15 +550,10 @@ def plot(rows: list[dict], arms: Sequence[str], path: str) -> None:
 
 
 def machine() -> str:
-    """nproc, the CPU model (lscpu) and the platform."""
-    model = platform.processor() or "unknown CPU"
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        model = next((l.split(":", 1)[1].strip() for l in out.splitlines()
-                      if l.startswith("Model name")), model)
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return f"nproc {os.cpu_count()}, {model}, {platform.system()} {platform.release()}"
+    """The CPU model, nproc, torch's kernel set and the torch / transformers versions
+    (backends/run/provenance.py; other machines give other numbers: docs/metrics.md,
+    "Reproducibility"), and the platform."""
+    return f"{provenance.describe(provenance.machine())}; {platform.system()} {platform.release()}"
 
 
 def commit() -> str:

@@ -12,7 +12,10 @@ What it does
 2. Reads each run's eval.json (held-out scores, per-question scores, timings) and metrics.jsonl.
 3. Writes the results section of docs/results.md (between the two `reproduce` markers; anything
    else in the file, e.g. the diagnosis, is kept): a per-seed table, the mean over seeds with a 95 %
-   bootstrap interval, the exact commands, the git commit, the thread count, the machine and the date.
+   bootstrap interval, the exact commands, the git commit, the thread counts, the machine (CPU model,
+   torch's kernel set, torch and transformers versions: each run's eval.json "machine") and the date,
+   and that other machines give other numbers within the intervals (docs/metrics.md,
+   "Reproducibility"). README.md's block (between the `reproduce-readme` markers) says the same.
 4. Draws docs/reward_curves.png: each stage's static-rubric training score per RL step, smoothed, one thin line per
    seed and a thick mean; on the Answer panel, dashed and dotted horizontal lines at the held-out
    answer score of the SFT start and of the final policy (means over seeds).
@@ -39,7 +42,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -49,6 +51,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from backends.run import provenance  # noqa: E402
 from backends.run.report import smooth  # noqa: E402  (the per-run figure's trailing mean)
 
 STAGES = ("plan", "research", "review", "answer")
@@ -56,6 +59,10 @@ BEGIN, END = "<!-- reproduce:begin -->", "<!-- reproduce:end -->"
 # README.md's quick-start results come from the same runs, between these markers.
 README_BEGIN, README_END = "<!-- reproduce-readme:begin -->", "<!-- reproduce-readme:end -->"
 QUICK = ["--steps", "6", "--set", "eval.n_questions=32"]
+# What a reader on another machine should expect (docs/metrics.md, "Reproducibility"), written beside
+# every figure.
+SPREAD = ("Another CPU, kernel set, thread count or torch / transformers version gives other numbers: "
+          "expect them within the intervals shown (docs/metrics.md, \"Reproducibility\").")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -192,15 +199,16 @@ def _fmt_mb(x) -> str:
     return "-" if x is None else f"{x / 1024:.2f} GiB"  # x: MiB (getrusage's kB / 1024)
 
 
-def machine() -> str:
-    model = ""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next((l.split(":", 1)[1].strip() for l in out.splitlines()
-                      if l.startswith("Model name")), "")
-    except OSError:
-        pass
-    return f"{os.cpu_count()} CPUs (nproc), {model or platform.processor() or 'unknown CPU'}"
+def machines(seeds, data) -> str:
+    """Where the seeds' runs finished, in words: `provenance.describe` of each distinct "machine" of
+    their eval.json, "; "-joined (a run of older code, which recorded none, is described by this
+    process's machine)."""
+    seen = []
+    for s in seeds:
+        d = provenance.describe(data[s]["eval"].get("machine") or provenance.machine())
+        if d not in seen:
+            seen.append(d)
+    return "; ".join(seen)
 
 
 def git_commit() -> str:
@@ -235,7 +243,8 @@ def summarise(seeds: list[int], data: dict, smooth_w: int) -> dict:
             "n_questions": [len(a) for a in ans]}
 
 
-def results_markdown(seeds, summ, commands, extra, smooth_w, threads) -> str:
+def results_markdown(seeds, summ, commands, extra, smooth_w, threads, where) -> str:
+    """docs/results.md's results section. threads: `thread_counts`; where: `machines`."""
     R = summ["rows"]
     m = lambda k: float(np.mean([r[k] for r in R]))  # noqa: E731
     g, gs, gr = summ["answer_gain"], summ["score_gain"], summ["recall_gain"]
@@ -246,7 +255,7 @@ def results_markdown(seeds, summ, commands, extra, smooth_w, threads) -> str:
     rss = [r["rss_mb"] for r in R if r.get("rss_mb") is not None]
     L = [BEGIN, "## Results", "",
          f"Written by `scripts/reproduce.py` on {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.",
-         f"Machine: {machine()}; torch threads: {threads}; git commit: {git_commit()}.", "",
+         f"Machine: {where}; torch threads: {threads}; git commit: {git_commit()}. {SPREAD}", "",
          "| seed | SFT answer | RL answer | gain | SFT mean-stage | RL mean-stage | fact recall SFT -> RL "
          "| well_formed min | wall cold | wall cached | peak RSS |",
          "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -341,8 +350,8 @@ def thread_counts(config: dict) -> str:
 
 def readme_markdown(seeds, summ, data, out: str, threads: str) -> str:
     """README.md's quick-start results: wall times, seed 0's console summary, the per-seed table and
-    its intervals (the same runs as docs/results.md). threads: the runs' torch threads, in words
-    (`thread_counts`)."""
+    its intervals (the same runs as docs/results.md), the machine they ran on and the spread to
+    expect on another. threads: the runs' torch threads, in words (`thread_counts`)."""
     R = summ["rows"]
     m = lambda k: float(np.mean([r[k] for r in R]))  # noqa: E731
     g, gs = summ["answer_gain"], summ["score_gain"]
@@ -356,7 +365,7 @@ def readme_markdown(seeds, summ, data, out: str, threads: str) -> str:
              "a run takes " if sft.get("shipped") else
              f"the SFT warm start takes {_fmt_s(sft_s)} (teacher data and SFT, measured once, then "
              "cached in `.cache/rubricem`); a run with the warm start cached takes ")
-    wall = (f"**Expected wall time** (this machine: {machine()}; torch threads: {threads}, the "
+    wall = (f"**Expected wall time** (this machine: {machines(seeds, data)}; torch threads: {threads}, the "
             "defaults; other jobs may have shared the cores): " + start
             + (f"{min(cacheds) / 60:.1f}-{_fmt_s(max(cacheds))}" if cacheds else "(not measured)")
             + (f", cold {_fmt_s(max(colds))}" if colds else "")
@@ -389,7 +398,7 @@ def readme_markdown(seeds, summ, data, out: str, threads: str) -> str:
     L += ["", f"`[lo, hi]`: 95 % bootstrap interval over seeds x questions; the mean-stage score gains "
           f"{gs[0]:+.3f} [{gs[1]:+.3f}, {gs[2]:+.3f}]; the training answer curve (`score/answer`, "
           f"{summ['T']} steps) moves {summ['curve_gain']:+.3f} from its first to its last quarter."
-          + greedy, README_END]
+          + greedy + " " + SPREAD, README_END]
     return "\n".join(L) + "\n"
 
 
@@ -476,7 +485,8 @@ def main(argv=None) -> int:
         threads = thread_counts(json.load(fh))
     summ = summarise(a.seeds, data, a.smooth)
     shown = (["--quick"] if a.quick else []) + [x for kv in a.set for x in ("--set", kv)]
-    write_results(a.results, results_markdown(a.seeds, summ, commands, shown, a.smooth, threads))
+    write_results(a.results, results_markdown(a.seeds, summ, commands, shown, a.smooth, threads,
+                                              machines(a.seeds, data)))
     if not a.quick and not a.set:  # the README shows the default run only
         write_results(a.readme, readme_markdown(a.seeds, summ, data, a.out, threads), README_BEGIN,
                       README_END, append=False)

@@ -60,6 +60,19 @@ def test_reproduce_runs_seed_writes_results_and_is_resumable(tmp_path):
     assert (f"its mean over all steps and seeds {sum(wf) / len(wf):.3f}; steps below 0.8: "
             f"{sum(w < 0.8 for w in wf)} of {len(wf)}.") in text
     assert fig.stat().st_size > 1000
+    # where the figures come from: the run's machine (CPU, kernel set, versions) and threads, and
+    # the spread to expect elsewhere (docs/metrics.md, "Reproducibility")
+    import torch
+    import transformers
+
+    where = ev["machine"]
+    assert where["torch"] == torch.__version__ and where["transformers"] == transformers.__version__
+    assert where["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and where["cpu"]
+    line = next(l for l in text.splitlines() if l.startswith("Machine: "))
+    assert line.startswith(f"Machine: {reproduce.provenance.describe(where)}; torch threads: 2 for "
+                           "training, 1 for sampling; git commit: ")
+    assert f"torch {torch.__version__}, transformers {transformers.__version__}" in line
+    assert reproduce.SPREAD in line
     # a finished seed is not rerun; the section is replaced, not appended
     mtime = os.path.getmtime(out / "seed0" / "eval.json")
     assert reproduce.main(args) == 0
@@ -80,6 +93,9 @@ def test_reproduce_runs_seed_writes_results_and_is_resumable(tmp_path):
     assert f"{gain:+.3f}" in next(l for l in new.splitlines() if l.startswith("| 0 |"))
     assert "run dir: " in new and "total time" in new  # seed 0's console summary
     assert "\nverdict: " in new and "\nnext: " in new  # ... with its verdict line
+    assert f"(this machine: {reproduce.provenance.describe(where)}; torch threads: 2 for training, 1 " \
+        "for sampling, the defaults;" in new
+    assert new.split(reproduce.README_END)[0].rstrip().endswith(reproduce.SPREAD)
     plain = tmp_path / "plain.md"
     plain.write_text("no markers\n")
     reproduce.write_results(str(plain), block, reproduce.README_BEGIN, reproduce.README_END,
@@ -91,3 +107,15 @@ def test_curve_prefers_the_static_score_and_falls_back_to_reward():
     rows = [{"score/answer": 0.1, "reward/answer": 0.9}, {"score/answer": 0.3, "reward/answer": 0.2}]
     assert reproduce.curve(rows, "answer") == [0.1, 0.3]
     assert reproduce.curve([{"reward/answer": 0.9}], "answer") == [0.9]
+
+
+def test_the_readme_block_names_its_machine_and_the_spread_to_expect():
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    block = readme.split(reproduce.README_BEGIN, 1)[1].split(reproduce.README_END, 1)[0]
+    assert "(this machine: " in block and "torch threads: " in block
+    assert block.rstrip().endswith(reproduce.SPREAD)
+    results = open(os.path.join(ROOT, "docs", "results.md"), encoding="utf-8").read()
+    line = next(l for l in results.splitlines() if l.startswith("Machine: "))
+    assert line.endswith(reproduce.SPREAD)
+    metrics = open(os.path.join(ROOT, "docs", "metrics.md"), encoding="utf-8").read()
+    assert "\n## Reproducibility\n" in metrics  # where SPREAD points

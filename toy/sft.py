@@ -50,8 +50,9 @@ import re
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -424,12 +425,15 @@ def build_sft_data(world: World, tool, tok_system: str, cfg: SFTConfig, tcfg: Te
 
 
 def train_sft(model, tok, encoded: list[tuple[list[int], list[int]]], cfg: SFTConfig,
-              progress: bool = True, precision: str = "fp32") -> dict:
+              progress: bool = True, precision: str = "fp32",
+              on_step: Callable[[int, float], None] | None = None) -> dict:
     """Masked next-token SFT. encoded: (ids, mask) pairs. Returns {"loss", "steps", "seconds"}.
 
     Batches are length-bucketed (sorted by length in chunks of 50 batches) and right-padded.
     precision: the forward's `scaffold.autocast` ("fp32" | "bf16"; ValueError otherwise); the loss,
     gradients, weights and AdamW state are float32 either way.
+    on_step(step, loss): called after every optimizer step with its 0-based index and the batch's
+    loss (scripts/build_warm_start.py records the loss curve of a short prefix this way).
     """
     cast, mult = autocast(precision), pad_multiple(precision)
 
@@ -486,6 +490,8 @@ def train_sft(model, tok, encoded: list[tuple[list[int], list[int]]], cfg: SFTCo
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
             ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+            if on_step is not None:
+                on_step(step, loss.item())
             step += 1
             bar.update(1)
             if step % 50 == 0:
@@ -500,6 +506,18 @@ def tok_text(messages: list, segments: Sequence[Segment]) -> str:
     toy.model.CHATML_TEMPLATE)."""
     head = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
     return head + "<|im_start|>assistant\n" + "".join(t for _, t in segments)
+
+
+def examples_digest(encoded: Sequence[tuple[list[int], list[int]]]) -> str:
+    """sha256 of the encoded SFT examples in training order (token ids and loss masks, as
+    little-endian int32, each example's length first). No float enters them, so one configuration
+    gives the same digest on any machine (docs/metrics.md, "Reproducibility")."""
+    h = hashlib.sha256()
+    for ids, mask in encoded:
+        h.update(np.asarray([len(ids)], dtype="<i4").tobytes())
+        h.update(np.asarray(ids, dtype="<i4").tobytes())
+        h.update(np.asarray(mask, dtype="<i4").tobytes())
+    return h.hexdigest()
 
 
 def cache_key(obj: dict) -> str:
@@ -544,9 +562,12 @@ def shipped_key() -> str | None:
 
 def warm_start(world: World, tool, system: str, cfg: SFTConfig, tcfg: TeacherConfig, size: str,
                vocab_size: int, cache_dir: str, progress: bool = True, extra_key: dict | None = None,
-               scaffold: str = "structured", precision: str = "fp32"):
+               scaffold: str = "structured", precision: str = "fp32",
+               on_step: Callable[[int, float], None] | None = None, data: tuple | None = None):
     """Build (or load from cache) the SFT policy of a scaffold ("structured" | "unstructured").
-    Returns (model, tokenizer, info dict, path).
+    Returns (model, tokenizer, info dict, path). on_step: `train_sft`'s, when it trains. data: the
+    (examples, stats) `build_sft_data` returns for this configuration, when the caller has them
+    already (scripts/build_warm_start.py trains two prefixes on one copy); None builds them.
 
     The cache key (`warm_start_key`) covers the world, teacher, SFT and model configuration, the
     scaffold and the training precision (`train_sft`; "fp32" leaves the key as it was before the
@@ -574,7 +595,7 @@ def warm_start(world: World, tool, system: str, cfg: SFTConfig, tcfg: TeacherCon
         return model, tok, info, path
     log.info(warm_start_line(False, path, cfg.steps))
     t0 = time.perf_counter()
-    examples, stats = build_sft_data(world, tool, system, cfg, tcfg, scaffold)
+    examples, stats = data or build_sft_data(world, tool, system, cfg, tcfg, scaffold)
     t_data = time.perf_counter() - t0
     texts = [d.title + " " + d.text for d in world.docs]
     texts += [tok_text(msgs, segs) for msgs, segs in examples[:3000]]
@@ -584,8 +605,9 @@ def warm_start(world: World, tool, system: str, cfg: SFTConfig, tcfg: TeacherCon
     encoded = encode_examples(tok, examples)
     model = policy.build_tiny_qwen3(tok, size, seed=cfg.seed)
     torch.manual_seed(cfg.seed)
-    res = train_sft(model, tok, encoded, cfg, progress, precision)
-    info = {"filter": stats, "examples": len(encoded), "data_seconds": round(t_data, 2),
+    res = train_sft(model, tok, encoded, cfg, progress, precision, on_step)
+    info = {"filter": stats, "examples": len(encoded), "data_sha256": examples_digest(encoded),
+            "data_seconds": round(t_data, 2),
             "train_seconds": round(res["seconds"], 2), "final_loss": res["loss"],
             "steps": res["steps"], "params": sum(p.numel() for p in model.parameters()),
             "mean_tokens": sum(len(e[0]) for e in encoded) / len(encoded), "key": key,

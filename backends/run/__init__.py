@@ -16,6 +16,7 @@ layer to configure, build, train, guard, checkpoint, evaluate and report a run.
     heldout.py        the held-out evaluation during and after training
     data.py           RL rows from JSONL, Parquet or the Hub; the data order
     report.py         what a person reads: progress, metrics.jsonl, summary, verdict, figure
+    provenance.py     where a figure came from: the CPU, torch's kernel set, library versions
 
 Who calls it: train.py, evaluate.py and scripts/; backends/distributed/, eval/ and sft/ build on it.
 It imports api/ and scale/ (build.py the heavy backends only when a configuration asks for them).
