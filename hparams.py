@@ -170,9 +170,12 @@ class ReflectionConfig:
     tags, which the bank refuses (the full preset)"""
     train: bool = True
     """PAPER (§3.4): the candidates form a GRPO group in the next update; False: bank only (ours)"""
-    loss_coef: float = 1.0
+    loss_coef: float = 0.1
     """§3.4: c in L = c * L_reflect for the deferred reflection update; the paper gives the two
-    objectives no relative weight, i.e. c = 1"""
+    objectives no relative weight, i.e. c = 1 (full: 1). Toy: 0.1 (ours): the reflection objective's
+    gradient norm is 5-10x the task objective's there (reflect/grad_norm 0.5-1.6 against grad_norm
+    0.1-0.2: ~30 reflection tokens per candidate against ~200 task tokens per rollout), and with one
+    Adam state for both its steps took the task's step size (docs/results.md, "The toy task")"""
     score_at_temperature: bool = True
     """not in the paper (it gives the sampling temperature, not the scoring one); we score the
     candidates under the distribution they were sampled from, softmax(logits / temperature)

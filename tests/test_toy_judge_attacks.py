@@ -31,8 +31,17 @@ def world():
 
 
 def _query(n_facts: int = 2):
+    """A question on n_facts facts that all have a document, where the search for one fact does not
+    bring back another's document (so a fact is found only by searching for it: the attacks below
+    leave facts unsearched)."""
+    tool = tf.tiny_tool()
+
+    def apart(q):
+        docs = {f["doc_id"] for f in q.facts}
+        return all({r.doc_id for r in tool(sft.fact_key(f))} & docs == {f["doc_id"]} for f in q.facts)
+
     return next(q for q in tf.train_queries()
-                if len(q.facts) == n_facts and all(f["doc_id"] for f in q.facts))
+                if len(q.facts) == n_facts and all(f["doc_id"] for f in q.facts) and apart(q))
 
 
 def _replay(q, segments):

@@ -71,6 +71,7 @@ def full_preset() -> Config:
     c.reflection.max_prompt_tokens = (c.full.max_prompt_tokens + c.rollout.max_response_tokens
                                       - c.reflection.max_new_tokens)
     c.reflection.system_prompt = "reflect"  # plain prose: the bank refuses stage tags
+    c.reflection.loss_coef = 1.0  # the paper gives the two objectives no relative weight (toy: 0.1)
     c.bank.max_chars = 3000
     return c
 
