@@ -30,8 +30,12 @@ class RolloutConfig:
     """PAPER (appendix; §3.3 n): 8 rollouts per prompt, one GRPO group"""
     temperature: float = 1.0
     """PAPER (appendix): sampling temperature 1.0"""
-    max_response_tokens: int = 512
-    """PAPER (appendix): max response 18,432 tokens, the full preset's; toy: 512 (ours)"""
+    max_response_tokens: int = 768
+    """PAPER (appendix): max response 18,432 tokens, the full preset's; toy: 768 (ours): a complete
+    trajectory for a four-aspect question (a plan, four searches of three snippets each, the review
+    and four cited sentences) takes about 560 tokens; at 512 the arms that learned to research every
+    asked fact were cut before their answer (held-out well_formed 0.80 at step 24, against 0.98 for
+    Baseline RL, which researched fewer)"""
     max_tool_calls: int = 10
     """PAPER (§3.2, appendix): at most 10 tool calls per trajectory"""
     system_prompt: str = "compact"
