@@ -234,6 +234,61 @@ def paired_difference(rows: list[dict], a: str, b: str, step: int) -> dict | Non
     return out
 
 
+def curve_steps(rows: list[dict]) -> list[int]:
+    """The evaluated RL steps after the SFT start (step 0) that every run in `rows` evaluated, up to
+    the grid's final step: the points of the curve average."""
+    fs = final_step(rows)
+    runs = {(r["arm"], r["seed"]) for r in rows}
+    if fs is None:
+        return []
+    common = set.intersection(*({r["step"] for r in rows if (r["arm"], r["seed"]) == k} for k in runs))
+    return sorted(t for t in common if 0 < t <= fs)
+
+
+def curve_average(rows: list[dict], arm: str, seed: int, key: str = "per_question_delta",
+                  steps: Sequence[int] | None = None) -> list[float]:
+    """Per held-out question, the mean over the curve's evaluated steps (`curve_steps`, or `steps`)
+    of the per-question value `key` of run (arm, seed): with per_question_delta, the paper's Fig. 5
+    metric, the average difference from the SFT start along the training curve, per question. []
+    when the run lacks a step or its rows lack `key`."""
+    steps = curve_steps(rows) if steps is None else steps
+    per_step = []
+    for t in steps:
+        r = [x for x in rows if x["arm"] == arm and x["seed"] == seed and x["step"] == t]
+        if not r or not r[0].get(key):
+            return []
+        per_step.append(np.asarray(r[0][key], dtype=np.float64))
+    if not per_step or len({len(v) for v in per_step}) != 1:
+        return []
+    return np.mean(per_step, axis=0).tolist()
+
+
+def curve_stats(rows: list[dict], arm: str, key: str = "per_question_delta") -> tuple[float, float, float]:
+    """(mean, lo, hi) of `curve_average` pooled over the arm's seeds x questions (the Fig. 5 metric
+    of one arm: its average held-out answer gain over the SFT start along the curve)."""
+    seeds = sorted({r["seed"] for r in rows if r["arm"] == arm})
+    return mean_ci([v for s in seeds for v in curve_average(rows, arm, s, key)])
+
+
+def paired_curve_difference(rows: list[dict], a: str, b: str) -> dict | None:
+    """{"answer": (mean, lo, hi), "score": (mean, lo, hi)}: the curve average of arm a minus that of
+    arm b, paired by seed and held-out question (both start from the same SFT checkpoint and are
+    evaluated on the same questions with the same sampling seed), with a percentile-bootstrap
+    interval over the pairs ("score", the mean-stage score's, all NaN when the rows lack it); None
+    when a seed lacks either arm."""
+    out = {}
+    for name, key in (("answer", "per_question_delta"), ("score", "per_question_score_delta")):
+        diffs = []
+        for seed in sorted({r["seed"] for r in rows if r["arm"] in (a, b)}):
+            va, vb = curve_average(rows, a, seed, key), curve_average(rows, b, seed, key)
+            if not va or len(va) != len(vb):
+                diffs = []
+                break
+            diffs += (np.asarray(va) - np.asarray(vb)).tolist()
+        out[name] = mean_ci(diffs)
+    return out if np.isfinite(out["answer"][0]) else None
+
+
 def final_step(rows: list[dict]) -> int | None:
     """The last step every run in `rows` evaluated (the grid's common final step)."""
     runs = {(r["arm"], r["seed"]) for r in rows}
@@ -274,9 +329,10 @@ def train_command(grid: str, arm: str, seed: int, steps: int, eval_every: int,
 
 
 def memory_command(grid: str, arm: str, seed: int, arms: Sequence[str]) -> list[str]:
-    """scripts/memory_eval.py for one run; an arm without reflection reads the same seed's rubricem bank."""
+    """scripts/memory_eval.py for one run, with the oracle-lesson control (--oracle); an arm without
+    reflection reads the same seed's rubricem bank."""
     rd = run_dir(grid, arm, seed)
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "memory_eval.py"), rd]
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "memory_eval.py"), rd, "--oracle"]
     other = os.path.join(run_dir(grid, "rubricem", seed), "bank.jsonl")
     if not settings.ARMS[arm].reflection and "rubricem" in arms and os.path.exists(other):
         cmd += ["--bank", other]
@@ -608,6 +664,8 @@ def render(rows: list[dict], mem: dict, checks: list[str], arms: Sequence[str], 
                   f"(same SFT start, questions and sampling seed): answer score {d['answer'][0]:+.3f} "
                   f"[{d['answer'][1]:+.3f}, {d['answer'][2]:+.3f}], mean-stage score "
                   f"{d['score'][0]:+.3f} [{d['score'][1]:+.3f}, {d['score'][2]:+.3f}].", ""]
+    if fs is not None:
+        L += render_curve(rows, arms, fs)
     if meta.get("figure"):
         L += [f"![held-out answer score minus SFT start per RL step]({meta['figure']})", ""]
     if meta.get("scaffold") or any(r["arm"] == UNSTRUCTURED for r in rows):
@@ -640,14 +698,17 @@ def render(rows: list[dict], mem: dict, checks: list[str], arms: Sequence[str], 
                 cells += [f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]", f"{np.mean([x[p]['hits'] for x in ms]):.2f}"]
             L.append(f"| `{a}` | {len(ms)} | " + " | ".join(cells) + " |")
         L.append("")
+        L += render_memory_controls(mem)
     L += ["## Paper findings", ""]
     if fs is None:
         L += ["To be filled by a real run: for each finding the script writes reproduced / not "
               "reproduced / inconclusive (CIs overlap) from the numbers above.", ""]
     else:
         for lo_arm, hi_arm in ORDER_FINDINGS:
-            v = order_verdict(arm_stats(rows, lo_arm, fs), arm_stats(rows, hi_arm, fs))
-            L.append(f"- {PAPER_NAMES[lo_arm]} < {PAPER_NAMES[hi_arm]} (Fig. 5): **{v}**")
+            d = paired_curve_difference(rows, hi_arm, lo_arm)
+            v = "not run" if d is None else sign_verdict(d["answer"], +1)
+            L.append(f"- {PAPER_NAMES[lo_arm]} < {PAPER_NAMES[hi_arm]} (Fig. 5; curve average of the "
+                     f"held-out answer gain, paired): **{v}**")
         for a, p, sign, paper in MEMORY_FINDINGS:
             v = sign_verdict(memory_stats(mem, a, p), sign)
             hits = [x[p]["hits"] for (b, _), x in mem.items() if b == a]
@@ -660,6 +721,56 @@ def render(rows: list[dict], mem: dict, checks: list[str], arms: Sequence[str], 
         L.append("")
     L += ["## Checks", ""] + [f"- {c}" for c in checks or ["no finished runs"]] + [""]
     return "\n".join(L)
+
+
+# The paired comparisons the curve section prints: (higher arm in the paper, lower arm).
+CURVE_PAIRS = (("rubricem", "baseline_rl"), ("ss_grpo", "baseline_rl"), ("meta_policy", "baseline_rl"),
+               ("rubricem", "ss_grpo"), ("rubricem", "meta_policy"), ("ss_grpo", "baseline_rl_info"))
+
+
+def render_curve(rows: list[dict], arms: Sequence[str], fs: int) -> list[str]:
+    """The report's section on the paper's Fig. 5 metric: per arm the held-out answer score minus the
+    SFT start averaged over the evaluated steps of the curve (`curve_stats`), and the paired
+    differences of CURVE_PAIRS, each with the final-step figure beside it."""
+    steps = curve_steps(rows)
+    L = ["## Average gain over the training curve (the paper's Fig. 5 metric)", ""]
+    if not steps:
+        return L + ["No evaluated step after the SFT start yet.", ""]
+    L += [f"Per held-out question, the answer score minus the SFT start averaged over the evaluated "
+          f"steps {', '.join(map(str, steps))}; mean and 95 % interval over seeds x questions.", "",
+          "| arm | paper's name | curve average [95% CI] | mean-stage curve average [95% CI] "
+          "| final - SFT [95% CI] |", "|---|---|---|---|---|"]
+    def ci(t: tuple) -> str:
+        return f"{t[0]:+.3f} [{t[1]:+.3f}, {t[2]:+.3f}]" if np.isfinite(t[0]) else "n/a"
+
+    for a in arms:
+        if not any(r["arm"] == a for r in rows):
+            continue
+        L.append(f"| `{a}` | {PAPER_NAMES[a]} | {ci(curve_stats(rows, a))} "
+                 f"| {ci(curve_stats(rows, a, 'per_question_score_delta'))} | {ci(arm_stats(rows, a, fs))} |")
+    L += ["", "Paired by seed and held-out question (same SFT start, data order, questions and "
+          "sampling seed):", ""]
+    for a, b in CURVE_PAIRS:
+        d = paired_curve_difference(rows, a, b)
+        if d is None:
+            continue
+        final = mean_ci(paired_final(rows, a, b, fs))
+        L.append(f"- {PAPER_NAMES[a]} minus {PAPER_NAMES[b]}: curve average answer {ci(d['answer'])}, "
+                 f"mean-stage {ci(d['score'])}; at step {fs}: answer {ci(final)}")
+    return L + [""]
+
+
+def paired_final(rows: list[dict], a: str, b: str, step: int) -> list[float]:
+    """Per (seed, question), arm a's held-out answer gain at `step` minus arm b's ([] when a seed
+    lacks either arm)."""
+    diffs = []
+    for seed in sorted({r["seed"] for r in rows if r["arm"] in (a, b)}):
+        ra = [r for r in rows if r["arm"] == a and r["seed"] == seed and r["step"] == step]
+        rb = [r for r in rows if r["arm"] == b and r["seed"] == seed and r["step"] == step]
+        if not ra or not rb or len(ra[0]["per_question_delta"]) != len(rb[0]["per_question_delta"]):
+            return []
+        diffs += (np.asarray(ra[0]["per_question_delta"]) - np.asarray(rb[0]["per_question_delta"])).tolist()
+    return diffs
 
 
 def render_scaffold(rows: list[dict], fs: int | None) -> list[str]:
@@ -765,6 +876,53 @@ def render_papersft(rows: list[dict], fs: int | None) -> list[str]:
           "- RubricEM > Baseline RL on the paper-style SFT start (RL gain, paired difference; the "
           f"paper's order, Fig. 5): **{'not run' if d is None else sign_verdict(d['answer'], +1)}**"]
     return L + [""]
+
+
+def oracle_stats(mem: dict, arm: str, who: str) -> tuple[float, float, float]:
+    """(mean, lo, hi) of the oracle-lesson control's with-minus-without answer difference of the
+    arm's runs (who: "sft", the SFT start, or "final", the trained policy), pooled over seeds x
+    questions; NaN when no memory evaluation ran the control."""
+    return mean_ci([d for (a, _), v in mem.items() if a == arm and who in v.get("oracle", {})
+                    for d in v["oracle"][who]["delta"]["answer_per_question"]])
+
+
+def paired_memory_difference(mem: dict, a: str, b: str, p: str) -> tuple[float, float, float] | None:
+    """(mean, lo, hi): arm a's with-minus-without memory effect in pass p minus arm b's, paired by
+    seed and held-out question (the same questions and sampling seeds); None when a seed lacks
+    either arm."""
+    diffs = []
+    for seed in sorted({s for (x, s) in mem if x in (a, b)}):
+        if (a, seed) not in mem or (b, seed) not in mem:
+            return None
+        va = mem[(a, seed)][p]["delta"]["answer_per_question"]
+        vb = mem[(b, seed)][p]["delta"]["answer_per_question"]
+        if len(va) != len(vb):
+            return None
+        diffs += (np.asarray(va) - np.asarray(vb)).tolist()
+    return mean_ci(diffs) if diffs else None
+
+
+def render_memory_controls(mem: dict) -> list[str]:
+    """The memory section's control and comparison lines: the oracle-lesson control (what a lesson
+    can do at most: the SFT start and each arm's final policy with toy.sft.oracle_lesson in the
+    prompt, minus without) and RubricEM's pass-2 memory effect minus Baseline RL's, paired."""
+    L = []
+    sft = oracle_stats(mem, "rubricem", "sft")
+    if np.isfinite(sft[0]):
+        L.append(f"- Oracle-lesson control, SFT start (every asked fact named as missed, each old "
+                 f"record's value named as wrong, from ground truth): answer {sft[0]:+.3f} "
+                 f"[{sft[1]:+.3f}, {sft[2]:+.3f}]")
+    for a in MEMORY_ARMS:
+        f = oracle_stats(mem, a, "final")
+        if np.isfinite(f[0]):
+            L.append(f"- Oracle-lesson control, {PAPER_NAMES[a]} after RL: answer {f[0]:+.3f} "
+                     f"[{f[1]:+.3f}, {f[2]:+.3f}]")
+    for p, label in (("pass2", "within-episode pass 2"), ("pass1", "cross-episode pass 1")):
+        d = paired_memory_difference(mem, "rubricem", "baseline_rl", p)
+        if d is not None:
+            L.append(f"- RubricEM's memory effect minus Baseline RL's at {label}, paired by seed and "
+                     f"question: answer {d[0]:+.3f} [{d[1]:+.3f}, {d[2]:+.3f}]")
+    return L + ([""] if L else [])
 
 
 def memory_stats(mem: dict, arm: str, p: str) -> tuple[float, float, float]:

@@ -19,6 +19,13 @@ Each pass reports with-memory minus without-memory on the held-out answer score 
 score (heldout.evaluate_heldout's static rubrics), means over questions with 95 % paired bootstrap intervals
 over questions (report.bootstrap_ci), and the share of questions that received an item.
 
+    oracle  the control that bounds what memory can do (not in the paper; toy world only): the SFT
+            start and the trained policy answer the held-out questions with an oracle lesson in the
+            prompt (toy.sft.oracle_lesson: every asked fact named as missed and each old record's
+            value named as wrong, from ground truth, in the teacher's reflection format) and
+            without, with the pass-1 sampling seed. If even this gains nothing, the policy has not
+            learned to act on what a lesson says, and no reflection can help it.
+
 Glossary: delta_p = mean_q (s_q^mem - s_q^none) for pass p, s_q the mean over the question's samples.
 
 Deviations from the paper
@@ -34,6 +41,7 @@ Launch
     python scripts/memory_eval.py runs/toy                          # writes runs/toy/memory.json
     python scripts/ablate.py memory --run-dir runs/toy      # the same
     python scripts/memory_eval.py runs/toy-baseline_rl --bank runs/toy/bank.jsonl --n-questions 16
+    python scripts/memory_eval.py runs/toy --oracle                 # and the oracle-lesson control
 """
 from __future__ import annotations
 
@@ -91,7 +99,7 @@ def paired_delta(with_mem: dict, without: dict) -> dict:
 
 
 def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | None = None,
-                 samples: int | None = None, threads: int | None = None) -> dict:
+                 samples: int | None = None, threads: int | None = None, oracle: bool = False) -> dict:
     """The two-pass memory-reuse evaluation of a finished run (module docstring).
 
     run_dir: a train.py run directory with config.json and final/ (the trained policy); bank_path:
@@ -100,7 +108,10 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
     the run's eval.n_questions / eval.samples). Returns a JSON-serialisable dict: per pass its
     retrieval mode, hits (share of questions with >= 1 item, in [0, 1]), the two evaluations
     ("with", "without") and "delta" (paired_delta); "reflection" (the reflection step's metrics,
-    reflect/*) and the settings. Raises FileNotFoundError for a run dir without config.json or final/,
+    reflect/*) and the settings; with oracle=True also "oracle": {"sft", "final"}, the oracle-lesson
+    control of the run's SFT start and of its final policy (each "with", "without", "delta"), and
+    with oracle="only" that control alone (no passes, no bank). Raises FileNotFoundError for a run
+    dir without config.json or final/,
     ValueError for a run whose judge is not the toy judge (the held-out score needs the toy world's
     static rubrics) or with no held-out questions.
     """
@@ -131,6 +142,25 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
     engine = RolloutEngine(sampler, tok, {tool.name: tool}, cfg.rollout.max_response_tokens,
                            cfg.rollout.max_tool_calls, system, cfg.rollout.temperature)
     judge = build.build_judge(cfg, world)  # fresh: held-out questions have no rubric buffers
+    seed = heldout.heldout_seed(cfg)
+    seeds = {"pass1": seed, "pass2": seed + 1}  # pass 1 = the final evaluation's
+
+    def add_oracle(out: dict) -> dict:
+        out["oracle"] = {"final": oracle_control(engine, judge, world, qs, n_s, cfg, seeds["pass1"])}
+        src = json.load(open(os.path.join(run_dir, "eval.json")))["sft"]["source"]
+        sft_model, sft_tok = load_policy(src)
+        sft_model.eval()
+        sft_engine = RolloutEngine(build_sampler(sft_model, sft_tok, cfg.precision, cfg.sample_threads),
+                                   sft_tok, {tool.name: tool}, cfg.rollout.max_response_tokens,
+                                   cfg.rollout.max_tool_calls, system, cfg.rollout.temperature)
+        out["oracle"]["sft"] = oracle_control(sft_engine, judge, world, qs, n_s, cfg, seeds["pass1"])
+        out["oracle"]["sft"]["source"] = src
+        out["seconds"] = time.perf_counter() - t_start
+        return out
+
+    if oracle == "only":
+        return add_oracle({"run_dir": run_dir, "n_questions": len(qs), "samples": n_s,
+                           "seeds": seeds, "arm": cfg.arm})
     retriever = None
     if cfg.bank.retriever == "dense":
         # lazy: scale backend, the dense retriever only when the run used it
@@ -140,9 +170,6 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
     bank_path = bank_path or os.path.join(run_dir, "bank.jsonl")
     bank = RubricBank.load(bank_path, missing_ok=True, strict=False, retriever=retriever,
                            max_chars=cfg.bank.max_chars)
-    seed = heldout.heldout_seed(cfg)
-    seeds = {"pass1": seed, "pass2": seed + 1}  # pass 1 = the final evaluation's
-
     def run_pass(name: str, items: list[list[str]] | None) -> tuple[dict, list]:
         ro = heldout.sample_heldout(engine, qs, n_s, cfg.eval.temperature, seeds[name], items)
         return heldout.heldout_scores(judge, qs, ro, n_s), ro
@@ -176,24 +203,57 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
                      "items": float(np.mean([len(x) for x in items])), "with": w, "without": wo,
                      "delta": paired_delta(w, wo)}
     out["reflection"] = {k: report._py(v) for k, v in rmet.items()}
+    if oracle:
+        return add_oracle(out)
     out["seconds"] = time.perf_counter() - t_start
     return out
 
 
+def oracle_control(engine, judge, world, qs: Sequence, n_s: int, cfg, seed: int) -> dict:
+    """The oracle-lesson control (module docstring): `engine`'s policy answers the questions `qs`
+    (n_s samples each, cfg.eval.temperature, sampling seed `seed`) with toy.sft.oracle_lesson in the
+    prompt and without. Returns {"with", "without", "delta"} as a pass of memory_reuse does, plus
+    "lesson" (the first question's oracle lesson, for the reader). Raises ValueError without a toy
+    world (the lesson is built from its ground truth)."""
+    from toy.sft import oracle_lesson  # toy world only: the lesson reads its ground truth
+
+    if world is None:
+        raise ValueError("the oracle-lesson control needs the toy world's ground truth")
+    items = [[oracle_lesson(q, world)] for q in qs]
+    res = {}
+    for name, it in (("with", items), ("without", None)):
+        ro = heldout.sample_heldout(engine, qs, n_s, cfg.eval.temperature, seed, it)
+        res[name] = heldout.heldout_scores(judge, qs, ro, n_s)
+    res["delta"] = paired_delta(res["with"], res["without"])
+    res["lesson"] = items[0][0] if items else ""
+    return res
+
+
 def summary_lines(res: dict) -> list[str]:
     """Human-readable lines for a memory_reuse result."""
-    lines = [f"memory reuse of {res['run_dir']} (arm {res['arm']}; bank {res['bank']}, "
-             f"{res['bank_size']} entries; {res['n_questions']} held-out questions x {res['samples']})"]
+    lines = [f"memory reuse of {res['run_dir']} (arm {res['arm']}; bank {res.get('bank', '-')}, "
+             f"{res.get('bank_size', 0)} entries; {res['n_questions']} held-out questions x "
+             f"{res['samples']})"]
     for name, label in (("pass1", "pass 1, cross-episode similar"),
                         ("pass2", "pass 2, within-episode exact")):
+        if name not in res:
+            continue
         p = res[name]
         d = p["delta"]
         lines.append(f"  {label:<30} answer {p['with']['answer']:.3f} with vs {p['without']['answer']:.3f} "
                      f"without: {d['answer']:+.3f} [{d['answer_ci'][0]:+.3f}, {d['answer_ci'][1]:+.3f}]; "
                      f"score {d['score']:+.3f}; hits {p['hits']:.2f}")
-    r = res["reflection"]
-    lines.append(f"  reflection: {r.get('reflect/admitted', 0)} of {r.get('reflect/trajectories', 0)} "
-                 f"questions got a lesson ({r.get('reflect/invalid', 0)} invalid candidates)")
+    if "reflection" in res:
+        r = res["reflection"]
+        lines.append(f"  reflection: {r.get('reflect/admitted', 0)} of {r.get('reflect/trajectories', 0)} "
+                     f"questions got a lesson ({r.get('reflect/invalid', 0)} invalid candidates)")
+    for who in ("sft", "final"):
+        o = res.get("oracle", {}).get(who)
+        if o:
+            d = o["delta"]
+            lines.append(f"  oracle lesson, {'SFT start' if who == 'sft' else 'final policy':<15}"
+                         f"answer {o['with']['answer']:.3f} with vs {o['without']['answer']:.3f} "
+                         f"without: {d['answer']:+.3f} [{d['answer_ci'][0]:+.3f}, {d['answer_ci'][1]:+.3f}]")
     return lines
 
 
@@ -210,10 +270,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--threads", type=int,
                     help="torch threads (default: the run's threads and sample_threads)")
     ap.add_argument("--out", help="output JSON (default RUN_DIR/memory.json)")
+    ap.add_argument("--oracle", action="store_true",
+                    help="also the oracle-lesson control of the SFT start and the final policy")
+    ap.add_argument("--oracle-only", action="store_true", help="only the oracle-lesson control")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     try:
-        res = memory_reuse(a.run_dir, a.bank, a.n_questions, a.samples, a.threads)
+        res = memory_reuse(a.run_dir, a.bank, a.n_questions, a.samples, a.threads,
+                           "only" if a.oracle_only else a.oracle)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -7,9 +7,9 @@ the ground truth), and whether the evolving judge's rewards carry that signal (t
 2. "stage_oracle": SS-GRPO (§3.3) on the static per-stage scores ("stage_oracle");
 3. "rubricem": the evolving judge, RubricEM as the paper runs it.
 
-For each arm it runs `python train.py --toy --arm ARM --seed S --run-dir OUT/ARM-sS --no-progress
---set judge.record_static=true` (extra --set pass through; a run whose eval.json exists is not
-rerun), then reads back:
+For each seed and arm it runs `python train.py --toy --arm ARM --seed S --run-dir OUT/ARM-sS
+--eval-every E --no-progress --set judge.record_static=true` (extra --set pass through; a run whose
+eval.json exists is not rerun), then reads back:
 - held-out answer score and mean stage score, warm start -> RL, at T = 1 (train.py's own eval.json)
   and with greedy decoding (one greedy rollout per question, evaluated here: `greedy_eval`), with
   the paired 95 % bootstrap interval of each gain over the held-out questions;
@@ -18,9 +18,14 @@ rerun), then reads back:
 - per stage, the Pearson correlation between the evolving judge's R and the static score over all
   of the run's training rollouts (run_dir/judge_static.jsonl). In the rubricem rung R is what the
   update saw; in the oracle rungs the update saw the static scores, and R is what the evolving
-  judge (whose buffers evolve alongside) would have given the same rollouts.
+  judge (whose buffers evolve alongside) would have given the same rollouts;
+- over all seeds, each rung's held-out answer gain averaged over the evaluated steps of the curve
+  (the paper's Fig. 5 metric; scripts/ablate.py's `curve_average`), and the stage oracle minus the
+  terminal oracle, paired by seed and question, at the curve average and at the final step: the
+  test that the world gives per-stage credit something to do.
 
-    python scripts/reward_ladder.py --seed 0 --out runs/ladder --set threads=1 --set sample_threads=1
+    python scripts/reward_ladder.py --seeds 0 1 2 --arms oracle,stage_oracle --out runs/ladder \
+        --set threads=1 --set sample_threads=1
     python scripts/reward_ladder.py --eval-only runs/toy            # greedy figures of one run
 Writes OUT/ladder.json and prints one block per arm.
 """
@@ -39,6 +44,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from backends.run.build import build_environment, build_judge, heldout_engines  # noqa: E402
 from backends.run.heldout import heldout_scores, heldout_seed, sample_heldout  # noqa: E402
@@ -157,13 +163,15 @@ def summarise(run_dir: str, greedy: dict | None) -> dict:
     return out
 
 
-def run_arm(arm: str, seed: int, out: str, sets: list[str]) -> str:
-    """Train one arm (skipped if its eval.json exists); returns its run directory."""
+def run_arm(arm: str, seed: int, out: str, sets: list[str], eval_every: int = 4) -> str:
+    """Train one arm (skipped if its eval.json exists), evaluated every `eval_every` steps; returns
+    its run directory."""
     rd = os.path.join(out, f"{arm}-s{seed}")
     if os.path.exists(os.path.join(rd, "eval.json")):
         return rd
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--toy", "--arm", arm, "--seed", str(seed),
-           "--run-dir", rd, "--no-progress", "--set", "judge.record_static=true"]
+           "--run-dir", rd, "--eval-every", str(eval_every), "--no-progress",
+           "--set", "judge.record_static=true"]
     for s in sets:
         cmd += ["--set", s]
     print("$", " ".join(cmd), flush=True)
@@ -173,6 +181,41 @@ def run_arm(arm: str, seed: int, out: str, sets: list[str]) -> str:
     subprocess.run(cmd, check=True, cwd=ROOT)
     print(f"  {arm}: {time.time() - t0:.0f} s", flush=True)
     return rd
+
+
+def curve_comparison(out: str, arms: list[str], seeds: list[int]) -> dict:
+    """Per rung, the curve average of the held-out answer gain (mean, lo, hi over seeds x questions)
+    and, for each later rung, its curve average and final-step gain minus the first rung's, paired
+    by seed and question (scripts/ablate.py: curve_rows, curve_stats, paired_curve_difference)."""
+    import ablate  # scripts/ablate.py: the grid's curve statistics
+
+    rows = []
+    for arm in arms:
+        for seed in seeds:
+            path = os.path.join(out, f"{arm}-s{seed}", "eval_curve.jsonl")
+            if os.path.exists(path):
+                rows += ablate.curve_rows(arm, seed, [json.loads(x) for x in open(path)])
+    fs = ablate.final_step(rows)
+    res = {"steps": ablate.curve_steps(rows), "final_step": fs,
+           "curve": {a: ablate.curve_stats(rows, a) for a in arms}, "minus": {}}
+    for a in arms[1:]:
+        d = ablate.paired_curve_difference(rows, a, arms[0])
+        f = ablate.paired_difference(rows, a, arms[0], fs) if fs is not None else None
+        if d is not None and f is not None:
+            res["minus"][a] = {"curve": d["answer"], "final": f["answer"],
+                               "curve_mean_stage": d["score"]}
+    return res
+
+
+def fmt_curve(c: dict, base: str) -> str:
+    lines = [f"== curve average of the held-out answer gain over steps {c['steps']} (seeds x questions)"]
+    for a, (m, lo, hi) in c["curve"].items():
+        lines.append(f"  {a:14s} {m:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+    for a, d in c["minus"].items():
+        lines.append(f"  {a} minus {base}, paired: curve average {d['curve'][0]:+.3f} "
+                     f"[{d['curve'][1]:+.3f}, {d['curve'][2]:+.3f}]; at step {c['final_step']} "
+                     f"{d['final'][0]:+.3f} [{d['final'][1]:+.3f}, {d['final'][2]:+.3f}]")
+    return "\n".join(lines)
 
 
 def fmt(name: str, s: dict) -> str:
@@ -203,7 +246,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated (default: the ladder)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", "--seeds", dest="seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--eval-every", type=int, default=4, help="held-out evaluation every N steps")
     ap.add_argument("--out", default="runs/ladder")
     ap.add_argument("--set", action="append", default=[], metavar="A.B=V", help="passed to train.py")
     ap.add_argument("--no-greedy", action="store_true", help="skip the greedy held-out evaluation")
@@ -217,10 +261,17 @@ def main(argv=None) -> int:
             print(fmt(rd, res[rd]), flush=True)
         return 0
     os.makedirs(a.out, exist_ok=True)
-    for arm in [x for x in a.arms.split(",") if x]:
-        rd = run_arm(arm, a.seed, a.out, a.set)
-        res[arm] = summarise(rd, None if a.no_greedy else greedy_eval(rd))
-        print(fmt(arm, res[arm]), flush=True)
+    arms = [x for x in a.arms.split(",") if x]
+    for seed in a.seeds:
+        for arm in arms:
+            rd = run_arm(arm, seed, a.out, a.set, a.eval_every)
+            res[f"{arm}-s{seed}"] = summarise(rd, None if a.no_greedy else greedy_eval(rd))
+            print(fmt(f"{arm} seed {seed}", res[f"{arm}-s{seed}"]), flush=True)
+            with open(os.path.join(a.out, "ladder.json"), "w") as fh:
+                json.dump(res, fh, indent=1)
+    if len(arms) > 1:
+        res["curve"] = curve_comparison(a.out, arms, a.seeds)
+        print(fmt_curve(res["curve"], arms[0]), flush=True)
         with open(os.path.join(a.out, "ladder.json"), "w") as fh:
             json.dump(res, fh, indent=1)
     return 0

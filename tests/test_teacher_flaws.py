@@ -1,6 +1,12 @@
-"""The toy teacher's stage-local flaws (toy/sft.TeacherConfig.p_plan_unsearched, p_eval_bare,
-p_writing_gap, p_unknown_omitted): off by default without changing the default teacher's data or
-warm-start cache key, and each one, switched on, lowers its own stage's static score and no other."""
+"""The toy teacher's flaws (toy/sft.TeacherConfig).
+
+The causal chain (p_plan_omit, p_distractor with p_distractor_avoid, p_writing_omit): on by
+default and the teacher's most likely behaviour, each lowers its own stage's static score *and* the
+Answer's (the answer states what the plan, the research notes and the writing plan let through), and
+a memory item from a first attempt undoes it for the facts it names. The stage-local flaws of the
+previous toy (p_plan_unsearched, p_eval_bare, p_writing_gap, p_unknown_omitted): off by default
+but p_unknown_omitted, each lowers its own stage's static score and no other. A flaw switched off
+draws nothing, so a configuration without it makes the data it made before."""
 import dataclasses
 import os
 import random
@@ -32,13 +38,15 @@ def _scores(cfg, queries, judge):
 
 
 def test_flaws_are_systematic_by_default_and_off_leave_the_cache_key_sec_appendix_sft():
-    # The toy's teacher makes each stage-local flaw its most likely behaviour (above 0.5), and
-    # so the citation and the plan's negative constraint; skipping stays a minority behaviour.
+    # The toy's teacher makes each causal flaw its most likely behaviour (above 0.5), and the plan's
+    # missing negative constraint; skipping, citation and an omitted "no source" stay minorities.
     t = sft.TeacherConfig()
-    assert all(getattr(t, f) > 0.5 for f in FLAW_STAGE)
-    assert t.p_uncited > 0.5 and t.p_no_negative > 0.5 and t.p_skip < 0.5
+    assert t.p_plan_omit > 0.5 and t.p_writing_omit > 0.5 and t.p_distractor > 0.5
+    assert t.p_distractor_avoid < 0.5 < t.p_no_negative
+    assert t.p_uncited < 0.5 and t.p_skip < 0.5 and t.p_unknown_omitted < 0.5
+    assert t.p_plan_unsearched == t.p_eval_bare == t.p_writing_gap == 0.0
     d = tf.mild_teacher()
-    assert all(getattr(d, f) == 0.0 for f in FLAW_STAGE)
+    assert all(getattr(d, f) == 0.0 for f in FLAW_STAGE) and d.p_plan_omit == d.p_writing_omit == 0.0
     assert set(FLAW_STAGE) == set(sft._LOCAL_FLAWS)
     w = tf.tiny_world()
     k0 = sft.warm_start_key(w.config, "s", sft.SFTConfig(), d, "S", 1024)
@@ -58,14 +66,71 @@ def test_flaws_are_systematic_by_default_and_off_leave_the_cache_key_sec_appendi
     real = sft.random.Random
     try:
         sft.random.Random = Spy
-        for cfg in (d, dataclasses.replace(d, p_writing_gap=1e-12)):
+        for cfg in (d, dataclasses.replace(d, p_writing_gap=1e-12),
+                    dataclasses.replace(d, p_plan_omit=1e-12)):
             made.clear()
             for i, q in enumerate(tf.train_queries()[:10]):
                 sft.teacher_trajectory(q, tf.tiny_tool(), w, real(i), cfg)
             counts.append(len(made))
     finally:
         sft.random.Random = real
-    assert counts == [0, 10]
+    assert counts == [0, 10, 10]
+
+
+# The causal flaws: (settings that switch it on, its stage). p = 1e-12 seeds the chain's stream
+# without firing, so "off" and "on" draw the same numbers and differ only in what the flaw does.
+CHAIN = {"plan": ({"p_plan_omit": 1.0}, {"p_plan_omit": 1e-12}),
+         "review": ({"p_writing_omit": 1.0}, {"p_writing_omit": 1e-12}),
+         "research": ({"p_distractor": 1.0, "p_no_negative": 1.0},
+                      {"p_distractor": 0.0, "p_no_negative": 1.0})}
+CHAIN_BASE = tf.mild_teacher(p_tool_fail=0.0, p_defect=0.0, p_skip=0.0, p_vague=0.0,
+                             p_distractor=0.0, p_distractor_avoid=0.0)
+
+
+@pytest.mark.parametrize("stage", sorted(CHAIN))
+def test_each_causal_flaw_lowers_its_stage_and_the_answer_sec3_2(stage):
+    on_kw, off_kw = CHAIN[stage]
+    queries = list(tf.train_queries()[:80])
+    judge = ToyJudge(tf.tiny_world())
+    on = _scores(dataclasses.replace(CHAIN_BASE, **on_kw), queries, judge)
+    off = _scores(dataclasses.replace(CHAIN_BASE, **off_kw), queries, judge)
+    k, ans = STAGES.index(stage), STAGES.index("answer")
+    assert on[:, k].mean() < off[:, k].mean() - 0.02, stage
+    assert on[:, ans].mean() < off[:, ans].mean() - 0.02, stage  # seen in the answer too
+    assert (on[:, ans] < off[:, ans] - 1e-9).sum() >= 3
+
+
+def test_a_lesson_from_a_first_attempt_undoes_the_flaws_it_names_sec3_5():
+    """Within-episode memory: a fact named as missed is planned, searched and written; a fact named
+    with a wrong value gets a careful note (the true document's value, not the old record's)."""
+    w, tool = tf.tiny_world(), tf.tiny_tool()
+    cfg = dataclasses.replace(CHAIN_BASE, p_plan_omit=1.0, p_writing_omit=1.0, p_distractor=1.0,
+                              p_no_negative=1.0, p_uncited=0.0)
+    judge = ToyJudge(w)
+    before, after = [], []
+    for i, q in enumerate(tf.train_queries()[:80]):
+        first = sft.teacher_trajectory(q, tool, w, random.Random(i), cfg)
+        lesson = sft.teacher_reflection(q, first)
+        again = sft.teacher_trajectory(q, tool, w, random.Random(i), cfg, [lesson])
+        missed = {k for k, v in again.defects.items() if v in sft.MISSED_DEFECTS}
+        copied = {k for k, v in again.defects.items() if v.startswith("copied")}
+        assert not sft.memory_missed([lesson]) & missed and not sft.memory_wrong([lesson]) & copied
+        before.append(judge.evaluate(q, [teacher_rollout(q, first.segments, tool)])[0, 3])
+        after.append(judge.evaluate(q, [teacher_rollout(q, again.segments, tool)])[0, 3])
+    # A fact the lesson brings into the plan can meet a new trap (its old record), which this
+    # lesson did not name: the answer gains on the whole, not on every question.
+    assert np.mean(after) > np.mean(before) + 0.1
+    assert sum(a > b + 1e-9 for a, b in zip(after, before)) >= 20
+
+
+def test_the_oracle_lesson_names_every_fact_and_every_old_value_sec3_5():
+    w = tf.tiny_world()
+    for q in tf.train_queries()[:40]:
+        lesson = sft.oracle_lesson(q, w)
+        assert sft.memory_missed([lesson]) == {sft.fact_key(f) for f in q.facts}
+        old = {sft.fact_key(f) for f in q.facts
+               if any(d.kind == "outdated" for d in w.docs_of(f["entity"], f["aspect"]))}
+        assert sft.memory_wrong([lesson]) == old
 
 
 @pytest.mark.parametrize("flaw", sorted(FLAW_STAGE))

@@ -31,8 +31,17 @@ def world():
 
 
 def _query(n_facts: int = 2):
+    """A question on n_facts facts that all have a document, where the search for one fact does not
+    bring back another's document (so a fact is found only by searching for it: the attacks below
+    leave facts unsearched)."""
+    tool = tf.tiny_tool()
+
+    def apart(q):
+        docs = {f["doc_id"] for f in q.facts}
+        return all({r.doc_id for r in tool(sft.fact_key(f))} & docs == {f["doc_id"]} for f in q.facts)
+
     return next(q for q in tf.train_queries()
-                if len(q.facts) == n_facts and all(f["doc_id"] for f in q.facts))
+                if len(q.facts) == n_facts and all(f["doc_id"] for f in q.facts) and apart(q))
 
 
 def _replay(q, segments):
@@ -181,3 +190,36 @@ def test_repetition_scores_below_an_honest_lesson_sec3_4(world):
     for c, text in zip(s[1:], repeats):
         assert c.score < s[0].score, text
     assert not s[1].valid and not s[4].valid  # a fact 3+ times in a row is degenerate repetition
+
+
+def test_a_lesson_must_name_a_failure_by_its_kind_sec3_4(world):
+    """A fact the attempt left unsearched belongs under "missed:"; naming it under "wrong:" (as if
+    a distractor's value had been copied) is a false diagnosis and scores below the honest lesson;
+    and a fact whose note copied an old record belongs under "wrong:", not "missed:"."""
+    q = _query(2)
+    judge = ToyJudge(world, fixes=ToyJudge.FIXES)
+    lazy = tf.mild_teacher(p_skip=1.0, p_vague=0.0, p_uncited=0.0, p_distractor=0.0,
+                           p_no_negative=0.0, p_tool_fail=0.0, p_defect=0.0)
+    tr = tf.teacher(q, 0, lazy)
+    ro = _replay(q, tr.segments)
+    judged = judge.judge_group(q, [ro, _replay(q, _perfect(q).segments)], 0)
+    (k,) = [key for key, v in tr.defects.items() if v == "skipped"]
+    s = judge.score_reflections(q, ro, judged, 0, [f"missed: {k}. Lesson: plan every asked aspect.",
+                                                   f"wrong: {k} tea. Lesson: plan every asked aspect."])
+    assert s[0].valid and s[1].valid and s[1].score < s[0].score
+    # A careless note: the old record came back first and its value was taken.
+    w, tool = tf.tiny_world(), tf.tiny_tool()
+    careless = tf.mild_teacher(p_skip=0.0, p_vague=0.0, p_uncited=0.0, p_distractor=1.0,
+                               p_no_negative=1.0, p_tool_fail=0.0, p_defect=0.0)
+    for i, q2 in enumerate(tf.train_queries()):
+        tr2 = tf.teacher(q2, i, careless)
+        copied = [key for key, v in tr2.defects.items() if v.startswith("copied")]
+        if copied:
+            break
+    ro2 = _replay(q2, tr2.segments)
+    judged2 = judge.judge_group(q2, [ro2, _replay(q2, _perfect(q2).segments)], 0)
+    k2 = copied[0]
+    s2 = judge.score_reflections(q2, ro2, judged2, 0,
+                                 [f"wrong: {k2} {tr2.copied[k2]}. Lesson: ignore old records.",
+                                  f"missed: {k2}. Lesson: ignore old records."])
+    assert s2[0].valid and s2[1].valid and s2[1].score < s2[0].score

@@ -219,7 +219,7 @@ def test_distractors_exist_outdated_and_lookalike_docs_sec3_1(w):
     asked = {e for r in load_rows(w.train_rows + w.heldout_rows) for e in r.toy["entities"]}
     for d in w.docs:
         if d.kind == "outdated":
-            assert "old record" in d.title and "old record" in d.text
+            assert f"old {d.aspect} record" in d.text  # it says what it is: a careful reader can tell
             assert d.value != w.entities[d.entity][d.aspect]  # a wrong value
             assert d.entity in asked
         elif d.kind == "lookalike":
@@ -228,7 +228,30 @@ def test_distractors_exist_outdated_and_lookalike_docs_sec3_1(w):
             assert orig != d.entity and orig[:1] == d.entity[:1]
             assert d.value == w.entities[d.entity][d.aspect]
         else:
-            assert d.value == w.entities[d.entity][d.aspect] and "old record" not in d.title
+            assert d.value == w.entities[d.entity][d.aspect] and "old" not in d.text.split()
+
+
+def test_an_old_record_comes_back_above_the_true_document_sec3_1(w, tool):
+    """The causal task: a search for an asked fact that has an old record returns the old record
+    first and the true document among the k results, so the research note must read on (the teacher's
+    careless note copies the first)."""
+    conflicts = 0
+    for r in load_rows(w.train_rows):
+        for f in r.facts:
+            docs = w.docs_of(f["entity"], f["aspect"])
+            if f["doc_id"] is None or not any(d.kind == "outdated" for d in docs):
+                continue
+            conflicts += 1
+            res = [w.doc(x.doc_id) for x in tool(f"{f['entity']} {f['aspect']}")]
+            assert res[0].kind == "outdated" and (res[0].entity, res[0].aspect) == (f["entity"], f["aspect"])
+            assert f["doc_id"] in [d.doc_id for d in res]
+    assert conflicts >= 10
+
+
+def test_the_earlier_old_record_wording_stays_available_sec3_1():
+    w = make_world(WorldConfig(outdated_first=False, p_outdated=0.15, **TINY))
+    old = [d for d in w.docs if d.kind == "outdated"]
+    assert old and all("(old record)" in d.title and "since corrected, gives" in d.text for d in old)
 
 
 def test_some_facts_are_missing_and_get_unknown_rubrics_sec3_1(w):

@@ -22,12 +22,13 @@ from toy.world import BM25SearchTool, WorldConfig, make_world
 from backends.run.data import load_rows
 
 TINY = WorldConfig(seed=0, n_train_entities=40, n_heldout_entities=10)
-# A teacher with random imperfections only (the rates of the first toy teacher): the stage-local
-# flaws off and skipping, uncited answers and a missing negative constraint uncommon. The toy's
-# default teacher (toy.sft.TeacherConfig()) makes its flaws systematically instead; tests that
-# need mostly good trajectories start from this one.
+# A teacher with random imperfections only (the rates of the first toy teacher): the causal and the
+# stage-local flaws off and skipping, uncited answers and a missing negative constraint uncommon.
+# The toy's default teacher (toy.sft.TeacherConfig()) makes its flaws systematically instead; tests
+# that need mostly good trajectories start from this one.
 MILD = dict(p_skip=0.15, p_uncited=0.15, p_no_negative=0.30, p_plan_unsearched=0.0, p_eval_bare=0.0,
-            p_writing_gap=0.0, p_unknown_omitted=0.0)
+            p_writing_gap=0.0, p_unknown_omitted=0.0, p_plan_omit=0.0, p_writing_omit=0.0,
+            p_distractor=0.3, p_distractor_avoid=0.3, p_memory=0.3, p_memory_exact=0.5)
 
 
 def mild_teacher(**kw) -> sft.TeacherConfig:

@@ -132,6 +132,12 @@ def answer_defect(ro) -> str:
     return ""
 
 
+# The Answer stage's checks of form (every claim cited, a closed answer, no distractor value) weigh a
+# quarter of one asked fact each, so the answer score is mostly the asked facts stated right and an
+# answer that leaves facts out cannot score high on its form alone (ours; the paper's rubrics are
+# mostly content items too).
+ANSWER_FORM_WEIGHT = 0.25
+
 # What became of an asked fact (ToyJudge.fact_outcomes: a diagnosis, not a score)
 FACT_OUTCOMES = ("stated, cited", "stated, uncited", "several values",
                  "wrong value, in a retrieved snippet", "wrong value, in no snippet",
@@ -225,12 +231,12 @@ class ToyJudge(EvolvingJudge):
             Rubric("rev:plan", REVIEW, "writing plan covers findings",
                    "The writing plan lists every fact the review found.", check=("rev_plan",)),
             Rubric("ans:cited", ANSWER, "every claim cited", "Every factual sentence cites a snippet.",
-                   check=("ans_cited",)),
+                   weight=ANSWER_FORM_WEIGHT, check=("ans_cited",)),
             Rubric("ans:closed", ANSWER, "closed answer", "The answer is complete and closed.",
-                   check=("ans_closed",)),
+                   weight=ANSWER_FORM_WEIGHT, check=("ans_closed",)),
             Rubric("ans:nodistractor", ANSWER, "no distractor values",
                    "No value copied from an old record or a look-alike entity.",
-                   check=("ans_nodistractor",)),
+                   weight=ANSWER_FORM_WEIGHT, check=("ans_nodistractor",)),
         ]
         return [r for r in P if r.stage in self.stages]
 

@@ -30,9 +30,10 @@ _WORD_REPEAT_RE = re.compile(r"\b(\w+)\b(?:\W+\1\b){2,}")  # the same word 3+ ti
 # The same phrase of 2-4 words 3+ times in a row ("Sunnana year, Sunnana year, Sunnana year").
 _PHRASE_REPEAT_RE = re.compile(r"\b(\w+(?:\W+\w+){1,3})\b(?:\W+\1\b){2,}")
 _MISSED_CLAUSE_RE = re.compile(r"\bmissed:?([^.;:]*)", re.I)  # "missed: A year, B use." -> facts
+_WRONG_CLAUSE_RE = re.compile(r"\bwrong:([^.;:]*)", re.I)  # "wrong: A habitat north dunes." -> facts
 _END_RE = re.compile(r"[.!?][\"')\]]*$")
 _LABEL_RE = re.compile(r"(?:^|[.;!?]\s+)([A-Za-z]+):")
-_LABELS = ("missed", "lesson", "lessons", "avoid", "need", "note", "fix")
+_LABELS = ("missed", "wrong", "lesson", "lessons", "avoid", "need", "note", "fix")
 _NAME_RE = re.compile(r"\b[A-Z][a-z]{3,10}\b")
 _NAME_ASPECT_RE = re.compile(r"\b([A-Z][a-z]{3,10})(?:'s)? (?:habitat|discoverer|year|use)\b")
 REFLECTION_MAX_CHARS = 600  # ours: toy reflections are one or two sentences
@@ -131,7 +132,9 @@ def score_reflections(candidates: Sequence[str], ctx: dict, stages: set, failed:
                named that did not fail (a list of every fact gains nothing); a fact named as
                missed ("missed: Entity aspect") counts as named right only if it was missed (a
                failure that a search fixes: not searched, or searched and not found), else as
-               a wrong name (a stated, uncited fact is not "missed"; fix "false_missed"); and
+               a wrong name (a stated, uncited fact is not "missed"; fix "false_missed"), and
+               one named with a wrong value ("wrong: Entity aspect value") only if its answer
+               took a distractor's value (same fix); and
                each repeated mention of a fact beyond its first costs 0.25 (repetition is not
                specificity; fix "repetition");
         stage: 1 if it names a stage that failed, minus 0.25 per named stage that did not fail
@@ -155,9 +158,14 @@ def score_reflections(candidates: Sequence[str], ctx: dict, stages: set, failed:
         said = {k for k, rx in _STAGE_WORDS.items() if rx.search(t)}
         # A fact listed as missed that was not missed (stated but uncited, copied from a
         # distractor, hedged) is a false diagnosis: it counts as a wrong name, not a right one.
+        # Likewise a fact named with a wrong value whose answer took no distractor's value.
+        labelled = "false_missed" in fixes
         as_missed = {k for m in _MISSED_CLAUSE_RE.finditer(t) for k in facts if k in m.group(1)} \
-            if "false_missed" in fixes else set()
-        false_missed = {k for k in as_missed if "search" not in ctx["fact_kinds"].get(k, ())}
+            if labelled else set()
+        as_wrong = {k for m in _WRONG_CLAUSE_RE.finditer(t) for k in facts if k in m.group(1)} \
+            if labelled else set()
+        false_missed = ({k for k in as_missed if "search" not in ctx["fact_kinds"].get(k, ())}
+                        | {k for k in as_wrong if "distractor" not in ctx["fact_kinds"].get(k, ())})
         repeats = sum(n - 1 for n in counts.values() if n > 1) if "repetition" in fixes else 0
         if failed:
             fact_term = (len((named & failed) - false_missed) / len(failed)

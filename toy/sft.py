@@ -4,12 +4,14 @@ RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewa
 Implements the SFT stage of the appendix: stage-structured trajectories from a teacher, filtered by the
 paper's four rules, trained with the loss on assistant tokens only and `<tool_output>` spans masked.
 
-The teacher writes complete four-stage trajectories *through the real tool* (BM25 search), and is
-deliberately imperfect in controllable ways (`TeacherConfig`): it skips asked aspects, writes vague
-queries, leaves claims uncited, copies a distractor's value, or forgets the negative constraint. The
-SFT policy therefore starts with headroom for RL. The teacher also writes reflections on its own
-trajectories (for the reflection meta-policy of §3.4) and, when a retrieved memory names a fact it
-missed before, it does not miss it again: that is how the policy learns what a bank item is for.
+The teacher (toy/teacher.py) writes complete four-stage trajectories *through the real tool* (BM25
+search), and is deliberately imperfect in controllable ways (`TeacherConfig`): along the task's causal
+chain it leaves asked facts out of the plan, copies a distractor's value in a research note, leaves
+findings out of the writing plan, and forgets the negative constraint; it also writes vague queries and
+uncited claims. The SFT policy therefore starts with headroom for RL. The teacher also writes
+reflections on its own trajectories (for the reflection meta-policy of §3.4), naming what it missed
+and which values were wrong; when such a lesson about the same query comes back as memory, it does not
+repeat those mistakes: that is how the policy learns what a bank item is for.
 
 The unstructured scaffold (the scaffold ablation, Fig. 6a-c; scaffold.parse_unstructured) has its own
 teacher and warm start: `teacher_trajectory(..., scaffold="unstructured")` draws the same random
@@ -46,10 +48,9 @@ import logging
 import math
 import os
 import random
-import re
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -57,258 +58,21 @@ import torch
 from tqdm import tqdm
 
 from reflection import reflection_messages
-from scaffold import (CALL_OPEN, SCAFFOLD_TAGS, THINK_TAGS, build_messages, format_tool_error,
-                      format_tool_output)
+from scaffold import SCAFFOLD_TAGS, THINK_TAGS, build_messages, load_rows
 from sft import (REQUIRED_TAGS, UNSTRUCTURED_REQUIRED_TAGS, Segment,  # noqa: F401  (re-exported)
                  sft_filter)
-from scaffold import Query, load_rows
 from toy import model as policy
 from toy.hf_sampler import autocast, pad_multiple
 from toy.report import format_filter_counts, warm_start_line
-from toy.world import ANSWER_TEMPLATES, SYLLABLES, World
+from toy.teacher import (MISSED_DEFECTS, TeacherConfig, TeacherTrace,  # noqa: F401  (re-exported)
+                         _LOCAL_FLAWS, fact_key, memory_missed, memory_wrong, oracle_lesson,
+                         teacher_reflection, teacher_trajectory)
+from toy.world import SYLLABLES, World
 
 log = logging.getLogger("rubricem.sft")
 
 
-@dataclass
-class TeacherConfig:
-    """Imperfection rates of the scripted teacher (our values; the paper's teacher is an LLM)."""
-
-    p_skip: float = 0.2
-    """an asked fact is never searched nor answered (Research: which aspects to search). Kept
-    below 0.5, so that greedy decoding of the SFT policy searches every asked fact and its fact
-    recall measures copying (0.4 before: the greedy warm start left 19 % of the asked facts
-    unsearched); sampling at T = 1 still skips about one in five"""
-    p_vague: float = 0.10
-    """a query without the entity name"""
-    p_uncited: float = 0.6
-    """Answer: an answer sentence without its citation (above 0.5: the teacher's usual behaviour)"""
-    p_distractor: float = 0.30
-    """when a distractor snippet is retrieved, its value is copied"""
-    p_no_negative: float = 0.7
-    """Plan: the plan's rubrics omit the negative constraint"""
-    p_tool_fail: float = 0.05
-    """the teacher's tool call fails (an error output); it retries"""
-    p_defect: float = 0.02
-    """per kind: truncated answer, invalid call, missing review block"""
-    p_memory: float = 0.30
-    """share of prompts with retrieved memory items"""
-    # Stage-local flaws (ours; 0 = off, and then no random draw is made, so the teacher's data are
-    # those of a configuration without these fields). Each one makes a decision of one stage go
-    # wrong with this probability and changes nothing in the other stages, so only that stage's
-    # rubrics can see it: set above 0.5, the wrong behaviour is the teacher's most likely one. The
-    # defaults (0.7) make it so on a decision of every stage: greedy decoding of the SFT policy
-    # inherits the flaw, while sampling at T = 1 meets the right behaviour about 30 % of the time.
-    p_plan_unsearched: float = 0.7
-    """Plan (per trajectory): the research plan lists the first asked fact's search only (the
-    research still runs every search)"""
-    p_eval_bare: float = 0.7
-    """Research (per trajectory): the state evaluations give found values without their snippet
-    ids ("E a: v", not "E a: v [h]")"""
-    p_writing_gap: float = 0.7
-    """Review (per trajectory): the writing plan lists only the first fact it found"""
-    p_unknown_omitted: float = 0.7
-    """Answer (per fact): a fact no snippet gave is left out of the answer (no "No source gives ..." sentence)"""
-
-
-# ----------------------------------------------------------------------------------------------------
-# Teacher
-
-
-def fact_key(f: dict) -> str:
-    return f"{f['entity']} {f['aspect']}"
-
-
-_MISSED_RE = re.compile(r"missed: ([^.;]+)")
-
-
-def memory_missed(items: Sequence[str]) -> set[str]:
-    """Fact keys named as missed ("missed: Harta year; ...") in memory items."""
-    out = set()
-    for it in items:
-        for m in _MISSED_RE.finditer(it):
-            out.update(k.strip() for k in m.group(1).split(","))
-    return out
-
-
-@dataclass
-class TeacherTrace:
-    segments: list[Segment]
-    defects: dict = field(default_factory=dict)  # fact key -> what went wrong; "_kind" -> defect
-
-
-def teacher_trajectory(q: Query, tool, world: World, rng: random.Random, cfg: TeacherConfig,
-                       memory: Sequence[str] = (), scaffold: str = "structured") -> TeacherTrace:
-    """One trajectory for query q through `tool`, with controlled imperfections: stage-structured
-    (scaffold "structured", §3.2), or think / call / answer only ("unstructured": no plan, no
-    review, <think> notes; the same random draws, so the same searches, imperfections and answer).
-
-    The teacher is privileged: it reads each retrieved document's ground truth from `world`.
-    """
-    structured = scaffold == "structured"
-    note_open, note_close = ("<state_evaluation>", "</state_evaluation>") if structured else THINK_TAGS
-    facts = q.facts
-    remembered = memory_missed(memory)
-    ents = (q.toy or {}).get("entities", [])
-    aspects = (q.toy or {}).get("aspects", [])
-    defects: dict = {}
-    # A list in the order of the asked facts, not a set: the set's iteration order follows Python's
-    # per-process string hashing (PYTHONHASHSEED), and `defects` keeps this order into the teacher's
-    # reflection text ("missed: A year, B use"), so a set made the SFT data differ between processes.
-    skip = [fact_key(f) for f in facts if rng.random() < cfg.p_skip and fact_key(f) not in remembered]
-    if len(skip) == len(facts):
-        skip.remove(fact_key(facts[0]))
-    for k in skip:
-        defects[k] = "skipped"
-    need = "; ".join(f"need: {fact_key(f)}" for f in facts)
-    neg = "" if rng.random() < cfg.p_no_negative else "; avoid: look-alike names and old records"
-    if not neg and structured:
-        defects["_negative"] = "no negative constraint"
-    # Stage-local flaws draw only when switched on (see TeacherConfig), each from its own stream
-    # seeded by the trajectory's, so the draws above and below stay those of the default teacher.
-    local = random.Random(rng.random()) if _local_flaws(cfg) else None
-    bare = local is not None and local.random() < cfg.p_eval_bare
-    unplanned = [fact_key(f) for f in facts[1:]] \
-        if local is not None and local.random() < cfg.p_plan_unsearched else []
-    if unplanned and structured:
-        defects["_plan_search"] = "research plan omits " + ", ".join(unplanned)
-    plan = (f"<structured_plan><analysis>Report on {' and '.join(ents)}: {', '.join(aspects)}."
-            f"</analysis><rubrics>{need}{neg}</rubrics><research_plan>"
-            + "; ".join(f"search {fact_key(f)}" for f in facts
-                        if fact_key(f) not in skip and fact_key(f) not in unplanned)
-            + "</research_plan></structured_plan>\n") if structured else ""
-    segs: list[Segment] = []
-    cur = plan
-    handle = 1
-    found: dict[str, tuple[int, str] | None] = {}
-    kind_defect = rng.random()
-    for f in facts:
-        k = fact_key(f)
-        if k in skip:
-            continue
-        query = k
-        if rng.random() < cfg.p_vague:
-            query = f["aspect"]
-            defects[k] = "vague query"
-        for attempt in range(3):
-            cur += f"{CALL_OPEN}{query}</call_tool>"
-            if kind_defect < cfg.p_defect and not segs:  # defect: an invalid tool name
-                cur = cur.replace(CALL_OPEN, '<call_tool name="web_browse">', 1)
-                defects["_kind"] = "invalid call"
-            segs.append((False, cur))
-            if rng.random() < cfg.p_tool_fail:
-                segs.append((True, format_tool_error("search failed")))
-                cur = f"{note_open}search failed, retrying{note_close}\n"
-                continue
-            results = tool(query)
-            segs.append((True, format_tool_output(results, handle)))
-            hit = None
-            for j, r in enumerate(results):
-                d = world.doc(r.doc_id)
-                if d.aspect != f["aspect"]:
-                    continue
-                if d.kind == "true" and d.entity == f["entity"]:
-                    hit = (handle + j, d.value, "true")
-                    if defects.get(k, "").startswith("copied"):
-                        del defects[k]
-                    break
-                # A careless teacher copies an old record or a look-alike's value.
-                if hit is None and (d.entity == f["entity"] or d.kind == "lookalike") \
-                        and rng.random() < cfg.p_distractor:
-                    hit = (handle + j, d.value, d.kind)
-                    defects[k] = f"copied {d.kind}"
-            handle += len(results)
-            found[k] = (hit[0], hit[1]) if hit else None
-            ev = f"{k}: {hit[1]} [{hit[0]}]" if hit else f"{k}: not found"
-            if hit and bare:
-                ev = f"{k}: {hit[1]}"  # the value without its snippet id
-                defects["_eval_bare"] = "state evaluation without a snippet id"
-            cur = f"{note_open}{ev}{note_close}\n"
-            break
-        else:
-            found[k] = None
-    review_items = []
-    for f in facts:
-        k = fact_key(f)
-        h = found.get(k)
-        review_items.append(f"{k}: [{h[0]}]" if h else f"{k}: missing")
-    planned = [fact_key(f) for f in facts if fact_key(f) not in skip]
-    if local is not None and len(planned) > 1 and local.random() < cfg.p_writing_gap:
-        planned = planned[:1]  # the writing plan forgets the later findings
-        defects["_writing_gap"] = "writing plan lists one fact"
-    review = (f"<review><rubrics_review>{'; '.join(review_items)}</rubrics_review><writing_plan>"
-              f"{', '.join(planned)}</writing_plan>"
-              "</review>\n")
-    if not structured:
-        review = ""  # the unstructured scaffold has no review
-    elif 0.5 * cfg.p_defect <= kind_defect < 1.5 * cfg.p_defect and "_kind" not in defects:
-        review = ""  # defect: a missing review block
-        defects["_kind"] = "missing review"
-    sentences = []
-    for f in facts:
-        k = fact_key(f)
-        if k in skip:
-            continue
-        h = found.get(k)
-        if h is None:
-            if local is not None and local.random() < cfg.p_unknown_omitted:
-                defects["_unknown_omitted"] = "left out a fact no source gave"
-                continue
-            sentences.append(f"No source gives the {f['aspect']} of {f['entity']}.")
-            continue
-        s = ANSWER_TEMPLATES[f["aspect"]].format(name=f["entity"], value=h[1])
-        if rng.random() < cfg.p_uncited:
-            defects.setdefault(k, "uncited")
-            sentences.append(s + ".")
-        else:
-            sentences.append(f"{s} [{h[0]}].")
-    answer = "<answer>" + " ".join(sentences) + "</answer><|im_end|>"
-    if 1.5 * cfg.p_defect <= kind_defect < 2.5 * cfg.p_defect and "_kind" not in defects:
-        answer = answer[: len(answer) // 2]  # defect: a truncated answer
-        defects["_kind"] = "truncated answer"
-    segs.append((False, cur + review + answer))
-    return TeacherTrace(segs, defects)
-
-
-_LOCAL_FLAWS = ("p_plan_unsearched", "p_eval_bare", "p_writing_gap", "p_unknown_omitted")
-
-
-def _local_flaws(cfg: TeacherConfig) -> bool:
-    """True if any stage-local flaw is switched on (then the teacher draws them, else it does not)."""
-    return any(getattr(cfg, f) > 0 for f in _LOCAL_FLAWS)
-
-
-def teacher_reflection(q: Query, trace: TeacherTrace) -> str:
-    """The teacher's reflection on its own trajectory: missed facts by name (within-episode use),
-    then general lessons for the failure kinds it made (cross-episode transfer)."""
-    missed = [k for k, v in trace.defects.items() if not k.startswith("_") and v in ("skipped", "vague query")]
-    wrong = [k for k, v in trace.defects.items() if not k.startswith("_") and v.startswith("copied")]
-    uncited = [k for k, v in trace.defects.items() if v == "uncited"]
-    parts = []
-    if missed:
-        parts.append("missed: " + ", ".join(missed) + ".")
-    lessons = []
-    if missed:
-        lessons.append("search every asked aspect with the full name")
-    if wrong:
-        lessons.append("ignore old records and look-alike names")
-    if uncited:
-        lessons.append("cite a snippet for every claim")
-    if "_negative" in trace.defects:
-        lessons.append("list what to avoid in the plan")
-    # The stage-local flaws (TeacherConfig.p_plan_unsearched and after; absent by default).
-    if "_plan_search" in trace.defects:
-        lessons.append("plan one search per asked aspect")
-    if "_eval_bare" in trace.defects:
-        lessons.append("give the snippet id or not found in each state evaluation")
-    if "_writing_gap" in trace.defects:
-        lessons.append("list every found fact in the writing plan")
-    if "_unknown_omitted" in trace.defects:
-        lessons.append("say when a fact is not found")
-    if not lessons:
-        lessons.append("one search per asked aspect, cite each claim")
-    parts.append("Lesson: " + "; ".join(lessons) + ".")
-    return " ".join(parts)
+# The teacher (its flaws, reflections and the oracle lesson) is in toy/teacher.py.
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -402,10 +166,15 @@ def build_sft_data(world: World, tool, tok_system: str, cfg: SFTConfig, tcfg: Te
         q = rng.choice(rows)
         memory: list[str] = []
         if structured and rng.random() < tcfg.p_memory and traces:
-            # Memory is either this query's own earlier reflection (exact) or another query's.
-            prev = [t for t in traces[-200:] if t[0].query == q.query]
-            src = prev[-1] if prev and rng.random() < 0.5 else rng.choice(traces[-200:])
-            memory = [teacher_reflection(src[0], src[1])]
+            # Memory is either this query's own lesson from a first attempt (within-episode exact,
+            # §3.5: the teacher then avoids what that attempt got wrong) or another query's lesson
+            # (cross-episode: nothing in it is about this query, and the teacher ignores it).
+            if rng.random() < tcfg.p_memory_exact:
+                first = teacher_trajectory(q, tool, world, rng, tcfg, (), scaffold)
+                memory = [teacher_reflection(q, first)]
+            else:
+                src = rng.choice(traces[-200:])
+                memory = [teacher_reflection(src[0], src[1])]
         tr = teacher_trajectory(q, tool, world, rng, tcfg, memory, scaffold)
         stats["generated"] += 1
         why = sft_filter(tr.segments, scaffold)

@@ -122,8 +122,14 @@ class WorldConfig:
     """entities kept for the held-out evaluation (disjoint)"""
     p_missing: float = 0.10
     """(entity, aspect) pairs with no document at all"""
-    p_outdated: float = 0.15
-    """pairs with an extra "old record" carrying a wrong value"""
+    p_outdated: float = 0.35
+    """pairs with an extra "old record" carrying a wrong value (0.15 before the causal task)"""
+    outdated_first: bool = True
+    """an old record names its aspect twice ("Harta habitat | Harta habitat, old habitat record: north
+    dunes."), so a search for "Harta habitat" returns it *above* the true document (and the true
+    document second or third) and only a careful reading of the results avoids it; False: the earlier wording ("An old record, since corrected,
+    gives: Harta lives mainly in ..."), which BM25 ranks below the entity's other documents, so with
+    2 results per search an old record almost never came back"""
     p_lookalike: float = 0.30
     """entities with a look-alike entity that has its own documents"""
     p_compare: float = 0.20
@@ -148,8 +154,15 @@ class World:
     def doc(self, doc_id: str) -> Document:
         return self._by_id[doc_id]
 
+    def docs_of(self, entity: str, aspect: str) -> list[Document]:
+        """The documents on (entity, aspect), of every kind, in corpus order."""
+        return self._by_fact.get((entity, aspect), [])
+
     def __post_init__(self) -> None:
         self._by_id = {d.doc_id: d for d in self.docs}
+        self._by_fact: dict[tuple[str, str], list[Document]] = {}
+        for d in self.docs:
+            self._by_fact.setdefault((d.entity, d.aspect), []).append(d)
 
     def fingerprint(self) -> str:
         """sha256 over the corpus and the rows: equal fingerprints mean identical worlds."""
@@ -224,8 +237,11 @@ def make_world(config: WorldConfig | None = None) -> World:
     def add_doc(entity: str, aspect: str, value: str, kind: str) -> None:
         tpl = rng.choice(DOC_TEMPLATES[aspect])
         if kind == "outdated":
-            title = f"{entity} {aspect} (old record)"
-            text = f"An old record, since corrected, gives: " + tpl.format(name=entity, value=value)
+            if cfg.outdated_first:
+                title, text = f"{entity} {aspect}", f"{entity} {aspect}, old {aspect} record: {value}."
+            else:
+                title = f"{entity} {aspect} (old record)"
+                text = "An old record, since corrected, gives: " + tpl.format(name=entity, value=value)
         else:
             title = f"{entity} {aspect}"
             text = tpl.format(name=entity, value=value)
@@ -304,7 +320,7 @@ def initial_rubrics(facts: list[dict]) -> list[dict]:
         "title": "no unsupported claims",
         "description": "Makes no claim taken from a look-alike entity or an outdated record, and no "
                        "claim that the retrieved evidence does not support.",
-        "weight": 1.0})
+        "weight": 0.5})
     return rubrics
 
 
@@ -341,7 +357,7 @@ class BM25SearchTool:
 
     name = "google_search"
 
-    def __init__(self, docs: Sequence[Document], k: int = 2):
+    def __init__(self, docs: Sequence[Document], k: int = 3):
         if not docs:
             raise ValueError("BM25SearchTool needs a non-empty corpus")
         self.docs = list(docs)

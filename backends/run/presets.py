@@ -71,6 +71,7 @@ def full_preset() -> Config:
     c.reflection.max_prompt_tokens = (c.full.max_prompt_tokens + c.rollout.max_response_tokens
                                       - c.reflection.max_new_tokens)
     c.reflection.system_prompt = "reflect"  # plain prose: the bank refuses stage tags
+    c.reflection.loss_coef = 1.0  # the paper gives the two objectives no relative weight (toy: 0.1)
     c.bank.max_chars = 3000
     # SCALE: a checkpoint is ~115 GB at 8B: its sha256s are computed in the background, and a resume
     # checks sizes (checkpoint.verify=true rehashes it all on rank 0 first, minutes)
