@@ -68,7 +68,7 @@ def test_backend_sections_are_defined_in_their_backends_modules():
     cfg = presets.reference_config()
     where = {"full": "backends.scale.settings", "judge_http": "backends.api.settings",
              "search_http": "backends.api.settings", "eval": "backends.run.heldout",
-             "toy_model": "toy.model", "world": "toy.world", "sft": "toy.sft", "teacher": "toy.sft"}
+             "toy_model": "toy.model", "world": "toy.world", "sft": "toy.sft", "teacher": "toy.teacher"}
     assert set(where) == set(config.SECTION_FIELDS)
     for name, module in where.items():
         assert type(getattr(cfg, name)).__module__ == module, name
@@ -120,14 +120,22 @@ def test_configs_saved_before_the_sections_moved_load_and_resume(preset, caplog)
     saved = OLD[preset]
     assert "base_url" in saved["judge"] and "model_size" in saved  # the old layout
     now = presets.toy_preset() if preset == "toy" else presets.full_preset()
-    # The toy's world, teacher, SFT and log-prob defaults changed after these were saved: set them
-    # back (ss_grpo.share_prefix = true, saved then, reads as fast_logprobs = true).
+    # The toy's world, teacher, SFT and log-prob defaults changed after these were saved (the causal
+    # toy task too): set them back (ss_grpo.share_prefix = true, saved then, reads as
+    # fast_logprobs = true).
     now = overrides.apply_overrides(now, ["world.n_train_entities=1000", "sft.n_trajectories=8000",
                                        "sft.steps=1000", "teacher.p_skip=0.15", "teacher.p_uncited=0.15",
-                                       "teacher.p_no_negative=0.3", "fast_logprobs=true"])
-    if preset == "full":  # the full preset's schedule became the overlapped one after it was saved
-        assert config.resume_config_diff(saved, now) == ["full.rollout_schedule"]
-        now = overrides.apply_overrides(now, ['full.rollout_schedule="lockstep"'])
+                                       "teacher.p_no_negative=0.3", "fast_logprobs=true",
+                                       "world.p_outdated=0.15", "teacher.p_distractor=0.3",
+                                       "teacher.p_memory=0.3"])
+    if preset == "toy":  # the toy's response budget and reflection weight changed with the causal task
+        now = overrides.apply_overrides(now, ["rollout.max_response_tokens=512", "reflection.loss_coef=1.0"])
+    if preset == "full":  # the full preset's schedule became the overlapped one after it was saved,
+        # and vLLM's GPU share comes from the memory plan
+        assert config.resume_config_diff(saved, now) == ["full.rollout_schedule",
+                                                         "full.vllm_gpu_memory_utilization"]
+        now = overrides.apply_overrides(now, ['full.rollout_schedule="lockstep"',
+                                              "full.vllm_gpu_memory_utilization=0.5"])
     assert config.resume_config_diff(saved, now) == []
     back = presets.load_config(saved)
     assert dataclasses.asdict(back)["toy_model"] == dataclasses.asdict(now.toy_model)

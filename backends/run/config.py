@@ -218,7 +218,7 @@ class Config(PaperConfig):
     world: Any = field(default_factory=_section("world"))
     """toy/world.WorldConfig: the generated research world"""
     teacher: Any = field(default_factory=_section("teacher"))
-    """toy/sft.TeacherConfig: the scripted teacher's mistakes"""
+    """toy/teacher.TeacherConfig: the scripted teacher's mistakes"""
     sft: Any = field(default_factory=_section("sft"))
     """toy/sft.SFTConfig: the toy SFT warm start"""
     full: Any = field(default_factory=_section("full"))
