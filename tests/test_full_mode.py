@@ -368,7 +368,8 @@ def test_full_mode_search_key_refused_ends_every_sampling_rank(runs, tmp_path):
                "--set", 'judge.model="gemini-test"', "--set", f'search_http.base_url="{ss.url}"',
                "--set", 'sampler="hf"', "--set", 'bank.retriever="bm25"',
                "--set", "rollout.prompts_per_step=2", "--set", "rollout.n=4",
-               "--set", "rollout.max_response_tokens=96", "--set", 'rollout.system_prompt="compact"',
+               # room for the plan (every asked fact and what to avoid) and a first call
+               "--set", "rollout.max_response_tokens=192", "--set", 'rollout.system_prompt="compact"',
                "--set", "ss_grpo.micro_batch=1", "--set", f'cache_dir="{tmp_path / "cache"}"',
                "--set", "threads=1"]
         p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
