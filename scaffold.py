@@ -714,7 +714,8 @@ class RolloutEngine:
     def _ends_with_call(self, ids: list[int]) -> bool:
         if not ids:
             return False
-        tail = self.tok.decode(ids[-8:], skip_special_tokens=False)
+        # 16 tokens: a tokenizer that spells the tag out may need one token per character (12)
+        tail = self.tok.decode(ids[-16:], skip_special_tokens=False)
         return "</call_tool>" in tail
 
     def _run_tool(self, r: Rollout) -> None:

@@ -104,7 +104,7 @@ class ScriptedSampler:
         self.calls = 0
 
     def _ends_with_call(self, ids) -> bool:
-        return bool(ids) and "</call_tool>" in self.tok.decode(ids[-8:], skip_special_tokens=False)
+        return bool(ids) and "</call_tool>" in self.tok.decode(ids[-16:], skip_special_tokens=False)
 
     def generate(self, prompts, max_new_tokens, temperature):
         self.calls += 1
