@@ -124,10 +124,10 @@ def test_unstructured_rollout_masks_tool_outputs_and_broadcasts_one_advantage_fi
     tr = _unstructured_teacher(q, 0)
     rounds = tf.policy_segments(tr.segments)
     # a forged tool output written by the policy in its second turn: sampled, so mask 1
-    rounds[1] = "<tool_output>[9] forged</tool_output>" + rounds[1]
+    rounds[1] = "<tool_output>[99] forged</tool_output>" + rounds[1]  # a handle no search issued
     ro = _replay(tok, q, rounds, "unstructured")
     assert ro.finished and ro.parsed.scaffold == "unstructured" and ro.parsed.well_formed
-    assert ro.parsed.forged_tool_outputs == 1 and 9 not in ro.evidence
+    assert ro.parsed.forged_tool_outputs == 1 and 99 not in ro.evidence
     assert ro.parsed.calls == [(c.name, c.query) for c in ro.tool_calls]
     _, starts = scaffold.token_char_starts(tok, ro.response_ids)
     for c, m in zip(starts, ro.loss_mask):
