@@ -146,6 +146,11 @@ class PaddedRows:
         """The order in which a no-grad pass takes the sequences idx: theirs."""
         return list(idx)
 
+    def units(self, batch: UpdateBatch) -> list[list[int]] | None:
+        """The sequences of `batch` that must travel together (plan_update's units: one rank, one
+        optimizer step, one pass each), or None: every sequence alone (here, always)."""
+        return None
+
     def pack(self, batch: UpdateBatch, idx: Sequence[int], pad_id: int):
         """(ids, att, loss mask, advantages, layout): pad_rows and the sequence of each row."""
         return (*pad_rows(batch, idx, pad_id), list(idx))
@@ -177,42 +182,61 @@ class UpdatePlan:
     index: list = field(default_factory=list)  # shard position -> index in the whole batch
     old_passes: int | None = None  # no-grad passes for the old log-probs (the sequences of optimizer
     # steps 1, 2, ...: step 0 runs before theta moves and uses its own forward); None: score_passes
+    units: list = field(default_factory=list)  # per optimizer step, its units as lists of shard
+    # positions (a pass takes `micro` units); empty: every sequence is a unit of its own
 
 
 def plan_update(batch: UpdateBatch, world_size: int, minibatches: int, micro: int,
-                rng: random.Random | None = None) -> tuple[list[UpdateBatch], list[UpdatePlan]]:
+                rng: random.Random | None = None,
+                units: Sequence[Sequence[int]] | None = None) -> tuple[list[UpdateBatch], list[UpdatePlan]]:
     """Split a whole UpdateBatch into per-rank shards and plans: ([UpdateBatch] * W, [UpdatePlan] * W).
 
     `rng` (None: no shuffle) shuffles the sequence order once; optimizer step j takes order[j::M],
     M = min(minibatches, N) (deviation 2 of train.py: several optimizer steps per batch, PPO-style);
     step j's sequences are then dealt to ranks round-robin. So W ranks and one process take the same
-    optimizer steps on the same sequences, and the same `rng` state follows. Raises ValueError for
-    world_size, minibatches or micro < 1.
+    optimizer steps on the same sequences, and the same `rng` state follows.
+
+    units: None (every sequence alone), or a partition of range(N) into lists of sequences that
+    travel whole: the shuffle, the minibatch split and the deal then take units instead of
+    sequences, and a pass holds `micro` units. An engine that packs the candidates of a reflection
+    group behind their shared prompt into one row (its `rows.units`, backends/run/fast_logprobs.py)
+    needs them in one pass. Singleton units give exactly the plan of units=None.
+    Raises ValueError for world_size, minibatches or micro < 1, or units that do not partition
+    range(N).
     """
     if min(world_size, minibatches, micro) < 1:
         raise ValueError("world_size, minibatches and micro must be >= 1")
     N = len(batch.ids)
-    order = list(range(N))
+    units = [list(u) for u in units] if units is not None else [[i] for i in range(N)]
+    if sorted(i for u in units for i in u) != list(range(N)) or not all(units):
+        raise ValueError(f"units must partition the batch's {N} sequences into non-empty lists")
+    grouped = any(len(u) > 1 for u in units)
+    order = list(range(len(units)))  # units in shuffled order (sequences when units is None)
     if rng is not None:
         rng.shuffle(order)
-    M = max(1, min(minibatches, N))
+    M = max(1, min(minibatches, len(units)))
     mbs = [order[j::M] for j in range(M)]
     shards, plans = [], []
     ceil = lambda n: -(-n // micro)  # noqa: E731
-    sel = [[mb[r::world_size] for mb in mbs] for r in range(world_size)]
+    sel = [[mb[r::world_size] for mb in mbs] for r in range(world_size)]  # unit ids per rank, step
     n_micro = [max(1, max(ceil(len(sel[r][j])) for r in range(world_size))) for j in range(M)]
     score = max(1, max(ceil(sum(len(p) for p in sel[r])) for r in range(world_size)))
     old = max(ceil(sum(len(p) for p in sel[r][1:])) for r in range(world_size))
-    n_seq = [float(len(mb)) for mb in mbs]
-    n_tok = [float(sum(sum(batch.mask[i]) for i in mb)) for mb in mbs]
+    n_seq = [float(sum(len(units[u]) for u in mb)) for mb in mbs]
+    n_tok = [float(sum(sum(batch.mask[i]) for u in mb for i in units[u])) for mb in mbs]
     for r in range(world_size):
-        flat = [i for part in sel[r] for i in part]
+        flat = [i for part in sel[r] for u in part for i in units[u]]
         shards.append(batch.select(flat))
-        pos, local = 0, []
+        pos, local, local_units = 0, [], []
         for part in sel[r]:
-            local.append(list(range(pos, pos + len(part))))
-            pos += len(part)
-        plans.append(UpdatePlan(local, list(n_micro), list(n_seq), list(n_tok), score, flat, old))
+            step_units = []
+            for u in part:
+                step_units.append(list(range(pos, pos + len(units[u]))))
+                pos += len(units[u])
+            local_units.append(step_units)
+            local.append([i for su in step_units for i in su])
+        plans.append(UpdatePlan(local, list(n_micro), list(n_seq), list(n_tok), score, flat, old,
+                                local_units if grouped else []))
     return shards, plans
 
 
@@ -223,8 +247,8 @@ def _padding_pass(pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.no_grad()
 def sequence_logprobs(fn, batch: UpdateBatch, pad_id: int, micro: int, passes: int | None = None,
-                      index: Sequence[int] | None = None,
-                      rows: PaddedRows | None = None) -> list[torch.Tensor]:
+                      index: Sequence[int] | None = None, rows: PaddedRows | None = None,
+                      units: Sequence[Sequence[int]] | None = None) -> list[torch.Tensor]:
     """Per-sequence token log-probs without gradient: a list of len(batch.ids) float32 CPU tensors
     (L_i,), from fn(ids, att, mask) -> (B, L) (an engine's `logprobs` or `ref_logprobs`; mask: the
     rows' loss masks, so the engine may skip the head elsewhere: those columns are then 0).
@@ -232,15 +256,21 @@ def sequence_logprobs(fn, batch: UpdateBatch, pad_id: int, micro: int, passes: i
     Sequences go through fn `micro` at a time, shortest first (ties by `index`, the sequences'
     positions in the whole batch; default their own order), so each pass pads little; `rows` lays
     each pass's sequences out in rows (default PaddedRows: one per row; an engine's packer may
-    reorder them, e.g. to pack those behind one shared prompt together). With
-    `passes`, fn is called exactly that many times (padding passes after this rank's sequences:
-    every ZeRO-3 forward is collective). Raises ValueError when `passes` passes of `micro` cannot
-    hold every sequence."""
+    reorder them, e.g. to pack those behind one shared prompt together). units (plan_update's, as
+    positions in `batch`; None: every sequence alone): a pass takes `micro` whole units instead,
+    shortest longest-member first. With `passes`, fn is called exactly that many times (padding
+    passes after this rank's sequences: every ZeRO-3 forward is collective). Raises ValueError when
+    `passes` passes of `micro` cannot hold every sequence."""
     N = len(batch.ids)
     index = list(index) if index is not None else list(range(N))
     rows = rows or PaddedRows()
-    order = rows.order(batch, sorted(range(N), key=lambda i: (len(batch.ids[i]), index[i])))
-    chunks = [order[s : s + micro] for s in range(0, N, micro)]
+    if units is None:
+        order = rows.order(batch, sorted(range(N), key=lambda i: (len(batch.ids[i]), index[i])))
+        chunks = [order[s : s + micro] for s in range(0, N, micro)]
+    else:
+        key = lambda u: (max(len(batch.ids[i]) for i in u), min(index[i] for i in u))  # noqa: E731
+        ordered = sorted((list(u) for u in units), key=key)
+        chunks = [[i for u in ordered[s : s + micro] for i in u] for s in range(0, len(ordered), micro)]
     if passes is not None and len(chunks) > passes:
         raise ValueError(f"{passes} passes of {micro} cannot score {N} sequences")
     out: list[torch.Tensor] = [None] * N  # type: ignore[list-item]
@@ -325,15 +355,15 @@ class PolicyEngine(Protocol):
 _STAT_KEYS = ("loss/total", "loss/policy", "kl", "clip_frac")
 
 
-def _minibatch(engine: PolicyEngine, local: UpdateBatch, mb: list, n_micro: int, n_seq: float,
+def _minibatch(engine: PolicyEngine, local: UpdateBatch, units: list, n_micro: int, n_seq: float,
                n_tok: float, old, ref, cfg, pad_id: int, rows: PaddedRows) -> list[float]:
-    """Forward/backward passes of one optimizer step's sequences (this rank's `mb`, in n_micro
-    passes, padding passes when it has fewer; each pass's sequences laid out by `rows`);
-    returns the summed loss statistics (_STAT_KEYS)."""
+    """Forward/backward passes of one optimizer step's sequences (this rank's `units`, lists of
+    shard positions, `micro` units per pass, in n_micro passes, padding passes when it has fewer;
+    each pass's sequences laid out by `rows`); returns the summed loss statistics (_STAT_KEYS)."""
     micro = int(cfg.micro_batch)
     acc = [0.0] * len(_STAT_KEYS)
     for p in range(n_micro):
-        idx = mb[p * micro : (p + 1) * micro]
+        idx = [i for u in units[p * micro : (p + 1) * micro] for i in u]
         last = p == n_micro - 1
         if not idx:  # padding pass: same collectives as the other ranks, zero loss
             engine.backward(engine.logprobs(*_padding_pass(pad_id)).sum() * 0.0, last)
@@ -381,19 +411,22 @@ def policy_update(engine: PolicyEngine, local: UpdateBatch, cfg, pad_id: int, pl
     """
     rows = getattr(engine, "rows", None) or PaddedRows()  # one sequence per row unless it packs
     index = plan.index or None
+    # per optimizer step, the units a pass takes `micro` of: the plan's, or every sequence alone
+    step_units = plan.units or [[[i] for i in mb] for mb in plan.minibatches]
     old = _later_old_logprobs(engine, local, plan, cfg, pad_id, rows)
     ref = sequence_logprobs(functools.partial(engine.ref_logprobs,
                                               temperature=local.scoring_temperature),
-                            local, pad_id, cfg.micro_batch, plan.score_passes, index,
-                            rows) if cfg.beta > 0 else None
+                            local, pad_id, cfg.micro_batch, plan.score_passes, index, rows,
+                            [u for su in plan.units for u in su] if plan.units else None
+                            ) if cfg.beta > 0 else None
     engine.train(True)
     done, empty = [], 0  # (stats, grad norm or None) of the optimizer steps taken; steps skipped
-    for j, (mb, n_micro, n_seq, n_tok) in enumerate(zip(plan.minibatches, plan.n_micro, plan.n_seq,
-                                                        plan.n_tok)):
+    for j, (units, n_micro, n_seq, n_tok) in enumerate(zip(step_units, plan.n_micro, plan.n_seq,
+                                                           plan.n_tok)):
         if n_tok == 0:  # nothing sampled to learn from, on any rank: no pass, no optimizer step
             empty += 1
             continue
-        acc = _minibatch(engine, local, mb, n_micro, n_seq, n_tok, old if j else None, ref, cfg,
+        acc = _minibatch(engine, local, units, n_micro, n_seq, n_tok, old if j else None, ref, cfg,
                          pad_id, rows)
         gn = engine.step()  # the same global norm on every rank
         if not math.isfinite(gn):
@@ -419,9 +452,11 @@ def _later_old_logprobs(engine: PolicyEngine, local: UpdateBatch, plan: UpdatePl
     sub = local.select(later)
     index = [plan.index[i] for i in later] if plan.index else later
     passes = plan.score_passes if plan.old_passes is None else plan.old_passes
+    at = {p: k for k, p in enumerate(later)}  # shard position -> position in `sub`
+    units = [[at[i] for i in u] for su in plan.units[1:] for u in su] if plan.units else None
     scored = sequence_logprobs(functools.partial(engine.logprobs,
                                                  temperature=local.scoring_temperature),
-                               sub, pad_id, cfg.micro_batch, passes, index, rows)
+                               sub, pad_id, cfg.micro_batch, passes, index, rows, units)
     old: list = [None] * len(local.ids)
     for i, lp in zip(later, scored):
         old[i] = lp

@@ -2,6 +2,7 @@
 full preset (PAPER: 32 x 8 sequences, max prompt 8,192 + max response 18,432 = pack 26,624, ZeRO-3
 with CPU offload, gradient checkpointing) with Qwen3-8B's published sizes on one node of 8 x 80 GiB.
 The expected numbers are worked out by hand below from the sizes, not from the module."""
+import copy
 import json
 import math
 
@@ -125,14 +126,27 @@ def test_step_time_rollout_arithmetic_by_hand():
     assert st.total_s == pytest.approx(sum(st.phases.values()))
     assert any("0.25 MFU" in a for a in st.assumptions)
     # The reflection update is counted: 32 groups x 8 candidates, each behind its ~11,264-token
-    # trajectory (+ 512 new tokens), one sequence per row at micro_batch 1: 3.01M tokens against the
-    # task update's 256 x 11,264 = 2.88M; the same per-token cost and its own CPU Adam step
-    task_tok, refl_tok = 256 * (2048 + 9216), 32 * 8 * (2048 + 9216 + 512)
-    assert plan.reflection_update_tokens(cfg, 2048 + 9216) == (refl_tok, 32 * (11264 + 8 * 512))
+    # trajectory (+ 512 new tokens). The fast path packs a group into one row, the trajectory once
+    # (11,264 + 8 x 512 = 15,360 tokens <= the max pack 26,624): 0.49M tokens, where one sequence
+    # per row would be 3.01M (more than the task update's 256 x 11,264 = 2.88M); the same per-token
+    # cost and its own CPU Adam step
+    task_tok, refl_tok = 256 * (2048 + 9216), 32 * (11264 + 8 * 512)
+    per_row = 32 * 8 * (2048 + 9216 + 512)
+    assert plan.reflection_update_tokens(cfg, 2048 + 9216) == (refl_tok, per_row)
     adam = cfg.ss_grpo.minibatches * P8B / 8 / 1e9
     per_tok = (st.phases["update (forward/backward/optimizer)"] - adam) / task_tok
     assert st.phases["reflection update"] == pytest.approx(refl_tok * per_tok + adam)
-    assert any("3.01M tokens" in x and "0.49M" in x for x in st.assumptions)
+    assert any("0.49M tokens, each group packed" in x and "3.01M" in x for x in st.assumptions)
+    # a row holds at most the max pack: at T = 13,312 only 4 candidates fit behind 11,264 tokens
+    small = copy.deepcopy(cfg)
+    small.full.vllm_max_model_len = 13_312
+    assert plan.reflection_update_tokens(small, 11264) == (32 * (2 * 11264 + 8 * 512), per_row)
+    plain = copy.deepcopy(cfg)  # the plain path, or per-sequence means: one sequence per row
+    plain.fast_logprobs = False
+    assert plan.reflection_update_tokens(plain, 11264) == (per_row, per_row)
+    plain = copy.deepcopy(cfg)
+    plain.ss_grpo.agg = "seq_mean_token_mean"
+    assert plan.reflection_update_tokens(plain, 11264) == (per_row, per_row)
     # The dry run's figure for the preset: 8 engines (one per rank, full.rollout_ranks "all") whose
     # KV cache comes from the memory plan (353,027 tokens: 31 sequences at the mean context), 32
     # sequences each = 2 waves, searches one at a time on each rank, and every engine asleep

@@ -158,9 +158,19 @@ class RecordingOpt:
         self.grads.append([p.grad.detach().clone() for p in self.params])
 
 
+class GroupedPaddedRows(policy.PaddedRows):
+    """One sequence per row, but the minibatch split and the passes take SharedPrefixRows' units:
+    the plain path's values for the packed path's plan."""
+
+    def units(self, batch):
+        return fast.SharedPrefixRows().units(batch)
+
+
 @pytest.mark.parametrize("agg", ["token_mean", "paper"])
-@pytest.mark.parametrize("minibatches,micro", [(1, 16), (2, 3)])
+@pytest.mark.parametrize("minibatches,micro", [(1, 16), (2, 3), (2, 1)])
 def test_update_with_sharing_has_the_unshared_losses_and_gradients(agg, minibatches, micro):
+    # With sharing, a packed group is one unit of the plan (one optimizer step, one pass); the
+    # unshared run takes the same plan with one sequence per row, so the two must agree
     batch = grouped_batch([(22, [3, 4, 6, 2]), (19, [5, 1, 7]), (4, [8, 6])], seed=3)
     ref_model = tiny_qwen3(seed=1)  # a reference unlike the policy: the KL term has a gradient
     runs = []
@@ -169,8 +179,10 @@ def test_update_with_sharing_has_the_unshared_losses_and_gradients(agg, minibatc
         cfg = SSGRPOConfig(minibatches=minibatches, micro_batch=micro, agg=agg, beta=0.04,
                            grad_clip=1e9)
         opt = RecordingOpt(model.parameters())
-        out = TorchEngine(model, cfg, copy.deepcopy(ref_model), opt, fast=share).update(
-            batch, PAD, random.Random(0))
+        engine = TorchEngine(model, cfg, copy.deepcopy(ref_model), opt, fast=share)
+        if not share:
+            engine.rows = GroupedPaddedRows()
+        out = engine.update(batch, PAD, random.Random(0))
         runs.append((out, opt.grads))
     (o0, g0), (o1, g1) = runs
     assert len(g0) == len(g1) == minibatches
@@ -215,3 +227,61 @@ def test_sequence_logprobs_with_sharing_keeps_the_pass_count(model):
     assert len(calls) == n_plain == 4  # 3 passes of 2 sequences + 1 padding pass, either way
     for a, b in zip(plain, shared):
         assert float((a - b).abs().max()) < 1e-5
+
+
+def test_at_micro_batch_1_a_reflection_group_is_one_pass_of_one_row():
+    # The full preset's micro_batch 1: a pass is one unit, so a group's m candidates go through as
+    # one row holding their shared trajectory once (the dry run counts these tokens)
+    shape = [(30, [4, 5, 3, 6]), (26, [2, 7, 4, 3])]
+    batch = grouped_batch(shape, seed=5)
+    seen = []
+    engine = TorchEngine(tiny_qwen3(), SSGRPOConfig(minibatches=1, micro_batch=1, beta=0.04),
+                         fast=True)
+    real = engine.logprobs
+    engine.logprobs = lambda ids, att, mask=None, **kw: seen.append(tuple(ids.shape)) or real(
+        ids, att, mask, **kw)
+    engine.update(batch, PAD, random.Random(0))
+    packed = sorted((1, P + sum(c)) for P, c in shape)
+    assert sorted(seen) == packed  # the loss passes: one row per group, the prompt once
+    unpacked = sum(P + T for P, c in shape for T in c)
+    assert sum(L for _, L in seen) < 0.5 * unpacked
+
+
+def test_a_group_longer_than_the_max_pack_is_split_into_rows_within_it():
+    batch = grouped_batch([(20, [3, 4, 5, 2, 6])])
+    assert fast.share_groups(batch, range(5), max_tokens=28) == [[0, 1], [2, 3], [4]]
+    rows = fast.SharedPrefixRows(max_tokens=28)
+    assert rows.units(batch) == [[0, 1], [2, 3], [4]]
+    ids, *_ = rows.pack(batch, list(range(5)), PAD)
+    assert ids.shape == (3, 27) and fast.SharedPrefixRows().units(batch) == [[0, 1, 2, 3, 4]]
+    assert fast.SharedPrefixRows().units(grouped_batch([(3, [7, 9])])) is None  # nothing packs
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=12), st.integers(1, 4), st.integers(1, 3),
+       st.integers(1, 3), st.integers(0, 10**6))
+def test_plan_update_keeps_every_unit_whole_on_one_rank_one_step_one_pass(sizes, world, mb, micro,
+                                                                          seed):
+    units, n = [], 0
+    for k in sizes:
+        units.append(list(range(n, n + k)))
+        n += k
+    batch = UpdateBatch([[1, 2, 3]] * n, [[0, 1, 1]] * n, [[0.0, 1.0, 1.0]] * n, ["reflection"] * n)
+    shards, plans = policy.plan_update(batch, world, mb, micro, random.Random(seed), units)
+    whole = {tuple(u) for u in units}
+    got, passes = [], {len(p.n_micro) for p in plans}
+    assert len(passes) == 1 and all(p.n_micro == plans[0].n_micro for p in plans)
+    for p in plans:
+        for j, step in enumerate(p.units if any(len(u) > 1 for u in units) else
+                                 [[[i] for i in m] for m in p.minibatches]):
+            assert len(step) <= micro * p.n_micro[j]  # n_micro passes of `micro` units hold them
+            for u in step:
+                got.append(tuple(p.index[i] for i in u))
+    assert sorted(got) == sorted(whole)  # every unit once, whole
+    assert sum(plans[0].n_seq) == n and sum(plans[0].n_tok) == 2 * n
+    # singleton units are units=None: the same plan, the same rng draws
+    a = policy.plan_update(batch, world, mb, micro, random.Random(seed), [[i] for i in range(n)])
+    b = policy.plan_update(batch, world, mb, micro, random.Random(seed))
+    assert [p.__dict__ for p in a[1]] == [p.__dict__ for p in b[1]]
+    with pytest.raises(ValueError, match="partition"):
+        policy.plan_update(batch, world, mb, micro, None, [list(range(n - 1))] if n > 1 else [[]])

@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from backends.distributed.dist import _shutdown, all_reduce_sum, device_kind, dist_env, record_sync_digests
+from backends.distributed.plan import pack_tokens
 from backends.distributed.zero3 import FrozenReference, ZeRO3Policy
 from backends.run import checkpoint as ckpt_mod, fast_logprobs
 from backends.run.build import every_rank_samples, rank_engine, rank_rollouts, vllm_engines
@@ -83,7 +84,9 @@ class ZeRO3Engine:
         self.world_size = self.env.world_size
         self.fast = bool(cfg.fast_logprobs)  # the fast log-prob path (the full preset's): see Config
         # policy_update's row layout: shared prompts packed on the fast path (fast_logprobs.py)
-        self.rows = fast_logprobs.rows_for(cfg.ss_grpo.agg) if self.fast else PaddedRows()
+        # (packed rows at most the max pack, plan.pack_tokens: what the memory plan budgets)
+        self.rows = fast_logprobs.rows_for(cfg.ss_grpo.agg, pack_tokens(cfg)) if self.fast \
+            else PaddedRows()
         self.closed = False
         # Every rank samples its share of the groups (build.every_rank_samples): ranks > 0 keep a
         # plain copy of pi_theta and their own rollout engine, and stream finished groups to rank 0
@@ -154,8 +157,9 @@ class ZeRO3Engine:
         rank's vLLM engine sleeps first (level 1; GPU only) and wakes in the sync that follows."""
         if not batch.ids:
             return {}
+        # units: what the row layout keeps in one pass (a packed reflection group; None: nothing)
         shards, plans = plan_update(batch, self.world_size, self.cfg.ss_grpo.minibatches,
-                                    self.cfg.ss_grpo.micro_batch, rng)
+                                    self.cfg.ss_grpo.micro_batch, rng, self.rows.units(batch))
         mine = self._send("update", [(sh, pl, pad_id) for sh, pl in zip(shards, plans)])
         _engine_sleep(self.sampler, self.cfg.full.vllm_sleep_level)
         out = policy_update(self, mine[0], self.cfg.ss_grpo, pad_id, mine[1])

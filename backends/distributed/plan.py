@@ -349,19 +349,24 @@ ASSUME = {
 
 
 def reflection_update_tokens(cfg, ctx: float) -> tuple[float, float]:
-    """(tokens the reflection update processes as the code runs it, the same packed per group) for
-    one step's reflection batch (train.apply_reflection_batch): rollout.prompts_per_step groups
+    """(tokens the reflection update processes as the code runs it, the same at one sequence per row)
+    for one step's reflection batch (train.apply_reflection_batch): rollout.prompts_per_step groups
     (PAPER: one reflection group per question) of reflection.m candidates, each candidate = the
     reflection prompt (the trajectory it reflects on, ~`ctx` tokens, ASSUME) + at most
-    reflection.max_new_tokens. The update deals sequences one by one (policy.plan_update), so a
-    group's candidates share a row (backends/run/fast_logprobs.SharedPrefixRows) only when they meet
-    in one pass of ss_grpo.micro_batch sequences: never at micro_batch 1 (the full preset), which is
-    counted here as one sequence per row: groups x m x (ctx + new). Packed per group (not built) it
-    would be groups x (ctx + m x new). Floats, tokens."""
+    reflection.max_new_tokens. On the fast path (fast_logprobs, the full preset's; not under agg
+    "seq_mean_token_mean") a group's candidates travel as one unit of the update
+    (fast_logprobs.SharedPrefixRows.units, policy.plan_update) and share one row, the trajectory once,
+    rows of at most the max pack T (pack_tokens): k = floor((T - ctx) / new) candidates per row.
+    Otherwise every candidate is a row of its own. Floats, tokens."""
     g, m = cfg.rollout.prompts_per_step, int(cfg.reflection.m)
     new = float(cfg.reflection.max_new_tokens or 512)
-    # Eq.: as run (micro_batch 1) = G m (ctx + new); packed per group = G (ctx + m new)
-    return g * m * (ctx + new), g * (ctx + m * new)
+    # Eq.: one sequence per row = G m (ctx + new)
+    per_row = g * m * (ctx + new)
+    if not (cfg.fast_logprobs and cfg.ss_grpo.agg != "seq_mean_token_mean" and ctx >= new):
+        return per_row, per_row  # (ctx >= new: share_groups packs a prompt >= its continuations)
+    k = max(1, int((pack_tokens(cfg) - ctx) // new))  # candidates per packed row
+    # Eq.: packed per group = G (ceil(m / k) ctx + m new)
+    return g * (math.ceil(m / k) * ctx + m * new), per_row
 
 
 def _update_s(tokens: float, P: float, W: int, cfg, a: dict) -> float:
@@ -402,7 +407,7 @@ def step_time(shape: ModelShape, cfg, world: int, kv_tokens: int, assume: dict |
         + reflect_calls * a["judge_call_s"]
     tokens = cfg.rollout.prompts_per_step * cfg.rollout.n * (prompt + resp)
     update = _update_s(tokens, P, W, cfg, a)
-    r_tok, r_packed = reflection_update_tokens(cfg, ctx)
+    r_tok, r_rows = reflection_update_tokens(cfg, ctx)
     r_update = _update_s(r_tok, P, W, cfg, a)
     sync = 2 * 2 * P / a["sync_bytes_per_s"]  # two syncs per step (task and reflection updates)
     phases = {"rollouts (decode)": rollouts, "search calls": search, "judge + reflection judge": judge,
@@ -424,7 +429,7 @@ def step_time(shape: ModelShape, cfg, world: int, kv_tokens: int, assume: dict |
         f"reflection calls, {a['judge_call_s']:g} s each",
         f"update at {a['mfu']:g} MFU of {a['gpu_flops'] / 1e12:g} TFLOP/s per GPU, CPU Adam at "
         f"{a['cpu_adam_params_per_s'] / 1e9:g}e9 params/s per rank",
-        _reflection_line(cfg, r_tok, r_packed, ctx),
+        _reflection_line(cfg, r_tok, r_rows, ctx),
         f"sync: 2 x 2P bytes at {a['sync_bytes_per_s'] / 1e9:g} GB/s (in memory, into each rank's engine)",
     ]
     if a["sleeps"]:
@@ -496,7 +501,7 @@ def step_time_concurrent(shape: ModelShape, cfg, world: int, kv_tokens: int,
     reflection_exposed = max(0.0, rank0_busy - rollouts) + max(0.0, reflect_judge - (rollouts + search))
     tokens = seqs * (prompt + resp)
     update = _update_s(tokens, P, W, cfg, a)
-    r_tok, r_packed = reflection_update_tokens(cfg, ctx)
+    r_tok, r_rows = reflection_update_tokens(cfg, ctx)
     r_update = _update_s(r_tok, P, W, cfg, a)  # step t-1's reflection batch, before the task batch
     sync = 2 * P / a["sync_bytes_per_s"]  # one sync per step (reflection and task batch, then sync)
     phases = {"rollouts (decode)": rollouts, "search calls": search,
@@ -520,18 +525,19 @@ def step_time_concurrent(shape: ModelShape, cfg, world: int, kv_tokens: int,
         f"tokens + {reflect_calls} judge calls ({C} in flight) = {reflection / 60:.1f} min, "
         "overlapping the next step's rollouts (one-step lag); the candidates take "
         f"{reflect_sample / 60:.1f} min of rank 0's engine",
-        _reflection_line(cfg, r_tok, r_packed, ctx),
+        _reflection_line(cfg, r_tok, r_rows, ctx),
         f"sync: 1 x 2P bytes at {a['sync_bytes_per_s'] / 1e9:g} GB/s",
     ]
     return StepTime(phases, assumptions, float(sum(phases.values())))
 
 
-def _reflection_line(cfg, as_run: float, packed: float, ctx: float) -> str:
+def _reflection_line(cfg, as_run: float, per_row: float, ctx: float) -> str:
     """The reflection update's assumption line (reflection_update_tokens)."""
+    how = ("one sequence per row" if as_run == per_row else
+           f"each group packed behind its trajectory (one sequence per row it would be {per_row / 1e6:.2f}M)")
     return (f"reflection update: {cfg.rollout.prompts_per_step} groups x {cfg.reflection.m} candidates "
-            f"behind their ~{ctx:.0f}-token trajectories, one sequence per "
-            f"row: {as_run / 1e6:.2f}M tokens, its own optimizer step(s) (packed per group, not built, "
-            f"it would be {packed / 1e6:.2f}M)")
+            f"behind their ~{ctx:.0f}-token trajectories, {as_run / 1e6:.2f}M tokens, {how}; its own "
+            "optimizer step(s)")
 
 
 def _fmt(d: dict) -> list[str]:

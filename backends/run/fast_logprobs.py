@@ -207,12 +207,13 @@ def _loss_free_prefix(mask: Sequence[int]) -> int:
     return n
 
 
-def share_groups(batch: UpdateBatch, idx: Sequence[int],
-                 min_ratio: float = SHARE_MIN_RATIO) -> list[list[int]]:
+def share_groups(batch: UpdateBatch, idx: Sequence[int], min_ratio: float = SHARE_MIN_RATIO,
+                 max_tokens: int | None = None) -> list[list[int]]:
     """Partition idx (positions in `batch`) into groups, in order of first appearance: sequences with
     the same loss-free prefix (ids and length) whose prefix is at least min_ratio x their mean
     remainder form one group (packed into one row by pack_rows); every other sequence is its own
-    group."""
+    group. max_tokens (None: no cap): a group whose row (prefix + every remainder) would be longer
+    is split, in order, into rows of at most max_tokens tokens (a row holds at least one member)."""
     by_key: dict = {}
     for i in idx:
         k = _loss_free_prefix(batch.mask[i])
@@ -222,26 +223,35 @@ def share_groups(batch: UpdateBatch, idx: Sequence[int],
     for key, members in by_key.items():
         k = key[0]
         rest = sum(len(batch.ids[i]) - k for i in members) / len(members)
-        if len(members) > 1 and k >= min_ratio * rest:
-            out.append(members)
-        else:
+        if not (len(members) > 1 and k >= min_ratio * rest):
             out.extend([i] for i in members)
+            continue
+        row, n = [], k  # the row being filled and its length in tokens
+        for i in members:
+            extra = len(batch.ids[i]) - k
+            if row and max_tokens is not None and n + extra > max_tokens:
+                out.append(row)
+                row, n = [], k
+            row.append(i)
+            n += extra
+        out.append(row)
     return out
 
 
-def pack_rows(batch: UpdateBatch, idx: Sequence[int], pad_id: int, share: bool = True):
+def pack_rows(batch: UpdateBatch, idx: Sequence[int], pad_id: int, share: bool = True,
+              max_tokens: int | None = None):
     """policy.pad_rows with prefix sharing: (ids, att, loss mask, advantages, layout).
 
     The four tensors are (B', L') with dtypes int64, int64, bool, float32, one row per group of
     `share_groups` (share=False: one per sequence, exactly pad_rows' tensors). A packed row holds
     the shared prefix (att 1) and then each member's remainder (att 2, 3, ...; token_logprobs reads
     them as segments); padding has att 0. layout[r] lists row r's pieces (i, src, dst, n): tokens
-    src..src+n of sequence i sit at dst..dst+n (the prefix is a piece of every member). Raises
-    ValueError for an empty idx.
+    src..src+n of sequence i sit at dst..dst+n (the prefix is a piece of every member).
+    max_tokens: share_groups' cap on a packed row (None: none). Raises ValueError for an empty idx.
     """
     if not idx:
         raise ValueError("pack_rows needs at least one sequence")
-    groups = share_groups(batch, idx) if share else [[i] for i in idx]
+    groups = share_groups(batch, idx, max_tokens=max_tokens) if share else [[i] for i in idx]
     rows = []  # per row: (ids, segment ids, mask, adv, layout)
     for g in groups:
         first = batch.ids[g[0]]
@@ -299,16 +309,31 @@ def unpack(rows: torch.Tensor, layout: list, lengths: Sequence[int]) -> dict:
 class SharedPrefixRows(PaddedRows):
     """policy.PaddedRows with prefix sharing: the row layout of an engine on the fast path. The
     update's rows then hold segment ids in the attention (token_logprobs above reads them) and the
-    engine takes a loss mask; the same values as one sequence per row, to float rounding."""
+    engine takes a loss mask; the same values as one sequence per row, to float rounding.
+
+    max_tokens (None: no cap): the longest packed row (an engine passes its max pack, the memory
+    plan's T); a longer group is split into several rows (share_groups)."""
+
+    def __init__(self, max_tokens: int | None = None):
+        self.max_tokens = max_tokens
 
     def order(self, batch: UpdateBatch, idx: Sequence[int]) -> list[int]:
         """idx with the sequences of one shared prompt next to each other, groups in order of their
         first member (so a no-grad pass of `micro` sequences packs them together)."""
-        return [i for g in share_groups(batch, idx) for i in g]
+        return [i for g in share_groups(batch, idx, max_tokens=self.max_tokens) for i in g]
+
+    def units(self, batch: UpdateBatch) -> list[list[int]] | None:
+        """The packed rows of the whole batch as policy.plan_update's units (each travels whole: one
+        rank, one optimizer step, one pass, so its members share one row whatever the micro-batch),
+        or None when no row packs more than one sequence. This is what packs a reflection group's
+        m candidates (§3.4) behind their shared trajectory once: at micro_batch 1 (the full preset)
+        a pass is one unit, so without units no two candidates would ever meet in one pass."""
+        groups = share_groups(batch, range(len(batch.ids)), max_tokens=self.max_tokens)
+        return groups if any(len(g) > 1 for g in groups) else None
 
     def pack(self, batch: UpdateBatch, idx: Sequence[int], pad_id: int):
         """pack_rows with sharing: (ids, att, loss mask, advantages, layout)."""
-        return pack_rows(batch, idx, pad_id, share=True)
+        return pack_rows(batch, idx, pad_id, share=True, max_tokens=self.max_tokens)
 
     def place(self, values: list, layout: list, shape) -> torch.Tensor:
         """`place` above."""
@@ -319,8 +344,8 @@ class SharedPrefixRows(PaddedRows):
         return unpack(rows, layout, lengths)
 
 
-def rows_for(agg: str) -> PaddedRows:
+def rows_for(agg: str, max_tokens: int | None = None) -> PaddedRows:
     """The row layout of an engine on the fast path under aggregation `agg` (hparams.SSGRPOConfig
-    .agg): SharedPrefixRows, except for "seq_mean_token_mean", whose per-row means need one sequence
-    per row (policy.PaddedRows)."""
-    return PaddedRows() if agg == "seq_mean_token_mean" else SharedPrefixRows()
+    .agg): SharedPrefixRows (rows of at most max_tokens tokens; None: no cap), except for
+    "seq_mean_token_mean", whose per-row means need one sequence per row (policy.PaddedRows)."""
+    return PaddedRows() if agg == "seq_mean_token_mean" else SharedPrefixRows(max_tokens)

@@ -160,7 +160,9 @@ class TorchEngine:
         """`policy_update` on the whole batch; {} for an empty one (rng untouched)."""
         if not batch.ids:
             return {}
-        shards, plans = plan_update(batch, 1, self.cfg.minibatches, self.cfg.micro_batch, rng)
+        # units: what the row layout keeps in one pass (a packed reflection group; None: nothing)
+        shards, plans = plan_update(batch, 1, self.cfg.minibatches, self.cfg.micro_batch, rng,
+                                    self.rows.units(batch))
         return policy_update(self, shards[0], self.cfg, pad_id, plans[0])
 
     def sync(self, sampler) -> None:
