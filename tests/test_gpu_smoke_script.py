@@ -24,10 +24,13 @@ def test_gpu_smoke_parses_and_passes_shellcheck():
 
 def test_gpu_smoke_has_one_check_per_gpu_only_path():
     text = open(SCRIPT).read()
-    for name in ("versions", "dry-run", "recompute", "full-loop", "peak-memory", "sync"):
+    for name in ("versions", "dry-run", "save-load", "sft", "recompute", "full-loop", "peak-memory",
+                 "sync"):
         assert f"line {name} " in text, name
+    assert "for C in update decode" in text  # the 26,624-token update and the decode at 8-12k
     for what in ('bank.retriever=\'"dense"\'', "151936", "DeepSpeedCPUAdam", "RUBRICEM_PEAK_MEM_DIR",
-                 "vllm_sync_check.py", "sampler/sleeps", 'NPROC=2', "--cpu"):
+                 "vllm_sync_check.py", "sampler/sleeps", 'NPROC=2', "--cpu", "gpu_scale_check.py",
+                 "zero3_roundtrip_check.py", "backends.sft.zero3", "optimizer_equal"):
         assert what in text, what
 
 

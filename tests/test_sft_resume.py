@@ -15,27 +15,10 @@ import sys
 import pytest
 
 import test_full_mode as fm
-from scaffold import CALL_OPEN, SearchResult, format_tool_output
+from toyfix import sft_rows
 
 pytestmark = fm.pytestmark
 ROOT = fm.ROOT
-
-
-def _rows(n: int) -> list[dict]:
-    """n ChatML rows in the scaffold (they pass the four filters), answers of different lengths."""
-    plan = ("<structured_plan><analysis>a</analysis><rubrics>need: x</rubrics><research_plan>s"
-            "</research_plan></structured_plan>\n")
-    out = format_tool_output([SearchResult("d1", "T", "the fact is 7")], 1)
-    rows = []
-    for i in range(n):
-        answer = " ".join(["x is 7 [1]."] * (1 + 3 * i))
-        final = ("<state_evaluation>x is 7 [1]</state_evaluation>\n<review><rubrics_review>x: [1]"
-                 "</rubrics_review><writing_plan>one</writing_plan></review>\n"
-                 f"<answer>{answer}</answer>")
-        text = plan + CALL_OPEN + f"x {i}</call_tool>" + out + final
-        rows.append({"messages": [{"role": "user", "content": f"q{i}?"},
-                                  {"role": "assistant", "content": text}]})
-    return rows
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +32,7 @@ def setup(tmp_path_factory):
     model.save_pretrained(tmp / "base")
     tok.save_pretrained(tmp / "base")
     data = tmp / "rows.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in _rows(6)))
+    data.write_text("".join(json.dumps(r) + "\n" for r in sft_rows(6)))
     return tmp
 
 

@@ -193,3 +193,21 @@ def one_thread():
 def tok():
     """The tiny tokenizer, built once per module."""
     return tiny_tokenizer()
+
+
+def sft_rows(n: int) -> list[dict]:
+    """n ChatML rows in the scaffold (they pass the four SFT filters), answers of different lengths
+    (tests/test_sft_resume.py, scripts/gpu_smoke.sh's SFT check)."""
+    plan = ("<structured_plan><analysis>a</analysis><rubrics>need: x</rubrics><research_plan>s"
+            "</research_plan></structured_plan>\n")
+    out = scaffold.format_tool_output([scaffold.SearchResult("d1", "T", "the fact is 7")], 1)
+    rows = []
+    for i in range(n):
+        answer = " ".join(["x is 7 [1]."] * (1 + 3 * i))
+        final = ("<state_evaluation>x is 7 [1]</state_evaluation>\n<review><rubrics_review>x: [1]"
+                 "</rubrics_review><writing_plan>one</writing_plan></review>\n"
+                 f"<answer>{answer}</answer>")
+        text = plan + scaffold.CALL_OPEN + f"x {i}</call_tool>" + out + final
+        rows.append({"messages": [{"role": "user", "content": f"q{i}?"},
+                                  {"role": "assistant", "content": text}]})
+    return rows
