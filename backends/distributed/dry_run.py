@@ -206,6 +206,7 @@ def site_lines(cfg, environ, env: DistEnv, n_gpu: int) -> tuple[list[str], list[
         site_check.alloc_conf_lines(environ, sleep, site_check.vllm_allocator_source()),
         site_check.visible_gpu_lines(environ, n_gpu, env.local_rank, ranks_per_node(environ)),
         site_check.build_lock_lines(site_check.extensions_dir(environ)),
+        site_check.arch_list_lines(environ),
         site_check.checkpoint_disk_lines(shape.params, cfg.checkpoint.keep, cfg.checkpoint.every,
                                          cfg.run_dir, free, where, _checkpoint_bytes_in(cfg.run_dir),
                                          bf16=full.bf16 != "off"),

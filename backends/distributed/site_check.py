@@ -16,6 +16,9 @@ vLLM engine inside each trainer process, on the rank's GPU: docs/full_mode.md, "
                             process only its own GPU (SLURM --gpus-per-task=1) breaks both
     build_lock_lines        a stale torch-extension build lock (an interrupted DeepSpeedCPUAdam
                             JIT build leaves `lock` behind; every later start waits on it forever)
+    arch_list_lines         TORCH_CUDA_ARCH_LIST entries DeepSpeed's op builder cannot read: it parses
+                            each as numbers, so an arch-specific "9.0a" (an H200 image sets it) stops
+                            the JIT build of FusedAdam, the SFT stage's optimizer
     checkpoint_disk_lines   one checkpoint's size (DeepSpeed's fp32 master weights and Adam
                             moments, the HF weights) and free disk for checkpoint.keep of them
 
@@ -160,6 +163,26 @@ def build_lock_lines(root: str, now: float | None = None, stale_s: float = 1800.
         else:
             lines.append(f"  build lock {p} ({age:.0f} s old): a build may be running")
     return lines, problems
+
+
+def arch_list_lines(environ) -> tuple[list[str], list[str]]:
+    """TORCH_CUDA_ARCH_LIST against what DeepSpeed's op builder parses (builder.py,
+    compute_capability_args: every part of "M.N" or "M.N+PTX" through int()). An entry such as
+    "9.0a" (Hopper's arch-specific target) raises ValueError in the JIT build of any CUDA op: seen on
+    an H200 node, where the SFT stage's FusedAdam failed to build and DeepSpeedCPUAdam (a CPU op)
+    built. A problem naming the list to set instead."""
+    raw = environ.get("TORCH_CUDA_ARCH_LIST")
+    if not raw:
+        return ["TORCH_CUDA_ARCH_LIST: not set (DeepSpeed builds for the visible GPUs)"], []
+    entries = raw.replace(";", " ").split()
+    bad = [e for e in entries if not all(p.isdigit() for p in e.split("+")[0].split("."))]
+    line = f"TORCH_CUDA_ARCH_LIST: {raw}"
+    if not bad:
+        return [line], []
+    fixed = " ".join(dict.fromkeys(e.split("+")[0].rstrip("abcdefghijklmnopqrstuvwxyz") for e in entries))
+    return [line], [f"TORCH_CUDA_ARCH_LIST={raw} has {', '.join(bad)}, which DeepSpeed's op builder cannot "
+                    f"parse: the JIT build of its CUDA ops (FusedAdam, the SFT stage's optimizer) stops "
+                    f"with ValueError; set TORCH_CUDA_ARCH_LIST=\"{fixed}\" for the run"]
 
 
 def checkpoint_bytes(params: int, bf16: bool = True) -> dict:
