@@ -128,8 +128,10 @@ def test_configs_saved_before_the_sections_moved_load_and_resume(preset, caplog)
                                        "teacher.p_no_negative=0.3", "fast_logprobs=true",
                                        "world.p_outdated=0.15", "teacher.p_distractor=0.3",
                                        "teacher.p_memory=0.3"])
-    if preset == "toy":  # the toy's response budget and reflection weight changed with the causal task
-        now = overrides.apply_overrides(now, ["rollout.max_response_tokens=512", "reflection.loss_coef=1.0"])
+    if preset == "toy":  # the toy's response budget and reflection weight changed with the causal task,
+        # and its micro-batch with the 1,024-token budget
+        now = overrides.apply_overrides(now, ["rollout.max_response_tokens=512", "reflection.loss_coef=1.0",
+                                              "ss_grpo.micro_batch=32"])
     if preset == "full":  # the full preset's schedule became the overlapped one after it was saved,
         # and vLLM's GPU share comes from the memory plan
         assert config.resume_config_diff(saved, now) == ["full.rollout_schedule",
