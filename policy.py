@@ -24,7 +24,9 @@ This is the plain path, the toy run's. The engines' fast path (`fast_logprobs`, 
 preset) lives in backends/run/fast_logprobs.py: the head projects only the loss-masked positions, in
 chunks, recomputed in the backward at scale, and the sequences that share a long prompt are packed
 into one row (the engine's `rows`, SharedPrefixRows); it gives the same values to float rounding
-(tests/test_logprobs.py, tests/test_prefix_sharing.py), not bit for bit.
+(tests/test_logprobs.py, tests/test_prefix_sharing.py), not bit for bit. A packed row's sequences
+travel as one unit of `plan_update` (one rank, one optimizer step, one pass), so with several
+optimizer steps per batch the fast path's steps hold other sequences than the plain path's.
 
 Deviations from the paper
 1. Toy mode trains a tiny model from scratch (SFT warm start, toy/sft.py) instead of starting from a
