@@ -6,9 +6,10 @@
 #   1 versions     the installed set against constraints/gpu.txt (backends/distributed/versions.py)
 #   2 dry-run      the full preset's dry run on this node (memory plan, CPUAdam prerequisites, /dev/shm)
 #   3 update       one forward + backward of the update's log-prob path at 26,624 tokens on a Qwen3 with
-#                  Qwen3-8B's width and vocabulary at 2 and 4 layers: peak memory above the weights,
+#                  Qwen3-8B's width and vocabulary at 2 and 8 layers: peak memory above the weights
+#                  (with weight gradients, and with the weights frozen: the activations alone),
 #                  extrapolated to 36 layers, and the pass time (tests/gpu_scale_check.py update)
-#   4 decode       decode step at 8,192 and 12,288-token contexts, batch 8, the same model at 2 and 4
+#   4 decode       decode step at 8,192 and 12,288-token contexts, batch 8, the same model at 2 and 8
 #                  layers, extrapolated to 36 (HF generate, eager; tests/gpu_scale_check.py decode)
 #   5 save-load    a DeepSpeed ZeRO-3 save / load round trip after one update with the default
 #                  optimizer (DeepSpeedCPUAdam, JIT-built): weights and optimizer state bitwise
