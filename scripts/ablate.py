@@ -878,12 +878,13 @@ def render_papersft(rows: list[dict], fs: int | None) -> list[str]:
     return L + [""]
 
 
-def oracle_stats(mem: dict, arm: str, who: str) -> tuple[float, float, float]:
-    """(mean, lo, hi) of the oracle-lesson control's with-minus-without answer difference of the
-    arm's runs (who: "sft", the SFT start, or "final", the trained policy), pooled over seeds x
-    questions; NaN when no memory evaluation ran the control."""
-    return mean_ci([d for (a, _), v in mem.items() if a == arm and who in v.get("oracle", {})
-                    for d in v["oracle"][who]["delta"]["answer_per_question"]])
+def oracle_stats(mem: dict, arm: str, who: str, control: str = "oracle") -> tuple[float, float, float]:
+    """(mean, lo, hi) of a memory control's with-minus-without answer difference of the arm's runs
+    (control: "oracle", the oracle-lesson control, or "attempt", the attempt-lesson control; who:
+    "sft", the SFT start, or "final", the trained policy), pooled over seeds x questions; NaN when
+    no memory evaluation ran the control."""
+    return mean_ci([d for (a, _), v in mem.items() if a == arm and who in v.get(control, {})
+                    for d in v[control][who]["delta"]["answer_per_question"]])
 
 
 def paired_memory_difference(mem: dict, a: str, b: str, p: str) -> tuple[float, float, float] | None:
@@ -905,7 +906,9 @@ def paired_memory_difference(mem: dict, a: str, b: str, p: str) -> tuple[float, 
 def render_memory_controls(mem: dict) -> list[str]:
     """The memory section's control and comparison lines: the oracle-lesson control (what a lesson
     can do at most: the SFT start and each arm's final policy with toy.sft.oracle_lesson in the
-    prompt, minus without) and RubricEM's pass-2 memory effect minus Baseline RL's, paired."""
+    prompt, minus without), the attempt-lesson control (pass 2's ceiling: ToyJudge.attempt_lesson
+    on the policy's own first attempt) and RubricEM's pass-2 memory effect minus Baseline RL's,
+    paired."""
     L = []
     sft = oracle_stats(mem, "rubricem", "sft")
     if np.isfinite(sft[0]):
@@ -916,6 +919,16 @@ def render_memory_controls(mem: dict) -> list[str]:
         f = oracle_stats(mem, a, "final")
         if np.isfinite(f[0]):
             L.append(f"- Oracle-lesson control, {PAPER_NAMES[a]} after RL: answer {f[0]:+.3f} "
+                     f"[{f[1]:+.3f}, {f[2]:+.3f}]")
+    sft = oracle_stats(mem, "rubricem", "sft", "attempt")
+    if np.isfinite(sft[0]):
+        L.append(f"- Attempt-lesson control, SFT start (pass 2's ceiling: a perfect reflection on the "
+                 f"policy's own first attempt, naming only the facts it missed or got wrong, from "
+                 f"ground truth): answer {sft[0]:+.3f} [{sft[1]:+.3f}, {sft[2]:+.3f}]")
+    for a in MEMORY_ARMS:
+        f = oracle_stats(mem, a, "final", "attempt")
+        if np.isfinite(f[0]):
+            L.append(f"- Attempt-lesson control, {PAPER_NAMES[a]} after RL: answer {f[0]:+.3f} "
                      f"[{f[1]:+.3f}, {f[2]:+.3f}]")
     for p, label in (("pass2", "within-episode pass 2"), ("pass1", "cross-episode pass 1")):
         d = paired_memory_difference(mem, "rubricem", "baseline_rl", p)

@@ -25,6 +25,12 @@ over questions (report.bootstrap_ci), and the share of questions that received a
             value named as wrong, from ground truth, in the teacher's reflection format) and
             without, with the pass-1 sampling seed. If even this gains nothing, the policy has not
             learned to act on what a lesson says, and no reflection can help it.
+    attempt the second control (ours, toy world only; with oracle): the ceiling of pass 2. The policy
+            answers without memory (pass-1 seed); each question's first sample gets the lesson a
+            perfect reflection on it would write (ToyJudge.attempt_lesson: only the facts that
+            attempt missed or got wrong, by name, from ground truth); the policy answers again with
+            that lesson and without (pass-2 seed). An own reflection can at best match it, so if
+            this gains little, pass 2 cannot tell a better reflection writer from a worse one.
 
 Glossary: delta_p = mean_q (s_q^mem - s_q^none) for pass p, s_q the mean over the question's samples.
 
@@ -41,7 +47,7 @@ Launch
     python scripts/memory_eval.py runs/toy                          # writes runs/toy/memory.json
     python scripts/ablate.py memory --run-dir runs/toy      # the same
     python scripts/memory_eval.py runs/toy-baseline_rl --bank runs/toy/bank.jsonl --n-questions 16
-    python scripts/memory_eval.py runs/toy --oracle                 # and the oracle-lesson control
+    python scripts/memory_eval.py runs/toy --oracle                 # and the two controls (oracle, attempt)
 """
 from __future__ import annotations
 
@@ -110,7 +116,8 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
     ("with", "without") and "delta" (paired_delta); "reflection" (the reflection step's metrics,
     reflect/*) and the settings; with oracle=True also "oracle": {"sft", "final"}, the oracle-lesson
     control of the run's SFT start and of its final policy (each "with", "without", "delta"), and
-    with oracle="only" that control alone (no passes, no bank). Raises FileNotFoundError for a run
+    "attempt": {"sft", "final"}, the attempt-lesson control (attempt_control); with oracle="only"
+    the two controls alone (no passes, no bank). Raises FileNotFoundError for a run
     dir without config.json or final/,
     ValueError for a run whose judge is not the toy judge (the held-out score needs the toy world's
     static rubrics) or with no held-out questions.
@@ -147,6 +154,7 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
 
     def add_oracle(out: dict) -> dict:
         out["oracle"] = {"final": oracle_control(engine, judge, world, qs, n_s, cfg, seeds["pass1"])}
+        out["attempt"] = {"final": attempt_control(engine, judge, qs, n_s, cfg, seeds)}
         src = json.load(open(os.path.join(run_dir, "eval.json")))["sft"]["source"]
         sft_model, sft_tok = load_policy(src)
         sft_model.eval()
@@ -155,6 +163,7 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
                                    cfg.rollout.max_tool_calls, system, cfg.rollout.temperature)
         out["oracle"]["sft"] = oracle_control(sft_engine, judge, world, qs, n_s, cfg, seeds["pass1"])
         out["oracle"]["sft"]["source"] = src
+        out["attempt"]["sft"] = attempt_control(sft_engine, judge, qs, n_s, cfg, seeds)
         out["seconds"] = time.perf_counter() - t_start
         return out
 
@@ -229,6 +238,29 @@ def oracle_control(engine, judge, world, qs: Sequence, n_s: int, cfg, seed: int)
     return res
 
 
+def attempt_control(engine, judge, qs: Sequence, n_s: int, cfg, seeds: dict) -> dict:
+    """The attempt-lesson control (module docstring): `engine`'s policy answers the questions `qs`
+    without memory (n_s samples each, cfg.eval.temperature, seed seeds["pass1"]); each question's
+    first sample gets the lesson a perfect reflection on it would write (ToyJudge.attempt_lesson:
+    its failed facts by name, from ground truth); the policy then answers again with that lesson
+    in the prompt and without (seed seeds["pass2"], as pass 2). Returns {"with", "without",
+    "delta"} as a pass of memory_reuse does, plus "named" (share of questions whose lesson names a
+    failed fact, in [0, 1]) and "lesson" (the first question's). Raises ValueError when the judge
+    has no ground truth (not the toy judge)."""
+    if not hasattr(judge, "attempt_lesson"):
+        raise ValueError("the attempt-lesson control needs the toy judge's ground truth")
+    first = heldout.sample_heldout(engine, qs, n_s, cfg.eval.temperature, seeds["pass1"])
+    items = [[judge.attempt_lesson(q, first[i * n_s])] for i, q in enumerate(qs)]
+    res = {}
+    for name, it in (("with", items), ("without", None)):
+        ro = heldout.sample_heldout(engine, qs, n_s, cfg.eval.temperature, seeds["pass2"], it)
+        res[name] = heldout.heldout_scores(judge, qs, ro, n_s)
+    res["delta"] = paired_delta(res["with"], res["without"])
+    res["named"] = float(np.mean([it[0].startswith(("missed:", "wrong:")) for it in items]))
+    res["lesson"] = items[0][0] if items else ""
+    return res
+
+
 def summary_lines(res: dict) -> list[str]:
     """Human-readable lines for a memory_reuse result."""
     lines = [f"memory reuse of {res['run_dir']} (arm {res['arm']}; bank {res.get('bank', '-')}, "
@@ -254,6 +286,14 @@ def summary_lines(res: dict) -> list[str]:
             lines.append(f"  oracle lesson, {'SFT start' if who == 'sft' else 'final policy':<15}"
                          f"answer {o['with']['answer']:.3f} with vs {o['without']['answer']:.3f} "
                          f"without: {d['answer']:+.3f} [{d['answer_ci'][0]:+.3f}, {d['answer_ci'][1]:+.3f}]")
+    for who in ("sft", "final"):
+        o = res.get("attempt", {}).get(who)
+        if o:
+            d = o["delta"]
+            lines.append(f"  attempt lesson, {'SFT start' if who == 'sft' else 'final policy':<14}"
+                         f"answer {o['with']['answer']:.3f} with vs {o['without']['answer']:.3f} "
+                         f"without: {d['answer']:+.3f} [{d['answer_ci'][0]:+.3f}, {d['answer_ci'][1]:+.3f}]"
+                         f"; {o['named']:.2f} of the lessons name a failed fact")
     return lines
 
 
@@ -271,8 +311,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="torch threads (default: the run's threads and sample_threads)")
     ap.add_argument("--out", help="output JSON (default RUN_DIR/memory.json)")
     ap.add_argument("--oracle", action="store_true",
-                    help="also the oracle-lesson control of the SFT start and the final policy")
-    ap.add_argument("--oracle-only", action="store_true", help="only the oracle-lesson control")
+                    help="also the oracle-lesson and attempt-lesson controls of the SFT start and "
+                         "the final policy")
+    ap.add_argument("--oracle-only", action="store_true", help="only the two controls")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     try:

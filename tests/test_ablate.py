@@ -461,3 +461,23 @@ def test_tiny_papersft_grid_trains_its_own_warm_start_once(tmp_path, toy_cache):
             and "evaluation settings as the default-SFT arms: yes" in doc)
     assert "| paper-style SFT | RubricEM | `rubricem-papersft` | 1 |" in doc
     assert "the reflection SFT changes RubricEM's RL gain (CIs of the gain on the two starts): **" in doc
+
+
+def test_memory_controls_print_the_oracle_and_attempt_lesson_controls_pooled_over_seeds():
+    def ctl(*d):
+        return {"delta": {"answer_per_question": list(d)}}
+
+    def run(p2, oracle_final, attempt_final):
+        return {"pass2": {"delta": {"answer_per_question": p2}}, "pass1": {"delta": {"answer_per_question": p2}},
+                "oracle": {"sft": ctl(0.2, 0.1), "final": ctl(*oracle_final)},
+                "attempt": {"sft": ctl(0.1, 0.1), "final": ctl(*attempt_final)}}
+    mem = {("rubricem", 0): run([0.1, 0.0], (0.0, 0.0), (0.1, 0.1)),
+           ("rubricem", 1): run([0.1, 0.0], (0.0, 0.0), (0.3, 0.3)),
+           ("baseline_rl", 0): run([0.0, 0.0], (0.0, 0.0), (0.0, 0.0)),
+           ("baseline_rl", 1): run([0.0, 0.0], (0.0, 0.0), (0.0, 0.0))}
+    assert ablate.oracle_stats(mem, "rubricem", "final", "attempt")[0] == pytest.approx(0.2)
+    lines = "\n".join(ablate.render_memory_controls(mem))
+    assert "Attempt-lesson control, SFT start" in lines and "Attempt-lesson control, RubricEM after RL: answer +0.200" in lines
+    assert "RubricEM's memory effect minus Baseline RL's at within-episode pass 2" in lines
+    del mem[("rubricem", 0)]["attempt"], mem[("rubricem", 1)]["attempt"]  # memory.json files written before
+    assert "Attempt-lesson control, RubricEM" not in "\n".join(ablate.render_memory_controls(mem))

@@ -785,3 +785,43 @@ def test_fact_outcomes_name_what_became_of_each_asked_fact(world):
         other = next(world.doc(d).value for d in h if world.doc(d).value != f["value"])
         return [say(f, other)]
     assert outcome(both, copied_wrong)[0] == "wrong value, in a retrieved snippet"
+
+
+def test_attempt_lesson_names_only_what_this_attempt_missed_or_got_wrong(world):
+    """memory_eval's attempt-lesson control: ToyJudge.attempt_lesson reads fact_outcomes (ground
+    truth) and writes the teacher's reflection format, which toy.teacher.memory_missed /
+    memory_wrong (what the SFT teacher follows) parse back to exactly those facts."""
+    from toy.teacher import memory_missed, memory_wrong
+    from toy.world import ANSWER_TEMPLATES
+
+    q = _query_with(lambda q: sum(f["doc_id"] is not None for f in q.facts) >= 2)
+    f, g = [f for f in q.facts if f["doc_id"] is not None][:2]
+    judge, plan = ToyJudge(world), _teacher_plan(q)
+    say = lambda f, v, cite="": ANSWER_TEMPLATES[f["aspect"]].format(name=f["entity"], value=v) + cite + "."
+    both = [sft.fact_key(f), sft.fact_key(g)]
+
+    def lesson(searches, answer):
+        def write(handle):
+            return (["noted"] * len(searches), "<review><rubrics_review>r</rubrics_review><writing_plan>"
+                    "w</writing_plan></review>\n", "<answer>" + " ".join(answer(handle)) + "</answer>")
+        return judge.attempt_lesson(q, _handmade(q, plan, searches, write))
+
+    # f stated and cited, g not stated: only g (and the other unstated asked facts) named as missed
+    text = lesson(both, lambda h: [say(f, f["value"], f" [{h[f['doc_id']]}]")])
+    missed = memory_missed([text])
+    assert sft.fact_key(g) in missed and sft.fact_key(f) not in missed and not memory_wrong([text])
+    assert text.startswith("missed: ") and "Lesson: plan every asked aspect" in text
+    # f stated with another retrieved document's value: named as wrong, with that value
+    bad = {}
+
+    def copied(h):
+        bad["v"] = next(world.doc(d).value for d in h if world.doc(d).value != f["value"])
+        return [say(f, bad["v"], f" [{h[f['doc_id']]}]")]
+    text = lesson(both, copied)
+    assert f"wrong: {sft.fact_key(f)} {bad['v']}" in text and memory_wrong([text]) == {sft.fact_key(f)}
+    assert "ignore old records" in text and sft.fact_key(f) not in memory_missed([text])
+    # every asked fact right: the generic lesson, nothing named
+    right = lambda h: [say(x, x["value"], f" [{h[x['doc_id']]}]") if x["doc_id"] is not None
+                       else f"No source gives the {x['aspect']} of {x['entity']}." for x in q.facts]
+    text = lesson([sft.fact_key(x) for x in q.facts], right)
+    assert text == "Lesson: one search per asked aspect, cite each claim."

@@ -67,3 +67,33 @@ def test_pass1_similar_then_reflect_then_pass2_exact_fig6d(tmp_path, toy_cache, 
     assert json.load(open(tmp_path / "m.json"))["pass2"]["hits"] == 1.0
     assert memory_eval.main([str(tmp_path / "nothing")]) == 2
 
+
+
+def test_attempt_control_reflects_each_questions_first_pass1_sample_then_samples_pass2(monkeypatch):
+    """The attempt-lesson control (pass 2's ceiling): each question's first sample at the pass-1
+    seed gets ToyJudge.attempt_lesson; the with and without answers use the pass-2 seed."""
+    calls = []
+
+    def sample(engine, qs, n_s, temperature, seed, items=None):
+        calls.append((seed, items))
+        return [f"{q}#{j}@{seed}" for q in qs for j in range(n_s)]
+
+    def scores(judge, qs, ro, n_s):
+        v = [float(len(r)) for r in ro[::n_s]]
+        return {"answer": float(np.mean(v)), "score": 0.0, "per_question": {"answer": v, "score": [0.0] * len(v)}}
+
+    class Judge:
+        def attempt_lesson(self, q, ro):
+            return "Lesson: one search per asked aspect, cite each claim." if q == "a" else f"missed: {ro}."
+
+    monkeypatch.setattr(memory_eval.heldout, "sample_heldout", sample)
+    monkeypatch.setattr(memory_eval.heldout, "heldout_scores", scores)
+    cfg = presets.toy_preset()
+    res = memory_eval.attempt_control(None, Judge(), ["a", "b"], 2, cfg, {"pass1": 5, "pass2": 6})
+    assert calls[0] == (5, None)
+    assert calls[1] == (6, [["Lesson: one search per asked aspect, cite each claim."], ["missed: b#0@5."]])
+    assert calls[2] == (6, None) and len(calls) == 3
+    assert res["named"] == 0.5 and res["lesson"].startswith("Lesson:")
+    assert res["delta"]["answer"] == pytest.approx(res["with"]["answer"] - res["without"]["answer"])
+    with pytest.raises(ValueError, match="ground truth"):
+        memory_eval.attempt_control(None, object(), ["a"], 1, cfg, {"pass1": 5, "pass2": 6})
