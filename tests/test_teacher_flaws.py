@@ -17,7 +17,7 @@ import pytest
 
 from toy import sft
 from toy.judge import ToyJudge
-from scaffold import STAGES
+from scaffold import STAGES, load_rows
 
 import toyfix as tf
 
@@ -121,6 +121,34 @@ def test_a_lesson_from_a_first_attempt_undoes_the_flaws_it_names_sec3_5():
     # lesson did not name: the answer gains on the whole, not on every question.
     assert np.mean(after) > np.mean(before) + 0.1
     assert sum(a > b + 1e-9 for a, b in zip(after, before)) >= 20
+
+
+def test_an_unmarked_old_record_is_taken_when_first_unless_a_lesson_names_its_value_sec3_5():
+    """WorldConfig.p_unmarked: an old record that reads like the true document is taken whenever it
+    comes back first, whatever the plan's negative constraint; a lesson that names its value as
+    wrong (the teacher's reflection on that first attempt) makes the second attempt read on."""
+    from toy.world import BM25SearchTool, WorldConfig, make_world
+
+    w = make_world(WorldConfig(**{**dataclasses.asdict(tf.tiny_world().config), "p_unmarked": 1.0}))
+    tool = BM25SearchTool(w.docs)
+    cfg = dataclasses.replace(CHAIN_BASE, p_no_negative=0.0, p_distractor=0.0, p_distractor_avoid=0.0)
+    taken = fixed = 0
+    for i, q in enumerate(load_rows(w.train_rows)[:150]):
+        first = sft.teacher_trajectory(q, tool, w, random.Random(i), cfg)
+        for f in q.facts:
+            k = sft.fact_key(f)
+            res = [w.doc(x.doc_id) for x in tool(k)]
+            on = [d for d in res if d.aspect == f["aspect"] and d.entity == f["entity"]]
+            if not on or on[0].kind != "outdated" or k not in [sft.fact_key(g) for g in q.facts]:
+                continue
+            assert not on[0].marked and first.copied.get(k) == on[0].value  # "avoid:" does not help
+            taken += 1
+            lesson = sft.teacher_reflection(q, first)
+            assert k in sft.memory_wrong([lesson]) and f"{k} {on[0].value}" in lesson
+            again = sft.teacher_trajectory(q, tool, w, random.Random(i), cfg, [lesson])
+            assert k not in again.copied
+            fixed += 1
+    assert taken >= 10 and fixed == taken
 
 
 def test_the_oracle_lesson_names_every_fact_and_every_old_value_sec3_5():

@@ -254,6 +254,35 @@ def test_the_earlier_old_record_wording_stays_available_sec3_1():
     assert old and all("(old record)" in d.title and "since corrected, gives" in d.text for d in old)
 
 
+def test_unmarked_old_records_read_like_the_true_document_and_come_first_half_the_time_sec3_1():
+    """WorldConfig.p_unmarked: a share of old records carries the true document's title and wording
+    (no "old record" marker), so only the value tells them apart, and a coin puts the old record
+    first in the corpus: BM25 ties go by document order, so about half the searches for such a fact
+    return it above the true document. Every other draw of the world is unchanged."""
+    base = make_world(WorldConfig(seed=3, n_train_entities=300, n_heldout_entities=10))
+    w = make_world(WorldConfig(seed=3, n_train_entities=300, n_heldout_entities=10, p_unmarked=0.5))
+    assert all(d.marked for d in base.docs)
+    assert w.entities == base.entities and len(w.docs) == len(base.docs)
+    assert [r["messages"] for r in w.train_rows] == [r["messages"] for r in base.train_rows]
+    old = [d for d in w.docs if d.kind == "outdated"]
+    unmarked = [d for d in old if not d.marked]
+    assert 0.35 < len(unmarked) / len(old) < 0.65
+    tool, first = BM25SearchTool(w.docs), []
+    for d in unmarked:
+        assert "old" not in d.text.split() and d.title == f"{d.entity} {d.aspect}"
+        assert d.value != w.entities[d.entity][d.aspect]
+        (true,) = [x for x in w.docs_of(d.entity, d.aspect) if x.kind == "true"] or [None]
+        if true is None:
+            continue
+        assert true.text.replace(true.value, "") == d.text.replace(d.value, "")  # the same template
+        ids = [x.doc_id for x in tool(f"{d.entity} {d.aspect}")]
+        assert true.doc_id in ids
+        first.append(d.doc_id in ids and ids.index(d.doc_id) < ids.index(true.doc_id))
+    assert len(first) > 40 and 0.3 < sum(first) / len(first) < 0.7
+    with pytest.raises(ValueError, match="p_unmarked"):
+        make_world(WorldConfig(p_unmarked=1.5, **TINY))
+
+
 def test_some_facts_are_missing_and_get_unknown_rubrics_sec3_1(w):
     qs = load_rows(w.train_rows + w.heldout_rows)
     missing = [(q, f) for q in qs for f in q.facts if f["doc_id"] is None]

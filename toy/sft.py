@@ -294,6 +294,9 @@ def cache_key(obj: dict) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+_WORLD_LATER = ("p_unmarked",)  # WorldConfig fields added after the shipped warm start
+
+
 def warm_start_key(world_config, system: str, cfg: SFTConfig, tcfg: TeacherConfig, size: str,
                    vocab_size: int, scaffold: str = "structured", extra_key: dict | None = None) -> str:
     """The warm start's cache key (16 hex characters): world, teacher, SFT and model configuration,
@@ -301,8 +304,10 @@ def warm_start_key(world_config, system: str, cfg: SFTConfig, tcfg: TeacherConfi
     warm starts cached before the scaffold ablation existed stay valid; every other scaffold is in
     the key, so two scaffolds' warm starts never share a cache entry."""
     teacher = {k: v for k, v in asdict(tcfg).items() if not (k in _LOCAL_FLAWS and v == 0)}
+    # a world knob added later is keyed only when on, so earlier warm starts keep their keys
+    world = {k: v for k, v in asdict(world_config).items() if not (k in _WORLD_LATER and v == 0)}
     sft = {k: v for k, v in asdict(cfg).items() if k != "shipped"}  # where it comes from, not what
-    return cache_key({"world": asdict(world_config), "teacher": teacher, "sft": sft,
+    return cache_key({"world": world, "teacher": teacher, "sft": sft,
                       "size": size, "vocab": vocab_size, "system": system, "v": 1,
                       **({} if scaffold == "structured" else {"scaffold": scaffold}),
                       **(extra_key or {})})

@@ -217,8 +217,10 @@ def teacher_trajectory(q: Query, tool, world: World, rng: random.Random, cfg: Te
                 # A careless note takes the value of a distractor that came back first (an old
                 # record, or a look-alike's document on the aspect), never for a fact that a memory
                 # item named with its wrong value; a careful one reads on to the true document.
+                # An unmarked old record (WorldConfig.p_unmarked) looks like the true document: a
+                # note takes it whenever it comes first, unless a memory item named its value.
                 if (d.entity == f["entity"] or d.kind == "lookalike") \
-                        and rng.random() < p_copy and k not in warned:
+                        and (rng.random() < p_copy or not d.marked) and k not in warned:
                     hit = (handle + j, d.value, d.kind)
                     defects[k] = f"copied {d.kind}"
                     copied[k] = d.value

@@ -13,7 +13,8 @@ What is in it
 - Distractors that punish careless search and careless citation:
   * look-alike entities (last syllable changed) with documents on the same aspects;
   * outdated records: a second document on the same (entity, aspect) with a wrong value, titled
-    "old record", which a careful agent must not report.
+    "old record", which a careful agent must not report; optionally (WorldConfig.p_unmarked) some
+    read like the current document, and only a lesson from an earlier attempt tells them apart.
 - Questions asking for a short report on 2-4 aspects of one entity, or a comparison of two entities,
   in several phrasings; each row is stored in the DR Tulu RL schema
   (`messages` = one user turn, `ground_truth` = JSON `{"query", "rubrics": [{"description","title",
@@ -107,6 +108,8 @@ class Document:
     aspect: str
     value: str
     kind: str
+    marked: bool = True
+    """False for an old record written like a current document (WorldConfig.p_unmarked)"""
 
 
 @dataclass
@@ -130,6 +133,11 @@ class WorldConfig:
     document second or third) and only a careful reading of the results avoids it; False: the earlier wording ("An old record, since corrected,
     gives: Harta lives mainly in ..."), which BM25 ranks below the entity's other documents, so with
     2 results per search an old record almost never came back"""
+    p_unmarked: float = 0.0
+    """share of old records written like a current document: no "old record" marker, the true
+    document's title and wording, so no reading of the results tells the two values apart and a
+    first attempt takes whichever BM25 ranks first; only a lesson that names the wrong value (from
+    an earlier attempt's judged outcome, §3.4-3.5) tells them apart (0 = off: no draw is made)"""
     p_lookalike: float = 0.30
     """entities with a look-alike entity that has its own documents"""
     p_compare: float = 0.20
@@ -168,7 +176,10 @@ class World:
         """sha256 over the corpus and the rows: equal fingerprints mean identical worlds."""
         h = hashlib.sha256()
         for d in self.docs:
-            h.update(json.dumps(dataclasses.asdict(d), sort_keys=True).encode())
+            rec = dataclasses.asdict(d)
+            if d.marked:  # the field came later: a world without unmarked records keeps its hash
+                del rec["marked"]
+            h.update(json.dumps(rec, sort_keys=True).encode())
         for r in self.train_rows + self.heldout_rows:
             h.update(json.dumps(r, sort_keys=True).encode())
         return h.hexdigest()
@@ -222,7 +233,7 @@ def make_world(config: WorldConfig | None = None) -> World:
     cfg = config or WorldConfig()
     if cfg.n_train_entities < 1 or cfg.n_heldout_entities < 1 or cfg.questions_per_entity < 1:
         raise ValueError("WorldConfig: entity and question counts must be >= 1")
-    for f in ("p_missing", "p_outdated", "p_lookalike", "p_compare"):
+    for f in ("p_missing", "p_outdated", "p_unmarked", "p_lookalike", "p_compare"):
         if not 0.0 <= getattr(cfg, f) <= 1.0:
             raise ValueError(f"WorldConfig.{f} must lie in [0, 1], got {getattr(cfg, f)}")
     rng = random.Random(cfg.seed)
@@ -234,8 +245,26 @@ def make_world(config: WorldConfig | None = None) -> World:
     lookalikes: dict[str, str] = {}
     docs: list[Document] = []
 
+    # The unmarked draws have their own stream, so a world without them keeps its draws.
+    unmarked_rng = random.Random(f"{cfg.seed}-unmarked") if cfg.p_unmarked > 0 else None
+
     def add_doc(entity: str, aspect: str, value: str, kind: str) -> None:
         tpl = rng.choice(DOC_TEMPLATES[aspect])
+        if kind == "outdated" and unmarked_rng is not None and unmarked_rng.random() < cfg.p_unmarked:
+            # An old record that reads like the current one: the true document's title and template,
+            # so BM25 scores the two alike (ties go by document order), and a coin decides which of
+            # the two comes first in the corpus, hence in the results.
+            true = docs[-1] if docs and (docs[-1].entity, docs[-1].aspect, docs[-1].kind) == \
+                (entity, aspect, "true") else None
+            tpl = next((t for t in DOC_TEMPLATES[aspect]
+                        if true is not None and t.format(name=entity, value=true.value) == true.text), tpl)
+            doc = Document(f"d{len(docs):05d}", f"{entity} {aspect}", tpl.format(name=entity, value=value),
+                           entity, aspect, value, kind, False)
+            if true is not None and unmarked_rng.random() < 0.5:  # the old record first
+                docs[-1] = dataclasses.replace(doc, doc_id=true.doc_id)
+                doc = dataclasses.replace(true, doc_id=doc.doc_id)
+            docs.append(doc)
+            return
         if kind == "outdated":
             if cfg.outdated_first:
                 title, text = f"{entity} {aspect}", f"{entity} {aspect}, old {aspect} record: {value}."
