@@ -1,6 +1,7 @@
 """The scaffold ablation (paper Fig. 6a-c): the unstructured, ReAct-like scaffold (think / tool call /
 answer only). Its parser and loss masks, its teacher and warm-start cache key, the toy judge grading
 its Answer stage with the same answer rubrics, the configuration refusal, and a 2-step toy run."""
+import dataclasses
 import json
 import os
 import random
@@ -181,7 +182,11 @@ def test_warm_start_cache_key_holds_the_scaffold_fig6():
     old_teacher = {k: v for k, v in asdict(t).items() if k not in sft._LOCAL_FLAWS}
     # (sft.shipped, where a warm start comes from, is not part of it either.)
     old_sft = {k: v for k, v in asdict(c).items() if k != "shipped"}
-    assert a == sft.cache_key({"world": asdict(w), "teacher": old_teacher, "sft": old_sft,
+    # (Nor are the world's later knobs while they are off: WorldConfig.p_unmarked.)
+    old_world = {k: v for k, v in asdict(w).items() if k not in sft._WORLD_LATER}
+    assert w.p_unmarked == 0 and a != sft.warm_start_key(dataclasses.replace(w, p_unmarked=0.5), "sys", c,
+                                                         t, "XS", 400)
+    assert a == sft.cache_key({"world": old_world, "teacher": old_teacher, "sft": old_sft,
                                "size": "XS", "vocab": 400, "system": "sys", "v": 1})
 
 
