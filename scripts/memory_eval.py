@@ -279,21 +279,16 @@ def summary_lines(res: dict) -> list[str]:
         r = res["reflection"]
         lines.append(f"  reflection: {r.get('reflect/admitted', 0)} of {r.get('reflect/trajectories', 0)} "
                      f"questions got a lesson ({r.get('reflect/invalid', 0)} invalid candidates)")
-    for who in ("sft", "final"):
-        o = res.get("oracle", {}).get(who)
-        if o:
-            d = o["delta"]
-            lines.append(f"  oracle lesson, {'SFT start' if who == 'sft' else 'final policy':<15}"
-                         f"answer {o['with']['answer']:.3f} with vs {o['without']['answer']:.3f} "
-                         f"without: {d['answer']:+.3f} [{d['answer_ci'][0]:+.3f}, {d['answer_ci'][1]:+.3f}]")
-    for who in ("sft", "final"):
-        o = res.get("attempt", {}).get(who)
-        if o:
-            d = o["delta"]
-            lines.append(f"  attempt lesson, {'SFT start' if who == 'sft' else 'final policy':<14}"
-                         f"answer {o['with']['answer']:.3f} with vs {o['without']['answer']:.3f} "
-                         f"without: {d['answer']:+.3f} [{d['answer_ci'][0]:+.3f}, {d['answer_ci'][1]:+.3f}]"
-                         f"; {o['named']:.2f} of the lessons name a failed fact")
+    for control, label in (("oracle", "oracle lesson"), ("attempt", "attempt lesson")):
+        for who in ("sft", "final"):
+            o = res.get(control, {}).get(who)
+            if o:
+                d = o["delta"]
+                head = f"{label}, {'SFT start' if who == 'sft' else 'final policy'}"
+                lines.append(f"  {head:<30}"
+                             f"answer {o['with']['answer']:.3f} with vs {o['without']['answer']:.3f} "
+                             f"without: {d['answer']:+.3f} [{d['answer_ci'][0]:+.3f}, {d['answer_ci'][1]:+.3f}]"
+                             + (f"; {o['named']:.2f} of the lessons name a failed fact" if "named" in o else ""))
     return lines
 
 
