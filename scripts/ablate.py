@@ -910,26 +910,20 @@ def render_memory_controls(mem: dict) -> list[str]:
     on the policy's own first attempt) and RubricEM's pass-2 memory effect minus Baseline RL's,
     paired."""
     L = []
-    sft = oracle_stats(mem, "rubricem", "sft")
-    if np.isfinite(sft[0]):
-        L.append(f"- Oracle-lesson control, SFT start (every asked fact named as missed, each old "
-                 f"record's value named as wrong, from ground truth): answer {sft[0]:+.3f} "
-                 f"[{sft[1]:+.3f}, {sft[2]:+.3f}]")
-    for a in MEMORY_ARMS:
-        f = oracle_stats(mem, a, "final")
-        if np.isfinite(f[0]):
-            L.append(f"- Oracle-lesson control, {PAPER_NAMES[a]} after RL: answer {f[0]:+.3f} "
-                     f"[{f[1]:+.3f}, {f[2]:+.3f}]")
-    sft = oracle_stats(mem, "rubricem", "sft", "attempt")
-    if np.isfinite(sft[0]):
-        L.append(f"- Attempt-lesson control, SFT start (pass 2's ceiling: a perfect reflection on the "
-                 f"policy's own first attempt, naming only the facts it missed or got wrong, from "
-                 f"ground truth): answer {sft[0]:+.3f} [{sft[1]:+.3f}, {sft[2]:+.3f}]")
-    for a in MEMORY_ARMS:
-        f = oracle_stats(mem, a, "final", "attempt")
-        if np.isfinite(f[0]):
-            L.append(f"- Attempt-lesson control, {PAPER_NAMES[a]} after RL: answer {f[0]:+.3f} "
-                     f"[{f[1]:+.3f}, {f[2]:+.3f}]")
+    for control, name, what in (
+            ("oracle", "Oracle-lesson", "every asked fact named as missed, each old record's value "
+             "named as wrong, from ground truth"),
+            ("attempt", "Attempt-lesson", "pass 2's ceiling: a perfect reflection on the policy's own "
+             "first attempt, naming only the facts it missed or got wrong, from ground truth")):
+        sft = oracle_stats(mem, "rubricem", "sft", control)
+        if np.isfinite(sft[0]):
+            L.append(f"- {name} control, SFT start ({what}): answer {sft[0]:+.3f} "
+                     f"[{sft[1]:+.3f}, {sft[2]:+.3f}]")
+        for a in MEMORY_ARMS:
+            f = oracle_stats(mem, a, "final", control)
+            if np.isfinite(f[0]):
+                L.append(f"- {name} control, {PAPER_NAMES[a]} after RL: answer {f[0]:+.3f} "
+                         f"[{f[1]:+.3f}, {f[2]:+.3f}]")
     for p, label in (("pass2", "within-episode pass 2"), ("pass1", "cross-episode pass 1")):
         d = paired_memory_difference(mem, "rubricem", "baseline_rl", p)
         if d is not None:

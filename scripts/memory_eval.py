@@ -152,9 +152,11 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
     seed = heldout.heldout_seed(cfg)
     seeds = {"pass1": seed, "pass2": seed + 1}  # pass 1 = the final evaluation's
 
-    def add_oracle(out: dict) -> dict:
-        out["oracle"] = {"final": oracle_control(engine, judge, world, qs, n_s, cfg, seeds["pass1"])}
-        out["attempt"] = {"final": attempt_control(engine, judge, qs, n_s, cfg, seeds)}
+    def add_oracle(out: dict, first=None, without1=None, without2=None) -> dict:
+        # the final policy's controls reuse the passes' samples without memory (the same seeds)
+        out["oracle"] = {"final": oracle_control(engine, judge, world, qs, n_s, cfg, seeds["pass1"],
+                                                 without1)}
+        out["attempt"] = {"final": attempt_control(engine, judge, qs, n_s, cfg, seeds, first, without2)}
         src = json.load(open(os.path.join(run_dir, "eval.json")))["sft"]["source"]
         sft_model, sft_tok = load_policy(src)
         sft_model.eval()
@@ -188,7 +190,7 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
     # pass 1: cross-episode similar retrieval from the run's bank
     items1 = retrieve_items(bank, qs, MODE_SIMILAR, cfg.bank.top_k)
     with1, ro1 = run_pass("pass1", items1)
-    without1, _ = run_pass("pass1", None)
+    without1, ro_none1 = run_pass("pass1", None)
     # reflection on the pass-1 trajectories into a copy of the bank (§3.4: best valid one upserted)
     copy = RubricBank(max_chars=cfg.bank.max_chars, retriever=retriever)
     copy.load_state_dict(bank.state_dict())
@@ -213,17 +215,19 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
                      "delta": paired_delta(w, wo)}
     out["reflection"] = {k: report._py(v) for k, v in rmet.items()}
     if oracle:
-        return add_oracle(out)
+        return add_oracle(out, ro_none1, without1, without2)
     out["seconds"] = time.perf_counter() - t_start
     return out
 
 
-def oracle_control(engine, judge, world, qs: Sequence, n_s: int, cfg, seed: int) -> dict:
+def oracle_control(engine, judge, world, qs: Sequence, n_s: int, cfg, seed: int,
+                   without: dict | None = None) -> dict:
     """The oracle-lesson control (module docstring): `engine`'s policy answers the questions `qs`
     (n_s samples each, cfg.eval.temperature, sampling seed `seed`) with toy.sft.oracle_lesson in the
     prompt and without. Returns {"with", "without", "delta"} as a pass of memory_reuse does, plus
-    "lesson" (the first question's oracle lesson, for the reader). Raises ValueError without a toy
-    world (the lesson is built from its ground truth)."""
+    "lesson" (the first question's oracle lesson, for the reader). without: the scores without
+    memory at `seed` when the caller has them (memory_reuse's pass 1); None samples them. Raises
+    ValueError without a toy world (the lesson is built from its ground truth)."""
     from toy.sft import oracle_lesson  # toy world only: the lesson reads its ground truth
 
     if world is None:
@@ -231,6 +235,9 @@ def oracle_control(engine, judge, world, qs: Sequence, n_s: int, cfg, seed: int)
     items = [[oracle_lesson(q, world)] for q in qs]
     res = {}
     for name, it in (("with", items), ("without", None)):
+        if name == "without" and without is not None:
+            res[name] = without
+            continue
         ro = heldout.sample_heldout(engine, qs, n_s, cfg.eval.temperature, seed, it)
         res[name] = heldout.heldout_scores(judge, qs, ro, n_s)
     res["delta"] = paired_delta(res["with"], res["without"])
@@ -238,21 +245,28 @@ def oracle_control(engine, judge, world, qs: Sequence, n_s: int, cfg, seed: int)
     return res
 
 
-def attempt_control(engine, judge, qs: Sequence, n_s: int, cfg, seeds: dict) -> dict:
+def attempt_control(engine, judge, qs: Sequence, n_s: int, cfg, seeds: dict, first: list | None = None,
+                    without: dict | None = None) -> dict:
     """The attempt-lesson control (module docstring): `engine`'s policy answers the questions `qs`
     without memory (n_s samples each, cfg.eval.temperature, seed seeds["pass1"]); each question's
     first sample gets the lesson a perfect reflection on it would write (ToyJudge.attempt_lesson:
     its failed facts by name, from ground truth); the policy then answers again with that lesson
     in the prompt and without (seed seeds["pass2"], as pass 2). Returns {"with", "without",
     "delta"} as a pass of memory_reuse does, plus "named" (share of questions whose lesson names a
-    failed fact, in [0, 1]) and "lesson" (the first question's). Raises ValueError when the judge
-    has no ground truth (not the toy judge)."""
+    failed fact, in [0, 1]) and "lesson" (the first question's). first / without: the first
+    attempt's rollouts and the pass-2-seed scores without memory when the caller sampled them
+    already (memory_reuse's passes, the same seeds); None samples them. Raises ValueError when the
+    judge has no ground truth (not the toy judge)."""
     if not hasattr(judge, "attempt_lesson"):
         raise ValueError("the attempt-lesson control needs the toy judge's ground truth")
-    first = heldout.sample_heldout(engine, qs, n_s, cfg.eval.temperature, seeds["pass1"])
+    if first is None:
+        first = heldout.sample_heldout(engine, qs, n_s, cfg.eval.temperature, seeds["pass1"])
     items = [[judge.attempt_lesson(q, first[i * n_s])] for i, q in enumerate(qs)]
     res = {}
     for name, it in (("with", items), ("without", None)):
+        if name == "without" and without is not None:
+            res[name] = without
+            continue
         ro = heldout.sample_heldout(engine, qs, n_s, cfg.eval.temperature, seeds["pass2"], it)
         res[name] = heldout.heldout_scores(judge, qs, ro, n_s)
     res["delta"] = paired_delta(res["with"], res["without"])

@@ -45,6 +45,7 @@ from judge import BUFFER_CAPS, EvolvingJudge, JudgeResult, ReflectionScore, Rubr
 from scaffold import ANSWER, PLAN, RESEARCH, REVIEW, SCAFFOLDS, STAGES, Rollout
 from toy import lessons
 from toy.lessons import _KIND_OF_CHECK
+from toy.teacher import lesson_text
 from toy.world import ANSWER_TEMPLATES
 
 # ----------------------------------------------------------------------------------------------------
@@ -387,9 +388,9 @@ class ToyJudge(EvolvingJudge):
         """The lesson a perfect reflection on rollout `ro` would write (the attempt-lesson control of
         scripts/memory_eval.py; not in the paper): from ground truth (`fact_outcomes`), the asked
         facts the attempt did not state ("missed: E a, ..."), those it stated with a wrong value
-        ("wrong: E a v, ..."), then the teacher's general lessons for those failures
-        (toy/teacher.py's teacher_reflection format, which the SFT policy learned to follow); an
-        attempt without such a failure gets the teacher's generic lesson. Unlike
+        ("wrong: E a v, ..."), then the teacher's general lessons for those failures, in the
+        teacher's reflection format (toy.teacher.lesson_text, which the SFT policy learned to
+        follow); an attempt without such a failure gets the teacher's generic lesson. Unlike
         toy.teacher.oracle_lesson it names only what this attempt got wrong, so it bounds what a
         within-episode reflection (§3.5, "exact" retrieval) can do for the same question. Returns
         one line of text; never raises on a malformed rollout (every fact counts as missed)."""
@@ -401,12 +402,9 @@ class ToyJudge(EvolvingJudge):
             if v.startswith("wrong value"):
                 vals = sorted({cl["value"] for cl in self._claims_of(c, c["facts"][k])} - {None})
                 wrong += [f"{k} {vals[0]}"] if vals else []
-        parts = (["missed: " + ", ".join(missed) + "."] if missed else []) \
-            + (["wrong: " + ", ".join(wrong) + "."] if wrong else [])
         lessons = (["plan every asked aspect", "every found fact in the writing plan"] if missed else []) \
             + (["ignore old records"] if wrong else [])
-        return " ".join(parts + ["Lesson: " + ("; ".join(lessons) if lessons
-                                               else "one search per asked aspect, cite each claim") + "."])
+        return lesson_text(missed, wrong, lessons)
 
     def _check(self, check: tuple, c: dict, facts: dict) -> float:
         """Score in [0,1] of one check spec on one rollout's context; NaN for an unknown kind. A

@@ -308,12 +308,6 @@ def teacher_reflection(q: Query, trace: TeacherTrace) -> str:
     missed = [k for k, v in trace.defects.items() if not k.startswith("_") and v in MISSED_DEFECTS]
     wrong = [k for k, v in trace.defects.items() if not k.startswith("_") and v.startswith("copied")]
     uncited = [k for k, v in trace.defects.items() if v == "uncited"]
-    parts = []
-    if missed:
-        parts.append("missed: " + ", ".join(missed) + ".")
-    if wrong:
-        parts.append("wrong: " + ", ".join(f"{k} {trace.copied[k]}" for k in wrong if k in trace.copied)
-                     + ".")
     lessons = []
     if any(trace.defects[k] == "not planned" for k in missed):
         lessons.append("plan every asked aspect")
@@ -336,10 +330,19 @@ def teacher_reflection(q: Query, trace: TeacherTrace) -> str:
         lessons.append("list every found fact in the writing plan")
     if "_unknown_omitted" in trace.defects:
         lessons.append("say when a fact is not found")
-    if not lessons:
-        lessons.append("one search per asked aspect, cite each claim")
-    parts.append("Lesson: " + "; ".join(lessons) + ".")
-    return " ".join(parts)
+    return lesson_text(missed, [f"{k} {trace.copied[k]}" for k in wrong if k in trace.copied], lessons)
+
+
+GENERIC_LESSON = "one search per asked aspect, cite each claim"
+
+
+def lesson_text(missed: Sequence[str], wrong: Sequence[str], lessons: Sequence[str]) -> str:
+    """A lesson in the teacher's reflection format, which memory_missed / memory_wrong parse and the
+    teacher follows: "missed: E a, ...." (fact keys), "wrong: E a v, ...." (fact key and the wrong
+    value), then "Lesson: " and the general lessons joined by "; " (GENERIC_LESSON when none)."""
+    parts = (["missed: " + ", ".join(missed) + "."] if missed else []) \
+        + (["wrong: " + ", ".join(wrong) + "."] if wrong else [])
+    return " ".join(parts + ["Lesson: " + "; ".join(list(lessons) or [GENERIC_LESSON]) + "."])
 
 
 def oracle_lesson(q: Query, world: World) -> str:
@@ -351,9 +354,5 @@ def oracle_lesson(q: Query, world: World) -> str:
     keys = [fact_key(f) for f in q.facts]
     old = [f"{fact_key(f)} {d.value}" for f in q.facts for d in world.docs_of(f["entity"], f["aspect"])
            if d.kind == "outdated"]
-    parts = ["missed: " + ", ".join(keys) + "."]
-    if old:
-        parts.append("wrong: " + ", ".join(old) + ".")
-    parts.append("Lesson: plan every asked aspect; every found fact in the writing plan"
-                 + ("; ignore old records" if old else "") + ".")
-    return " ".join(parts)
+    return lesson_text(keys, old, ["plan every asked aspect", "every found fact in the writing plan"]
+                       + (["ignore old records"] if old else []))
