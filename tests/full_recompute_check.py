@@ -41,9 +41,9 @@ def main(model_dir: str, out_dir: str, threshold: int, min_len: int = 40, max_le
                           "grad": bool(torch.is_grad_enabled() and hidden.requires_grad)})
         return verdict
 
-    def spy_project(head, h, nxt, recompute, temperature=1.0):
+    def spy_project(weight, bias, h, nxt, recompute, temperature=1.0):
         calls["recompute" if recompute else "plain"] += 1
-        return project(head, h, nxt, recompute, temperature)
+        return project(weight, bias, h, nxt, recompute, temperature)
 
     fast_logprobs._recompute_head, fast_logprobs._project = spy_decide, spy_project
     cfg = selftest.selftest_config(8, 4, 1, 2, 1e-3)
@@ -54,8 +54,8 @@ def main(model_dir: str, out_dir: str, threshold: int, min_len: int = 40, max_le
     batch = selftest.synthetic_batch(vocab, 8, group=4, seed=0, min_len=min_len, max_len=max_len)
     engine = ZeRO3Engine(cfg, policy=pol)
     shards, plans = policy.plan_update(batch, env.world_size, 1, 2, random.Random(0))
-    # Outside the engine's forward the head is an empty ZeRO-3 partition (inside it, DeepSpeed's
-    # parameter getter gathers it on access): the decision must still see the true vocabulary.
+    # Outside the engine's forward the head is an empty ZeRO-3 partition (inside it, DeepSpeed has
+    # gathered it for the ChunkedHead's call): the decision must still see the true vocabulary.
     head = pol.module.get_output_embeddings()
     h = torch.zeros(4, pol.module.config.hidden_size, requires_grad=True, device=pol.device)
     # positions x V x 4 B just above it

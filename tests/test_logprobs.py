@@ -2,8 +2,9 @@
 path) equals the model's own full-logits log_softmax; backends/run/fast_logprobs.token_logprobs (the
 fast path: chunked, head on loss-masked columns only, recomputed in the backward) equals the plain
 path: values for several chunk sizes, right and left padding, gradients with and without
-recomputing each chunk in the backward, temperatures; and recomputing keeps no (tokens x vocab)
-tensor alive for the backward."""
+recomputing each chunk in the backward, temperatures; recomputing keeps no (tokens x vocab)
+tensor alive for the backward; and a pass calls its head module (fast_logprobs.ChunkedHead) once,
+whatever its number of chunks (what keeps ZeRO-3 ranks in step: tests/test_zero3_collectives.py)."""
 import os
 
 import pytest
@@ -161,26 +162,29 @@ def test_recompute_saves_no_tokens_by_vocab_tensor_for_the_backward(model, monke
 @pytest.mark.parametrize("chunk", [1, 4, 1024])
 def test_loss_mask_projects_only_the_used_columns(model, chunk, recompute, monkeypatch):
     """With loss_mask the head runs on the masked columns only: those equal the full pass (values
-    and gradients of an advantage-weighted sum), every other column is 0, and the head sees exactly
-    N rows (at least one call, on 0 rows, when nothing is masked)."""
+    and gradients of an advantage-weighted sum), every other column is 0, and the chunks hold
+    exactly N rows, at most chunk x B each (one chunk of 0 rows when nothing is masked)."""
     ids, att = batch([17, 12, 6], left=False, seed=5)
     g = torch.Generator().manual_seed(6)
     lm = (torch.rand(ids.shape, generator=g) < 0.5) & valid(att)
     w = torch.randn(ids.shape, generator=g) * lm
-    seen = []
-    hook = model.lm_head.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[0]))
-    try:
-        model.zero_grad(set_to_none=True)
-        got = fast.token_logprobs(model, ids, att, chunk, recompute=recompute, loss_mask=lm)
-        (got * w).sum().backward()
-        g_mask = {n: p.grad.clone() for n, p in model.named_parameters()}
-        assert sum(seen[: -(-int(lm.sum()) // (chunk * 3))]) == int(lm.sum())
-        seen.clear()
-        with torch.no_grad():
-            none = fast.token_logprobs(model, ids, att, chunk, loss_mask=torch.zeros_like(lm))
-        assert seen == [0] and not none.any()
-    finally:
-        hook.remove()
+    seen, project = [], fast._project
+
+    def spy(weight, bias, h, nxt, rc, temperature=1.0):
+        seen.append(h.shape[0])
+        return project(weight, bias, h, nxt, rc, temperature)
+
+    monkeypatch.setattr(fast, "_project", spy)
+    model.zero_grad(set_to_none=True)
+    got = fast.token_logprobs(model, ids, att, chunk, recompute=recompute, loss_mask=lm)
+    (got * w).sum().backward()
+    g_mask = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert sum(seen) == int(lm.sum()) and max(seen) <= chunk * 3
+    assert len(seen) == -(-int(lm.sum()) // (chunk * 3))
+    seen.clear()
+    with torch.no_grad():
+        none = fast.token_logprobs(model, ids, att, chunk, loss_mask=torch.zeros_like(lm))
+    assert seen == [0] and not none.any()
     model.zero_grad(set_to_none=True)
     full = plain(model, ids, att)
     (full * w).sum().backward()
@@ -188,6 +192,40 @@ def test_loss_mask_projects_only_the_used_columns(model, chunk, recompute, monke
     assert not got[~lm].any()
     for n, p in model.named_parameters():
         assert torch.allclose(g_mask[n], p.grad, atol=1e-6, rtol=1e-4), n
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
+def test_one_head_module_call_per_pass_whatever_the_chunk_count(model, recompute):
+    """What keeps ZeRO-3 ranks in step (backends/distributed/zero3.py): a pass calls its ChunkedHead
+    exactly once, forward and backward (a recompute included), whether its loss tokens fill 0, 1
+    or many chunks, masked or not, and never calls the LM's head module itself (each module call is
+    a parameter gather under ZeRO-3)."""
+    head = fast.ChunkedHead(model.get_output_embeddings())
+    calls = {"head": 0, "lm_head": 0, "backward": 0}
+    hooks = [head.register_forward_hook(lambda *a: calls.__setitem__("head", calls["head"] + 1)),
+             head.register_full_backward_hook(
+                 lambda *a: calls.__setitem__("backward", calls["backward"] + 1)),
+             model.lm_head.register_forward_hook(
+                 lambda *a: calls.__setitem__("lm_head", calls["lm_head"] + 1))]
+    ids, att = batch([30, 30], left=False, seed=11)
+    one = torch.zeros_like(att, dtype=torch.bool)
+    one[1, 10:15] = True  # 5 loss tokens: one chunk of 4 x 2 rows
+    masks = {"none": torch.zeros_like(one), "one chunk": one, "many chunks": valid(att),
+             "all columns": None}
+    try:
+        for name, lm in masks.items():
+            n = int(valid(att).sum() if lm is None else lm.sum())
+            assert (n == 0) == (name == "none")
+            assert (n > 4 * 2) == (name in ("many chunks", "all columns"))  # more than one chunk
+            calls.update(head=0, lm_head=0, backward=0)
+            lp = fast.token_logprobs(model, ids, att, 4, recompute=recompute, loss_mask=lm, head=head)
+            lp.sum().backward()
+            assert calls == {"head": 1, "lm_head": 0, "backward": 1}, (name, calls)
+    finally:
+        for hk in hooks:
+            hk.remove()
+    with pytest.raises(ValueError, match="chunk_size"):
+        fast.token_logprobs(model, ids, att, 0)
 
 
 def test_loss_mask_on_packed_rows(model):

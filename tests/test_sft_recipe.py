@@ -266,6 +266,27 @@ def test_teacher_dry_run_prints_calls_tokens_and_dollars(tmp_path, capsys):
 
 # ---- the SFT plan (memory per GPU at 16,384 tokens, GPU-hours) ----------------------------------
 
+def test_sft_optimizer_on_the_gpu_is_torch_adamw_and_needs_no_cuda_build():
+    """The SFT stage's DeepSpeed config (backends/sft/zero3.sft_deepspeed_config): on the GPU,
+    DeepSpeed's AdamW entry with "torch_adam" (DeepSpeed 0.19.8 then steps torch.optim.AdamW instead
+    of JIT-building FusedAdam with nvcc); offloaded, DeepSpeedCPUAdam (no "torch_adam"); on the CPU,
+    no entry (a torch AdamW client optimizer). tests/test_zero3_collectives.py runs the GPU entry."""
+    from backends.sft.zero3 import SFTRunConfig, sft_deepspeed_config
+
+    gpu, _ = sft_deepspeed_config(SFTRunConfig(), 8, "cuda")
+    assert gpu["optimizer"]["type"] == "AdamW"
+    assert gpu["optimizer"]["params"] == {"lr": 4e-5, "betas": [0.9, 0.95], "eps": 1e-8,  # PAPER: lr
+                                          "weight_decay": 0.0, "torch_adam": True}
+    assert "offload_optimizer" not in gpu["zero_optimization"]
+    off, _ = sft_deepspeed_config(SFTRunConfig(offload_optimizer=True), 8, "cuda")
+    assert off["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert off["optimizer"]["type"] == "AdamW" and "torch_adam" not in off["optimizer"]["params"]
+    cpu, _ = sft_deepspeed_config(SFTRunConfig(), 2, "cpu")
+    assert "optimizer" not in cpu and cpu["zero_allow_untested_optimizer"] is True
+    forced, _ = sft_deepspeed_config(SFTRunConfig(optimizer="deepspeed"), 2, "cpu")
+    assert forced["optimizer"]["params"]["torch_adam"] is True
+
+
 def test_sft_memory_plan_and_gpu_hours_hand_worked():
     from backends.distributed.plan import QWEN3_8B, model_shape, sft_gpu_hours, sft_memory_plan
     from backends.sft.zero3 import SFTRunConfig

@@ -62,16 +62,42 @@ class _LogProbModule(torch.nn.Module):
     """The module DeepSpeed wraps: forward = fast_logprobs.token_logprobs on the HF model (chunked,
     memory-bounded at any setting: a full (tokens x vocab) log-softmax does not fit at scale).
     Making the chunked pass the top-level forward lets ZeRO-3's gather/release hooks and
-    end-of-forward bookkeeping run exactly as for a plain model call."""
+    end-of-forward bookkeeping run exactly as for a plain model call.
+
+    The LM head runs through `head`, a fast_logprobs.ChunkedHead: one module call per pass whatever
+    the number of chunks, so every rank makes the same module calls, in the same order, whatever
+    its data. DeepSpeed gathers a partitioned parameter per module call and, as the next pass
+    starts, compares the module orders the ranks recorded (partitioned_param_coordinator.py,
+    reset_step; deepspeedai/DeepSpeed#7998): with the head called once per chunk, a rank with more
+    loss tokens than another made more gathers and the ranks' collectives stopped matching, a hang
+    (or, Qwen3-8B's untied head and embedding having one shape, a surplus head gather could meet
+    the other rank's embedding gather and swap their data).
+    The head's parameters are registered as the ChunkedHead's external parameters, so DeepSpeed
+    gathers them around that one call (forward, and backward with its recompute). We chose this over
+    marking the ChunkedHead a ZeRO-3 leaf module (deepspeed.utils.set_z3_leaf_modules): a leaf's
+    gradients are reduced in the leaf's backward hook (runtime/zero/stage3.py,
+    create_reduce_and_remove_grad_hooks), before a tied input embedding (Qwen3 <= 4B) has added its
+    share to the same weight's gradient.
+
+    Raises ValueError for chunk_size < 1.
+    """
 
     def __init__(self, lm, chunk_size: int):
+        import deepspeed  # lazy: built only right before deepspeed.initialize
+
         super().__init__()
+        if int(chunk_size) < 1:
+            raise ValueError(f"full.logprob_chunk must be >= 1, got {chunk_size}")
         self.lm = lm
-        self.chunk_size = chunk_size
+        self.chunk_size = int(chunk_size)
+        self.head = fast_logprobs.ChunkedHead(lm.get_output_embeddings())
+        for p in self.head.head.parameters():  # SCALE: gathered around the ChunkedHead's call
+            deepspeed.zero.register_external_parameter(self.head, p)
 
     def forward(self, input_ids, attention_mask, loss_mask=None, temperature: float = 1.0):
         return fast_logprobs.token_logprobs(self.lm, input_ids, attention_mask, self.chunk_size,
-                                            loss_mask=loss_mask, temperature=temperature)
+                                            loss_mask=loss_mask, temperature=temperature,
+                                            head=self.head)
 
 
 def _load_lm(path: str, ds: dict, dtype: torch.dtype):

@@ -6,11 +6,19 @@ Implements nothing of the method (ours, not in the paper): the SS-GRPO update of
 log pi_theta of each sampled token, and this module computes exactly that, three ways faster than
 the plain path's one log_softmax over every position:
 
-- `token_logprobs(model, input_ids, attention_mask, chunk_size, recompute, loss_mask, temperature)`:
+- `token_logprobs(model, input_ids, attention_mask, chunk_size, recompute, loss_mask, temperature,
+  head)`:
   the vocabulary projection and log-softmax run `chunk_size` positions at a time (the (tokens x
   vocab) fp32 logits are never held at once), only on the loss-masked positions when given a loss
   mask, and under torch.utils.checkpoint (recomputed in the backward) above RECOMPUTE_ABOVE_BYTES.
   It also reads packed rows (segment ids in the attention mask, `pack_rows`).
+- `ChunkedHead`: that chunk loop as one module call per pass, whatever the number of chunks. Under
+  ZeRO-3 every module call gathers the module's partitioned parameters and the ranks' call orders
+  must agree (DeepSpeed checks the recorded orders against each other; deepspeedai/DeepSpeed#7998):
+  a head called once per chunk would make a rank with 5 chunks and one with 1 run different
+  collectives and hang. backends/distributed/zero3.py registers the head's weight as the
+  ChunkedHead's external parameter, so it is gathered once for the forward and once for the
+  backward of a pass; the chunks (and their recompute) use the weight directly, not the head module.
 - `SharedPrefixRows` (`pack_rows`, `place`, `unpack`, `share_groups`): the update's row layout with
   prefix sharing: the sequences of a micro-batch behind one long shared prompt (a reflection group's
   m candidates, §3.4) go into one row with the prompt once. An engine that runs the fast path sets
@@ -36,28 +44,70 @@ from policy import PaddedRows, UpdateBatch
 RECOMPUTE_ABOVE_BYTES = 256 * 2**20  # token_logprobs: keep a smaller log-softmax for the backward
 
 
-def _chunk_logprobs(head, h: torch.Tensor, nxt: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """(B, c) float32 log-probs of the next tokens `nxt` (B, c) from hidden states h (B, c, H), of
-    the distribution softmax(logits / temperature)."""
-    logits = head(h).float()  # (B, c, V)
+def _chunk_logprobs(weight: torch.Tensor, bias: torch.Tensor | None, h: torch.Tensor,
+                    nxt: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """(n,) float32 log-probs of the next tokens `nxt` (n,) int64 from hidden states h (n, H), of the
+    distribution softmax(logits / temperature), logits = h weight^T + bias (the LM head, weight
+    (V, H)). A function of tensors, not a module call: its recompute in the backward
+    (torch.utils.checkpoint) makes no ZeRO-3 gather."""
+    logits = torch.nn.functional.linear(h, weight, bias).float()  # (n, V)
     if temperature != 1.0:
         logits = logits / temperature
     # log pi_T(x_{t+1} | x_{<=t}) = log_softmax(logits_t / T)[x_{t+1}]
-    lp = torch.log_softmax(logits, dim=-1)  # (B, c, V)
-    return lp.gather(-1, nxt[..., None]).squeeze(-1)
+    lp = torch.log_softmax(logits, dim=-1)  # (n, V)
+    return lp.gather(-1, nxt[:, None]).squeeze(-1)
+
+
+class ChunkedHead(torch.nn.Module):
+    """The LM head's log-probs of many positions as one module call: the chunk loop of
+    token_logprobs runs inside this forward, with the head's weight used directly.
+
+    head: the causal LM's output embeddings (an nn.Linear, weight (V, H), optional bias). We keep it
+    as a plain attribute, not a child module: its parameters stay the LM's alone (one DeepSpeed
+    registration, one state_dict entry, one optimizer entry), and the head module itself is never
+    called. Under ZeRO-3 the owner registers head.weight (and bias) as this module's external
+    parameters (deepspeed.zero.register_external_parameter, backends/distributed/zero3.py): DeepSpeed
+    then gathers them in this module's pre-forward hook and releases them after it, and gathers them
+    again before its backward (torch.utils.checkpoint's recompute of each chunk happens there) and
+    releases them after: one gather per forward and one per backward, on every rank, whatever the
+    number of chunks. Without DeepSpeed (toy mode, TorchEngine) it is a plain function holder.
+    """
+
+    def __init__(self, head: torch.nn.Module):
+        super().__init__()
+        object.__setattr__(self, "head", head)  # not a submodule (see the class docstring)
+
+    def forward(self, h: torch.Tensor, nxt: torch.Tensor, rows: int, recompute: bool | None = None,
+                temperature: float = 1.0) -> torch.Tensor:
+        """(N,) float32 log-probs of the next tokens nxt (N,) int64 from hidden states h (N, H),
+        `rows` >= 1 positions per chunk (ValueError otherwise), of softmax(logits / temperature).
+        recompute: token_logprobs' (None: `_recompute_head`). N = 0 still projects one chunk of 0
+        rows, so the output has a backward like any other rank's. h and nxt must be positional:
+        DeepSpeed's backward hooks see positional tensors only."""
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1, got {rows}")
+        N = h.shape[0]
+        head = self.head
+        if recompute is None:
+            recompute = _recompute_head(head, h, N)
+        weight, bias = head.weight, getattr(head, "bias", None)
+        chunks = [_project(weight, bias, h[s: s + rows], nxt[s: s + rows], recompute, temperature)
+                  for s in range(0, max(N, 1), rows)]  # each (<= rows,)
+        return torch.cat(chunks)  # (N,)
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    chunk_size: int = 1024, recompute: bool | None = None,
-                   loss_mask: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
+                   loss_mask: torch.Tensor | None = None, temperature: float = 1.0,
+                   head: ChunkedHead | None = None) -> torch.Tensor:
     """policy.token_logprobs, memory-bounded: log pi_theta(x_{t+1} | x_{<=t}) for every position.
 
     input_ids, attention_mask: (B, L) int64. Returns (B, L) float32 where column t holds the
     log-prob of token t given tokens < t (column 0 is 0: the first token has no prediction).
     The final hidden states (B, L, H) are computed once; the vocabulary projection and log-softmax
-    run on `chunk_size` positions at a time, so the forward holds at most B * chunk_size * V floats
-    of logits instead of B * L * V. Gradients flow through (use under torch.no_grad() for old/ref
-    log-probs).
+    run on `chunk_size * B` positions at a time, so the forward holds at most B * chunk_size * V
+    floats of logits instead of B * L * V. Gradients flow through (use under torch.no_grad() for
+    old/ref log-probs).
 
     attention_mask is 1 on tokens and 0 on padding, or, for a row that packs several sequences
     behind one shared prompt (`pack_rows`), a segment id per token: 1 on the shared prefix, which
@@ -79,14 +129,21 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     tokens of an update). Then the vocabulary projection and log-softmax run on those positions
     only (N of them, in chunks of chunk_size * B rows; prompts, tool outputs and padding skip the
     head, as TRL's `logits_to_keep` skips prompts) and every other column is 0. The used columns
-    equal the full computation's to float rounding (tests/test_logprobs.py). The head is called at
-    least once even when N = 0, so every ZeRO-3 rank runs the same collectives.
+    equal the full computation's to float rounding (tests/test_logprobs.py).
+
+    head: the ChunkedHead that projects (None: a new one over model.get_output_embeddings(), for a
+    model outside ZeRO-3). Whatever N, L or chunk_size, a pass calls it exactly once (on 0 rows when
+    N = 0) and calls no other module after the decoder, so every ZeRO-3 rank makes the same module
+    calls, and hence the same parameter gathers, whatever its data (ChunkedHead;
+    tests/test_zero3_collectives.py).
 
     temperature: T > 0; the log-probs are those of softmax(logits / T) (policy.token_logprobs; T = 1
-    is computed without the division). Raises ValueError for T <= 0 or not finite.
+    is computed without the division). Raises ValueError for T <= 0 or not finite, or chunk_size < 1.
     """
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     B, L = input_ids.shape
     packed = attention_mask.numel() > 0 and int(attention_mask.max()) > 1
     if packed:
@@ -99,19 +156,16 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                   position_ids=position_ids).last_hidden_state  # (B, L, H)
     if packed:  # column t + 1 is predicted from position prev[t + 1] (t, except at a branch's start)
         hidden = hidden.gather(1, prev[:, 1:, None].expand(-1, -1, hidden.shape[-1]))
-    head = model.get_output_embeddings()
-    if loss_mask is not None:
-        return _masked_logprobs(head, hidden, input_ids, loss_mask, chunk_size * B, recompute,
-                                temperature)
-    if recompute is None:
-        recompute = _recompute_head(head, hidden, B * (L - 1))
-    pieces = [torch.zeros(B, 1, dtype=torch.float32, device=input_ids.device)]
-    for s in range(0, L - 1, chunk_size):
-        e = min(s + chunk_size, L - 1)
-        # (B, c); without recompute its logits are freed here
-        pieces.append(_project(head, hidden[:, s:e], input_ids[:, s + 1 : e + 1], recompute,
-                               temperature))
-    return torch.cat(pieces, dim=1)  # (B, L)
+    head = head if head is not None else ChunkedHead(model.get_output_embeddings())
+    h, nxt = hidden[:, : L - 1], input_ids[:, 1:]  # (B, L - 1, H): column t + 1 from h[:, t]
+    if loss_mask is None:
+        lp = head(h.reshape(-1, h.shape[-1]), nxt.reshape(-1), chunk_size * B, recompute,
+                  temperature).view(B, L - 1)  # (B * (L - 1),) -> (B, L - 1)
+    else:
+        sel = loss_mask[:, 1:].bool()  # (B, L - 1): the columns whose log-prob is used
+        lp = head(h[sel], nxt[sel], chunk_size * B, recompute, temperature)  # (N,)
+        lp = lp.new_zeros((B, L - 1)).masked_scatter(sel, lp)  # (B, L - 1), differentiable in lp
+    return torch.cat([lp.new_zeros((B, 1)), lp], dim=1)  # (B, L)
 
 
 def head_rows(head) -> int:
@@ -130,30 +184,12 @@ def _recompute_head(head, hidden: torch.Tensor, positions: int) -> bool:
             and positions * head_rows(head) * 4 > RECOMPUTE_ABOVE_BYTES)
 
 
-def _project(head, h: torch.Tensor, nxt: torch.Tensor, recompute: bool,
-             temperature: float = 1.0) -> torch.Tensor:
+def _project(weight: torch.Tensor, bias: torch.Tensor | None, h: torch.Tensor, nxt: torch.Tensor,
+             recompute: bool, temperature: float = 1.0) -> torch.Tensor:
     """_chunk_logprobs of one chunk, under torch.utils.checkpoint when `recompute`."""
     if recompute:  # SCALE: the backward rebuilds this chunk's logits instead of storing them
-        return checkpoint(_chunk_logprobs, head, h, nxt, temperature, use_reentrant=False)
-    return _chunk_logprobs(head, h, nxt, temperature)
-
-
-def _masked_logprobs(head, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                     rows: int, recompute: bool | None, temperature: float = 1.0) -> torch.Tensor:
-    """token_logprobs' loss_mask path: (B, L) float32, column t + 1 from hidden[:, t] (in a packed
-    row, from its predecessor: token_logprobs has gathered those) where loss_mask[:, t + 1] is
-    set, 0 elsewhere; `rows` positions per head call."""
-    B, L = input_ids.shape
-    sel = loss_mask[:, 1:].bool()  # (B, L - 1): the columns whose log-prob is used
-    h, nxt = hidden[:, : L - 1][sel], input_ids[:, 1:][sel]  # (N, H), (N,)
-    N = h.shape[0]
-    if recompute is None:
-        recompute = _recompute_head(head, h, N)
-    # N = 0: one call on 0 rows (collective-safe)
-    lp = torch.cat([_project(head, h[s: s + rows], nxt[s: s + rows], recompute, temperature)
-                    for s in range(0, max(N, 1), max(1, rows))])  # (N,)
-    out = lp.new_zeros((B, L - 1)).masked_scatter(sel, lp)  # (B, L - 1), differentiable in lp
-    return torch.cat([lp.new_zeros((B, 1)), out], dim=1)  # (B, L)
+        return checkpoint(_chunk_logprobs, weight, bias, h, nxt, temperature, use_reentrant=False)
+    return _chunk_logprobs(weight, bias, h, nxt, temperature)
 
 
 def _segment_layout(seg: torch.Tensor, model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -29,7 +29,9 @@ Loss per optimizer step (global token mean over the step's examples, all ranks):
 Every rank computes the same step plan (sft_pack.step_plan, deal, bucket) and knows the global
 normaliser without communication; a rank with fewer micro-batches than another runs padding passes
 (2 pad tokens through the model, weight 0: `sft_step`), so that all ranks make the same number of
-ZeRO-3 forwards and every backward has a graph.
+ZeRO-3 forwards and every backward has a graph. A pass makes the same parameter gathers whatever its
+length and loss tokens (the LM head is one module call, fast_logprobs.ChunkedHead), so ranks with
+examples of different lengths stay in step (tests/test_zero3_collectives.py).
 
 Checkpoints (`--save-every N`): every N optimizer steps each rank writes its DeepSpeed partition and
 rank 0 the step's records into `<out>.ckpt/checkpoints/step-NNNNNN` (atomically, the newest `--keep`
@@ -45,8 +47,9 @@ Deviations from the paper
 1. LLaMA-Factory averages the loss per micro-batch, then over accumulation steps; we take one token
    mean over the whole optimizer step (each token weighs the same whatever its example's length).
 2. Gradient checkpointing and the optimizer placement are not in the paper's SFT line; we checkpoint
-   (as LLaMA-Factory does by default) and keep the optimizer on the GPU (`--offload-optimizer` moves
-   it to the CPU, as full-mode RL does).
+   (as LLaMA-Factory does by default) and keep the optimizer on the GPU, as torch's AdamW (no CUDA
+   op to build at start; `--offload-optimizer` moves it to the CPU, DeepSpeedCPUAdam, as full-mode
+   RL does).
 3. Examples over the maximum length are dropped and counted (sft.py, deviation 3).
 4. AdamW betas (0.9, 0.95) and gradient clipping 1.0 are ours (the paper gives neither for SFT).
 """
@@ -107,7 +110,8 @@ class SFTRunConfig:
     offload_optimizer: bool = False
     """ours (deviation 2)"""
     optimizer: str = "auto"
-    """"auto" = DeepSpeed AdamW on GPU, torch AdamW on CPU (backends/scale/settings.py)."""
+    """"auto" = DeepSpeed's AdamW entry on GPU (torch's AdamW inside, no CUDA build; DeepSpeedCPUAdam
+    when offloaded), a torch AdamW client optimizer on CPU (backends/scale/settings.py)."""
     grad_clip: float = 1.0
     """ours (deviation 4)"""
     max_steps: int = 0
@@ -137,7 +141,9 @@ def system_prompt(name: str) -> str:
 
 def sft_deepspeed_config(cfg: SFTRunConfig, world: int, device: str) -> tuple[dict, object]:
     """(DeepSpeed JSON, settings.FullConfig) of the SFT engine: ZeRO-3, the SFT batch arithmetic
-    (train_batch_size nominal: the accumulation boundary is set by the loop), bf16 per cfg.bf16."""
+    (train_batch_size nominal: the accumulation boundary is set by the loop), bf16 per cfg.bf16.
+    The optimizer: DeepSpeed's AdamW on the GPU ("torch_adam": torch.optim.AdamW unless offloaded,
+    DeepSpeedCPUAdam when offloaded), a torch AdamW client optimizer on the CPU (cfg.optimizer)."""
     full = FullConfig(offload_optimizer=cfg.offload_optimizer, gradient_checkpointing=cfg.gradient_checkpointing,
                       bf16=cfg.bf16, optimizer=cfg.optimizer, weight_decay=cfg.weight_decay)
     bf16 = cfg.bf16 == "on" or (cfg.bf16 == "auto" and device == "cuda")
@@ -154,6 +160,13 @@ def sft_deepspeed_config(cfg: SFTRunConfig, world: int, device: str) -> tuple[di
     if cfg.optimizer == "deepspeed" or (cfg.optimizer == "auto" and device == "cuda"):
         ds["optimizer"] = {"type": "AdamW", "params": {"lr": cfg.lr, "betas": list(full.adam_betas),
                                                         "eps": 1e-8, "weight_decay": cfg.weight_decay}}
+        if not cfg.offload_optimizer:
+            # SCALE: on the GPU DeepSpeed's AdamW is FusedAdam, a CUDA op JIT-built with nvcc at
+            # start, whose CUDA minor must equal torch's exactly for CUDA 13 (DeepSpeed 0.19.8,
+            # op_builder/builder.py assert_no_cuda_mismatch has no tolerance entry for 13). torch's
+            # AdamW (runtime/engine.py, get_optimizer_configuration) needs no build. Offloaded, the
+            # optimizer is DeepSpeedCPUAdam (a C++ op, no nvcc), and torch's would step on the CPU.
+            ds["optimizer"]["params"]["torch_adam"] = True
     else:
         ds["zero_allow_untested_optimizer"] = True
         ds["zero_force_ds_cpu_optimizer"] = False
@@ -228,8 +241,10 @@ def sft_step(policy, encoded: list, mine: list[list[int]], n_micro: int, n_tok: 
         else:
             # SCALE: a padding pass (the rank has fewer examples this step): 2 pad tokens through
             # the model and the head with weight 0. It keeps the ZeRO-3 gathers in step with the
-            # other ranks and gives DeepSpeed's backward a loss with a graph (a 1-token pass scores
-            # nothing and has no grad_fn: DeepSpeed asserts, the other ranks hang).
+            # other ranks (a pass makes the same module calls whatever its length and loss tokens:
+            # one ChunkedHead call, fast_logprobs.py) and gives DeepSpeed's backward a loss with a
+            # graph (a 1-token pass scores nothing and has no grad_fn: DeepSpeed asserts, the other
+            # ranks hang).
             x, att = _padding_pass(pad)  # (1, 2), as policy.policy_update's padding pass
             loss = policy.logprobs(x, att).sum() * 0.0
         policy.backward(loss, boundary=j == n_micro - 1)
