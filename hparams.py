@@ -177,12 +177,13 @@ class ReflectionConfig:
     train: bool = True
     """PAPER (§3.4): the candidates form a GRPO group in the next update; False: bank only (ours)"""
     loss_coef: float = 0.1
-    """§3.4: c in L = c * L_reflect for the deferred reflection update; the paper gives the two
-    objectives no relative weight, i.e. c = 1 (full: 1). Toy: 0.1 (ours): a reflection candidate is
-    ~30 tokens against ~200 policy tokens per rollout, and with one AdamW state for both updates the
-    reflection objective at c = 1 set the step size of the task's. At 0.1 its gradient norm
-    (reflect/grad_norm, at most 0.21-0.30 per run) is of the task update's size (grad_norm
-    0.09-0.27) in the ablation grid's RubricEM runs (docs/results.md, "The toy task")"""
+    """§3.4: c in L = L_task + c * L_reflect: the deferred reflection GRPO groups join the next
+    step's task update in the same optimizer steps (train.update_policy), each candidate's
+    reflection tokens carrying c * A_j; each part is normalised over its own tokens, so c is the
+    meta-policy objective's weight against the task's. The paper gives the two objectives no
+    relative weight, i.e. c = 1 (full: 1). Toy: 0.1 (ours): a 0.5 M policy writes both, and the
+    toy's reflections are ~30 tokens against ~200 policy tokens per rollout; docs/ablations.md
+    compares c = 0.1 with c = 0 and with reflection training off"""
     score_at_temperature: bool = True
     """not in the paper (it gives the sampling temperature, not the scoring one); we score the
     candidates under the distribution they were sampled from, softmax(logits / temperature)

@@ -13,20 +13,24 @@ Functions
 - `pad_rows(batch, idx, pad_id)` / `PaddedRows`: a micro-batch's sequences in right-padded rows, one
   per row, and back (the update's row layout; an engine may bring its own, see below).
 - `plan_update` / `policy_update` (§3.3): the SS-GRPO update of one batch, written once for every
-  policy engine (the `PolicyEngine` protocol). Old log-probs log pi_theta_old are fixed before the
-  first optimizer step, then per optimizer step
+  policy engine (the `PolicyEngine` protocol), optionally with a second batch in the same optimizer
+  steps (`joint`: §3.4's deferred reflection groups, L = L_task + L_reflect, each normalised over its
+  own tokens). Old log-probs log pi_theta_old are fixed before the first optimizer step, then per
+  optimizer step
       L = agg(-min(rho A, clip(rho, 1 - eta, 1 + eta) A)) + beta * agg(k3),
       rho = exp(log pi_theta - log pi_theta_old),
       k3 = exp(d) - d - 1,  d = log pi_ref - log pi_theta
   with the optimizer step's global normalisers (ss_grpo.ss_grpo_loss, ss_grpo.aggregate).
 
-This is the plain path, the toy run's. The engines' fast path (`fast_logprobs`, on in the full
-preset) lives in backends/run/fast_logprobs.py: the head projects only the loss-masked positions, in
-chunks, recomputed in the backward at scale, and the sequences that share a long prompt are packed
-into one row (the engine's `rows`, SharedPrefixRows); it gives the same values to float rounding
-(tests/test_logprobs.py, tests/test_prefix_sharing.py), not bit for bit. A packed row's sequences
-travel as one unit of `plan_update` (one rank, one optimizer step, one pass), so with several
-optimizer steps per batch the fast path's steps hold other sequences than the plain path's.
+This is the plain path (Config.fast_logprobs = false). The engines' fast path (`fast_logprobs`, the
+default of both presets) lives in backends/run/fast_logprobs.py: the head projects only the
+loss-masked positions, in chunks, recomputed in the backward at scale, and the sequences that share
+a long prompt (a reflection group's candidates) are packed into one row (the engine's `rows`,
+SharedPrefixRows); it gives the same values to float rounding (tests/test_logprobs.py,
+tests/test_prefix_sharing.py), not bit for bit. A packed row's sequences travel as one unit of
+`plan_update` (one rank, one optimizer step, one pass), so with several optimizer steps per batch
+the fast path's steps hold other sequences than the plain path's. Within an optimizer step the
+units go longest first, so each pass pads little (plan_update).
 
 Deviations from the paper
 1. Toy mode trains a tiny model from scratch (SFT warm start, toy/sft.py) instead of starting from a
@@ -46,6 +50,7 @@ import functools
 import logging
 import math
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -220,6 +225,13 @@ def plan_update(batch: UpdateBatch, world_size: int, minibatches: int, micro: in
     mbs = [order[j::M] for j in range(M)]
     shards, plans = [], []
     ceil = lambda n: -(-n // micro)  # noqa: E731
+    # Balanced passes (ours, no change to the math: an optimizer step's gradient is a sum with
+    # global normalisers, whatever the pass or rank a unit lands in). Each step's units go longest
+    # first and are dealt round-robin, so pass p on every rank takes units of the p-th block of
+    # micro x W in that order: a pass pads to about its own longest unit, and a ZeRO-3 pass, which
+    # waits for its slowest rank, waits for a unit of about the same length on every rank.
+    size = [sum(len(batch.ids[i]) for i in u) for u in units]  # tokens per unit
+    mbs = [sorted(mb, key=lambda u: (-size[u], u)) for mb in mbs]
     sel = [[mb[r::world_size] for mb in mbs] for r in range(world_size)]  # unit ids per rank, step
     n_micro = [max(1, max(ceil(len(sel[r][j])) for r in range(world_size))) for j in range(M)]
     score = max(1, max(ceil(sum(len(p) for p in sel[r])) for r in range(world_size)))
@@ -332,8 +344,11 @@ class PolicyEngine(Protocol):
     def all_reduce(self, values: Sequence[float]) -> list[float]:
         """Element-wise sum over ranks (identity in one process)."""
 
-    def update(self, batch: UpdateBatch, pad_id: int, rng: random.Random) -> dict:
-        """plan_update + policy_update on a whole batch (rank 0's call); the update's metrics."""
+    def update(self, batch: UpdateBatch, pad_id: int, rng: random.Random,
+               joint: UpdateBatch | None = None) -> dict:
+        """plan_update + policy_update on a whole batch (rank 0's call); the update's metrics.
+        joint: a second batch trained in the same optimizer steps (policy_update's `joint`; its
+        statistics under "joint/"), planned after `batch` with the same rng."""
 
     def sync(self, sampler) -> None:
         """The sampler's weights follow pi_theta (a no-op for samplers that share the model)."""
@@ -358,15 +373,18 @@ _STAT_KEYS = ("loss/total", "loss/policy", "kl", "clip_frac")
 
 
 def _minibatch(engine: PolicyEngine, local: UpdateBatch, units: list, n_micro: int, n_seq: float,
-               n_tok: float, old, ref, cfg, pad_id: int, rows: PaddedRows) -> list[float]:
+               n_tok: float, old, ref, cfg, pad_id: int, rows: PaddedRows,
+               closes_step: bool = True) -> list[float]:
     """Forward/backward passes of one optimizer step's sequences (this rank's `units`, lists of
     shard positions, `micro` units per pass, in n_micro passes, padding passes when it has fewer;
-    each pass's sequences laid out by `rows`); returns the summed loss statistics (_STAT_KEYS)."""
+    each pass's sequences laid out by `rows`); returns the summed loss statistics (_STAT_KEYS).
+    closes_step: whether these passes are the optimizer step's last (the engine's accumulation
+    boundary falls on the last of them); False when another objective's passes follow."""
     micro = int(cfg.micro_batch)
     acc = [0.0] * len(_STAT_KEYS)
     for p in range(n_micro):
         idx = [i for u in units[p * micro : (p + 1) * micro] for i in u]
-        last = p == n_micro - 1
+        last = closes_step and p == n_micro - 1
         if not idx:  # padding pass: same collectives as the other ranks, zero loss
             engine.backward(engine.logprobs(*_padding_pass(pad_id)).sum() * 0.0, last)
             continue
@@ -390,7 +408,8 @@ def _minibatch(engine: PolicyEngine, local: UpdateBatch, units: list, n_micro: i
 
 
 def policy_update(engine: PolicyEngine, local: UpdateBatch, cfg, pad_id: int, plan: UpdatePlan,
-                  per_step: list | None = None) -> dict:
+                  per_step: list | None = None,
+                  joint: tuple[UpdateBatch, UpdatePlan] | None = None) -> dict:
     """The SS-GRPO update (§3.3) of one batch on any engine: this rank's shard `local` and `plan`
     (from `plan_update`; one process: the whole batch, world_size 1). cfg: hparams.SSGRPOConfig.
 
@@ -401,17 +420,74 @@ def policy_update(engine: PolicyEngine, local: UpdateBatch, cfg, pad_id: int, pl
     through the no-grad old pass (none with one optimizer step per batch). Then one optimizer step
     per plan.minibatches entry, each normalised with the plan's global counts.
 
+    joint: a second objective trained in the same optimizer steps (this rank's shard and plan of
+    another batch, from its own plan_update; §3.4's deferred reflection GRPO batch, whose
+    candidates' advantages carry the weight c): optimizer step j's gradient is that of
+    L_j = L_j(batch) + L_j(joint), each term the SS-GRPO loss of its own sequences normalised with
+    its own global counts and scored at its own batch's temperature, so one optimizer state moves
+    the weights once per step for both objectives. A joint plan with fewer optimizer steps joins
+    the first ones.
+
     Returns the means over optimizer steps of "loss/total", "loss/policy", "kl", "clip_frac" and
-    "grad_norm" (pre-clip global L2 norm), {} for an empty batch. Not in the paper: a minibatch without a single
-    loss-masked token on any rank has no loss to normalise; it is skipped and counted in
-    "update/empty_minibatches" (present only when > 0). A step whose gradient norm is not finite
-    (an overflowing ratio rho) is not applied (the engine drops its gradients), counted in
-    "update/nonfinite_grad_steps" (only when > 0), and "grad_norm" averages the finite norms only
-    (absent when there is none). per_step: a list that receives each optimizer step's global
-    statistics (raw grad_norm included), for the ZeRO-3 self-test. Collective on a multi-rank
-    engine: every rank calls it.
+    "grad_norm" (pre-clip global L2 norm), {} for an empty batch; with `joint`, that part's
+    "loss/total", "loss/policy", "kl" and "clip_frac" under "joint/" (its optimizer steps' grad_norm
+    is the one above) and "joint/time_s", the wall seconds of its passes on this rank. Not in the paper: a minibatch without a single loss-masked token on any rank
+    has no loss to normalise; it is skipped and counted in "update/empty_minibatches" (present only
+    when > 0; an optimizer step of the joint part alone is not counted). A step whose gradient
+    norm is not finite (an overflowing ratio rho) is not applied (the engine drops its gradients),
+    counted in "update/nonfinite_grad_steps" (only when > 0), and "grad_norm" averages the finite
+    norms only (absent when there is none). per_step: a list that receives each optimizer step's
+    global statistics of `batch` (raw grad_norm included), for the ZeRO-3 self-test. Collective on a
+    multi-rank engine: every rank calls it (with a joint part on every rank or on none).
     """
     rows = getattr(engine, "rows", None) or PaddedRows()  # one sequence per row unless it packs
+    parts = [(local, plan)] + ([joint] if joint is not None else [])
+    spent = [0.0 for _ in parts]  # wall seconds of each part's passes (its share of the update)
+    prep = []
+    for k, (b, p) in enumerate(parts):
+        t0 = time.perf_counter()
+        prep.append(_prepare(engine, b, p, cfg, pad_id, rows))
+        spent[k] += time.perf_counter() - t0
+    engine.train(True)
+    done: list = [[] for _ in parts]  # per part, (stats, grad norm or None) of its steps taken
+    empty = 0  # optimizer steps of `batch` skipped: no loss-masked token on any rank
+    for j in range(max(len(p.minibatches) for _, p in parts)):
+        # the parts with a loss in step j (global counts: the same on every rank)
+        live = [k for k, (_, p) in enumerate(parts) if j < len(p.minibatches) and p.n_tok[j] > 0]
+        empty += int(j < len(plan.minibatches) and plan.n_tok[j] == 0)
+        if not live:  # nothing sampled to learn from, on any rank: no pass, no optimizer step
+            continue
+        accs = {}
+        for k in live:
+            (b, p), (step_units, old, ref) = parts[k], prep[k]
+            t0 = time.perf_counter()
+            accs[k] = _minibatch(engine, b, step_units[j], p.n_micro[j], p.n_seq[j], p.n_tok[j],
+                                 old if j else None, ref, cfg, pad_id, rows, closes_step=k == live[-1])
+            spent[k] += time.perf_counter() - t0
+        gn = engine.step()  # the same global norm on every rank
+        if not math.isfinite(gn):
+            log.warning("SS-GRPO update: gradient norm %s; optimizer step skipped", gn)
+        for k in live:
+            done[k].append((engine.all_reduce(accs[k]), gn if math.isfinite(gn) else None))
+        if per_step is not None and 0 in live:
+            per_step.append({**dict(zip(_STAT_KEYS, done[0][-1][0])), "grad_norm": gn})
+    engine.train(False)
+    if empty:
+        log.warning("SS-GRPO update: %d of %d minibatches have no loss-masked token; skipped",
+                    empty, len(plan.minibatches))
+    out = _update_stats(done[0], empty)
+    if joint is not None:
+        out.update({f"joint/{k}": v for k, v in _update_stats(done[1], 0).items()
+                    if k in _STAT_KEYS})
+        out["joint/time_s"] = spent[1]
+    return out
+
+
+def _prepare(engine: PolicyEngine, local: UpdateBatch, plan: UpdatePlan, cfg, pad_id: int,
+             rows: PaddedRows) -> tuple[list, list | None, list | None]:
+    """policy_update's no-grad work for one batch, before any optimizer step moves theta:
+    (per optimizer step its units, as lists of shard positions; log pi_old of the later steps'
+    sequences, `_later_old_logprobs`; log pi_ref of every sequence when beta > 0, else None)."""
     index = plan.index or None
     # per optimizer step, the units a pass takes `micro` of: the plan's, or every sequence alone
     step_units = plan.units or [[[i] for i in mb] for mb in plan.minibatches]
@@ -421,26 +497,7 @@ def policy_update(engine: PolicyEngine, local: UpdateBatch, cfg, pad_id: int, pl
                             local, pad_id, cfg.micro_batch, plan.score_passes, index, rows,
                             [u for su in plan.units for u in su] if plan.units else None
                             ) if cfg.beta > 0 else None
-    engine.train(True)
-    done, empty = [], 0  # (stats, grad norm or None) of the optimizer steps taken; steps skipped
-    for j, (units, n_micro, n_seq, n_tok) in enumerate(zip(step_units, plan.n_micro, plan.n_seq,
-                                                           plan.n_tok)):
-        if n_tok == 0:  # nothing sampled to learn from, on any rank: no pass, no optimizer step
-            empty += 1
-            continue
-        acc = _minibatch(engine, local, units, n_micro, n_seq, n_tok, old if j else None, ref, cfg,
-                         pad_id, rows)
-        gn = engine.step()  # the same global norm on every rank
-        if not math.isfinite(gn):
-            log.warning("SS-GRPO update: gradient norm %s; optimizer step skipped", gn)
-        done.append((engine.all_reduce(acc), gn if math.isfinite(gn) else None))
-        if per_step is not None:
-            per_step.append({**dict(zip(_STAT_KEYS, done[-1][0])), "grad_norm": gn})
-    engine.train(False)
-    if empty:
-        log.warning("SS-GRPO update: %d of %d minibatches have no loss-masked token; skipped",
-                    empty, len(plan.minibatches))
-    return _update_stats(done, empty)
+    return step_units, old, ref
 
 
 def _later_old_logprobs(engine: PolicyEngine, local: UpdateBatch, plan: UpdatePlan, cfg, pad_id: int,

@@ -17,16 +17,16 @@ Equation (K = 1 GRPO over each query's m candidates, `ss_grpo.group_advantages`,
     query p gets A_{p,j}.
 
 Asynchrony (PAPER: one-step lag): the branch runs on the trajectories of step t after step t's update
-and returns a `ReflectionBatch` that the trainer applies at the start of step t+1, as its own update
-before step t+1's task rollouts (train.apply_reflection_batch), as in Algorithm 1. In a distributed
-run the branch would overlap the next step's work; here it runs in sequence, which keeps toy runs
-exactly reproducible for a fixed seed and gives the same data dependencies.
+and returns a `ReflectionBatch` that joins step t+1's update: the same optimizer steps as step
+t+1's task batch, L = L_task + c * L_reflect (train.update_policy), as in Algorithm 1. Full mode's
+"async" schedule overlaps the branch with step t+1's rollouts; the toy runs it in sequence, which
+keeps toy runs exactly reproducible for a fixed seed and gives the same data dependencies.
 
 Deviations from the paper
 1. The policy does not see scores or rubrics (as in the paper); candidates that fail bank admission
    (bank.validate_reflection) keep their judge score in the GRPO group but are never stored.
 2. The GRPO update scores the candidates under the distribution they were sampled from,
-   softmax(logits / 0.7) (train.apply_reflection_batch, ss_grpo deviation 8); the paper gives the
+   softmax(logits / 0.7) (train.reflection_update_batch, ss_grpo deviation 8); the paper gives the
    sampling temperature, not the scoring one. `ReflectionConfig.score_at_temperature = False`
    scores them at temperature 1 instead.
 3. A trajectory too long for the reflection prompt (`ReflectionConfig.max_prompt_tokens`, full:

@@ -21,14 +21,13 @@ Launch
     deepspeed train.py --full ...              # full mode (DeepSpeed ZeRO-3, vLLM, HTTP judge)
 
 One step, `rl_step` (step numbers here are 0-based, the paper's 1-based):
-    1. the previous step's reflection GRPO batch (one-step lag) is applied as its own update, before
-       this step's rollouts (`apply_reflection_batch`); then the curriculum picks batch b and the
-       retrieval mode (§3.5, bank.curriculum)
+    1. the curriculum picks batch b and the retrieval mode (§3.5, bank.curriculum)
     2. retrieve bank items for each query (similar: top-k = 2 other queries; exact: its own entry)
     3. sample n rollouts per query at temperature 1.0 (scaffold.RolloutEngine)
     4. judge each query's group: propose, merge, score (R), prune (judge.EvolvingJudge)
     5. advantages of the ablation arm (SS-GRPO: G = R Lambda^T, group-normalised per stage)
-    6. the policy update on the task batch, and the sampler's weights follow
+    6. the policy update on the task batch with the previous step's reflection GRPO groups
+       (one-step lag) in the same optimizer steps (`update_policy`), and the sampler's weights follow
     7. reflection branch on this step's trajectories: for every query one trajectory of its group,
        m candidates each (one batched sampler call), privileged judge, each query's best valid
        candidate into the bank, P GRPO groups of m kept for the next step's update
@@ -51,11 +50,10 @@ Deviations from the paper (besides the toy world, see toy/world.py / toy/sft.py)
     2. Each step's batch is split into `minibatches` optimizer steps (PPO-style), so the ratio rho
        departs from 1 and clipping acts; the paper does not say how many updates a batch gets.
     3. The reflection branch runs in sequence after the update (see reflection.py), not on a
-       separate worker. (Its GRPO batch is applied at the start of the next step, before that
-       step's rollouts, which is Algorithm 1's order: each step may make two updates, with a weight
-       sync after each.) Full mode with `full.rollout_schedule = "async"` runs it as the paper does,
-       overlapping the next step's rollouts with a one-step lag and one sync per step
-       (backends/distributed/overlap.py, docs/full_mode.md).
+       separate worker; its GRPO batch joins the next step's update, as in Algorithm 1 (one-step
+       lag, one weight sync per step). Full mode with `full.rollout_schedule = "async"` also
+       overlaps the branch with the next step's rollouts (backends/distributed/overlap.py,
+       docs/full_mode.md).
     4. Fault handling the paper does not describe: a judge call that still fails after
        `judge.max_retries` re-asks leaves its cells of R missing (advantage 0 for those cells);
        the run stops (JudgeFailureAbort, exit code 3) only when more than `judge.max_failure_rate`
@@ -110,36 +108,42 @@ log = logging.getLogger("rubricem")
 # The policy update (§3.3)
 
 
-def apply_reflection_batch(policy, pending: ReflectionBatch, sampler, pad_id: int,
-                           rng: random.Random, coef: float = 1.0, temperature: float = 1.0) -> dict:
-    """The deferred reflection update (§3.4, Algorithm 1): one policy update on the previous step's
-    reflection GRPO groups (only reflection tokens carry gradient, each with its candidate's
-    advantage c * A_j; c = `coef` >= 0, reflection.loss_coef), then the sampler takes the new
-    weights, so the next task rollouts use them. temperature: the one the candidates were sampled
-    at (reflection.temperature, 0.7 in the paper); the update's log-probs are those of
-    softmax(logits / T), the distribution that drew them (policy.UpdateBatch).
-
-    Not in the paper: c < 1 weights the meta-policy objective below the task objective. The policy
-    and the reflection writer share the weights and the optimizer; with c = 1 a reflection update
-    moves the weights as far as a task update (Adam normalises the step), and its direction is not
-    the task's.
-
-    Returns metrics: update/reflection_seqs (int) and, when there was a batch, the update's losses
-    under reflect/ (reflect/loss/total, reflect/kl, ...). An empty batch (first step, reflection
-    off) changes nothing and draws nothing from `rng`.
-    """
-    out: dict[str, Any] = {"update/reflection_seqs": len(pending.sequences)}
-    if not pending.sequences:
-        return out
+def reflection_update_batch(pending: ReflectionBatch, coef: float = 1.0,
+                            temperature: float = 1.0) -> UpdateBatch:
+    """The deferred reflection GRPO groups (§3.4, Algorithm 1) of the previous step as update
+    sequences: each candidate's reflection tokens (the trajectory context is masked) carry its
+    advantage c * A_j, c = `coef` >= 0 (reflection.loss_coef). temperature: the one the candidates
+    were sampled at (reflection.temperature, 0.7 in the paper); the update's log-probs are those of
+    softmax(logits / T), the distribution that drew them (policy.UpdateBatch). An empty pending
+    batch (first step, reflection off) gives an empty UpdateBatch."""
     rb = UpdateBatch(temperature=temperature)
     for seq, mk, a in zip(pending.sequences, pending.masks, pending.advantages):
         rb.ids.append(seq)
         rb.mask.append(mk)
         rb.adv.append([coef * a * x for x in mk])  # every reflection token of candidate j: c * A_j
         rb.kind.append("reflection")
-    out.update({f"reflect/{k}": v for k, v in policy.update(rb, pad_id, rng).items()})
-    policy.sync(sampler)
-    return out
+    return rb
+
+
+def update_policy(policy, batch: UpdateBatch, pending: ReflectionBatch, pad_id: int,
+                  rng: random.Random, coef: float = 1.0, temperature: float = 1.0) -> dict:
+    """Alg. 1 step 6 with the deferred reflection update (§3.4): one SS-GRPO update (§3.3) on the
+    task batch with the previous step's reflection GRPO groups (`reflection_update_batch`) in the
+    same optimizer steps: step j's gradient is that of L_task,j + L_reflect,j, each normalised over
+    its own tokens (policy.policy_update's `joint`), so c weights the meta-policy objective against
+    the task's inside one optimizer step, and one AdamW state moves the weights once per step.
+
+    Returns the update's metrics, plus update/reflection_seqs (int), the reflection part's losses
+    under reflect/ (reflect/loss/total, reflect/kl, ...) and time/reflection_update_s (the wall
+    seconds of the update spent on the reflection sequences' passes), when there was a reflection
+    batch.
+    """
+    rb = reflection_update_batch(pending, coef, temperature)
+    out = dict(policy.update(batch, pad_id, rng, joint=rb))
+    out["update/reflection_seqs"] = len(rb.ids)
+    if "joint/time_s" in out:
+        out["time/reflection_update_s"] = out.pop("joint/time_s")
+    return {(f"reflect/{k[len('joint/'):]}" if k.startswith("joint/") else k): v for k, v in out.items()}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -237,11 +241,6 @@ class StepOut:
 def rl_step(run: Run, step: int, pending: ReflectionBatch, rng: random.Random, m: dict) -> StepOut:
     """One step of Algorithm 1 (0-based `step`); fills the metrics dict `m` as it goes."""
     cfg, n = run.cfg, run.cfg.rollout.n
-    with timed(m, "time/reflection_update_s"):  # Alg. 1: last step's reflection GRPO batch first
-        m.update(apply_reflection_batch(run.policy, pending, run.sampler, run.tok.pad_token_id, rng,
-                                        cfg.reflection.loss_coef,
-                                        cfg.reflection.temperature
-                                        if cfg.reflection.score_at_temperature else 1.0))
     b, mode = curriculum(step, cfg.curriculum.K, cfg.curriculum.enabled)  # §3.5 windowed curriculum
     queries = [run.train_q[i] for i in run.order.batch(b)]
     items = retrieve_memory(run, queries, mode, b, m)  # Alg. 1 step 2
@@ -253,7 +252,13 @@ def rl_step(run: Run, step: int, pending: ReflectionBatch, rng: random.Random, m
         A, am = ss_grpo.task_advantages(R, n, cfg.ss_grpo, run.arm.advantage)  # Alg. 1 step 5
         m.update(am)
         batch = update_batch(rollouts, A, cfg.ss_grpo.skipped_stage_credit, cfg.rollout.temperature)
-        m.update(run.policy.update(batch, run.tok.pad_token_id, rng))  # Alg. 1 step 6
+        # Alg. 1 step 6, with last step's reflection GRPO groups in the same optimizer steps
+        m.update(update_policy(run.policy, batch, pending, run.tok.pad_token_id, rng,
+                               cfg.reflection.loss_coef, cfg.reflection.temperature
+                               if cfg.reflection.score_at_temperature else 1.0))
+    # the phases stay disjoint: time/update_s is the task's part, time/reflection_update_s the
+    # reflection sequences' passes inside the same optimizer steps
+    m["time/update_s"] -= m.get("time/reflection_update_s", 0.0)
     with timed(m, "time/sync_s"):
         run.policy.sync(run.sampler)  # pi_theta changed: the sampler's weights follow
     if "syncs" in run.sampler.stats:  # vLLM: weight syncs so far and the last one's size

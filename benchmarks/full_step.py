@@ -11,9 +11,9 @@ every call after `--judge-sleep` / `--search-sleep` seconds.
     sequential   (today) rank 0 samples every rollout; every tool turn waits for every rollout
                  (scaffold.RolloutEngine's rounds) and the calls run one after another; the judge
                  starts when all rollouts are done (judge.judge_all, groups concurrently); the
-                 reflection update and the task update each end in a weight sync (2 per step); the
-                 reflection branch (sampling, then its P privileged judge calls one after another)
-                 runs after the update.
+                 previous step's reflection batch joins the task update (train.update_policy), one
+                 weight sync; the reflection branch (sampling, then its P privileged judge calls one
+                 after another) runs after the update.
     concurrent   every rank samples its share of the groups (rollout_engine.shard); a rollout goes
                  to its next turn when its own tool result arrives (tools concurrent, at most
                  --tool-concurrency); each finished group goes to the judge at once (rank 1 streams
@@ -78,7 +78,6 @@ import ss_grpo  # noqa: E402
 from backends.scale import rollout_engine as re_  # noqa: E402
 from backends.api.judge_http import HTTPJudge  # noqa: E402
 from backends.api.settings import judge_configs  # noqa: E402
-from backends.distributed.overlap import NoSync  # noqa: E402
 from backends.api.settings import SearchHTTPConfig  # noqa: E402
 from backends.api.search_http import SerperSearchTool  # noqa: E402
 from backends.run.torch_engine import TorchEngine  # noqa: E402
@@ -91,7 +90,7 @@ from reflection import REFLECT_INSTRUCTION, ReflectionBatch  # noqa: E402
 from scaffold import CALL_OPEN, SYSTEM_PROMPT_COMPACT, RolloutEngine  # noqa: E402
 from toy import model as toy_model  # noqa: E402
 from toyfix import tiny_tokenizer, train_queries  # noqa: E402
-from train import apply_reflection_batch, update_batch  # noqa: E402
+from train import update_batch, update_policy  # noqa: E402
 
 PHASES = ("reflection_update_s", "rollout_s", "judge_wait_s", "update_s", "sync_s", "reflection_s")
 
@@ -251,15 +250,6 @@ def worker(rank: int, world: int, port: int, schedule: str, a, urls: dict, out_p
         m: dict = {}
         t_step = time.perf_counter()
         qs = allq[step * P:(step + 1) * P]
-        if not conc:
-            t0 = time.perf_counter()
-            if pending.sequences:
-                apply_reflection_batch(policy, pending, sampler, tok.pad_token_id, rng, 1.0, rcfg.temperature)
-                t1 = time.perf_counter()
-                cmd("sync")
-                _sync(model)
-                m["sync_s"] = time.perf_counter() - t1
-            m["reflection_update_s"] = time.perf_counter() - t0 - m.get("sync_s", 0.0)
         # Rollouts (+ the judge streaming in the concurrent schedule).
         cmd("sample", step)
         t0 = time.perf_counter()
@@ -301,12 +291,14 @@ def worker(rank: int, world: int, port: int, schedule: str, a, urls: dict, out_p
             pending, rmet = asyncr.result()
             m["reflection_wait_s"] = time.perf_counter() - t1
             m["reflection_s"] = rmet["reflect/async_s"]
-            if pending.sequences:
-                rb = pending
-                apply_reflection_batch(NoSync(policy), rb, sampler, tok.pad_token_id, rng, 1.0, rcfg.temperature)
         A, _ = ss_grpo.task_advantages(R, n, cfg, "ss_grpo")
-        policy.update(update_batch(rollouts, A), tok.pad_token_id, rng)
-        m["update_s"] = time.perf_counter() - t0 - m.get("reflection_wait_s", 0.0)
+        # the previous step's reflection batch joins the task update (both schedules)
+        um = update_policy(policy, update_batch(rollouts, A), pending, tok.pad_token_id, rng, 1.0,
+                           rcfg.temperature)
+        m["reflection_update_s"] = um.get("time/reflection_update_s", 0.0)
+        pending = ReflectionBatch(step)  # applied
+        m["update_s"] = (time.perf_counter() - t0 - m.get("reflection_wait_s", 0.0)
+                         - m["reflection_update_s"])
         t0 = time.perf_counter()
         cmd("sync")
         _sync(model)

@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     for seq, mk, adv in zip(pending["sequences"], pending["masks"], pending["advantages"]):
         batch.ids.append(seq)
         batch.mask.append(mk)
-        batch.adv.append([adv * x for x in mk])  # train.apply_reflection_batch with loss_coef 1
+        batch.adv.append([adv * x for x in mk])  # train.reflection_update_batch with loss_coef 1
         batch.kind.append("reflection")
     prompts = [s[: len(s) - sum(m)] for s, m in zip(batch.ids, batch.mask)]
     distinct = list({tuple(p): p for p in prompts}.values())

@@ -226,7 +226,9 @@ def test_s33_zero3_two_ranks_equal_single_process_losses_and_weights(zero3_run):
             assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-7), (k, got, want)
         assert got["kl"] == pytest.approx(want["kl"], rel=1e-3, abs=1e-9), (got, want)
         assert got["clip_frac"] == pytest.approx(want["clip_frac"], abs=1e-6)
-    assert steps[0]["kl"] == 0.0 and steps[1]["kl"] > 0  # pi_ref = initial policy
+    # pi_ref = initial policy: the first step's KL is 0 up to the rounding of passes whose padding
+    # differs (the reference pass and the gradient passes group the sequences differently)
+    assert abs(steps[0]["kl"]) < 1e-12 and steps[1]["kl"] > 1e-9
     assert steps[1]["clip_frac"] > 0  # the second step runs off-policy: clipping acts
     saved = load_file(zero3_run["dir"] / "out" / "final" / "model.safetensors")
     ref_sd = model.state_dict()

@@ -118,7 +118,7 @@ class _Policy:
     def __init__(self):
         self.batches = []
 
-    def update(self, batch, pad_id, rng):
+    def update(self, batch, pad_id, rng, joint=None):
         self.batches.append(batch)
         return {}
 

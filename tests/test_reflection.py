@@ -1,6 +1,7 @@
 """The reflection branch of Algorithm 1 (§3.4, §3.5): one reflection job per query of the step, all
 P x m candidates in one batched sampler call, one bank entry per query, P GRPO groups of m, and
 exact retrieval that finds those entries when the batch is replayed."""
+import json
 import random
 
 import numpy as np
@@ -184,12 +185,13 @@ def test_replayed_batch_finds_each_querys_own_reflection_sec3_5(tmp_path, toy_ca
 
 @pytest.mark.slow
 @pytest.mark.parametrize("at_temperature", [True, False])
-def test_deferred_reflection_update_runs_before_the_next_rollouts_alg1(tmp_path, toy_cache,
-                                                                       monkeypatch, at_temperature):
-    """Algorithm 1: step t's reflection GRPO batch is applied at step t+1 before its task rollouts,
-    as an update of reflection sequences only; the task update holds task sequences only. Each
-    update scores its sequences at the temperature they were sampled at (reflections 0.7, task
-    rollouts 1.0), unless reflection.score_at_temperature is off (then the reflections at 1)."""
+def test_deferred_reflection_batch_joins_the_next_task_update_alg1(tmp_path, toy_cache,
+                                                                   monkeypatch, at_temperature):
+    """Algorithm 1: step t's reflection GRPO batch is applied at step t+1, in the same optimizer
+    steps as that step's task batch (one update, after step t+1's rollouts, one sync): the task
+    batch holds task sequences only, the joint batch reflection sequences only. Each part scores
+    its sequences at the temperature they were sampled at (reflections 0.7, task rollouts 1.0),
+    unless reflection.score_at_temperature is off (then the reflections at 1)."""
     events = []
 
     class Log(list):
@@ -201,10 +203,12 @@ def test_deferred_reflection_update_runs_before_the_next_rollouts_alg1(tmp_path,
     update = torch_engine.TorchEngine.update
     temps = []
 
-    def logged(self, batch, pad_id, rng):
-        events.append(("update", tuple(sorted(set(batch.kind))), len(batch.ids)))
-        temps.append(batch.temperature)
-        return update(self, batch, pad_id, rng)
+    def logged(self, batch, pad_id, rng, joint=None):
+        j = joint if joint is not None and joint.ids else None
+        events.append(("update", tuple(sorted(set(batch.kind))), len(batch.ids),
+                       tuple(sorted(set(j.kind))) if j else (), len(j.ids) if j else 0))
+        temps.append((batch.temperature, j.temperature if j else None))
+        return update(self, batch, pad_id, rng, joint)
 
     monkeypatch.setattr(torch_engine.TorchEngine, "update", logged)
     run = tmp_path / "run"
@@ -213,45 +217,39 @@ def test_deferred_reflection_update_runs_before_the_next_rollouts_alg1(tmp_path,
                                 f"reflection.score_at_temperature={str(at_temperature).lower()}")) == 0
     P, n, m = 2, 2, 2
     updates = [e for e in events if e[0] == "update"]
-    assert updates == [("update", ("task",), P * n), ("update", ("reflection",), P * m),
-                       ("update", ("task",), P * n)]
+    assert updates == [("update", ("task",), P * n, (), 0),
+                       ("update", ("task",), P * n, ("reflection",), P * m)]
     # rollout.temperature; reflection.temperature (the paper's 0.7), or 1 with the option off
-    assert temps == [1.0, 0.7 if at_temperature else 1.0, 1.0]
-    # Step 1: the reflection update comes before the first rollout generation of that step.
-    i_refl = events.index(("update", ("reflection",), P * m))
+    assert temps == [(1.0, None), (1.0, 0.7 if at_temperature else 1.0)]
+    # Step 1: its rollouts come first, then the one update with step 0's reflection batch.
+    i_joint = events.index(updates[1])
     first_refl_gen = next(i for i, e in enumerate(events) if e == ("generate", 0.7))
-    assert first_refl_gen < i_refl  # step 0's reflections were sampled first
-    assert events[i_refl + 1] == ("generate", 1.0)  # then step 1's rollouts
+    assert first_refl_gen < i_joint  # step 0's reflections were sampled first
+    step1_rollouts = [i for i, e in enumerate(events) if e == ("generate", 1.0) and i > first_refl_gen]
+    assert step1_rollouts and max(step1_rollouts) < i_joint  # then step 1's rollouts, then the update
     r0, r1 = metric_rows(run)
     assert r0["update/reflection_seqs"] == 0 and r1["update/reflection_seqs"] == P * m
-    # every metrics line carries every key; a step without a reflection update logs null there
+    # every metrics line carries every key; a step without a reflection batch logs null there
     assert r1["reflect/loss/total"] is not None and r0.get("reflect/loss/total") is None
+    with open(run / "metrics.jsonl") as fh:  # the reflection passes' seconds, apart from the task's
+        t0, t1 = [json.loads(x) for x in fh]
+    assert t0["time/reflection_update_s"] is None and t1["time/reflection_update_s"] > 0
 
 
 def test_reflection_update_advantages_scaled_by_loss_coef_sec3_4():
-    """The deferred reflection update gives every reflection token c * A_j (c =
-    reflection.loss_coef), the trajectory context 0; c must be a finite number >= 0."""
+    """The deferred reflection batch gives every reflection token c * A_j (c =
+    reflection.loss_coef), the trajectory context 0, at the candidates' temperature; c must be a
+    finite number >= 0."""
     from reflection import ReflectionBatch
-
-    seen = []
-
-    class Policy:
-        def update(self, batch, pad_id, rng):
-            seen.append([list(a) for a in batch.adv])
-            return {"loss/total": 0.0}
-
-        def sync(self, sampler):
-            pass
 
     pend = ReflectionBatch(0, sequences=[[1, 2, 3, 4], [1, 2, 5]], masks=[[0, 0, 1, 1], [0, 0, 1]],
                            advantages=[1.5, -1.5], scores=[0.9, 0.1])
     for c in (1.0, 0.25, 0.0):
-        train.apply_reflection_batch(Policy(), pend, None, 0, random.Random(0), c)
-        assert seen[-1] == [[0.0, 0.0, 1.5 * c, 1.5 * c], [0.0, 0.0, -1.5 * c]]
-    temps = []
-    Policy.update = lambda self, batch, pad_id, rng: temps.append(batch.temperature) or {}
-    train.apply_reflection_batch(Policy(), pend, None, 0, random.Random(0), 1.0, 0.7)
-    assert temps == [0.7]
+        rb = train.reflection_update_batch(pend, c)
+        assert rb.adv == [[0.0, 0.0, 1.5 * c, 1.5 * c], [0.0, 0.0, -1.5 * c]]
+        assert rb.kind == ["reflection", "reflection"] and rb.ids == pend.sequences
+    assert train.reflection_update_batch(pend, 1.0, 0.7).temperature == 0.7
+    assert train.reflection_update_batch(ReflectionBatch(0), 1.0).ids == []
     cfg = presets.toy_preset()
     for bad in (-0.1, float("inf"), float("nan"), True, "1"):
         cfg.reflection.loss_coef = bad

@@ -151,18 +151,26 @@ class ZeRO3Engine:
         """Rank 0's rollout sampler (build.build_run): a vLLM engine sleeps through each update."""
         self.sampler = sampler
 
-    def update(self, batch, pad_id: int, rng) -> dict:
+    def update(self, batch, pad_id: int, rng, joint=None) -> dict:
         """policy.policy_update on ZeRO-3: rank 0 deals the batch out (policy.plan_update consumes
-        `rng` exactly as the one-process engine does) and every rank updates on its shard. Every
-        rank's vLLM engine sleeps first (level 1; GPU only) and wakes in the sync that follows."""
+        `rng` exactly as the one-process engine does) and every rank updates on its shard; `joint`
+        (the deferred reflection batch) is dealt the same way and trained in the same optimizer
+        steps (TorchEngine.update). Every rank's vLLM engine sleeps first (level 1; GPU only) and
+        wakes in the sync that follows. Raises ValueError for a joint batch beside an empty one."""
         if not batch.ids:
+            if joint is not None and joint.ids:
+                raise ValueError("a joint batch needs a non-empty batch to share its optimizer steps")
             return {}
         # units: what the row layout keeps in one pass (a packed reflection group; None: nothing)
         shards, plans = plan_update(batch, self.world_size, self.cfg.ss_grpo.minibatches,
                                     self.cfg.ss_grpo.micro_batch, rng, self.rows.units(batch))
-        mine = self._send("update", [(sh, pl, pad_id) for sh, pl in zip(shards, plans)])
+        joints = [None] * self.world_size
+        if joint is not None and joint.ids:
+            joints = list(zip(*plan_update(joint, self.world_size, self.cfg.ss_grpo.minibatches,
+                                           self.cfg.ss_grpo.micro_batch, rng, self.rows.units(joint))))
+        mine = self._send("update", [(sh, pl, pad_id, jt) for sh, pl, jt in zip(shards, plans, joints)])
         _engine_sleep(self.sampler, self.cfg.full.vllm_sleep_level)
-        out = policy_update(self, mine[0], self.cfg.ss_grpo, pad_id, mine[1])
+        out = policy_update(self, mine[0], self.cfg.ss_grpo, pad_id, mine[1], joint=mine[3])
         _after_update(self.sampler)
         if "task" in batch.kind:  # the step's rollout metrics travel with the task update's
             out.update(self.rollout_metrics or {"rollout/sampling_ranks": 1})  # 1: rank 0 alone
@@ -342,9 +350,9 @@ class ZeRO3Engine:
                 _shutdown()
                 return updates
             if kind == "update":
-                shard_, plan, pad_id = payload
+                shard_, plan, pad_id, joint = payload
                 _engine_sleep(self.sampling_copy, self.cfg.full.vllm_sleep_level)
-                policy_update(self, shard_, self.cfg.ss_grpo, pad_id, plan)
+                policy_update(self, shard_, self.cfg.ss_grpo, pad_id, plan, joint=joint)
                 _after_update(self.sampling_copy)
                 updates += 1
             elif kind == "sync":

@@ -15,8 +15,8 @@ One step t (`OverlappedStep.__call__`):
        handed to a StreamingJudge the moment it is final
     3. the judge's results (most were scored while other rollouts still ran)
     4. step t-1's branch is collected (rollout_engine.AsyncReflection.result)
-    5. its reflection batch is applied (train.apply_reflection_batch, without a sync), then the
-       task batch (Alg. 1 steps 5-6), then ONE weight sync
+    5. the task batch's update with its reflection batch in the same optimizer steps
+       (train.update_policy, Alg. 1 steps 5-6), then ONE weight sync
     6. step t's branch starts in a thread (rollout_engine.reflection_branch: sampling through
        SeededView with its own seeds, trajectory picks from its own random.Random, privileged judge
        calls on a pool; its judge calls and bank writes wait for step t+1's gate)
@@ -77,20 +77,6 @@ def overlapped_step(run, stop_at: int, steps) -> "OverlappedStep | None":
             or not isinstance(run.rollout_engine, SeededRollouts):
         return None
     return OverlappedStep(run, stop_at, steps)
-
-
-class NoSync:
-    """The policy as train.apply_reflection_batch sees it in the overlapped step: the update is the
-    policy's, the sync a no-op (the step's single sync follows the task update)."""
-
-    def __init__(self, policy):
-        self.policy = policy
-
-    def update(self, *args, **kwargs):
-        return self.policy.update(*args, **kwargs)
-
-    def sync(self, sampler) -> None:
-        pass
 
 
 class OverlappedStep:
@@ -160,16 +146,15 @@ class OverlappedStep:
             m["judge/bad_shape"] = bad_shape
         if self.inflight.pending:  # step t-1's branch: its batch joins this step's update
             pending = self._collect(m)
-        with S.timed(m, "time/reflection_update_s"):  # no sync: the step's one sync follows
-            m.update(S.apply_reflection_batch(NoSync(run.policy), pending, run.sampler,
-                                              run.tok.pad_token_id, rng, cfg.reflection.loss_coef,
-                                              cfg.reflection.temperature
-                                              if cfg.reflection.score_at_temperature else 1.0))
         with S.timed(m, "time/update_s"):
             A, am = ss_grpo.task_advantages(R, n, cfg.ss_grpo, run.arm.advantage)  # Alg. 1 step 5
             m.update(am)
             batch = S.update_batch(rollouts, A, cfg.ss_grpo.skipped_stage_credit, cfg.rollout.temperature)
-            m.update(run.policy.update(batch, run.tok.pad_token_id, rng))  # Alg. 1 step 6
+            # Alg. 1 step 6, with step t-1's reflection GRPO groups in the same optimizer steps
+            m.update(S.update_policy(run.policy, batch, pending, run.tok.pad_token_id, rng,
+                                     cfg.reflection.loss_coef, cfg.reflection.temperature
+                                     if cfg.reflection.score_at_temperature else 1.0))
+        m["time/update_s"] -= m.get("time/reflection_update_s", 0.0)  # disjoint phases, as rl_step
         with S.timed(m, "time/sync_s"):
             run.policy.sync(run.sampler)  # the one weight sync of the step
         if "syncs" in run.sampler.stats:  # vLLM: weight syncs so far and the last one's size

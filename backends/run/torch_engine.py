@@ -156,14 +156,24 @@ class TorchEngine:
         return list(values)
 
     # what the training loop calls -----------------------------------------------------------------
-    def update(self, batch: UpdateBatch, pad_id: int, rng: random.Random) -> dict:
-        """`policy_update` on the whole batch; {} for an empty one (rng untouched)."""
+    def update(self, batch: UpdateBatch, pad_id: int, rng: random.Random,
+               joint: UpdateBatch | None = None) -> dict:
+        """`policy_update` on the whole batch, with `joint` (another batch, e.g. the deferred
+        reflection GRPO groups) in the same optimizer steps when given and not empty; {} for an
+        empty batch (rng untouched). Raises ValueError for a joint batch beside an empty one."""
         if not batch.ids:
+            if joint is not None and joint.ids:
+                raise ValueError("a joint batch needs a non-empty batch to share its optimizer steps")
             return {}
         # units: what the row layout keeps in one pass (a packed reflection group; None: nothing)
         shards, plans = plan_update(batch, 1, self.cfg.minibatches, self.cfg.micro_batch, rng,
                                     self.rows.units(batch))
-        return policy_update(self, shards[0], self.cfg, pad_id, plans[0])
+        both = None
+        if joint is not None and joint.ids:
+            j_shards, j_plans = plan_update(joint, 1, self.cfg.minibatches, self.cfg.micro_batch,
+                                            rng, self.rows.units(joint))
+            both = (j_shards[0], j_plans[0])
+        return policy_update(self, shards[0], self.cfg, pad_id, plans[0], joint=both)
 
     def sync(self, sampler) -> None:
         """HF and KV samplers share `model`; a sampler with its own copy (vLLM) gets the weights."""
