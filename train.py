@@ -90,13 +90,14 @@ from reflection import ReflectionBatch, run_reflection_branch
 from scaffold import STAGES
 from backends.distributed.overlap import overlapped_step
 from backends.run import checkpoint as ckpt_mod, provenance, report
-from backends.run.build import Run, build_environment, build_run, setup_policy
+from backends.run.build import Run, build_environment, build_run, rank0_plain_copy, setup_policy
 from backends.run.cli import parse_cli
 from backends.run.config import Config, check_local_inputs, resume_config_diff, validate_config
 from backends.run.faults import TOOL_KINDS
 from backends.run.heldout import HeldOut, static_stage_scores
 from backends.run.report import Logger, plot_rewards
-from backends.run.resume import _open_run, restore_training_state, training_state
+from backends.run.resume import (_open_run, check_reference, reference_kind, reference_record,
+                                 restore_training_state, training_state)
 from backends.run.robust import FailureMonitor, JudgeFailureAbort, checked_judge_result, judge_step_metrics
 from backends.run.runcard import save_with_run_card
 from backends.run.torch_engine import TorchEngine
@@ -191,12 +192,13 @@ def train(cfg: Config, resume: str | None = None) -> dict:
     timings["world_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    model, tok, sft_info = setup_policy(cfg, world, tool)
+    # SCALE: ZeRO-3 with vLLM loads no plain copy on rank 0 (model None; build.rank0_plain_copy)
+    model, tok, sft_info = setup_policy(cfg, world, tool, weights=rank0_plain_copy(cfg))
     timings["warm_start_s"] = time.perf_counter() - t0
-    model.eval()
+    if model is not None:
+        model.eval()
     # A checkpoint records which reference it trained against instead of storing its weights.
-    reference = {"source": str(sft_info.get("source", "")),
-                 "sha256": ckpt_mod.weights_fingerprint(model)}
+    reference = reference_of(cfg, model, sft_info, state)
     if cfg.engine == "zero3":
         from backends.distributed import dist, engine  # lazy: scale backend, a toy run never loads it
 
@@ -210,6 +212,17 @@ def train(cfg: Config, resume: str | None = None) -> dict:
                            train_q, held_q, mpath, timings, t_start)
     finally:
         policy.close()
+
+
+def reference_of(cfg: Config, model, sft_info: dict, state: dict | None) -> dict:
+    """This run's record of its frozen reference (resume.reference_record): of the loaded `model`,
+    or, without one (ZeRO-3 with vLLM), of cfg.model's weight files. A resumed checkpoint is
+    compared in its own kind: one written before file fingerprints holds the loaded copy's, so
+    then the copy is loaded once more for it (and dropped)."""
+    source = str(sft_info.get("source", ""))
+    if model is None and state is not None and reference_kind(state["reference"]) == "weights":
+        model = setup_policy(cfg, None, None)[0]
+    return reference_record(source, model, cfg.model)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -409,11 +422,7 @@ def _train_loop(cfg: Config, state, ckpt_path, policy, model, tok, sft_info, ref
     """Algorithm 1 on rank 0 (train's body once the policy engine exists): resume, the steps, the
     artefacts and the held-out evaluation."""
     if state is not None:
-        if state["reference"]["sha256"] != reference["sha256"]:
-            raise ckpt_mod.CheckpointError(
-                f"cannot resume from {ckpt_path}: the reference model (SFT warm start) rebuilt from "
-                f"{reference['source']} differs from the one the run started with "
-                f"({state['reference']['source']}); restore that warm start or --model")
+        check_reference(state["reference"], reference, ckpt_path)
         policy.load(ckpt_path, state)
     run = build_run(cfg, policy, model, tok, world, tool, train_q, held_q)
     if state is not None:
@@ -464,6 +473,9 @@ def _run_steps(run: Run, ls: "LoopState", state, ckpt_path, start: int, sft_info
             m["judge/failure_rate"] = max(m["judge/failure_rate"], m["judge/bad_shape"] / len(out.queries))
         m["time/step_s"] = time.perf_counter() - t_step
         ls.logger.log(m, step)
+        if step == 1 and (cfg.engine == "zero3" or cfg.mode == "full"):  # the plan's phases, measured
+            from backends.distributed.dry_run import step_report  # lazy: full mode only
+            log.info("%s", step_report(cfg, m))
         keep_samples(ls.samples, step, out, cfg)
         done = step + 1
         if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.steps:

@@ -32,6 +32,16 @@
 #                  sync on a GPU, takes pi_theta in memory: bitwise bytes, log-probs = the trainer's,
 #                  sampling after an lr 0 update repeats, after lr > 0 differs, no file written,
 #                  slept and woke (tests/vllm_sync_check.py)
+#  11 collectives  ZeRO-3 ranks whose passes hold different numbers of LM-head chunks (chunk 8 tokens;
+#                  5 against 1, some against 0) finish the reference pass, two SS-GRPO updates and an
+#                  SFT step with a padding pass (tests/zero3_collectives_check.py; 2 ranks: 2 GPUs, or
+#                  2 gloo ranks with --cpu; every collective times out after a minute)
+#  12 threads      with 2 GPUs: on each rank a plain thread starts on GPU 0, while threads started
+#                  through backends/scale/cuda_threads.py (the engine loop's, the sync rpc's, the
+#                  receive threads', the pools') run on GPU LOCAL_RANK and on the stream the main
+#                  thread shared (tests/thread_device_check.py)
+# With 1 GPU the two-rank checks (collectives, threads, and the 2-rank forms of save-load, sft and
+# full-loop) are skipped with the reason; without vLLM the vLLM checks are. Each SKIP line says why.
 #
 # Installs nothing. On a GPU node first: pip install -e ".[gpu,test]" (or -c constraints/gpu.txt).
 # Usage:  bash scripts/gpu_smoke.sh [--cpu] [OUT_DIR]     (about 5-8 min on one GPU; --cpu: the same
@@ -72,6 +82,12 @@ else
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader || true
 fi
 echo "device: $([ "$CPU" = 1 ] && echo cpu || echo "$NGPU GPU(s)"), ranks $NPROC, sampler $SAMPLER, out $OUT"
+if [ "$CPU" = 0 ] && [ "$NPROC" -lt 2 ]; then
+  echo "NOTE: 1 GPU visible: the two-rank forms (save-load, sft, full-loop) run on 1 rank, collectives and threads are skipped; a 2-GPU node runs them"
+fi
+if [ "$CPU" = 0 ] && [ "$SAMPLER" != vllm ]; then
+  echo "NOTE: vLLM does not import: full-loop samples with HF generate and the sync check is skipped (pip install -c constraints/gpu.txt vllm)"
+fi
 
 # -- 1 versions ------------------------------------------------------------------------------------
 if want versions; then
@@ -239,6 +255,9 @@ moved = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 cpu_adam = "optimizer DeepSpeedCPUAdam" in log
 dense = "SentenceTransformer model from" in log or "DenseRetriever" in log
 synced = sampler != "vllm" or all(r.get("sampler/sync_bytes", 0) > 0 for r in rows)
+# one weight sync per step (the reflection batch joins the task update: train.update_policy)
+syncs = [r.get("sampler/syncs") for r in rows]
+one_sync = sampler != "vllm" or all(b - a == 1 for a, b in zip(syncs, syncs[1:]))
 ranks = [r.get("rollout/sampling_ranks") for r in rows]
 # every rank samples (full.rollout_ranks "all"): with vLLM each rank's own engine generated tokens;
 # on a GPU every engine has vLLM's sleep mode (the log says so where it does not)
@@ -253,10 +272,11 @@ slept = sampler != "vllm" or not gpu or (
     and (nproc == 1 or all(r.get(f"rollout/rank{k}_engine_sleeps", 0) > 0 for k in range(nproc)
                            for r in rows[1:]))
     and "sleep mode unavailable" not in log)
-ok = moved > 0 and cpu_adam and synced and every and slept and len(rows) > 0
+ok = moved > 0 and cpu_adam and synced and one_sync and every and slept and len(rows) > 0
 print(("PASS" if ok else "FAIL") + f" {len(rows)} steps, weights moved {moved:.2e}, DeepSpeedCPUAdam "
       f"{cpu_adam}, dense retriever loaded {dense}, sampler {sampler}"
-      + (f" synced in memory {[r.get('sampler/sync_bytes') for r in rows]} bytes" if sampler == "vllm" else "")
+      + (f" synced in memory {[r.get('sampler/sync_bytes') for r in rows]} bytes, syncs so far {syncs}"
+         if sampler == "vllm" else "")
       + f", sampling ranks {ranks}" + (f", engines asleep in updates {slept}" if sampler == "vllm" else "")
       + f", step {sum(r['time/step_s'] for r in rows) / max(len(rows), 1):.1f} s")
 PYEOF
@@ -291,6 +311,57 @@ else
     line sync "$R"
   else
     line sync "FAIL (see $OUT/sync.log: $(tail -n 1 "$OUT/sync.log" | cut -c1-300))"
+  fi
+fi
+fi
+
+# -- 11 collectives ----------------------------------------------------------------------------------
+if want collectives; then
+if [ "$CPU" = 0 ] && [ "$NPROC" -lt 2 ]; then
+  line collectives "SKIP 1 GPU visible: ZeRO-3 gathers can only fall out of step between 2 or more ranks"
+else
+  rm -rf "$OUT/collectives"
+  $PY - "$OUT/collmodel" <<'PYEOF'
+import sys, torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+torch.manual_seed(0)  # untied head and embedding above DeepSpeed's persistence threshold (as Qwen3-8B)
+Qwen3ForCausalLM(Qwen3Config(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    tie_word_embeddings=False, pad_token_id=0)).save_pretrained(sys.argv[1])
+PYEOF
+  if timeout 300 "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 tests/zero3_collectives_check.py \
+       "$OUT/collmodel" "$OUT/collectives" >"$OUT/collectives.log" 2>&1 \
+     && [ -f "$OUT/collectives/rl_stats.json" ] && [ -f "$OUT/collectives/sft_records.json" ]; then
+    line collectives "PASS 2 ranks, unequal LM-head chunks: reference pass, 2 SS-GRPO updates (head recomputed and not), SFT step with a padding pass all finished"
+  else
+    line collectives "FAIL (a hang times out after 60 s; see $OUT/collectives.log: $(grep -m1 -E 'Error|error|Timeout' "$OUT/collectives.log" | cut -c1-200))"
+  fi
+fi
+fi
+
+# -- 12 threads --------------------------------------------------------------------------------------
+if want threads; then
+if [ "$CPU" = 1 ]; then
+  line threads "SKIP no CUDA device on CPU (tests/test_thread_devices.py checks the same with a faked torch.cuda)"
+elif [ "$NPROC" -lt 2 ]; then
+  line threads "SKIP 1 GPU visible: a thread on the wrong device shows only on ranks whose LOCAL_RANK is not 0"
+else
+  rm -rf "$OUT/threads"
+  if timeout 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 tests/thread_device_check.py \
+       "$OUT/threads" >"$OUT/threads.log" 2>&1; then
+    R=$($PY - "$OUT/threads" <<'PYEOF'
+import glob, json, sys
+res = [json.load(open(f)) for f in sorted(glob.glob(f"{sys.argv[1]}/rank*.json"))]
+ok = len(res) == 2 and all(r["helper"]["device"] == r["pool"]["device"] == r["local_rank"]
+                           and r["tensor"] == f"cuda:{r['local_rank']}" and r["same_stream"] for r in res)
+print(("PASS" if ok else "FAIL") + " " + "; ".join(
+    f"rank {r['rank']}: plain thread on GPU {r['plain']['device']}, helper thread on GPU {r['helper']['device']}, "
+    f"pool on GPU {r['pool']['device']}, tensor {r['tensor']}, shared stream {r['same_stream']}" for r in res))
+PYEOF
+)
+    line threads "$R"
+  else
+    line threads "FAIL (see $OUT/threads.log: $(tail -n 1 "$OUT/threads.log" | cut -c1-200))"
   fi
 fi
 fi

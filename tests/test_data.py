@@ -108,20 +108,51 @@ def test_parquet_without_pyarrow_or_pandas_names_the_package(tmp_path, monkeypat
 # Hugging Face datasets (a stand-in module: the hub is not reachable from tests)
 
 
-def test_hub_id_without_datasets_package_is_a_clear_import_error(monkeypatch):
+def test_hub_id_without_datasets_package_is_a_clear_error_naming_the_setting(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(ImportError, match=r"rl-research/dr-tulu-rl-data.*pip install datasets"):
+        data.read_records("rl-research/dr-tulu-rl-data")
+    # the RL rows' loader names the run's setting and the local-file way (train.main: exit code 2)
+    with pytest.raises(OSError, match=r"data.source 'rl-research/dr-tulu-rl-data'.*pip install "
+                       r"datasets.*point data.source at a local copy of the rows"):
         data.load_rl_rows("rl-research/dr-tulu-rl-data")
 
 
-def test_hub_unreachable_is_a_clear_os_error(monkeypatch):
+def test_hub_unreachable_is_a_clear_os_error_naming_the_setting(monkeypatch):
     def load_dataset(name, split):
         raise ConnectionError("Couldn't reach 'rl-research/dr-tulu-rl-data' on the Hub")
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(OSError, match=r"unreachable.*HF_HUB_OFFLINE"):
+    with pytest.raises(OSError, match=r"^data.source 'rl-research/dr-tulu-rl-data': .*unreachable.*"
+                       r"HF_HUB_OFFLINE.*--set data.source=\"rows.jsonl\""):
         data.load_rl_rows("rl-research/dr-tulu-rl-data")
+
+
+def test_local_rows_file_loads_offline_without_datasets(tmp_path, monkeypatch):
+    """An offline node (HF_HUB_OFFLINE, no `datasets`) reads data.source = a local rows file."""
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    p = write_jsonl(tmp_path / "rows.jsonl", [tulu_row("offline q1"), tulu_row("offline q2")])
+    assert [q.query for q in data.load_rl_rows(p)] == ["offline q1", "offline q2"]
+    # a missing local file stays a FileNotFoundError naming the path (never sent to the hub)
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        data.load_rl_rows(str(tmp_path / "missing.jsonl"))
+
+
+def test_train_stops_with_exit_code_2_naming_data_source_when_the_hub_is_out_of_reach(tmp_path, monkeypatch,
+                                                                                      capsys):
+    """train.py --full on a node without `datasets` / network: a clear error naming data.source, exit
+    code 2 (unusable input), no traceback."""
+    import train
+
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    rc = train.main(["--toy", "--steps", "1", "--run-dir", str(tmp_path / "run"), "--no-progress",
+                     "--set", 'judge.backend="gemini"', "--set", f'data.source="{data.PAPER_RL_DATA}"',
+                     "--set", f'cache_dir="{tmp_path / "cache"}"'])
+    err = capsys.readouterr().err
+    assert rc == 2 and "data.source 'rl-research/dr-tulu-rl-data'" in err and "rows.jsonl" in err, err
 
 
 def test_hub_rows_are_validated_like_local_rows(monkeypatch):

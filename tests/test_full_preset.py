@@ -98,3 +98,17 @@ def test_full_mode_judge_prompts_carry_no_toy_world_criteria():
             assert w not in text.lower(), (name, w)
         # the toy world's vocabulary (its entity and aspect words) stays out of the HTTP judge
         assert not re.search(r"\b(kuvebro|syllable|toy)\b", text.lower()), name
+
+
+def test_full_preset_threads_are_the_cores_per_rank(monkeypatch):
+    """DeepSpeedCPUAdam runs one OpenMP thread per torch thread (train.py sets config.threads): the
+    full preset gives each rank its share of the node's cores, not the toy's 2."""
+    from backends.run import presets
+
+    assert presets.cores_per_rank({"LOCAL_WORLD_SIZE": "8"}, cores=192) == 24  # torchrun
+    assert presets.cores_per_rank({"LOCAL_SIZE": "4"}, cores=96) == 24  # the deepspeed launcher
+    assert presets.cores_per_rank({}, cores=2, hint=8) == 1  # not launched: the dry run's 8 GPUs
+    assert presets.cores_per_rank({}, cores=128, hint=8) == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(presets.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert full_preset().threads == 16 and toy_preset().threads == 2

@@ -176,6 +176,56 @@ def test_requests_and_tokens_per_minute_limits():
     assert time.monotonic() - t0 >= 0.38
 
 
+class FakeClock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_tokens_per_minute_pacing_with_a_fake_clock():
+    """judge_http.tpm: a request starts only when its tokens fit beside what the last 60 s started,
+    so the client keeps inside the provider's quota instead of collecting 429s."""
+    clock = FakeClock()
+    lim = RateLimiter(8, tpm=1000, clock=clock)
+    t = lim.acquire(600)  # an empty window admits at once (no sleep: the fake clock never moves here)
+    assert lim.wait_s(600) == pytest.approx(60.0)  # 600 + 600 > 1000: until the first ages out
+    assert lim.wait_s(400) == 0.0  # 600 + 400 fits
+    clock.t += 30
+    assert lim.wait_s(600) == pytest.approx(30.0)
+    lim.add_tokens(t, 300)  # the reply's usage: 300 tokens, so 300 + 600 fits now
+    assert lim.wait_s(600) == 0.0
+    lim.release(t)
+    # a stream of 400-token requests at 1,000 tokens per minute: two per minute, never more
+    clock, starts = FakeClock(), []
+    lim = RateLimiter(8, tpm=1000, clock=clock)
+    for _ in range(9):
+        clock.t += lim.wait_s(400)
+        lim.release(lim.acquire(400))
+        starts.append(clock.t - 1000.0)
+    assert starts == pytest.approx([0, 0, 60, 60, 120, 120, 180, 180, 240])
+    for s0 in starts:  # every 60 s window holds at most 1,000 tokens
+        assert 400 * sum(s0 <= s < s0 + 60 for s in starts) <= 1000
+    # a request larger than the quota starts alone, once the window is empty
+    clock.t += 1
+    assert lim.wait_s(5000) == pytest.approx(59.0)
+    clock.t += 59
+    assert lim.wait_s(5000) == 0.0
+
+
+def test_judge_counts_what_the_providers_quota_counts():
+    """Gemini's tokens-per-minute limit counts input tokens only; an OpenAI-compatible server's
+    input + output: the limiter's entry is corrected to that from the reply's usage."""
+    q = fake_query()
+    for kind, want in (("gemini", 1000), ("openai", 1200)):
+        with FakeServer(kind, usage=(1000, 200)) as s, make_judge(s, tpm=10**6) as j:
+            score_once(j, q)
+            assert [e[1] for e in j.client.limiter._window] == [want], kind
+
+
 def test_judge_rpm_setting_spaces_the_requests():
     with FakeServer("openai") as s:
         with make_judge(s, rpm=2) as j:

@@ -1,6 +1,7 @@
 """The dry run's site checks (backends/distributed/site_check.py), each on faked inputs: compute mode,
 the allocator setting with vLLM's sleep mode, GPUs visible against LOCAL_RANK, a stale extension-build
-lock, checkpoint size and free disk; and that a failing check is listed under the dry run's problems."""
+lock, checkpoint size and free disk, the NVIDIA driver against the wheels' CUDA, nvcc against torch's
+CUDA; and that a failing check is listed under the dry run's problems."""
 import os
 import subprocess
 import time
@@ -124,6 +125,10 @@ def test_failing_site_checks_are_listed_under_the_dry_runs_problems(tmp_path, mo
     monkeypatch.setattr(sc, "read_compute_modes", lambda: ["Prohibited"])
     monkeypatch.setattr(sc, "vllm_allocator_source", lambda: OLD)
     monkeypatch.setattr(sc, "free_bytes", lambda p: (50e9, str(tmp_path)))
+    monkeypatch.setattr(sc, "read_driver_version", lambda: "535.104.05")  # too old for CUDA 13
+    monkeypatch.setattr(sc, "cuda_compat_libs", lambda: [])
+    monkeypatch.setattr(sc, "read_nvcc_release", lambda **kw: None)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
     env = {"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "CUDA_VISIBLE_DEVICES": "5",
            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "WORLD_SIZE": "8", "RANK": "2",
            "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "8", "TORCH_CUDA_ARCH_LIST": "9.0a"}
@@ -131,5 +136,87 @@ def test_failing_site_checks_are_listed_under_the_dry_runs_problems(tmp_path, mo
     assert "\nsite (settings that stop a run" in text
     for what in ("compute mode Prohibited", "expandable_segments:True, which this vLLM",
                  "sees 1 GPU(s) but is local rank 2 of 8", "stale extension-build lock",
-                 "checkpoint.keep=3 checkpoints of 115 GB", "TORCH_CUDA_ARCH_LIST=9.0a"):
+                 "checkpoint.keep=3 checkpoints of 115 GB", "TORCH_CUDA_ARCH_LIST=9.0a",
+                 "NVIDIA driver 535.104.05 is older than 580, the minimum for CUDA 13.0"):
         assert sum(what in p for p in problems) == 1, (what, problems)
+
+
+def test_driver_against_the_wheels_cuda():
+    """CUDA 13 (the pinned vllm 0.32.0 and torch 2.13.0 wheels) needs driver >= 580, CUDA 12 >= 525.60.13
+    (minor-version compatibility); cuda-compat covers an older driver; no driver skips the check."""
+    lines, bad = sc.driver_lines("580.65.06", "13.0", [], 8)
+    assert not bad and lines == ["NVIDIA driver 580.65.06; CUDA 13.0 (torch.version.cuda) needs >= 580: ok"]
+    _, bad = sc.driver_lines("575.57.08", "13.0", [], 0)
+    assert len(bad) == 1 and "older than 580" in bad[0] and "is_available() is False" in bad[0]
+    assert "R580+" in bad[0] and "cuda-compat" in bad[0]
+    # a CPU build of torch here: the pinned CUDA 13.0 build is what the node will run
+    _, bad = sc.driver_lines("550.54.15", None, [], 0)
+    assert "the pinned vllm 0.32.0 / torch 2.13.0 wheels" in bad[0]
+    assert sc.driver_lines("550.54.15", "12.8", [], 8) == (
+        ["NVIDIA driver 550.54.15; CUDA 12.8 (torch.version.cuda) needs >= 525.60.13: ok"], [])
+    assert sc.driver_lines("525.60.12", "12.1", [], 8)[1]  # one patch level short
+    lines, bad = sc.driver_lines("550.54.15", "13.0", ["/usr/local/cuda-13.0/compat/libcuda.so.1"], 8)
+    assert not bad and "cuda-compat is installed" in lines[0]
+    lines, bad = sc.driver_lines(None, None, [], 0)
+    assert not bad and lines[0].startswith("NVIDIA driver: not checked (no nvidia-smi")
+
+
+def test_driver_version_is_read_from_nvidia_smi_else_the_kernel_module(tmp_path):
+    def smi(cmd, **kw):
+        assert cmd == ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        return types.SimpleNamespace(returncode=0, stdout="580.65.06\n580.65.06\n")
+
+    assert sc.read_driver_version(smi, str(tmp_path / "none")) == "580.65.06"
+    proc = tmp_path / "version"
+    proc.write_text("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.133.20  Release Build  "
+                    "(dvs-builder@U16-I3-B03-4-3)  Fri Mar 14 2025\nGCC version:  gcc version 12.3.0\n")
+
+    def missing(*a, **k):
+        raise FileNotFoundError("nvidia-smi")
+
+    assert sc.read_driver_version(missing, str(proc)) == "570.133.20"
+    proc.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023\n")
+    assert sc.read_driver_version(missing, str(proc)) == "535.104.05"
+    assert sc.read_driver_version(missing, str(tmp_path / "none")) is None
+
+
+def test_cuda_compat_libraries_are_found(tmp_path):
+    d = tmp_path / "cuda-13.0" / "compat"
+    d.mkdir(parents=True)
+    (d / "libcuda.so.580.65.06").write_text("")
+    assert sc.cuda_compat_libs((str(tmp_path / "cuda-*" / "compat"),)) == [str(d / "libcuda.so.580.65.06")]
+    assert sc.cuda_compat_libs((str(tmp_path / "nothing"),)) == []
+
+
+def test_nvcc_against_torchs_cuda_as_deepspeeds_op_builder_judges_it(tmp_path):
+    """deepspeed 0.19.8's assert_no_cuda_mismatch: equal major.minor, or another minor within CUDA
+    10-12; CUDA 13 has no such entry. A problem only when the run JIT-builds a CUDA op."""
+    lines, bad = sc.nvcc_lines("12.4", "12.8", True)
+    assert not bad and "accepts it" in lines[0]
+    lines, bad = sc.nvcc_lines("13.1", "13.0", True)
+    assert "refuses it" in lines[0] and len(bad) == 1 and "CUDAMismatchException" in bad[0]
+    lines, bad = sc.nvcc_lines("12.9", "13.0", False)  # the RL run: informational
+    assert not bad and "refuses it" in lines[0] and "informational" in lines[0]
+    assert sc.nvcc_lines(None, "13.0", True)[1] and not sc.nvcc_lines(None, "13.0", False)[1]
+    assert "the pinned torch 2.13.0's CUDA 13.0" in sc.nvcc_lines("13.0", None, False)[0][0]
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").write_text("")
+
+    def nvcc(cmd, **kw):
+        assert cmd == [str(tmp_path / "bin" / "nvcc"), "--version"]
+        return types.SimpleNamespace(returncode=0, stdout="Cuda compilation tools, release 13.0, V13.0.88\n")
+
+    assert sc.read_nvcc_release(nvcc, {"CUDA_HOME": str(tmp_path)}) == "13.0"
+
+
+def test_a_prebuilt_cpu_adam_op_is_found_in_the_deepspeed_package(tmp_path, monkeypatch):
+    """The start-up plan counts DeepSpeedCPUAdam's JIT build only without a prebuilt op."""
+    pkg = tmp_path / "deepspeed"
+    (pkg / "ops" / "adam").mkdir(parents=True)
+    spec = types.SimpleNamespace(submodule_search_locations=[str(pkg)])
+    monkeypatch.setattr(sc.importlib.util, "find_spec", lambda name: spec if name == "deepspeed" else None)
+    assert sc.cpu_adam_prebuilt() is False
+    (pkg / "ops" / "adam" / "cpu_adam_op.cpython-311-x86_64-linux-gnu.so").write_text("")
+    assert sc.cpu_adam_prebuilt() is True
+    monkeypatch.setattr(sc.importlib.util, "find_spec", lambda name: None)
+    assert sc.cpu_adam_prebuilt() is False

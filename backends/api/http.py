@@ -174,16 +174,22 @@ class RateLimiter:
     """Admission control shared by every thread of one client (see the module docstring, point 2).
 
     concurrency: the most requests in flight (the AIMD ceiling); rpm, tpm: requests and tokens per
-    `window_s` seconds (0 = unlimited). Thread-safe. `stats()` gives the current limit, the number
-    of throttling answers and the seconds spent waiting for admission.
+    `window_s` seconds (0 = unlimited). The tokens-per-minute pacing keeps a log of the window's
+    requests with their estimated tokens (corrected by `add_tokens` once the reply's usage is known):
+    a request starts only when it fits beside what the last window_s seconds started, so the client
+    stays inside a provider's quota instead of running into its 429s. clock: seconds, monotonic
+    (time.monotonic; tests pass a fake one). Thread-safe. `stats()` gives the current limit, the
+    number of throttling answers and the seconds spent waiting for admission.
     """
 
-    def __init__(self, concurrency: int, rpm: int = 0, tpm: int = 0, window_s: float = 60.0):
+    def __init__(self, concurrency: int, rpm: int = 0, tpm: int = 0, window_s: float = 60.0,
+                 clock=time.monotonic):
         if concurrency < 1 or rpm < 0 or tpm < 0 or window_s <= 0:
             raise ValueError("rate limiter: need concurrency >= 1, rpm >= 0, tpm >= 0, window_s > 0")
         self.max_limit, self.rpm, self.tpm, self.window_s = concurrency, rpm, tpm, window_s
+        self.clock = clock
         self.limit, self.in_flight, self._ok_streak = concurrency, 0, 0
-        self.paused_until = 0.0  # time.monotonic(): no request starts before this
+        self.paused_until = 0.0  # clock(): no request starts before this
         self._window: list = []  # [start time, tokens] of requests started in the last window_s
         self._cv = threading.Condition()
         self.throttled, self.waited_s, self.peak_in_flight = 0, 0.0, 0
@@ -209,13 +215,18 @@ class RateLimiter:
                         break
         return max(waits)
 
+    def wait_s(self, tokens: int = 0) -> float:
+        """Seconds until a request of about `tokens` tokens may start (0: now), by the clock."""
+        with self._cv:
+            return max(0.0, self._blocked(self.clock(), tokens))
+
     def acquire(self, tokens: int = 0, deadline: float | None = None) -> list:
         """Block until a request of about `tokens` tokens may start; returns its ticket. Raises
-        DeadlineExceeded when `deadline` (time.monotonic()) comes first."""
-        t0 = time.monotonic()
+        DeadlineExceeded when `deadline` (by the clock: time.monotonic()) comes first."""
+        t0 = self.clock()
         with self._cv:
             while True:
-                now = time.monotonic()
+                now = self.clock()
                 wait = self._blocked(now, tokens)
                 if wait <= 0:
                     break
@@ -235,7 +246,7 @@ class RateLimiter:
             self.in_flight -= 1
             if throttled:
                 self.throttled += 1
-                now = time.monotonic()
+                now = self.clock()
                 if now >= self.paused_until:  # one cut per throttling episode: the other 429s of
                     self.limit = max(1, self.limit // 2)  # requests already in flight cut no more
                 self._ok_streak = 0

@@ -261,6 +261,12 @@ class HTTPJudge(EvolvingJudge):
             body["max_tokens"] = http.max_output_tokens
         return f"{http.url_root(cfg.backend)}/chat/completions", headers, body
 
+    def _quota_tokens(self, tin: int, tout: int) -> int:
+        """The tokens of one request that count against judge_http.tpm: the Gemini API's
+        tokens-per-minute limit counts input tokens only ("Tokens per minute (input)",
+        ai.google.dev/gemini-api/docs/rate-limits); an OpenAI-compatible server's counts both."""
+        return int(tin) if self.config.backend == "gemini" else int(tin) + int(tout)
+
     def _reply_text(self, data: Any, ticket: list | None = None) -> str:
         """Model text and usage accounting from a 200 reply; ValueError if the wire shape is wrong.
         ticket: the request's rate-limiter entry, corrected to the tokens really used."""
@@ -274,8 +280,9 @@ class HTTPJudge(EvolvingJudge):
                 u = data.get("usage") or {}
                 tin, tout = int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0))
             self.meter.add_usage(tin, tout)
-            if ticket is not None and tin + tout > 0:
-                self.client.limiter.add_tokens(ticket, tin + tout)
+            used = self._quota_tokens(tin, tout)
+            if ticket is not None and used > 0:
+                self.client.limiter.add_tokens(ticket, used)
             if self.config.backend == "gemini":
                 parts = data["candidates"][0]["content"]["parts"]
                 return "".join(p.get("text", "") for p in parts if not p.get("thought"))
@@ -319,7 +326,8 @@ class HTTPJudge(EvolvingJudge):
                 reason = str(e)
                 break
             t0 = time.perf_counter()
-            est = (len(system) + len(user)) // 4 + (http.max_output_tokens or 1000)  # for judge_http.tpm
+            # SCALE: the request's estimated tokens for judge_http.tpm (~4 characters per token)
+            est = self._quota_tokens((len(system) + len(user)) // 4, http.max_output_tokens or 1000)
             try:
                 resp, n_retry, n429, ticket = self.client.post(url, body, headers, tokens=est)
             except APIStopError:

@@ -38,7 +38,9 @@ class HTTPJudgeConfig:
     api_key_env: str = ""
     """Environment variable holding the key; "" = GEMINI_API_KEY / OPENAI_API_KEY. Optional for openai."""
     concurrency: int = 8
-    """Maximum parallel HTTP judge requests (thread pool + semaphore)."""
+    """Maximum parallel HTTP judge requests (thread pool + semaphore). With ~6 s per call, 8 in flight
+    judge a paper-scale step's 288 task calls in ~3.6 min (the dry run's plan); raise it (32-64) where
+    the provider's quota allows."""
     timeout_s: float = 120.0
     """Connect and read timeout of one request; a read timeout is re-asked (counts as a retry)."""
     backoff_s: float = 1.0
@@ -62,7 +64,12 @@ class HTTPJudgeConfig:
     """Ours: at most this many judge requests started per minute (0 = no limit; 429s are backed
     off in any case, backends/api/http.py)."""
     tpm: int = 0
-    """Ours: at most this many judge tokens (input + output, estimated) per minute (0 = no limit)."""
+    """Ours: the provider's tokens-per-minute quota for the judge's model (0 = unknown / unlimited).
+    The client paces itself to it (backends/api/http.RateLimiter: each request's tokens, estimated
+    before it is sent and corrected by the reply's usage, must fit the last 60 s) instead of running
+    into 429s. The Gemini API counts input tokens only (its rate-limit page: "Tokens per minute
+    (input)"); an OpenAI-compatible server input + output. The dry run's step-time plan takes the
+    judge phase as at least a step's judge input tokens / tpm (backends/distributed/plan.py)."""
     retry_after_max_s: float = 120.0
     """A 429's Retry-After up to this long is waited out (pausing every judge request); a longer
     one fails the call at once."""

@@ -21,6 +21,7 @@ from typing import Sequence
 
 import torch
 
+from backends.scale.cuda_threads import select_device
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -88,7 +89,8 @@ def init_distributed(env: DistEnv | None = None, timeout_min: float | None = Non
     free MASTER_PORT first, since DeepSpeed would otherwise try MPI discovery (needs mpi4py).
     timeout_min: collective timeout in minutes (None = torch's default) of the default group and,
     through set_group_timeout, of every group made later without its own (DeepSpeed's, vLLM's).
-    Idempotent. Returns the DistEnv in effect.
+    On GPU it selects the GPU numbered LOCAL_RANK for this thread and for every thread started later
+    through backends/scale/cuda_threads.py. Idempotent. Returns the DistEnv in effect.
     """
     env = env or dist_env()
     # torch deprecation notices raised inside DeepSpeed's collectives, once per call: not ours to fix.
@@ -101,7 +103,9 @@ def init_distributed(env: DistEnv | None = None, timeout_min: float | None = Non
     if device_kind() == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     else:
-        torch.cuda.set_device(env.local_rank)
+        # SCALE: this thread's GPU, and the first act of every thread we start later (the engine
+        # loop, the sync rpc and receive threads): CUDA's current device is per thread
+        select_device(env.local_rank)
     import deepspeed  # lazy: DeepSpeed only when a full run starts
 
     if device_kind() == "cpu" and os.environ.get("RUBRICEM_DS_SHM") != "1":

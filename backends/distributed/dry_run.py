@@ -24,7 +24,7 @@ from backends.api.settings import HTTPJudgeConfig
 from backends.distributed import launch_check, site_check, versions
 from backends.distributed.dist import DistEnv, dist_env
 from backends.distributed.launch_check import ranks_per_node
-from backends.distributed.plan import model_shape, plan_lines
+from backends.distributed.plan import model_shape, plan_lines, plan_vs_measured, schedule_estimate
 from backends.run.build import ROLLOUT_RANKS, every_rank_samples
 from backends.run.config import SECRET_ENV_VARS, validate_config
 from backends.run.data import _is_local
@@ -84,7 +84,8 @@ def _required_packages(cfg) -> dict[str, str]:
     if http:
         need["requests"] = f"{' and '.join(http)}; {full_extra}"
     if cfg.data.source and not _looks_local(cfg.data.source):
-        need["datasets"] = f"data.source {cfg.data.source!r} (a Hugging Face dataset id); {full_extra}"
+        need["datasets"] = (f"data.source {cfg.data.source!r} (a Hugging Face dataset id, read by rank 0); "
+                            f"{full_extra}, or offline: --set data.source=\"rows.jsonl\" (a local file)")
     return need
 
 
@@ -156,15 +157,21 @@ def _host_memory_bytes() -> float:
     return 0.0
 
 
-def _memory_section(cfg, ws: int, n_gpu: int, environ) -> tuple[list[str], list[str]]:
-    """The memory plan and step-time estimate (backends/distributed/plan.py) for `ws` ranks: GPU capacity from
-    the visible GPU 0, else FullConfig.gpu_memory_gib; host RAM from FullConfig.host_memory_gib, else
-    this machine's when it has GPUs (a CPU-only machine is not the node the plan is for)."""
-    full = full_config(cfg)
+def _gpu_bytes(full, n_gpu: int) -> tuple[float, str]:
+    """(one GPU's bytes, where the figure comes from): the visible GPU 0, else FullConfig.gpu_memory_gib."""
     if n_gpu:
-        gpu_b, gpu_src = float(torch.cuda.get_device_properties(0).total_memory), "GPU 0 of this machine"
-    else:
-        gpu_b, gpu_src = full.gpu_memory_gib * 2 ** 30, f"assumed: full.gpu_memory_gib={full.gpu_memory_gib:g}"
+        return float(torch.cuda.get_device_properties(0).total_memory), "GPU 0 of this machine"
+    return full.gpu_memory_gib * 2 ** 30, f"assumed: full.gpu_memory_gib={full.gpu_memory_gib:g}"
+
+
+def _memory_section(cfg, ws: int, n_gpu: int, environ) -> tuple[list[str], list[str]]:
+    """The memory plan, start-up and step-time estimates (backends/distributed/plan.py) for `ws` ranks: GPU
+    capacity from the visible GPU 0, else FullConfig.gpu_memory_gib; host RAM from
+    FullConfig.host_memory_gib, else this machine's when it has GPUs (a CPU-only machine is not the
+    node the plan is for); the start-up counts DeepSpeedCPUAdam's JIT build unless the deepspeed
+    package holds the op prebuilt."""
+    full = full_config(cfg)
+    gpu_b, gpu_src = _gpu_bytes(full, n_gpu)
     if full.host_memory_gib:
         host_b, host_src = full.host_memory_gib * 2 ** 30, f"full.host_memory_gib={full.host_memory_gib:g}"
     elif n_gpu:
@@ -173,9 +180,31 @@ def _memory_section(cfg, ws: int, n_gpu: int, environ) -> tuple[list[str], list[
         host_b, host_src = 0.0, "not checked: no GPU here; set full.host_memory_gib"
     per_node = ranks_per_node(environ) or min(ws, n_gpu or full.world_size_hint)
     try:
-        return plan_lines(cfg, ws, max(1, per_node), gpu_b, gpu_src, host_b, host_src)
+        return plan_lines(cfg, ws, max(1, per_node), gpu_b, gpu_src, host_b, host_src,
+                          cpu_adam_prebuilt=site_check.cpu_adam_prebuilt())
     except (ValueError, KeyError) as err:
         return [f"memory plan: not computed ({err})"], [f"memory plan: {err}"]
+
+
+def step_report(cfg, metrics: dict, environ=None) -> str:
+    """Step 1's measured time/* metrics (`metrics`, seconds) next to the plan's phases for the
+    schedule this run uses (plan.schedule_estimate, plan.plan_vs_measured) on this launch: its world
+    size and ranks per node from the launcher, one GPU's memory from GPU 0 (else
+    full.gpu_memory_gib). Never raises: a plan that cannot be computed is reported in the text (the
+    training loop logs it and goes on)."""
+    e = os.environ if environ is None else environ
+    try:
+        full = full_config(cfg)
+        env = dist_env(e)
+        n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        ws = env.world_size if env.launched else (n_gpu or 1)
+        gpu_b, _ = _gpu_bytes(full, n_gpu)
+        est = schedule_estimate(cfg, ws, max(1, ranks_per_node(e) or min(ws, n_gpu or 1)), gpu_b)
+        rows = plan_vs_measured(est.phases, metrics)
+    except Exception as err:  # a report, never a reason to stop training
+        return f"step 1 against the plan: not computed ({type(err).__name__}: {err})"
+    return "\n".join([f"step 1 against the plan (minutes; full.rollout_schedule="
+                      f"\"{full.rollout_schedule}\", world {ws}; backends/distributed/plan.py)"] + rows)
 
 
 def _checkpoint_bytes_in(run_dir: str) -> float:
@@ -194,7 +223,8 @@ def _checkpoint_bytes_in(run_dir: str) -> float:
 def site_lines(cfg, environ, env: DistEnv, n_gpu: int) -> tuple[list[str], list[str]]:
     """The "site" section (site_check.py): compute mode, the allocator setting with vLLM's sleep
     mode, GPUs visible against LOCAL_RANK, a stale extension-build lock, checkpoint size and free
-    disk. Returns (lines, problems)."""
+    disk, the NVIDIA driver against the wheels' CUDA, nvcc against torch's CUDA. Returns (lines,
+    problems)."""
     full = full_config(cfg)
     lines = ["site (settings that stop a run before step 0 or at its first checkpoint)"]
     problems: list[str] = []
@@ -210,6 +240,10 @@ def site_lines(cfg, environ, env: DistEnv, n_gpu: int) -> tuple[list[str], list[
         site_check.checkpoint_disk_lines(shape.params, cfg.checkpoint.keep, cfg.checkpoint.every,
                                          cfg.run_dir, free, where, _checkpoint_bytes_in(cfg.run_dir),
                                          bf16=full.bf16 != "off"),
+        site_check.driver_lines(site_check.read_driver_version(), torch.version.cuda,
+                                site_check.cuda_compat_libs(), n_gpu),
+        # the RL run JIT-builds no CUDA op (DeepSpeedCPUAdam is C++): the toolkit line informs only
+        site_check.nvcc_lines(site_check.read_nvcc_release(environ=environ), torch.version.cuda, False),
     ]
     for more, bad in checks:
         lines += [f"  {x}" for x in more]
@@ -294,6 +328,8 @@ def dry_run(cfg, environ: dict | None = None) -> tuple[str, list[str]]:
         lines.append("  GPUs: none visible (torch.cuda.is_available() is False)")
         problems.append("no GPU visible: full mode trains on GPUs")
     needed = _required_packages(cfg)
+    if env.rank > 0:  # only rank 0 reads the RL rows (the others get their queries from it)
+        needed.pop("datasets", None)
     for dist in ("torch", "transformers", "deepspeed", "accelerate", "vllm", "sentence-transformers",
                  "requests", "datasets"):
         v = _version(dist)

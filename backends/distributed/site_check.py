@@ -21,13 +21,24 @@ vLLM engine inside each trainer process, on the rank's GPU: docs/full_mode.md, "
                             the JIT build of FusedAdam, the SFT stage's optimizer
     checkpoint_disk_lines   one checkpoint's size (DeepSpeed's fp32 master weights and Adam
                             moments, the HF weights) and free disk for checkpoint.keep of them
+    driver_lines            the NVIDIA driver against the CUDA build of the wheels: the pinned vLLM
+                            0.32.0 wheel and the torch 2.13.0 it pins are CUDA 13 builds, which need
+                            driver >= 580 (or the cuda-compat forward-compatibility package); an
+                            older driver leaves torch.cuda.is_available() False with no reason given
+    nvcc_lines              nvcc's release against torch.version.cuda's major.minor: DeepSpeed's op
+                            builder refuses a mismatch for CUDA 13 (it tolerates minor mismatches
+                            for CUDA 10-12 only), which stops a JIT build of a CUDA op (FusedAdam:
+                            the SFT stage's optimizer when DeepSpeed's AdamW runs on the GPU). The
+                            RL run's DeepSpeedCPUAdam is a C++ op: for it the line is informational
 
 Each returns (report lines, problems). Nothing here imports torch, DeepSpeed or vLLM.
 """
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -223,3 +234,135 @@ def checkpoint_disk_lines(params: int, keep: int, every: int, run_dir: str, free
                        f"checkpoint.keep={keep} checkpoints of {one / GB:.0f} GB need {need / GB:.0f} GB "
                        "more (lower checkpoint.keep, or a larger filesystem)"]
     return lines, []
+
+
+# ----------------------------------------------------------------------------------------------------
+# Driver and CUDA toolkit
+
+# The oldest driver each CUDA major release runs on under minor-version compatibility (the CUDA
+# Toolkit release notes' table "CUDA Toolkit and minimum required driver version for CUDA minor
+# version compatibility": CUDA 12.x >= 525.60.13, CUDA 13.x >= 580).
+MIN_DRIVER = {11: (450, 80, 2), 12: (525, 60, 13), 13: (580, 0, 0)}
+# The pinned wheels' CUDA (constraints/gpu.txt): vllm 0.32.0's extensions link libnvrtc.so.13 and it
+# pins torch==2.13.0, whose default wheel is the CUDA 13.0 build.
+PINNED_CUDA = "13.0"
+# CUDA majors whose toolkit minor may differ from torch's for DeepSpeed's op builder (builder.py,
+# cuda_minor_mismatch_ok in deepspeed 0.19.8: 10, 11 and 12; 13 has no entry).
+DS_MINOR_MISMATCH_OK = (10, 11, 12)
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
+
+
+def read_driver_version(run=subprocess.run, proc: str = "/proc/driver/nvidia/version") -> str | None:
+    """The NVIDIA driver version ("580.65.06") from nvidia-smi, else from the kernel module's
+    /proc file; None where neither exists (no NVIDIA driver: no GPU). `run`: subprocess.run (tests
+    pass a stand-in). nvidia-smi answers even when the driver is too old for the installed torch."""
+    if run is not subprocess.run or shutil.which("nvidia-smi") is not None:
+        try:
+            r = run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                    capture_output=True, text=True, timeout=20)
+            first = r.stdout.strip().splitlines()[0].strip() if r.returncode == 0 and r.stdout.strip() else ""
+            if re.fullmatch(r"\d+(\.\d+)*", first):
+                return first
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        with open(proc) as fh:
+            m = re.search(r"Kernel Module\s+(?:for \S+\s+)?(\d+\.\d+(?:\.\d+)?)", fh.read())
+        return m.group(1) if m else None
+    except OSError:
+        return None
+
+
+def cuda_compat_libs(roots: tuple = ("/usr/local/cuda/compat", "/usr/local/cuda-*/compat")) -> list[str]:
+    """libcuda.so files of an installed cuda-compat package (NVIDIA's forward compatibility: a newer
+    CUDA on an older data-centre driver, when LD_LIBRARY_PATH holds the folder)."""
+    out: list[str] = []
+    for r in roots:
+        for d in sorted(glob.glob(r)):
+            out += sorted(glob.glob(os.path.join(d, "libcuda.so*")))
+    return out
+
+
+def driver_lines(driver: str | None, torch_cuda: str | None, compat: list[str],
+                 n_gpu: int) -> tuple[list[str], list[str]]:
+    """driver: read_driver_version(); torch_cuda: torch.version.cuda (None for a CPU build of torch:
+    the pinned CUDA 13.0 build is checked instead); compat: cuda_compat_libs(); n_gpu: GPUs torch sees.
+    A driver older than MIN_DRIVER for that CUDA major is a problem unless cuda-compat is there
+    (noted); no driver at all is skipped with the reason."""
+    cuda = torch_cuda or PINNED_CUDA
+    src = "torch.version.cuda" if torch_cuda else "the pinned vllm 0.32.0 / torch 2.13.0 wheels"
+    major = _version_tuple(cuda)[0] if _version_tuple(cuda) else 0
+    need = MIN_DRIVER.get(major)
+    need_s = ".".join(map(str, need)).removesuffix(".0.0") if need else "?"
+    if driver is None:
+        return [f"NVIDIA driver: not checked (no nvidia-smi and no /proc/driver/nvidia here: no GPU); "
+                f"CUDA {cuda} ({src}) needs driver >= {need_s}"], []
+    line = f"NVIDIA driver {driver}; CUDA {cuda} ({src}) needs >= {need_s}"
+    if need is None or _version_tuple(driver) >= need:
+        return [line + ": ok"], []
+    if compat:
+        return [line + f"; below it, but cuda-compat is installed ({compat[0]}): forward compatibility "
+                "(data-centre GPUs; its folder must be on LD_LIBRARY_PATH)"], []
+    return [line], [f"NVIDIA driver {driver} is older than {need_s}, the minimum for CUDA {cuda} ({src})"
+                    + (": torch.cuda.is_available() is False with it" if not n_gpu else "")
+                    + "; install driver R" + need_s.split(".")[0] + "+ or the cuda-compat package "
+                    "(forward compatibility)"]
+
+
+def read_nvcc_release(run=subprocess.run, environ=None) -> str | None:
+    """nvcc's release ("13.0") from `nvcc --version` ($CUDA_HOME/bin/nvcc first); None without nvcc."""
+    env = os.environ if environ is None else environ
+    home = env.get("CUDA_HOME") or env.get("CUDA_PATH")
+    cand = os.path.join(home, "bin", "nvcc") if home else ""
+    if not os.path.isfile(cand):
+        cand = shutil.which("nvcc") or ""
+    if not cand:
+        return None
+    try:
+        r = run([cand, "--version"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"release (\d+\.\d+)", r.stdout or "")
+    return m.group(1) if m else None
+
+
+def nvcc_lines(nvcc: str | None, torch_cuda: str | None, needs_build: bool) -> tuple[list[str], list[str]]:
+    """nvcc's release against torch.version.cuda (None: a CPU build here, the pinned CUDA 13.0 is
+    compared). DeepSpeed's op builder (assert_no_cuda_mismatch) accepts equal major.minor, or a
+    different minor within CUDA 10-12; else it raises CUDAMismatchException unless
+    DS_SKIP_CUDA_CHECK=1. needs_build: this run JIT-builds a CUDA op (a problem then); otherwise the
+    line is informational (the RL run's DeepSpeedCPUAdam is a C++ op)."""
+    cuda = torch_cuda or PINNED_CUDA
+    whose = "torch's" if torch_cuda else "the pinned torch 2.13.0's"
+    why = "" if needs_build else (" (informational: the RL run builds no CUDA op; the SFT stage "
+                                  "builds FusedAdam only with DeepSpeed's AdamW on the GPU)")
+    if nvcc is None:
+        line = f"nvcc: not found; {whose} CUDA {cuda}" + why
+        return [line], ([f"nvcc not found: the JIT build of a CUDA op needs the CUDA {cuda} toolkit"]
+                        if needs_build else [])
+    t, c = _version_tuple(nvcc)[:2], _version_tuple(cuda)[:2]
+    ok = t == c or (t[0] == c[0] and t[0] in DS_MINOR_MISMATCH_OK)
+    line = f"nvcc {nvcc} against {whose} CUDA {cuda}: " + ("DeepSpeed's op builder accepts it" if ok else
+                                                          "DeepSpeed's op builder refuses it") + why
+    if ok or not needs_build:
+        return [line], []
+    return [line], [f"nvcc {nvcc} differs from {whose} CUDA {cuda} and DeepSpeed 0.19.8 allows a minor "
+                    f"mismatch for CUDA 10-12 only: the JIT build of a CUDA op stops with "
+                    f"CUDAMismatchException; install the CUDA {cuda} toolkit (CUDA_HOME), or set "
+                    "DS_SKIP_CUDA_CHECK=1 at your own risk"]
+
+
+def cpu_adam_prebuilt() -> bool:
+    """Whether the installed deepspeed package holds a prebuilt DeepSpeedCPUAdam op (a cpu_adam*.so
+    under deepspeed/ops, as DS_BUILD_CPU_ADAM=1 pip install deepspeed leaves it); the start-up plan
+    then counts no JIT build."""
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    for d, _, fs in os.walk(os.path.join(list(spec.submodule_search_locations)[0], "ops")):
+        if any(f.startswith("cpu_adam") and f.endswith(".so") for f in fs):
+            return True
+    return False

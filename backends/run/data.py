@@ -151,14 +151,26 @@ def read_records(source: str, split: str = "train", limit: int | None = None) ->
 
 
 def load_rl_rows(source: str, split: str = "train", limit: int | None = None) -> list:
-    """RL queries from `source` (read_records), each validated by parse_row.
+    """RL queries from `source` (read_records; the run's data.source), each validated by parse_row.
 
     Returns list[data.Query] (row_index = position in the file). Raises ValueError naming the row
     index and the field for a row that does not fit the DR Tulu schema, or for an empty data set;
-    and whatever read_records raises.
+    OSError naming data.source and the local-file way out when a Hugging Face dataset id cannot be
+    read here (no `datasets` package, no network, an offline node); and whatever else read_records
+    raises.
     """
 
-    rows = read_records(source, split, limit)
+    try:
+        rows = read_records(source, split, limit)
+    except (ImportError, OSError) as e:
+        if _is_local(source):
+            raise
+        # An offline node (HF_HUB_OFFLINE, no route to the hub) or one without `datasets`: the
+        # same rows from a local file need neither (under ZeRO-3 rank 0 alone reads them).
+        raise OSError(f"data.source {source!r}: {e}. On a node without network or `datasets`, point "
+                      "data.source at a local copy of the rows (--set data.source=\"rows.jsonl\", "
+                      "written once where the hub is reachable: "
+                      "datasets.load_dataset(name, split=split).to_json(\"rows.jsonl\"))") from e
     for i, r in enumerate(rows):
         if not isinstance(r, dict):
             raise ValueError(f"row {i}: expected a JSON object, got {type(r).__name__}")

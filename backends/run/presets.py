@@ -15,6 +15,8 @@ no toy module and no backend's section, and toy/ imports nothing of backends/.
 """
 from __future__ import annotations
 
+import os
+
 from backends.api.settings import HTTPJudgeConfig, SearchHTTPConfig
 from backends.run.config import Config, attach_sections, config_from_dict, register_section
 from backends.run.data import PAPER_RL_DATA
@@ -33,6 +35,20 @@ register_section("sft", SFTConfig)
 register_section("full", FullConfig, default=False)
 register_section("judge_http", HTTPJudgeConfig, default=False)
 register_section("search_http", SearchHTTPConfig, default=False)
+
+
+def cores_per_rank(environ=None, cores: int | None = None, hint: int = 8) -> int:
+    """CPU cores for one rank of a full-mode launch: the cores this process may run on
+    (os.sched_getaffinity, else os.cpu_count) over the ranks on its node (LOCAL_SIZE from the
+    deepspeed launcher, LOCAL_WORLD_SIZE from torchrun; `hint` ranks when not launched, the dry run's
+    FullConfig.world_size_hint), at least 1. DeepSpeedCPUAdam runs one OpenMP thread per
+    torch.set_num_threads thread (train.py sets config.threads), so this is its share of the node."""
+    env = os.environ if environ is None else environ
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local = env.get("LOCAL_SIZE") or env.get("LOCAL_WORLD_SIZE") or ""
+    ranks = int(local) if local.isdigit() and int(local) > 0 else hint
+    return max(1, cores // ranks)
 
 
 def toy_preset() -> Config:
@@ -60,7 +76,10 @@ def full_preset() -> Config:
     c.rollout.system_prompt = "full"
     c.ss_grpo.lr = 5e-7  # PAPER: lr 5e-7 constant
     c.ss_grpo.minibatches = 1
-    c.ss_grpo.micro_batch = 1
+    c.ss_grpo.micro_batch = 1  # the dry run names the largest that fits (plan.largest_micro_batch)
+    # SCALE: DeepSpeedCPUAdam's OpenMP threads: the node's cores shared by its ranks (the toy's 2
+    # would leave an offloaded 8B optimizer step on 2 threads per rank)
+    c.threads = cores_per_rank(hint=c.full.world_size_hint)
     c.eval = EvalConfig(n_questions=0)
     # not in the paper (it gives no length): a reflection is a retrospective rubric plus takeaways
     # (Fig. 2) that returns as a memory note inside the 8,192-token prompt (top-k 2). 512 tokens

@@ -62,6 +62,36 @@ def restore_training_state(state: dict, rng: random.Random, judge, bank, rollout
     monitor.nonfinite = int(state.get("monitor_nonfinite", 0))  # checkpoints from before it: 0
 
 
+def reference_record(source: str, model=None, model_dir: str | None = None) -> dict:
+    """What a checkpoint records of the frozen reference pi_ref (the SFT warm start; its weights are
+    not stored): {"source": where it comes from, "kind", "sha256"}. kind "weights": the sha256 of the
+    loaded `model` (checkpoint.weights_fingerprint); "files", when no model is given: the sha256 of
+    the weight files in `model_dir` (checkpoint.files_fingerprint; a ZeRO-3 run that samples with
+    vLLM loads no plain copy). Raises ValueError with neither, checkpoint.CheckpointError for a
+    folder without weight files."""
+    if model is not None:
+        return {"source": source, "kind": "weights", "sha256": ckpt_mod.weights_fingerprint(model)}
+    if not model_dir:
+        raise ValueError("reference_record: pass the loaded model or its folder")
+    return {"source": source, "kind": "files", "sha256": ckpt_mod.files_fingerprint(model_dir)}
+
+
+def reference_kind(record: dict) -> str:
+    """The kind of a checkpoint's reference record; "weights" for one written before kinds."""
+    return record.get("kind", "weights")
+
+
+def check_reference(saved: dict, now: dict, path: str) -> None:
+    """Refuse to resume from checkpoint `path` against another reference than it trained against:
+    raises checkpoint.CheckpointError, naming both sources, when the records' sha256s differ
+    (reference_record; `now` computed in the checkpoint's kind, train.reference_of)."""
+    if saved["sha256"] != now["sha256"]:
+        raise ckpt_mod.CheckpointError(
+            f"cannot resume from {path}: the reference model (SFT warm start) rebuilt from "
+            f"{now['source']} differs from the one the run started with ({saved['source']}); "
+            "restore that warm start or --model")
+
+
 def _check_world_size(cfg: Config, path: str) -> None:
     """Engine zero3: the checkpoint's DeepSpeed partitions (one per rank) must meet as many ranks as
     this launch has; raises checkpoint.CheckpointError at once, before any model is loaded, naming

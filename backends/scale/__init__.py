@@ -10,6 +10,9 @@ samplers, rollout schedules and retriever that a configuration swaps in for the 
                        world size: docs/full_mode.md "One engine path"), weight sync, sleep / wake
     engine_loop.py     the sampler's engine loop: every caller's requests share the engine's batches
     vllm_sync_ext.py   the worker half of the weight sync inside vLLM's engine
+    cuda_threads.py    start_thread: every thread that may touch CUDA starts on the rank's GPU and
+                       the engine's stream (CUDA's current device and stream are per thread)
+    memory_phases.py   GPU free / reserved memory at each phase of a step (build, sleep, update, wakes)
     retrieval.py       DenseRetriever: the bank's Qwen3-Embedding retrieval
     zero3_scope.py     where transformers' global ZeRO-3 switch is on (loads) and off (everything else)
 

@@ -41,8 +41,11 @@ class SerialRequests:
     once the queued requests are done. A request's exception goes to its future."""
 
     def __init__(self, sampler):
+        from backends.scale.cuda_threads import enter  # lazy: a toy run loads this module, runs none
+
         self.sampler = sampler
-        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="requests")
+        # SCALE: a torch sampler decodes on this thread: it starts on the rank's GPU (cuda_threads)
+        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="requests", initializer=enter)
 
     def submit(self, prompt: list[int], max_new_tokens: int, temperature: float,
                seed: int | None = None) -> cf.Future:

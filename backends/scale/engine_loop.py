@@ -28,6 +28,8 @@ import itertools
 import threading
 import time
 
+from backends.scale.cuda_threads import start_thread
+
 __all__ = ["EngineLoop", "WeightSyncError"]
 
 
@@ -83,10 +85,24 @@ class EngineLoop:
             self._queue.append((f"rubricem-{next(self._ids)}", [int(t) for t in prompt], params, room, f))
             if self._loop_thread is None:
                 self._trace("submit")
-                self._loop_thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
-                self._loop_thread.start()
+                # SCALE: a new loop thread whenever the engine was idle; it steps vLLM, so it must
+                # start on the rank's GPU and the engine's stream (backends/scale/cuda_threads.py)
+                self._loop_thread = start_thread(self._loop, name="engine-loop",
+                                                 on_error=self._fail_queued)
             self._cv.notify_all()
         return f
+
+    def _fail_queued(self, e: BaseException) -> None:
+        """A loop thread that could not start (its device selection raised): every queued request
+        fails with that error, and the next submit starts a new thread."""
+        with self._cv:
+            failed = [f for *_, f in self._queue]
+            self._queue = []
+            self._loop_thread = None
+            self._cv.notify_all()
+        for f in failed:
+            if not f.done():
+                f.set_exception(e)
 
     def _loop(self) -> None:
         """The engine loop (one thread): add what was submitted, step the engine, resolve the

@@ -426,6 +426,8 @@ class AsyncReflection:
         """Run `branch` in a thread. bank_gate: the Event the branch's bank writes wait for
         (reflection_branch(bank_gate=...)); the caller sets it once step t+1's retrieval has read
         the bank, and result() sets it in any case before waiting."""
+        from backends.scale.cuda_threads import start_thread  # lazy: full mode's overlapped step only
+
         if self._th is not None:
             raise RuntimeError("a reflection branch is already in flight; collect it with result()")
         self._gate = bank_gate
@@ -440,8 +442,9 @@ class AsyncReflection:
             box["seconds"] = time.perf_counter() - t0
 
         self._box = box
-        self._th = threading.Thread(target=work, name="reflection", daemon=True)
-        self._th.start()
+        # SCALE: the branch may touch CUDA (a torch sampler's decoding, the dense bank retriever's
+        # embeddings): it starts on the rank's GPU (backends/scale/cuda_threads.py)
+        self._th = start_thread(work, name="reflection")
 
     @property
     def pending(self) -> bool:

