@@ -88,10 +88,13 @@ class SSGRPOConfig:
     """PAPER (appendix): lr 5e-7 constant, the full preset's; toy: 2e-4 (ours, a 0.5 M policy)"""
     minibatches: int = 2
     """not in the paper; we take this many optimizer steps per batch (ss_grpo deviation 2); full: 1"""
-    micro_batch: int = 16
+    micro_batch: int = 4
     """not in the paper; sequences per forward pass (gradient accumulation within a minibatch): memory
-    only, the same gradient (to float rounding); full: 1; toy: 16 (at 32 and the 1,024-token budget
-    a run peaked at 3.03 GiB RSS: the attention weights held for the backward grow with L^2)"""
+    and speed only, the same gradient (to float rounding); full: 1; toy: 4. A pass pads to its
+    longest sequence, and the passes of an optimizer step take its sequences longest first
+    (policy.plan_update), so smaller passes pad less: on recorded toy batches the task update took
+    about 0.9x the CPU time of micro-batch 8 and 0.65x that of 16 (benchmarks/toy_step.py times the
+    whole step; at 32 and the 1,024-token budget a run peaked at 3.03 GiB RSS)"""
     grad_clip: float = 1.0
     """not in the paper; we clip the global gradient norm per optimizer step at 1.0 (verl's default)"""
     skipped_stage_credit: bool = False

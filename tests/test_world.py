@@ -7,7 +7,9 @@ import re
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from toy.world import ASPECTS, BM25SearchTool, WorldConfig, bm25_tokens, make_world
+import numpy as np
+
+from toy.world import ASPECTS, BM25SearchTool, WorldConfig, bm25_tokens, make_world, top_k
 
 from scaffold import Query, load_rows, parse_row
 
@@ -196,6 +198,29 @@ def test_bm25_tool_returns_at_most_k_results_with_doc_ids_deterministically_sec3
     assert t1(query) == t2(query)  # the cache does not hand out its own list
     if not bm25_tokens(query):
         assert t1(query) == []
+
+
+@given(scores=st.lists(st.sampled_from([0.0, 0.5, 1.25, 2.0, 3.5]), min_size=1, max_size=60),
+       k=st.integers(1, 6))
+def test_bm25_top_k_is_the_sorted_ranking_ties_by_document_order_sec3_2(scores, k):
+    # the ranking BM25SearchTool returns: best score first, equal scores in document order (many
+    # ties on purpose: five distinct values)
+    want = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:k]
+    assert top_k(np.array(scores), k) == want
+
+
+@settings(max_examples=40)
+@given(data=st.data(), k=st.integers(1, 4))
+def test_bm25_tool_ranks_as_rank_bm25_over_the_whole_corpus_sec3_2(w, data, k):
+    """The tool scores only documents holding a query term (rank-bm25's get_batch_scores); its hits
+    are exactly the top k of get_scores over every document, ties in document order, score > 0."""
+    names = sorted(w.entities)
+    words = data.draw(st.lists(st.one_of(st.sampled_from(names), _QUERY_WORDS), min_size=1, max_size=4))
+    tool = BM25SearchTool(w.docs, k=k)
+    terms = bm25_tokens(" ".join(words))
+    full = tool._bm25.get_scores(terms) if terms else np.zeros(len(w.docs))
+    want = [w.docs[i].doc_id for i in top_k(full, k) if full[i] > 0]
+    assert [r.doc_id for r in tool(" ".join(words))] == want
 
 
 def test_bm25_tool_finds_the_named_entity_sec3_2(w, tool):

@@ -116,8 +116,17 @@ def _growing_layer_class():
             return self._n if self.is_initialized else 0
 
         def batch_select_indices(self, indices: torch.Tensor) -> None:
+            # The rows that stay, their filled part only, into a buffer with room for 64 more tokens:
+            # a row that stops drops out of the batch (KVSampler.decode) up to once per decode step,
+            # and copying the whole capacity (up to twice the filled part) each time cost more than
+            # the attention of the steps in between.
             if self.get_seq_length() > 0:
-                self._k, self._v = self._k[indices], self._v[indices]
+                n = self._n
+                k = self._k.new_empty((len(indices),) + self._k.shape[1:2] + (n + 64,) + self._k.shape[3:])
+                v = self._v.new_empty((len(indices),) + self._v.shape[1:2] + (n + 64,) + self._v.shape[3:])
+                torch.index_select(self._k[:, :, :n], 0, indices, out=k[:, :, :n])
+                torch.index_select(self._v[:, :, :n], 0, indices, out=v[:, :, :n])
+                self._k, self._v = k, v
                 self._views()
 
         def crop(self, tokens_to_remove: int) -> None:

@@ -193,13 +193,14 @@ class Config(PaperConfig):
     unless $WANDB_MODE says otherwise); --report-to"""
     dry_run: bool = False
     """full mode: check the environment and print the plan only"""
-    fast_logprobs: bool = False
-    """ours: the policy engine's log-probs. False (the toy default): the plain path, one sequence per
-    row and log_softmax + gather over every position (policy.token_logprobs). True (the full
-    preset): the vocabulary projection only where the loss mask is set, in chunks, and the
-    sequences of a micro-batch that share a long prompt (a reflection group's m candidates) packed
-    into one row (backends/run/fast_logprobs.py); the same values to float rounding (tests/test_logprobs.py,
-    tests/test_prefix_sharing.py), less memory and time (docs/performance.md section 7). Was
+    fast_logprobs: bool = True
+    """ours: the policy engine's log-probs. True (both presets): the vocabulary projection only where
+    the loss mask is set, in chunks, and the sequences that share a long prompt (a reflection
+    group's m candidates behind their trajectory) packed into one row
+    (backends/run/fast_logprobs.py); the same values to float rounding (tests/test_logprobs.py,
+    tests/test_prefix_sharing.py), less memory and time: in the toy it cut the reflection update's
+    CPU time about 8x (benchmarks/toy_step.py, docs/performance.md). False: the plain path, one
+    sequence per row and log_softmax + gather over every position (policy.token_logprobs). Was
     ss_grpo.share_prefix"""
     engine: str = "torch"
     """policy engine: "torch" (one process, torch AdamW) | "zero3" (DeepSpeed ZeRO-3 over the
