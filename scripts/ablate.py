@@ -13,20 +13,32 @@ from a warm start trained without reflection and memory examples, as the paper's
 teacher trajectories only).
 
 What one grid does
-    1. For each seed, then each arm (settings.ARMS), one subprocess
-           train.py --toy --arm A --seed S --run-dir GRID/A-seedS --steps N --eval-every E --no-progress
-       with the same --set overrides for all. Every arm of a seed loads the same cached SFT warm start
-       (its cache key holds the world, teacher, SFT and model settings and the seed, not the arm),
-       draws the same data order (DataOrder is seeded by the seed alone) and is evaluated on the same
-       held-out questions with the same sampling seed (heldout.evaluate_heldout); the script checks that the SFT
-       start (warm-start key and step-0 evaluation) is the same for every arm of a seed.
-    2. Memory reuse (scripts/memory_eval.py) of the rubricem and baseline_rl runs, as subprocesses; an arm
-       without a bank of its own reads the same seed's rubricem bank in pass 1.
-    3. GRID/results.jsonl: one row per (arm, seed, evaluated step) with the answer score and its
+    1. For each seed, then each run of --arms (arms of settings.ARMS and variants, item 7), one
+       subprocess
+           train.py --toy --arm A --seed S --run-dir GRID/NAME-seedS --steps N --eval-every E --no-progress
+       with the same --set overrides for all (a variant's own after them). Every run of a seed on one
+       warm start loads the same cached SFT warm start (its cache key holds the world, teacher, SFT
+       and model settings and the seed, not the arm), draws the same data order (DataOrder is seeded
+       by the seed alone) and is evaluated on the same held-out questions with the same sampling seed
+       (heldout.evaluate_heldout); the script checks, per seed and warm start, that the SFT start
+       (warm-start key and step-0 evaluation) is the same for every run of that start, and that a
+       start other than the toy's is its own.
+    2. Memory reuse (scripts/memory_eval.py --oracle: the two passes, pass 2's foreign-lesson control
+       and the oracle-lesson, attempt-lesson and content controls) of the MEMORY_ARMS runs (rubricem,
+       baseline_rl, exposure and their repeats on the nomemsft and randlessons starts), as
+       subprocesses; a run without a bank of its own reads the same seed's rubricem bank of its
+       warm start in pass 1.
+    3. GRID/results.jsonl: one row per (run, seed, evaluated step) with the answer score and its
        difference from the SFT start (step 0 of the same run), per question.
-    4. The table (held-out answer-score difference from the SFT start at the final step: mean and 95 %
-       percentile-bootstrap interval over seeds x questions), the figure (that difference against the
-       RL step, one line per arm with its interval as a band) and the findings, into --doc.
+    4. The report, into --doc: the table (held-out answer-score difference from the SFT start at the
+       final step: mean and 95 % percentile-bootstrap interval over seeds x questions), the curve
+       averages (the Fig. 5 metric), the figure (that difference against the RL step, one line per
+       run with its interval as a band), "The reflection update" (RubricEM against SS-GRPO,
+       rubricem-c0 and exposure-only, exposure-only against SS-GRPO), memory reuse (Fig. 6d: pass 1,
+       pass 2 and pass 2 own minus foreign, and the controls), "Does the policy read a lesson's
+       content?" (the content index and the foreign-lesson effect per warm start and per run after
+       RL), the paper findings and the goals. Each new contrast gives its paired 95 % interval and
+       its half-width, (hi - lo) / 2.
     5. With --scaffold, per seed also Baseline RL on the unstructured scaffold (run dir
        GRID/unstructured-seedS: train.py --arm baseline_rl --set rollout.scaffold="unstructured"),
        beside the structured baseline_rl run (added to --arms if missing): the same steps, seed, data
@@ -44,6 +56,15 @@ What one grid does
        (about 45 min on 2 cores at threads=1), the others load it (with --jobs > 1 they wait for
        that run, queued after every other run). No memory-reuse evaluation for these runs. The
        report gives both arms' RL gain on both starts and RubricEM - Baseline RL per start.
+    7. Variants (VARIANTS; name -> train.py --arm, overrides after the grid's, display name, warm
+       start), named in --arms like arms: rubricem-c0 (reflection.loss_coef=0) and exposure
+       (reflection.train=false: bank and memory in the prompts, no reflection GRPO) on the toy's
+       start; rubricem-nomemsft, baseline_rl-nomemsft, exposure-nomemsft (teacher.p_memory=0: no
+       lesson in the SFT prompts, reflection-writing examples kept); rubricem-randlessons,
+       baseline_rl-randlessons, exposure-randlessons, ss_grpo-randlessons
+       (teacher.memory_lessons="random": the SFT lessons name random subsets of facts); and the
+       runs of items 5 and 6. A start other than the toy's is trained by its first run, as in item 6;
+       its runs are compared only with runs from the same start.
 
 Resumable: a run whose eval.json exists is done and never redone; a run dir with checkpoints
 continues with --resume latest; memory.json marks a finished memory evaluation. Kill the grid at any
@@ -55,6 +76,10 @@ Launch
     python scripts/ablate.py --arms rubricem,baseline_rl --seeds 0 --steps 12 --set threads=1
     python scripts/ablate.py --arms baseline_rl --scaffold --quick   # scaffold ablation (Fig. 6a-c)
     python scripts/ablate.py --paper-sft --arms rubricem,baseline_rl --set threads=1 --set sample_threads=1
+    python scripts/ablate.py --arms rubricem,ss_grpo,baseline_rl,rubricem-c0,exposure --jobs 2 \
+        --set threads=1 --set sample_threads=1              # the reflection update
+    python scripts/ablate.py --arms rubricem-nomemsft,baseline_rl-nomemsft,exposure-nomemsft \
+        --jobs 2 --set threads=1 --set sample_threads=1     # a warm start without a memory reflex
     python scripts/ablate.py --render-only                   # redraw the doc from GRID/results.jsonl
     python scripts/ablate.py memory --run-dir runs/toy       # memory reuse of one run (scripts/memory_eval.py)
 
@@ -65,10 +90,14 @@ Deviations from the paper
        order is the paper's; not reproduced when they do not overlap and the order is reversed;
        inconclusive when they overlap. For memory reuse the sign of the difference is judged the
        same way against 0.
+    3. Not in the paper, ours: the variants of item 7, pass 2's foreign-lesson control, the content
+       index and the goals block (a goal on a difference is met when its 95 % interval lies above 0,
+       the content-index goal when its mean reaches CONTENT_GOAL).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -98,12 +127,10 @@ import memory_eval  # noqa: E402  (scripts/memory_eval.py: `ablate.py memory`)
 ARM_ORDER = [a for a, arm in settings.ARMS.items() if arm.reward == "judge"]
 PAPER_NAMES = {"rubricem": "RubricEM", "ss_grpo": "SS-GRPO", "meta_policy": "Meta-Policy",
                "baseline_rl": "Baseline RL", "baseline_rl_info": "Baseline RL (info-matched, ours)"}
-MEMORY_ARMS = ("rubricem", "baseline_rl")  # the arms of the paper's memory-reuse figure
 # The scaffold ablation (Fig. 6a-c, --scaffold): Baseline RL on the unstructured scaffold, run beside
 # the structured baseline_rl run under this name (its run dir GRID/unstructured-seedS).
 UNSTRUCTURED = "unstructured"
 SCAFFOLD_SET = 'rollout.scaffold="unstructured"'
-PAPER_NAMES[UNSTRUCTURED] = "Baseline RL, unstructured scaffold"
 # Paper findings on the scaffold (Fig. 6a-c): (what is compared, results-row key, at the SFT start?).
 SCAFFOLD_FINDINGS = (
     ("structured > unstructured after SFT (paper: DRB 43.0 vs 39.8)", "per_question_answer", True),
@@ -112,12 +139,110 @@ SCAFFOLD_FINDINGS = (
      "unstable)", "per_question_delta", False))
 # The SFT-confound ablation (--paper-sft): RubricEM and Baseline RL from a warm start trained without
 # the toy's reflection examples and retrieved memory in the SFT prompts, as the paper's SFT set
-# (teacher trajectories only), run beside the default-SFT runs under these names (run dirs
+# (teacher trajectories only), run beside the default-SFT runs under the names of PAPERSFT (run dirs
 # GRID/<name>-seedS). PAPER_SFT_SET goes after the other overrides, so it wins.
 PAPER_SFT_SET = ["sft.n_reflections=0", "teacher.p_memory=0"]
-PAPERSFT = {"rubricem-papersft": "rubricem", "baseline_rl-papersft": "baseline_rl"}  # name -> arm
-PAPER_NAMES["rubricem-papersft"] = "RubricEM, paper-style SFT"
-PAPER_NAMES["baseline_rl-papersft"] = "Baseline RL, paper-style SFT"
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """One SFT warm start of the grid. sets: the --set overrides that make it, placed after the
+    grid's own; label: its name in the report; sft_set, scaffold: what the results rows of its runs
+    carry in "sft_set" and "scaffold"."""
+    sets: tuple[str, ...]
+    label: str
+    sft_set: str = "toy"
+    scaffold: str = "structured"
+
+
+# Every warm start a grid can train from. Runs from one start are compared with each other only.
+STARTS = {
+    "toy": Start((), "toy default SFT"),
+    "unstructured": Start((SCAFFOLD_SET,), "unstructured scaffold", scaffold="unstructured"),
+    "papersft": Start(tuple(PAPER_SFT_SET), "paper-style SFT", sft_set="paper"),
+    # no lesson in the SFT prompts (no memory reflex taught), reflection-writing examples kept
+    "nomemsft": Start(("teacher.p_memory=0",), "no-memory SFT", sft_set="nomemsft"),
+    # the SFT prompts' lessons name random subsets of the question's facts (toy.teacher.random_lesson):
+    # a lesson's content then says nothing about which facts the answer needs
+    "randlessons": Start(('teacher.memory_lessons="random"',), "random-lesson SFT",
+                         sft_set="randlessons"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A run of the grid other than a plain arm: train.py --arm `arm` with `sets` after the grid's
+    overrides (its start's included), shown as `name`, from the warm start `start` (a STARTS key:
+    every run of a seed on one start loads one warm start); base: the run it repeats on another
+    start (None for a run of its own)."""
+    arm: str
+    sets: tuple[str, ...]
+    name: str
+    start: str = "toy"
+    base: str | None = None
+
+
+# Variants on the toy's default start, beside the arms: RubricEM whose reflection candidates'
+# advantages are weighted c = 0 in the shared optimizer step (reflection.loss_coef), and exposure-only:
+# the bank and memory in the prompts stay, no reflection GRPO (reflection.train=false).
+OWN_VARIANTS = {
+    "rubricem-c0": Variant("rubricem", ("reflection.loss_coef=0",), "RubricEM, reflection loss weight c = 0"),
+    "exposure": Variant("rubricem", ("reflection.train=false",),
+                        "Exposure-only (memory in prompts, no reflection training)"),
+}
+# Per start other than the toy's and the unstructured scaffold's: the runs repeated from it, each
+# under the name "<base>-<start>" (run dirs GRID/<base>-<start>-seedS).
+START_RUNS = {"papersft": ("rubricem", "baseline_rl"),
+              "nomemsft": ("rubricem", "baseline_rl", "exposure"),
+              "randlessons": ("rubricem", "baseline_rl", "exposure", "ss_grpo")}
+
+
+def make_variants() -> dict[str, Variant]:
+    """Every variant by name: UNSTRUCTURED, OWN_VARIANTS and the START_RUNS repeats (a repeat of an
+    own variant keeps its overrides after the start's)."""
+    out = {UNSTRUCTURED: Variant("baseline_rl", STARTS["unstructured"].sets,
+                                 "Baseline RL, unstructured scaffold", "unstructured", "baseline_rl"),
+           **OWN_VARIANTS}
+    for start, bases in START_RUNS.items():
+        for b in bases:
+            v = OWN_VARIANTS[b] if b in OWN_VARIANTS else Variant(b, (), PAPER_NAMES[b])
+            out[f"{b}-{start}"] = Variant(v.arm, (*STARTS[start].sets, *v.sets),
+                                          f"{v.name}, {STARTS[start].label}", start, b)
+    return out
+
+
+VARIANTS = make_variants()
+PAPER_NAMES.update({n: v.name for n, v in VARIANTS.items()})
+PAPERSFT = {n: v.arm for n, v in VARIANTS.items() if v.start == "papersft"}  # name -> arm
+# Short names for the report's contrast lines.
+SHORT_NAMES = {"rubricem": "RubricEM", "ss_grpo": "SS-GRPO", "baseline_rl": "Baseline RL",
+               "rubricem-c0": "RubricEM (c = 0)", "exposure": "Exposure-only"}
+
+
+def variant(name: str) -> Variant:
+    """The Variant of a run name; a plain arm (or any other name) is itself on the toy start."""
+    return VARIANTS.get(name) or Variant(name, (), PAPER_NAMES.get(name, name))
+
+
+def sibling(base: str, start: str) -> str | None:
+    """The run name of `base` (an arm or an own variant) on warm start `start`: `base` itself on the
+    toy start, None when the grid has no such run."""
+    if start == "toy":
+        return base
+    return next((n for n, v in VARIANTS.items() if v.base == base and v.start == start), None)
+
+
+def grid_runs(arms: Sequence[str], scaffold: bool = False, paper_sft: bool = False) -> list[str]:
+    """The run names of a grid in order, without repeats: `arms` (arms and variant names), then
+    UNSTRUCTURED with `scaffold` and the PAPERSFT runs with `paper_sft`."""
+    return list(dict.fromkeys([*arms, *([UNSTRUCTURED] if scaffold else []),
+                               *(PAPERSFT if paper_sft else [])]))
+
+
+# The runs memory reuse is evaluated for (with the controls, --oracle): the arms of the paper's
+# memory-reuse figure and exposure-only, on every warm start that repeats them.
+MEMORY_ARMS = tuple(n for s in ("toy", "nomemsft", "randlessons")
+                    for b in ("rubricem", "baseline_rl", "exposure") if (n := sibling(b, s)))
 # Paper findings on the recipe (Fig. 5): (lower arm, higher arm).
 ORDER_FINDINGS = (("baseline_rl", "ss_grpo"), ("baseline_rl", "meta_policy"),
                   ("ss_grpo", "rubricem"), ("meta_policy", "rubricem"))
@@ -177,23 +302,24 @@ def sign_verdict(stat: tuple, sign: int) -> str:
 
 def curve_rows(arm: str, seed: int, curve: list[dict]) -> list[dict]:
     """results.jsonl rows of one run from its eval_curve.jsonl rows: one per evaluated step with the
-    scaffold ("unstructured" for the UNSTRUCTURED run, else "structured"), the SFT set ("paper" for
-    a PAPERSFT run, else "toy"), the answer score, score and fact recall, the answer score of the
-    SFT start (the run's step-0 row) and the per-question answer scores, their differences from the
-    SFT start and fact recalls. Raises ValueError when the curve has no step-0 row."""
+    scaffold and the SFT set of its warm start (Start.scaffold, Start.sft_set: "structured" and "toy"
+    for an arm, "unstructured" for the UNSTRUCTURED run, "paper" for a PAPERSFT run), the answer
+    score, score and fact recall, the answer score of the SFT start (the run's step-0 row) and the
+    per-question answer scores, their differences from the SFT start and fact recalls. Raises
+    ValueError when the curve has no step-0 row."""
     base = next((r for r in curve if r["step"] == 0), None)
     if base is None:
         raise ValueError(f"{arm}-seed{seed}: eval_curve.jsonl has no step-0 (SFT start) row")
     a0 = np.asarray(base["per_question"]["answer"])
     s0 = np.asarray(base["per_question"].get("score", []))
+    start = STARTS[variant(arm).start]
     out = []
     for r in curve:
         a = np.asarray(r["per_question"]["answer"])
         sc = np.asarray(r["per_question"].get("score", []))
         out.append({"per_question_score_delta": (sc - s0).tolist() if len(sc) == len(s0) else [],
                     "arm": arm, "seed": seed, "step": r["step"],
-                    "scaffold": "unstructured" if arm == UNSTRUCTURED else "structured",
-                    "sft_set": "paper" if arm in PAPERSFT else "toy",
+                    "scaffold": start.scaffold, "sft_set": start.sft_set,
                     "answer": r["answer"], "score": r["score"], "fact_recall": r["fact_recall"],
                     "answer_sft": base["answer"], "delta_answer": float((a - a0).mean()),
                     "per_question_answer": a.tolist(), "per_question_delta": (a - a0).tolist(),
@@ -209,8 +335,8 @@ def arm_stats(rows: list[dict], arm: str, step: int) -> tuple[float, float, floa
 
 def pooled_stats(rows: list[dict], arm: str, step: int, key: str) -> tuple[float, float, float]:
     """(mean, lo, hi) of the per-question values `key` of results rows (per_question_answer,
-    per_question_delta, per_question_fact_recall) of run `arm` (an arm, UNSTRUCTURED or a PAPERSFT
-    name) at `step`, pooled over its seeds x questions; all NaN when there are none."""
+    per_question_delta, per_question_fact_recall) of run `arm` (an arm or a variant name) at
+    `step`, pooled over its seeds x questions; all NaN when there are none."""
     return mean_ci([d for r in rows if r["arm"] == arm and r["step"] == step for d in r.get(key, [])])
 
 
@@ -307,21 +433,16 @@ def run_dir(grid: str, arm: str, seed: int) -> str:
 
 def train_command(grid: str, arm: str, seed: int, steps: int, eval_every: int,
                   sets: Sequence[str]) -> list[str]:
-    """The train.py command line of one (arm, seed); `--resume latest` when its run dir holds
-    checkpoints (a half-finished run). arm UNSTRUCTURED: Baseline RL on the unstructured scaffold
-    (--arm baseline_rl, SCAFFOLD_SET after the other overrides); a PAPERSFT name: its arm from the
-    paper-style SFT set (PAPER_SFT_SET after the other overrides)."""
+    """The train.py command line of one run (`arm`: an arm or a VARIANTS name) and seed; `--resume
+    latest` when its run dir holds checkpoints (a half-finished run). A variant runs its arm with its
+    overrides after `sets`, so they win (UNSTRUCTURED: --arm baseline_rl, SCAFFOLD_SET; a PAPERSFT
+    name: its arm, PAPER_SFT_SET)."""
     rd = run_dir(grid, arm, seed)
-    if arm == UNSTRUCTURED:
-        cli_arm, sets = "baseline_rl", [*sets, SCAFFOLD_SET]
-    elif arm in PAPERSFT:
-        cli_arm, sets = PAPERSFT[arm], [*sets, *PAPER_SFT_SET]
-    else:
-        cli_arm = arm
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--toy", "--arm", cli_arm, "--seed",
+    v = variant(arm)
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--toy", "--arm", v.arm, "--seed",
            str(seed), "--run-dir", rd, "--steps", str(steps), "--eval-every", str(eval_every),
            "--no-progress"]
-    for s in sets:
+    for s in [*sets, *v.sets]:
         cmd += ["--set", s]
     if ckpt_mod.list_checkpoints(rd):
         cmd += ["--resume", "latest"]
@@ -329,12 +450,18 @@ def train_command(grid: str, arm: str, seed: int, steps: int, eval_every: int,
 
 
 def memory_command(grid: str, arm: str, seed: int, arms: Sequence[str]) -> list[str]:
-    """scripts/memory_eval.py for one run, with the oracle-lesson control (--oracle); an arm without
-    reflection reads the same seed's rubricem bank."""
+    """scripts/memory_eval.py for one run, with the controls (--oracle); a run whose arm writes no
+    reflections reads in pass 1 the bank of the same seed's rubricem run on its warm start (`sibling`)
+    when `arms` holds that run and its bank exists."""
     rd = run_dir(grid, arm, seed)
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "memory_eval.py"), rd, "--oracle"]
-    other = os.path.join(run_dir(grid, "rubricem", seed), "bank.jsonl")
-    if not settings.ARMS[arm].reflection and "rubricem" in arms and os.path.exists(other):
+    v = variant(arm)
+    # the SFT start's controls once per start and seed (memory_eval's --sft-cache, keyed)
+    cache = os.path.join(grid, f"sft-controls-{v.start}-seed{seed}.json")
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "memory_eval.py"), rd, "--oracle",
+           "--sft-cache", cache]
+    own = sibling("rubricem", v.start)
+    other = os.path.join(run_dir(grid, own, seed), "bank.jsonl") if own else ""
+    if not settings.ARMS[v.arm].reflection and own in arms and os.path.exists(other):
         cmd += ["--bank", other]
     return cmd
 
@@ -351,20 +478,25 @@ def run_logged(cmd: list[str], log_path: str) -> int:
 def run_grid(grid: str, arms: Sequence[str], seeds: Sequence[int], steps: int, eval_every: int,
              sets: Sequence[str], memory: bool = True, progress: bool = True,
              scaffold: bool = False, jobs: int = 1, paper_sft: bool = False) -> dict:
-    """Train every (arm, seed) not yet done (with `scaffold`, also the UNSTRUCTURED run per seed;
-    with `paper_sft`, the PAPERSFT runs per seed), then the memory evaluations; returns {"done":
-    [...], "skipped": [...], "failed": [...]} of "arm-seedS" (memory: "memory:arm-seedS"). jobs:
-    subprocesses at once (>= 1); each run's result does not depend on it (every run is its own
-    process, seeded alone), its wall time does. The first PAPERSFT run trains the paper-style warm
-    start (every seed shares it: sft.seed is not the run's seed), so it goes first and the other
-    PAPERSFT runs go last and wait for it to end: the warm start is trained once, beside the others."""
-    runs = list(arms) + ([UNSTRUCTURED] if scaffold else [])
-    todo = [("train", a, s) for s in seeds for a in runs]
-    paper = [("train", n, s) for s in seeds for n in PAPERSFT] if paper_sft else []
-    todo = paper[:1] + todo + paper[1:]
-    leader_done = threading.Event()  # the first PAPERSFT run ended (done, skipped or failed)
+    """Train every (run, seed) not yet done (`arms`: arms and variant names; with `scaffold`, also
+    the UNSTRUCTURED run per seed; with `paper_sft`, the PAPERSFT runs per seed), then the memory
+    evaluations of the MEMORY_ARMS runs; returns {"done": [...], "skipped": [...], "failed": [...]}
+    of "name-seedS" (memory: "memory:name-seedS"). jobs: subprocesses at once (>= 1); each run's
+    result does not depend on it (every run is its own process, seeded alone), its wall time does.
+    A start other than the toy's is trained by the first of its runs, into the cache (every seed
+    shares it: sft.seed is not the run's seed), so that run goes first and the start's other runs
+    go last and wait for it to end: each warm start is trained once, beside the other runs."""
+    runs = grid_runs(arms, scaffold, paper_sft)
+    train = [("train", a, s) for s in seeds for a in runs]
+    leaders: dict[str, tuple] = {}  # start -> the run that trains its warm start
+    for job in train:
+        if variant(job[1]).start != "toy":
+            leaders.setdefault(variant(job[1]).start, job)
+    followers = [j for j in train if variant(j[1]).start != "toy" and j not in leaders.values()]
+    todo = [*leaders.values(), *(j for j in train if variant(j[1]).start == "toy"), *followers]
+    leader_done = {st: threading.Event() for st in leaders}  # the leader ended (done, skipped or failed)
     if memory:
-        todo += [("memory", a, s) for s in seeds for a in arms if a in MEMORY_ARMS]
+        todo += [("memory", a, s) for s in seeds for a in runs if a in MEMORY_ARMS]
 
     def finished(kind: str, a: str, s: int) -> bool:
         name = "eval.json" if kind == "train" else "memory.json"
@@ -375,13 +507,14 @@ def run_grid(grid: str, arms: Sequence[str], seeds: Sequence[int], steps: int, e
     bar = tqdm(total=len(todo), initial=n_done, desc="ablation grid", disable=not progress,
                unit="run")
     def one(job: tuple) -> None:
+        start = variant(job[1]).start
         try:
-            if job in paper[1:]:
-                leader_done.wait()  # the paper-style warm start is in the cache (or its run failed)
+            if job in followers:
+                leader_done[start].wait()  # its warm start is in the cache (or its leader failed)
             train_or_evaluate(job)
         finally:
-            if paper and job == paper[0]:
-                leader_done.set()
+            if leaders.get(start) == job:
+                leader_done[start].set()
 
     def train_or_evaluate(job: tuple) -> None:
         kind, a, s = job
@@ -395,7 +528,7 @@ def run_grid(grid: str, arms: Sequence[str], seeds: Sequence[int], steps: int, e
             return
         bar.set_postfix_str(tag)
         cmd = (train_command(grid, a, s, steps, eval_every, sets) if kind == "train"
-               else memory_command(grid, a, s, arms))
+               else memory_command(grid, a, s, runs))
         rc = run_logged(cmd, os.path.join(grid, "logs", tag.replace(":", "-") + ".log"))
         ok = rc == 0 and finished(kind, a, s)
         status["done" if ok else "failed"].append(tag)
@@ -454,41 +587,34 @@ def _sft_key(ev: dict) -> str:
 
 def collect(grid: str, arms: Sequence[str], seeds: Sequence[int],
             scaffold: bool = False, paper_sft: bool = False) -> tuple[list[dict], dict, list[str]]:
-    """(results rows, memory results by (arm, seed), checks) from the finished runs (with
-    `scaffold`, the UNSTRUCTURED runs too; with `paper_sft`, the PAPERSFT runs); writes
-    GRID/results.jsonl. Checks: the SFT start is the same for every arm of a seed (warm-start cache
-    key and the step-0 evaluation), the evaluations used the same settings, an unstructured run
-    had its own warm start and the structured run's held-out questions and evaluation settings,
-    and the PAPERSFT runs of a seed shared one warm start (key and step-0 evaluation) other than
-    the main arms' (`_papersft_rows`)."""
+    """(results rows, memory results by (run, seed), checks) from the finished runs of `grid_runs`
+    (arms and variant names; with `scaffold`, the UNSTRUCTURED runs too; with `paper_sft`, the
+    PAPERSFT runs); writes GRID/results.jsonl. Checks, per seed and warm start (`start_checks`): the
+    runs of one start share its warm start (cache key) and evaluated it identically at step 0; a
+    start other than the toy's is its own (a key none of the toy-start runs have) with the toy-start
+    runs' held-out question count and evaluation settings."""
     rows, mem, checks = [], {}, []
     for s in seeds:
-        keys, base = {}, {}
-        for a in arms:
-            got = _finished_run(grid, a, s)
+        keys: dict[str, dict] = {}  # start -> {run: warm-start key}
+        base: dict[str, dict] = {}  # start -> {run: (step-0 per-question answers, evaluation JSON)}
+        for name in grid_runs(arms, scaffold, paper_sft):
+            got = _finished_run(grid, name, s)
             if got is None:
                 continue
             ev, curve = got
-            keys[a] = _sft_key(ev)
-            rd = run_dir(grid, a, s)
             try:
-                rows += curve_rows(a, s, curve)
+                rows += curve_rows(name, s, curve)
             except ValueError as e:  # e.g. eval.n_questions = 0: nothing to compare
                 checks.append(f"{e}; left out")
                 continue
-            base[a] = (curve[0]["per_question"]["answer"], json.dumps(curve[0]["eval"]))
-            mp = os.path.join(rd, "memory.json")
+            start = variant(name).start
+            keys.setdefault(start, {})[name] = _sft_key(ev)
+            base.setdefault(start, {})[name] = (curve[0]["per_question"]["answer"],
+                                                json.dumps(curve[0]["eval"]))
+            mp = os.path.join(run_dir(grid, name, s), "memory.json")
             if os.path.exists(mp):
-                mem[(a, s)] = json.load(open(mp))
-        if keys:
-            checks.append(_shared_start(f"seed {s}: SFT warm start shared by {len(keys)} arms", keys, base))
-        got = _finished_run(grid, UNSTRUCTURED, s) if scaffold else None
-        if got is not None:
-            more, lines = _unstructured_rows(got, s, keys.get("baseline_rl"), base.get("baseline_rl"))
-            rows, checks = rows + more, checks + lines
-        if paper_sft:
-            more, lines = _papersft_rows(grid, s, keys, base)
-            rows, checks = rows + more, checks + lines
+                mem[(name, s)] = json.load(open(mp))
+        checks += start_checks(s, keys, base)
     if os.path.isdir(grid):
         data = "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8")
         ckpt_mod.atomic_write_bytes(os.path.join(grid, "results.jsonl"), data)
@@ -512,62 +638,33 @@ def _same_questions(base: tuple, ref: tuple) -> bool:
     return len(base[0]) == len(ref[0]) and base[1] == ref[1]
 
 
-def _unstructured_rows(got: tuple[dict, list[dict]], seed: int, key_structured: str | None,
-                       base_structured: tuple | None) -> tuple[list[dict], list[str]]:
-    """Results rows and checks of one seed's UNSTRUCTURED run: its own SFT warm start (a cache key
-    other than the structured baseline_rl run's), the same number of held-out questions and the
-    same evaluation settings (questions, samples, temperature) as that run."""
-    ev, curve = got
-    try:
-        rows = curve_rows(UNSTRUCTURED, seed, curve)
-    except ValueError as e:
-        return [], [f"{e}; left out"]
-    key = _sft_key(ev)
-    line = (f"seed {seed}: unstructured scaffold: own SFT warm start (cache key {key[:12]}): "
-            f"{'yes' if key != key_structured else 'NO'}")
-    if base_structured is not None:
-        same = _same_questions((curve[0]["per_question"]["answer"], json.dumps(curve[0]["eval"])),
-                               base_structured)
-        line += (f"; same held-out question count and evaluation settings as structured baseline_rl: "
-                 f"{'yes' if same else 'NO'}")
-    return rows, [line]
-
-
-def _papersft_rows(grid: str, seed: int, main_keys: dict,
-                   main_base: dict) -> tuple[list[dict], list[str]]:
-    """Results rows and the check line of one seed's finished PAPERSFT runs (none: no line). The
-    check: both runs loaded one warm start (cache key) and evaluated it identically at step 0 (the
-    same per-question answer scores and evaluation settings), that key is none of the main arms'
-    (`main_keys`: arm -> key; a paper-style warm start equal to the default one would measure
-    nothing), and the held-out question count and evaluation settings are the main arms'
-    (`main_base`: arm -> (step-0 per-question answers, evaluation settings as JSON)). Any failed
-    part reads NO."""
-    rows, keys, base, lines = [], {}, {}, []
-    for name in PAPERSFT:
-        got = _finished_run(grid, name, seed)
-        if got is None:
-            continue
-        ev, curve = got
-        try:
-            rows += curve_rows(name, seed, curve)
-        except ValueError as e:
-            lines.append(f"{e}; left out")
-            continue
-        keys[name] = _sft_key(ev)
-        base[name] = (curve[0]["per_question"]["answer"], json.dumps(curve[0]["eval"]))
-    if not keys:
-        return rows, lines
-    line = _shared_start(f"seed {seed}: paper-style SFT: warm start shared by {len(keys)} runs", keys, base)
-    main = sorted(set(map(str, main_keys.values())))
-    if main:
-        line += (f"; own warm start, not the default SFT's (cache key {', '.join(k[:12] for k in main)}): "
-                 f"{'yes' if not set(keys.values()) & set(main) else 'NO'}")
-    if main_base:
-        ref = next(iter(main_base.values()))
-        same = all(_same_questions(b, ref) for b in base.values())
-        line += (f"; same held-out question count and evaluation settings as the default-SFT arms: "
-                 f"{'yes' if same else 'NO'}")
-    return rows, lines + [line]
+def start_checks(seed: int, keys: dict, base: dict) -> list[str]:
+    """The check lines of one seed's finished runs grouped by warm start (`keys`: start -> {run:
+    cache key}, `base`: start -> {run: (step-0 per-question answers, evaluation settings as
+    JSON)}): per start, its runs share one warm start and evaluated it identically at step 0
+    (`_shared_start`); a start other than the toy's also has a key none of the toy-start runs have
+    (one equal to the toy's would measure nothing) and their held-out question count and
+    evaluation settings. Any failed part reads NO."""
+    lines = []
+    if keys.get("toy"):
+        lines.append(_shared_start(f"seed {seed}: SFT warm start shared by {len(keys['toy'])} arms",
+                                   keys["toy"], base["toy"]))
+    main = sorted(set(map(str, keys.get("toy", {}).values())))
+    for start in (st for st in STARTS if st != "toy" and keys.get(st)):
+        n = len(keys[start])
+        line = _shared_start(f"seed {seed}: {STARTS[start].label}: warm start shared by {n} "
+                             f"run{'s' if n != 1 else ''}", keys[start], base[start])
+        if main:
+            line += (f"; own warm start, not the default SFT's (cache key "
+                     f"{', '.join(k[:12] for k in main)}): "
+                     f"{'yes' if not set(keys[start].values()) & set(main) else 'NO'}")
+        if base.get("toy"):
+            ref = next(iter(base["toy"].values()))
+            same = all(_same_questions(b, ref) for b in base[start].values())
+            line += (f"; same held-out question count and evaluation settings as the default-SFT arms: "
+                     f"{'yes' if same else 'NO'}")
+        lines.append(line)
+    return lines
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -576,8 +673,8 @@ def _papersft_rows(grid: str, seed: int, main_keys: dict,
 
 def plot(rows: list[dict], arms: Sequence[str], path: str) -> None:
     """Fig. 5-style figure: answer-score difference from the SFT start vs RL step, one line per arm,
-    its 95 % interval over seeds x questions as a band; a PAPERSFT run dashed, in its arm's colour
-    when that arm is drawn too."""
+    its 95 % interval over seeds x questions as a band; a run from another SFT set (papersft,
+    nomemsft, randlessons) dashed, in the colour of its toy-start run when that is drawn too."""
     import matplotlib  # lazy: matplotlib only for the figure
 
     matplotlib.use("Agg")
@@ -585,13 +682,16 @@ def plot(rows: list[dict], arms: Sequence[str], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=120)
     colour = {}
-    for a in sorted(arms, key=lambda x: x in PAPERSFT):  # the default-SFT arms first: their colours
+    def dashed(a: str) -> bool:
+        return STARTS[variant(a).start].sft_set != "toy"
+
+    for a in sorted(arms, key=dashed):  # the default-SFT runs first: their colours
         steps = sorted({r["step"] for r in rows if r["arm"] == a})
         if not steps:
             continue
         st = [arm_stats(rows, a, t) for t in steps]
         m, lo, hi = (np.array([x[i] for x in st]) for i in range(3))
-        style = {"ls": "--", "color": colour.get(PAPERSFT[a])} if a in PAPERSFT else {}
+        style = {"ls": "--", "color": colour.get(variant(a).base)} if dashed(a) else {}
         (line,) = ax.plot(steps, m, marker="o", ms=3, label=PAPER_NAMES[a], **style)
         colour[a] = line.get_color()
         ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15)
@@ -668,6 +768,8 @@ def render(rows: list[dict], mem: dict, checks: list[str], arms: Sequence[str], 
         L += render_curve(rows, arms, fs)
     if meta.get("figure"):
         L += [f"![held-out answer score minus SFT start per RL step]({meta['figure']})", ""]
+    if fs is not None:
+        L += render_reflection_update(rows)
     if meta.get("scaffold") or any(r["arm"] == UNSTRUCTURED for r in rows):
         L += render_scaffold(rows, fs)
     if meta.get("paper_sft") or any(r["arm"] in PAPERSFT for r in rows):
@@ -682,23 +784,7 @@ def render(rows: list[dict], mem: dict, checks: list[str], arms: Sequence[str], 
             L.append(f"| `{a}` | {PAPER_NAMES[a]} | {f['seeds']} | {f['lowest']:.2f} | {f['mean']:.3f} "
                      f"| {f['below']} of {f['steps']} |")
         L.append("")
-    L += ["## Memory reuse (with minus without memory, answer score)", ""]
-    if not mem:
-        L += ["No memory evaluations yet.", ""]
-    else:
-        L += ["| arm | seeds | pass 1 similar [95% CI] | pass 1 hits | pass 2 exact [95% CI] | pass 2 hits |",
-              "|---|---|---|---|---|---|"]
-        for a in arms:
-            ms = [v for (x, _), v in mem.items() if x == a]
-            if not ms:
-                continue
-            cells = []
-            for p in ("pass1", "pass2"):
-                m, lo, hi = memory_stats(mem, a, p)
-                cells += [f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]", f"{np.mean([x[p]['hits'] for x in ms]):.2f}"]
-            L.append(f"| `{a}` | {len(ms)} | " + " | ".join(cells) + " |")
-        L.append("")
-        L += render_memory_controls(mem)
+    L += render_memory(mem, arms) + render_content(mem)
     L += ["## Paper findings", ""]
     if fs is None:
         L += ["To be filled by a real run: for each finding the script writes reproduced / not "
@@ -719,6 +805,7 @@ def render(rows: list[dict], mem: dict, checks: list[str], arms: Sequence[str], 
                      f"{'cross-episode pass 1' if p == 'pass1' else 'within-episode pass 2'} "
                      f"(paper {paper} points): **{v}**")
         L.append("")
+    L += render_goals(rows, mem)
     L += ["## Checks", ""] + [f"- {c}" for c in checks or ["no finished runs"]] + [""]
     return "\n".join(L)
 
@@ -878,6 +965,35 @@ def render_papersft(rows: list[dict], fs: int | None) -> list[str]:
     return L + [""]
 
 
+def half_width(stat: tuple | None) -> float:
+    """(hi - lo) / 2 of a (mean, lo, hi) triple: the half-width of its 95 % interval, in the units
+    of the values; NaN for a missing one (None or NaN)."""
+    return float("nan") if stat is None else (stat[2] - stat[1]) / 2
+
+
+def ci_text(stat: tuple | None) -> str:
+    """A (mean, lo, hi) triple as "+0.030 [+0.003, +0.058] (half-width 0.028)"; "not run" for a
+    missing one (None or a NaN mean)."""
+    if stat is None or not np.isfinite(stat[0]):
+        return "not run"
+    return f"{stat[0]:+.3f} [{stat[1]:+.3f}, {stat[2]:+.3f}] (half-width {half_width(stat):.3f})"
+
+
+def memory_values(res: dict, p: str, kind: str = "delta") -> list[float] | None:
+    """The per-question answer differences of one memory.json result: pass p ("pass1", "pass2"),
+    kind "delta" (with minus without memory) or "own_minus_foreign" (pass 2's own lesson minus
+    another question's of the same form); None when the result lacks them (an evaluation without
+    that pass, or written before the foreign-lesson control existed)."""
+    v = res.get(p, {}).get(kind, {}).get("answer_per_question")
+    return None if v is None else list(v)
+
+
+def memory_stats(mem: dict, arm: str, p: str, kind: str = "delta") -> tuple[float, float, float]:
+    """(mean, lo, hi) of `memory_values` of run `arm` (pass p, kind), pooled over its seeds x
+    questions; all NaN when none has them."""
+    return mean_ci([d for (a, _), v in mem.items() if a == arm for d in memory_values(v, p, kind) or []])
+
+
 def oracle_stats(mem: dict, arm: str, who: str, control: str = "oracle") -> tuple[float, float, float]:
     """(mean, lo, hi) of a memory control's with-minus-without answer difference of the arm's runs
     (control: "oracle", the oracle-lesson control, or "attempt", the attempt-lesson control; who:
@@ -887,65 +1003,260 @@ def oracle_stats(mem: dict, arm: str, who: str, control: str = "oracle") -> tupl
                     for d in v[control][who]["delta"]["answer_per_question"]])
 
 
-def paired_memory_difference(mem: dict, a: str, b: str, p: str) -> tuple[float, float, float] | None:
-    """(mean, lo, hi): arm a's with-minus-without memory effect in pass p minus arm b's, paired by
-    seed and held-out question (the same questions and sampling seeds); None when a seed lacks
-    either arm."""
+def paired_memory_difference(mem: dict, a: str, b: str, p: str,
+                             kind: str = "delta") -> tuple[float, float, float] | None:
+    """(mean, lo, hi): run a's memory effect in pass p minus run b's (kind "delta": with minus
+    without memory; "own_minus_foreign": pass 2's own lesson minus a foreign one), paired by seed
+    and held-out question (the same questions and sampling seeds); None when a seed lacks either
+    run or its values (`memory_values`)."""
     diffs = []
     for seed in sorted({s for (x, s) in mem if x in (a, b)}):
         if (a, seed) not in mem or (b, seed) not in mem:
             return None
-        va = mem[(a, seed)][p]["delta"]["answer_per_question"]
-        vb = mem[(b, seed)][p]["delta"]["answer_per_question"]
-        if len(va) != len(vb):
+        va, vb = memory_values(mem[(a, seed)], p, kind), memory_values(mem[(b, seed)], p, kind)
+        if va is None or vb is None or len(va) != len(vb):
             return None
         diffs += (np.asarray(va) - np.asarray(vb)).tolist()
     return mean_ci(diffs) if diffs else None
 
 
+def memory_runs(mem: dict, start: str) -> list[str]:
+    """The runs of warm start `start` with a memory evaluation, MEMORY_ARMS first, in its order."""
+    names = dict.fromkeys([*MEMORY_ARMS, *(a for a, _ in mem)])
+    return [n for n in names if variant(n).start == start and any(a == n for a, _ in mem)]
+
+
+def _starts_of(names) -> list[str]:
+    """The STARTS keys of the runs `names`, in STARTS order."""
+    have = {variant(n).start for n in names}
+    return [st for st in STARTS if st in have]
+
+
+# The memory contrasts at pass 2, own minus foreign, per warm start: (run a, run b) as bases.
+MEMORY_PAIRS = (("rubricem", "baseline_rl"), ("exposure", "baseline_rl"), ("rubricem", "exposure"))
+
+
 def render_memory_controls(mem: dict) -> list[str]:
     """The memory section's control and comparison lines: the oracle-lesson control (what a lesson
-    can do at most: the SFT start and each arm's final policy with toy.sft.oracle_lesson in the
+    can do at most: each warm start and each run's final policy with toy.sft.oracle_lesson in the
     prompt, minus without), the attempt-lesson control (pass 2's ceiling: ToyJudge.attempt_lesson
-    on the policy's own first attempt) and RubricEM's pass-2 memory effect minus Baseline RL's,
-    paired."""
+    on the policy's own first attempt), RubricEM's pass-1 and pass-2 memory effects minus Baseline
+    RL's, and per warm start the MEMORY_PAIRS contrasts of pass 2 own minus foreign, paired by seed
+    and question (the toy start's always, "not run" when missing), each with its half-width."""
     L = []
     for control, name, what in (
             ("oracle", "Oracle-lesson", "every asked fact named as missed, each old record's value "
              "named as wrong, from ground truth"),
             ("attempt", "Attempt-lesson", "pass 2's ceiling: a perfect reflection on the policy's own "
              "first attempt, naming only the facts it missed or got wrong, from ground truth")):
-        sft = oracle_stats(mem, "rubricem", "sft", control)
-        if np.isfinite(sft[0]):
-            L.append(f"- {name} control, SFT start ({what}): answer {sft[0]:+.3f} "
-                     f"[{sft[1]:+.3f}, {sft[2]:+.3f}]")
-        for a in MEMORY_ARMS:
+        for start in _starts_of(a for a, _ in mem):
+            # every run of a seed on one start shares its warm start: the first run's control
+            sft = oracle_stats(mem, memory_runs(mem, start)[0], "sft", control)
+            where = "" if start == "toy" else f" of the {STARTS[start].label}"
+            if np.isfinite(sft[0]):
+                L.append(f"- {name} control, SFT start{where} ({what}): answer {ci_text(sft)}")
+        for a in dict.fromkeys([*MEMORY_ARMS, *(x for x, _ in mem)]):
             f = oracle_stats(mem, a, "final", control)
             if np.isfinite(f[0]):
-                L.append(f"- {name} control, {PAPER_NAMES[a]} after RL: answer {f[0]:+.3f} "
-                         f"[{f[1]:+.3f}, {f[2]:+.3f}]")
+                L.append(f"- {name} control, {PAPER_NAMES.get(a, a)} after RL: answer {ci_text(f)}")
     for p, label in (("pass2", "within-episode pass 2"), ("pass1", "cross-episode pass 1")):
         d = paired_memory_difference(mem, "rubricem", "baseline_rl", p)
         if d is not None:
             L.append(f"- RubricEM's memory effect minus Baseline RL's at {label}, paired by seed and "
-                     f"question: answer {d[0]:+.3f} [{d[1]:+.3f}, {d[2]:+.3f}]")
+                     f"question: answer {ci_text(d)}")
+    for start in ["toy", *(st for st in _starts_of(a for a, _ in mem) if st != "toy")]:
+        for a, b in MEMORY_PAIRS:
+            ra, rb = sibling(a, start), sibling(b, start)
+            if ra is None or rb is None:
+                continue
+            d = paired_memory_difference(mem, ra, rb, "pass2", "own_minus_foreign")
+            where = "" if start == "toy" else f"{STARTS[start].label}: "
+            L.append(f"- {where}{SHORT_NAMES[a]}'s memory effect minus {SHORT_NAMES[b]}'s at "
+                     f"within-episode pass 2 (own minus foreign): answer {ci_text(d)}; runs `{ra}` - "
+                     f"`{rb}`, paired by seed and question")
     return L + ([""] if L else [])
 
 
-def memory_stats(mem: dict, arm: str, p: str) -> tuple[float, float, float]:
-    """(mean, lo, hi) of a pass's with-minus-without answer difference, pooled over the arm's seeds
-    x questions."""
-    vals = [d for (a, _), v in mem.items() if a == arm for d in v[p]["delta"]["answer_per_question"]]
-    return mean_ci(vals)
+def render_memory(mem: dict, arms: Sequence[str]) -> list[str]:
+    """The memory-reuse section (Fig. 6d with the randomised control): per run with a memory
+    evaluation (`arms` first), pass 1 and pass 2 with minus without memory and pass 2 own lesson
+    minus a foreign one (another question's lesson of the same form: what the lesson says of this
+    question, beyond its form), pooled over seeds x questions with 95 % intervals and half-widths,
+    and the share of questions that received an item; then `render_memory_controls`."""
+    L = ["## Memory reuse (with minus without memory, answer score)", ""]
+    if not mem:
+        return L + ["No memory evaluations yet.", ""]
+    L += ["Pass 2 own - foreign: the same pass with another question's lesson (the same form, "
+          "written the same way) in place of the question's own: what the lesson says about this "
+          "question, beyond a lesson's presence. Half-width: (hi - lo) / 2 of the 95 % interval.", "",
+          "| run | seeds | pass 1 similar [95% CI] | pass 1 hits | pass 2 exact [95% CI] | pass 2 hits "
+          "| pass 2 own - foreign [95% CI] |", "|---|---|---|---|---|---|---|"]
+    for a in dict.fromkeys([*arms, *MEMORY_ARMS, *(x for x, _ in mem)]):
+        ms = [v for (x, _), v in mem.items() if x == a]
+        if not ms:
+            continue
+        cells = []
+        for p in ("pass1", "pass2"):
+            hits = [x[p]["hits"] for x in ms if p in x]
+            cells += [ci_text(memory_stats(mem, a, p)), f"{np.mean(hits):.2f}" if hits else "n/a"]
+        cells.append(ci_text(memory_stats(mem, a, "pass2", "own_minus_foreign")))
+        L.append(f"| `{a}` | {len(ms)} | " + " | ".join(cells) + " |")
+    return L + [""] + render_memory_controls(mem)
+
+
+def _content_values(c: dict, key: str) -> list[float]:
+    """Per-question values of one content_control result: key "index" (the content index) or
+    "foreign" (another question's lesson minus none, answer score)."""
+    return list(c["per_question"] if key == "index" else c["foreign"]["delta"]["answer_per_question"])
+
+
+def content_stats(mem: dict, name: str, key: str) -> tuple[float, float, float]:
+    """(mean, lo, hi) of `_content_values` of run `name`'s trained policy (memory.json "content"
+    "final"), pooled over its seeds x questions; all NaN when none ran the control."""
+    return mean_ci([d for (a, _), v in mem.items() if a == name and "final" in v.get("content", {})
+                    for d in _content_values(v["content"]["final"], key)])
+
+
+def start_content(mem: dict, start: str, key: str) -> tuple[tuple[float, float, float], int, bool]:
+    """((mean, lo, hi), seeds, identical) of `_content_values` of warm start `start`'s SFT-start
+    control (memory.json "content" "sft"). Every memory-evaluated run of a seed on one start
+    controls the same warm start on the same questions with the same sampling seed, so we take
+    one run's values per seed (the first of `memory_runs`) and pool them over seeds x questions;
+    identical: whether the runs of every seed agree (False points at a changed setting)."""
+    per_seed: dict[int, list] = {}
+    for name in memory_runs(mem, start):
+        for (a, seed), v in sorted(mem.items(), key=lambda kv: kv[0][1]):
+            if a == name and "sft" in v.get("content", {}):
+                per_seed.setdefault(seed, []).append(_content_values(v["content"]["sft"], key))
+    same = all(all(x == vs[0] for x in vs) for vs in per_seed.values())
+    return mean_ci([d for s in sorted(per_seed) for d in per_seed[s][0]]), len(per_seed), same
+
+
+def content_starts(mem: dict) -> list[str]:
+    """The warm starts (STARTS order) with a content control in some run's memory.json."""
+    return [st for st in _starts_of(a for a, _ in mem)
+            if any(v.get("content") for (a, _), v in mem.items() if variant(a).start == st)]
+
+
+CONTENT_GOAL = 0.2  # the content index a warm start should reach: its reader acts on a lesson's facts
+
+
+def render_content(mem: dict) -> list[str]:
+    """The section "Does the policy read a lesson's content?": per warm start, the content index and
+    the foreign-lesson effect of its SFT start (`start_content`) and of each memory-evaluated run's
+    trained policy (`content_stats`), with 95 % intervals and half-widths."""
+    L = ["## Does the policy read a lesson's content?", "",
+         "Content index (`scripts/memory_eval.py`, `content_control`): each held-out question's asked "
+         "facts are split at random into halves A and B; the policy answers with a lesson naming the "
+         "facts of A as missed and, with the same sampling seed, with one naming those of B (the "
+         "same form and general clause). Per fact, the share of samples stating it when its lesson "
+         "names it minus when the other half's does, averaged per question: 0 for a policy that "
+         "reacts to a lesson's form only, up to 1 for one that writes exactly the named facts "
+         f"(goal: >= {CONTENT_GOAL} at every warm start). Foreign lesson: another question's lesson "
+         "of the same form against no lesson (answer score). The SFT start: one control per seed "
+         "(the runs of a seed share it), pooled over seeds x questions; after RL: each run, pooled "
+         "over its seeds x questions.", ""]
+    starts = content_starts(mem)
+    if not starts:
+        return L + ["Not run yet: the memory evaluations with the controls (`scripts/memory_eval.py "
+                    "--oracle`, which `python scripts/ablate.py` runs) fill this section.", ""]
+    L += ["| warm start | policy | seeds | content index [95% CI] | foreign lesson - none, answer "
+          "[95% CI] |", "|---|---|---|---|---|"]
+    notes = []
+    for start in starts:
+        idx, n, same = start_content(mem, start, "index")
+        foreign = start_content(mem, start, "foreign")[0]
+        L.append(f"| {STARTS[start].label} | SFT start | {n} | {ci_text(idx)} | {ci_text(foreign)} |")
+        if not same:
+            notes.append(f"- {STARTS[start].label}: the SFT-start controls of one seed's runs "
+                         "differ (identical: NO); the table takes the first run's")
+        for name in memory_runs(mem, start):
+            n = sum(1 for (a, _), v in mem.items() if a == name and "final" in v.get("content", {}))
+            if n:
+                L.append(f"| {STARTS[start].label} | `{name}` after RL | {n} "
+                         f"| {ci_text(content_stats(mem, name, 'index'))} "
+                         f"| {ci_text(content_stats(mem, name, 'foreign'))} |")
+    return L + [""] + notes + ([""] if notes else [])
+
+
+# The reflection update's contrasts (curve average, paired): (run a, run b) as bases, per warm start.
+REFLECTION_PAIRS = (("rubricem", "ss_grpo"), ("rubricem", "rubricem-c0"), ("rubricem", "exposure"),
+                    ("exposure", "ss_grpo"))
+
+
+def render_reflection_update(rows: list[dict]) -> list[str]:
+    """The section "The reflection update": curve-average paired differences (`paired_curve_difference`)
+    of REFLECTION_PAIRS, per warm start (runs compared only with runs from their own start; the
+    toy start's lines always, "not run" when missing; another start's when it has runs), each with
+    its 95 % interval and half-width."""
+    c = presets.toy_preset().reflection.loss_coef
+    L = ["## The reflection update", "",
+         "The deferred reflection update runs inside the task update's optimizer steps: one step "
+         "takes the gradient of L_task + L_reflect, the reflection candidates' advantages weighted "
+         f"by c = `reflection.loss_coef` (toy default {c:g}). Against SS-GRPO (stage-wise advantages, "
+         "no reflection, no bank), against `rubricem-c0` (`reflection.loss_coef=0`), against "
+         "exposure-only (`exposure`: `reflection.train=false`, the bank and memory in the prompts "
+         "stay, no reflection GRPO), and exposure-only against SS-GRPO (memory in the prompts "
+         "alone). Curve average of the held-out answer gain (the Fig. 5 metric), paired by seed and "
+         "held-out question; the mean-stage score likewise.", ""]
+    names = {r["arm"] for r in rows}
+    for start in ["toy", *(st for st in _starts_of(names) if st != "toy")]:
+        for a, b in REFLECTION_PAIRS:
+            ra, rb = sibling(a, start), sibling(b, start)
+            if ra is None or rb is None:
+                continue
+            d = paired_curve_difference(rows, ra, rb)
+            where = "" if start == "toy" else f"{STARTS[start].label}: "
+            L.append(f"- {where}{SHORT_NAMES[a]} minus {SHORT_NAMES[b]} (`{ra}` - `{rb}`): curve "
+                     f"average answer {ci_text(d and d['answer'])}, mean-stage {ci_text(d and d['score'])}")
+    return L + [""]
+
+
+def goal_line(text: str, stat: tuple | None, met: bool) -> str:
+    """One line of the goals block: "- TEXT: **met**, " / "**not met**, " and the value, its 95 %
+    interval and half-width (`ci_text`), or "**not run**" when `stat` is missing (None or NaN)."""
+    if stat is None or not np.isfinite(stat[0]):
+        return f"- {text}: **not run**"
+    return f"- {text}: **{'met' if met else 'not met'}**, {ci_text(stat)}"
+
+
+def render_goals(rows: list[dict], mem: dict) -> list[str]:
+    """The goals block: the content index >= CONTENT_GOAL at the SFT start of every warm start with
+    a content control (on its mean), and, each on its 95 % interval lying above 0: RubricEM minus
+    SS-GRPO, RubricEM's pass-2 own-minus-foreign memory effect minus Baseline RL's, RubricEM minus
+    Baseline RL and SS-GRPO minus Baseline RL (curve averages on the toy start, paired)."""
+    L = ["## Goals", "",
+         f"A content index goal is met when the mean reaches {CONTENT_GOAL}; a difference goal when "
+         "its 95 % interval lies above 0.", ""]
+    starts = content_starts(mem)
+    for start in starts or ["toy"]:
+        idx = start_content(mem, start, "index")[0]
+        L.append(goal_line(f"content index >= {CONTENT_GOAL} at the SFT start ({STARTS[start].label})",
+                           idx, bool(idx[0] >= CONTENT_GOAL)))
+
+    def above(d: tuple | None) -> bool:
+        return d is not None and bool(d[1] > 0)
+
+    d = paired_curve_difference(rows, "rubricem", "ss_grpo")
+    L.append(goal_line("RubricEM minus SS-GRPO, curve average, CI above 0", d and d["answer"],
+                       above(d and d["answer"])))
+    m = paired_memory_difference(mem, "rubricem", "baseline_rl", "pass2", "own_minus_foreign")
+    L.append(goal_line("RubricEM's pass-2 (own minus foreign) memory effect minus Baseline RL's, CI "
+                       "above 0", m, above(m)))
+    for a in ("rubricem", "ss_grpo"):
+        d = paired_curve_difference(rows, a, "baseline_rl")
+        L.append(goal_line(f"{SHORT_NAMES[a]} minus Baseline RL, curve average, CI above 0",
+                           d and d["answer"], above(d and d["answer"])))
+    return L + [""]
 
 
 def write_report(grid: str, arms: Sequence[str], seeds: Sequence[int], doc: str, meta: dict) -> str:
     """Collect the finished runs, write GRID/results.jsonl, the figure next to `doc` and `doc`
-    (meta["scaffold"]: the UNSTRUCTURED runs too, drawn in the figure as a line of their own;
-    meta["paper_sft"]: the PAPERSFT runs too, drawn dashed)."""
+    (`arms`: arms and variant names; meta["scaffold"]: the UNSTRUCTURED runs too, drawn in the figure
+    as a line of their own; meta["paper_sft"]: the PAPERSFT runs too, drawn dashed)."""
     scaffold, paper_sft = bool(meta.get("scaffold")), bool(meta.get("paper_sft"))
     rows, mem, checks = collect(grid, arms, seeds, scaffold, paper_sft)
-    runs = list(arms) + ([UNSTRUCTURED] if scaffold else []) + (list(PAPERSFT) if paper_sft else [])
+    runs = grid_runs(arms, scaffold, paper_sft)
     png = os.path.splitext(doc)[0] + ".png"
     os.makedirs(os.path.dirname(os.path.abspath(doc)), exist_ok=True)
     if rows:
@@ -978,7 +1289,8 @@ def threads_of(grid: str, arms: Sequence[str], seeds: Sequence[int], sets: Seque
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="arms x seeds ablation grid (paper Fig. 5 and 6d)")
     ap.add_argument("--arms", default=",".join(ARM_ORDER),
-                    help=f"comma-separated arms (default: all, {','.join(ARM_ORDER)})")
+                    help=f"comma-separated arms and variants (default: every arm, {','.join(ARM_ORDER)}; "
+                         f"variants: {','.join(VARIANTS)})")
     ap.add_argument("--seeds", help="comma-separated seeds (default 0,1,2; --quick: 0,1)")
     ap.add_argument("--steps", type=int, help="RL steps of every run (default: the toy preset's; "
                     f"--quick: {QUICK_STEPS})")
@@ -1009,9 +1321,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if a.jobs < 1:
         ap.error("--jobs must be >= 1")
     a.arms = [x for x in a.arms.split(",") if x]
-    bad = [x for x in a.arms if x not in settings.ARMS]
+    bad = [x for x in a.arms if x not in settings.ARMS and x not in VARIANTS]
     if bad:
-        ap.error(f"unknown arms {bad}; choose from {ARM_ORDER}")
+        ap.error(f"unknown arms {bad}; choose from the arms {ARM_ORDER} and the variants {list(VARIANTS)}")
     if a.scaffold and "baseline_rl" not in a.arms:
         a.arms.append("baseline_rl")  # the structured side of the scaffold comparison
     for arm in dict.fromkeys(PAPERSFT.values()) if a.paper_sft else ():
@@ -1021,8 +1333,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     a.steps = a.steps or (QUICK_STEPS if a.quick else presets.toy_preset().steps)
     a.eval_every = a.eval_every or max(1, a.steps // 6)
     a.sets = (QUICK_SET if a.quick else []) + a.set
-    try:  # a bad override stops here, before any run starts
-        overrides.apply_overrides(presets.toy_preset(), a.sets)
+    try:  # a bad override stops here, before any run starts (a variant's with its own after them)
+        for name in grid_runs(a.arms, a.scaffold, a.paper_sft):
+            overrides.apply_overrides(presets.toy_preset(), [*a.sets, *variant(name).sets])
     except ValueError as e:
         ap.error(str(e))
     return a

@@ -70,7 +70,6 @@ from backends.run import build, checkpoint as ckpt_mod, heldout, presets, report
 from bank import MODE_EXACT, MODE_SIMILAR, RubricBank, format_for_prompt
 from reflection import run_reflection_branch
 from scaffold import RolloutEngine, system_prompt
-from toy.hf_sampler import HFSampler
 from toy.model import load_policy
 
 log = logging.getLogger("rubricem")
@@ -78,10 +77,14 @@ log = logging.getLogger("rubricem")
 PASSES = (("pass1", MODE_SIMILAR), ("pass2", MODE_EXACT))
 
 
-def build_sampler(model, tok, precision: str = "fp32", threads: int = 0):
-    """The sampler every pass and the reflection step use (HF generate over the policy, under the
-    run's precision and sampling threads)."""
-    return HFSampler(model, tok, precision=precision, threads=threads)
+def build_sampler(cfg, model, tok):
+    """The sampler every pass and the reflection step use: the run's own over the policy
+    (build.torch_sampler: the KV-cache decode loop for the toy's sampler "kv", HF generate for
+    "hf"; vLLM runs are sampled with HF generate here), under the run's precision and sampling
+    threads, as the run's held-out evaluation samples."""
+    if cfg.sampler not in ("kv", "hf"):
+        cfg = dataclasses.replace(cfg, sampler="hf")
+    return build.torch_sampler(cfg, model, tok)
 
 
 def retrieve_items(bank: RubricBank, queries: Sequence, mode: str, k: int) -> list[list[str]]:
@@ -105,7 +108,8 @@ def paired_delta(with_mem: dict, without: dict) -> dict:
 
 
 def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | None = None,
-                 samples: int | None = None, threads: int | None = None, oracle: bool = False) -> dict:
+                 samples: int | None = None, threads: int | None = None, oracle: bool = False,
+                 sft_cache: str | None = None) -> dict:
     """The two-pass memory-reuse evaluation of a finished run (module docstring).
 
     run_dir: a train.py run directory with config.json and final/ (the trained policy); bank_path:
@@ -117,7 +121,11 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
     reflect/*) and the settings; with oracle=True also "oracle": {"sft", "final"}, the oracle-lesson
     control of the run's SFT start and of its final policy (each "with", "without", "delta"), and
     "attempt": {"sft", "final"}, the attempt-lesson control (attempt_control); with oracle="only"
-    the two controls alone (no passes, no bank). Raises FileNotFoundError for a run
+    the two controls alone (no passes, no bank). sft_cache: a JSON file that holds the SFT start's
+    controls (oracle, attempt, content) under a key of everything they depend on (the SFT start, its
+    questions, samples, seeds and sampling settings): reused when the key matches, else computed and
+    written there (the runs of one seed share their SFT start; a grid computes them once per start
+    and seed). Raises FileNotFoundError for a run
     dir without config.json or final/,
     ValueError for a run whose judge is not the toy judge (the held-out score needs the toy world's
     static rubrics) or with no held-out questions.
@@ -145,7 +153,7 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
     model, tok = load_policy(final)
     model.eval()
     system = system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
-    sampler = build_sampler(model, tok, cfg.precision, cfg.sample_threads)
+    sampler = build_sampler(cfg, model, tok)
     engine = RolloutEngine(sampler, tok, {tool.name: tool}, cfg.rollout.max_response_tokens,
                            cfg.rollout.max_tool_calls, system, cfg.rollout.temperature)
     judge = build.build_judge(cfg, world)  # fresh: held-out questions have no rubric buffers
@@ -157,15 +165,28 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
         out["oracle"] = {"final": oracle_control(engine, judge, world, qs, n_s, cfg, seeds["pass1"],
                                                  without1)}
         out["attempt"] = {"final": attempt_control(engine, judge, qs, n_s, cfg, seeds, first, without2)}
-        src = json.load(open(os.path.join(run_dir, "eval.json")))["sft"]["source"]
-        sft_model, sft_tok = load_policy(src)
-        sft_model.eval()
-        sft_engine = RolloutEngine(build_sampler(sft_model, sft_tok, cfg.precision, cfg.sample_threads),
-                                   sft_tok, {tool.name: tool}, cfg.rollout.max_response_tokens,
-                                   cfg.rollout.max_tool_calls, system, cfg.rollout.temperature)
-        out["oracle"]["sft"] = oracle_control(sft_engine, judge, world, qs, n_s, cfg, seeds["pass1"])
-        out["oracle"]["sft"]["source"] = src
-        out["attempt"]["sft"] = attempt_control(sft_engine, judge, qs, n_s, cfg, seeds)
+        out["content"] = {"final": content_control(engine, judge, qs, n_s, cfg, seeds["pass1"], without1)}
+        sft = json.load(open(os.path.join(run_dir, "eval.json")))["sft"]
+        src = sft["source"]
+        key = _normal({"source": src, "sft_key": sft.get("key"), "questions": [q.query for q in qs],
+                          "samples": n_s, "seeds": seeds, "rollout": dataclasses.asdict(cfg.rollout),
+                          "eval_temperature": cfg.eval.temperature, "sampler": cfg.sampler,
+                          "precision": cfg.precision, "world": dataclasses.asdict(cfg.world)})
+        cached = _read_cache(sft_cache, key)
+        if cached is None:
+            sft_model, sft_tok = load_policy(src)
+            sft_model.eval()
+            sft_engine = RolloutEngine(build_sampler(cfg, sft_model, sft_tok),
+                                       sft_tok, {tool.name: tool}, cfg.rollout.max_response_tokens,
+                                       cfg.rollout.max_tool_calls, system, cfg.rollout.temperature)
+            cached = {"oracle": oracle_control(sft_engine, judge, world, qs, n_s, cfg, seeds["pass1"]),
+                      "attempt": attempt_control(sft_engine, judge, qs, n_s, cfg, seeds),
+                      "content": content_control(sft_engine, judge, qs, n_s, cfg, seeds["pass1"])}
+            cached["oracle"]["source"] = src
+            if sft_cache:
+                ckpt_mod.atomic_write_json(sft_cache, {"key": key, "controls": cached})
+        for control in ("oracle", "attempt", "content"):
+            out[control]["sft"] = cached[control]
         out["seconds"] = time.perf_counter() - t_start
         return out
 
@@ -208,16 +229,127 @@ def memory_reuse(run_dir: str, bank_path: str | None = None, n_questions: int | 
     items2 = retrieve_items(copy, qs, MODE_EXACT, cfg.bank.top_k)
     with2, _ = run_pass("pass2", items2)
     without2, _ = run_pass("pass2", None)
+    # the randomised control of pass 2: each question gets another question's exact item (the same
+    # form, written the same way), so own minus foreign isolates what the lesson says of this one
+    foreign2, _ = run_pass("pass2", derange(items2))
     for name, mode, items, w, wo in (("pass1", MODE_SIMILAR, items1, with1, without1),
                                      ("pass2", MODE_EXACT, items2, with2, without2)):
         out[name] = {"mode": mode, "hits": float(np.mean([len(x) > 0 for x in items])),
                      "items": float(np.mean([len(x) for x in items])), "with": w, "without": wo,
                      "delta": paired_delta(w, wo)}
+    out["pass2"]["foreign"] = foreign2
+    out["pass2"]["own_minus_foreign"] = paired_delta(with2, foreign2)
     out["reflection"] = {k: report._py(v) for k, v in rmet.items()}
     if oracle:
         return add_oracle(out, ro_none1, without1, without2)
     out["seconds"] = time.perf_counter() - t_start
     return out
+
+
+def derange(items: Sequence) -> list:
+    """items[i + 1] for position i (the last gets the first): every question another question's
+    retrieved items, in a fixed order (the foreign-lesson controls); a single item stays."""
+    return list(items[1:]) + list(items[:1])
+
+
+# The general clause of every lesson the controls write (the attempt and oracle lessons' own), the
+# same in both lessons of a content-index pair, so that only the named facts differ.
+CONTENT_CLAUSE = ("plan every asked aspect", "every found fact in the writing plan")
+
+
+def split_facts(qs: Sequence, rng: random.Random) -> list[tuple[list[str], list[str]] | None]:
+    """Per question, its asked facts ("Entity aspect") split at random into two non-empty halves
+    (A, B) (a random order, cut at a random point), or None for a question with fewer than 2."""
+    out = []
+    for q in qs:
+        keys = [f"{f['entity']} {f['aspect']}" for f in q.facts]
+        if len(keys) < 2:
+            out.append(None)
+            continue
+        rng.shuffle(keys)
+        cut = rng.randint(1, len(keys) - 1)
+        out.append((sorted(keys[:cut]), sorted(keys[cut:])))
+    return out
+
+
+def content_control(engine, judge, qs: Sequence, n_s: int, cfg, seed: int,
+                    without: dict | None = None) -> dict:
+    """The content index (ours, toy world only): does the policy act on what a lesson *says*?
+
+    Each question's asked facts are split at random into two halves A and B (`split_facts`); lesson A
+    names the facts of A as missed, lesson B those of B, in the teacher's reflection format with
+    the same general clause (CONTENT_CLAUSE). The policy answers with lesson A and, with the same
+    sampling seed, with lesson B. For a fact, its rate is the share of samples whose answer states
+    it with the right value (ToyJudge.fact_hits); the content index of a question is the mean over
+    its facts of (rate under the lesson that names the fact) - (rate under the lesson that does
+    not): 0 for a reader that reacts to a lesson's form only, up to 1 for one that writes exactly
+    the named facts. Also a foreign-lesson control: each question gets another question's lesson A
+    (`derange`: the same form, nothing about this question), against no lesson, and lesson A or B
+    (its own, naming some of its facts) against no lesson.
+
+    Returns {"index", "index_ci" (95 % bootstrap over questions), "per_question", "named", "other"
+    (mean fact rates, in [0, 1]), "questions" (how many have >= 2 facts), "foreign" and "own"
+    (paired_delta against no lesson), "lessons" (the first question's pair)}. without: the scores
+    without memory at `seed` for the same questions (memory_reuse's pass 1), or None to sample them.
+    Raises ValueError when the judge has no ground truth or no question has two asked facts."""
+    from toy.teacher import lesson_text  # toy world only: the teacher's lesson format
+
+    if not hasattr(judge, "fact_hits"):
+        raise ValueError("the content index needs the toy judge's ground truth")
+    pairs = split_facts(qs, random.Random(seed + 7177))
+    keep = [i for i, p in enumerate(pairs) if p is not None]
+    if not keep:
+        raise ValueError("the content index needs questions with at least two asked facts")
+    if len(keep) < len(qs):
+        without = None  # computed on another set of questions
+    q2 = [qs[i] for i in keep]
+    lesson = {h: [[lesson_text(pairs[i][h], [], CONTENT_CLAUSE)] for i in keep] for h in (0, 1)}
+    ro = {h: heldout.sample_heldout(engine, q2, n_s, cfg.eval.temperature, seed, lesson[h])
+          for h in (0, 1)}
+    hits = {h: [judge.fact_hits(q2[g], ro[h][g * n_s + s]) for g in range(len(q2)) for s in range(n_s)]
+            for h in (0, 1)}
+    per_q, named, other = [], [], []
+    for g, i in enumerate(keep):
+        rate = {h: {k: float(np.mean([hits[h][g * n_s + s][k] for s in range(n_s)]))
+                    for k in hits[h][g * n_s]} for h in (0, 1)}
+        d = []
+        for h in (0, 1):  # a fact of half h is named by lesson h and not by lesson 1 - h
+            for k in pairs[i][h]:
+                named.append(rate[h][k])
+                other.append(rate[1 - h][k])
+                d.append(rate[h][k] - rate[1 - h][k])
+        per_q.append(float(np.mean(d)))
+    lo, hi = report.bootstrap_ci(np.asarray(per_q))
+    res = {"index": float(np.mean(per_q)), "index_ci": [lo, hi], "per_question": per_q,
+           "named": float(np.mean(named)), "other": float(np.mean(other)), "questions": len(q2),
+           "lessons": [lesson[0][0][0], lesson[1][0][0]]}
+    if without is None:
+        without = heldout.evaluate_heldout(engine, judge, q2, n_s, cfg.eval.temperature, seed)
+    foreign = heldout.heldout_scores(judge, q2, heldout.sample_heldout(
+        engine, q2, n_s, cfg.eval.temperature, seed, derange(lesson[0])), n_s)
+    res["foreign"] = {"with": foreign, "delta": paired_delta(foreign, without)}
+    own = heldout.heldout_scores(judge, q2, ro[0], n_s)
+    res["own"] = {"with": own, "delta": paired_delta(own, without)}
+    return res
+
+
+def _normal(d: dict) -> dict:
+    """`d` as it reads back from JSON (tuples as lists, keys sorted, other objects as text): what
+    a cache key is compared as."""
+    return json.loads(json.dumps(d, sort_keys=True, default=str))
+
+
+def _read_cache(path: str | None, key: dict) -> dict | None:
+    """The SFT start's controls cached at `path` under `key` (memory_reuse's sft_cache), or None when
+    there is no file, it cannot be read, or it was written for another key."""
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        with open(path) as fh:
+            got = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return got.get("controls") if isinstance(got, dict) and got.get("key") == key else None
 
 
 def oracle_control(engine, judge, world, qs: Sequence, n_s: int, cfg, seed: int,
@@ -289,6 +421,11 @@ def summary_lines(res: dict) -> list[str]:
         lines.append(f"  {label:<30} answer {p['with']['answer']:.3f} with vs {p['without']['answer']:.3f} "
                      f"without: {d['answer']:+.3f} [{d['answer_ci'][0]:+.3f}, {d['answer_ci'][1]:+.3f}]; "
                      f"score {d['score']:+.3f}; hits {p['hits']:.2f}")
+    if "own_minus_foreign" in res.get("pass2", {}):
+        d = res["pass2"]["own_minus_foreign"]
+        lines.append(f"  {'pass 2, own minus foreign':<30} answer {d['answer']:+.3f} "
+                     f"[{d['answer_ci'][0]:+.3f}, {d['answer_ci'][1]:+.3f}] (another question's "
+                     f"lesson of the same form in its place)")
     if "reflection" in res:
         r = res["reflection"]
         lines.append(f"  reflection: {r.get('reflect/admitted', 0)} of {r.get('reflect/trajectories', 0)} "
@@ -303,7 +440,52 @@ def summary_lines(res: dict) -> list[str]:
                              f"answer {o['with']['answer']:.3f} with vs {o['without']['answer']:.3f} "
                              f"without: {d['answer']:+.3f} [{d['answer_ci'][0]:+.3f}, {d['answer_ci'][1]:+.3f}]"
                              + (f"; {o['named']:.2f} of the lessons name a failed fact" if "named" in o else ""))
+    for who in ("sft", "final"):
+        c = res.get("content", {}).get(who)
+        if c:
+            lines.extend(content_lines(c, "SFT start" if who == "sft" else "final policy"))
     return lines
+
+
+def content_lines(c: dict, who: str) -> list[str]:
+    """Two lines for a content_control result of `who`."""
+    f = c["foreign"]["delta"]
+    return [f"  {'content index, ' + who:<30} {c['index']:+.3f} [{c['index_ci'][0]:+.3f}, "
+            f"{c['index_ci'][1]:+.3f}] (a fact stated {c['named']:.3f} when its lesson names it, "
+            f"{c['other']:.3f} when the other half's does; {c['questions']} questions)",
+            f"  {'foreign lesson, ' + who:<30} answer {f['answer']:+.3f} [{f['answer_ci'][0]:+.3f}, "
+            f"{f['answer_ci'][1]:+.3f}] against none (own half-lesson "
+            f"{c['own']['delta']['answer']:+.3f})"]
+
+
+def policy_content(policy_dir: str, n_questions: int, samples: int, threads: int | None = None,
+                   overrides: Sequence[str] = ()) -> dict:
+    """The content index of a policy directory outside a run (a warm start before any RL: the gate
+    of a reader that reads): the toy preset with `overrides` ("key=value", as train.py's --set)
+    builds the world, held-out questions and judge; the policy samples as a run's evaluation does
+    (its seed, temperature, budgets). Returns content_control's result plus "policy", "n_questions",
+    "samples". Raises FileNotFoundError for a missing directory."""
+    from backends.run import overrides as ov
+
+    if not os.path.isdir(policy_dir):
+        raise FileNotFoundError(f"{policy_dir} is not a policy directory")
+    cfg = presets.toy_preset()
+    for kv in overrides:
+        ov.set_override(cfg, kv)
+    if threads is not None:
+        cfg.threads = cfg.sample_threads = threads
+    torch.set_num_threads(cfg.threads)
+    world, tool, _, held_q = build.build_environment(cfg)
+    qs = held_q[:n_questions]
+    model, tok = load_policy(policy_dir)
+    model.eval()
+    system = system_prompt(cfg.rollout.scaffold, cfg.rollout.system_prompt)
+    engine = RolloutEngine(build_sampler(cfg, model, tok), tok,
+                           {tool.name: tool}, cfg.rollout.max_response_tokens,
+                           cfg.rollout.max_tool_calls, system, cfg.rollout.temperature)
+    judge = build.build_judge(cfg, world)
+    res = content_control(engine, judge, qs, samples, cfg, heldout.heldout_seed(cfg))
+    return {"policy": policy_dir, "n_questions": len(qs), "samples": samples, **res}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -311,7 +493,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     Exit codes: 0 done, 2 unusable run directory or settings."""
     ap = argparse.ArgumentParser(description="memory reuse on held-out questions (pass 1 similar, "
                                              "pass 2 exact; with minus without memory)")
-    ap.add_argument("run_dir", help="a finished train.py run (config.json, final/, bank.jsonl)")
+    ap.add_argument("run_dir", nargs="?", help="a finished train.py run (config.json, final/, bank.jsonl)")
+    ap.add_argument("--policy", help="instead of a run: the content index of this policy directory "
+                    "(e.g. a warm start) under the toy preset and --set overrides")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="with --policy: a configuration override, as train.py's")
     ap.add_argument("--bank", help="bank for pass 1 (default RUN_DIR/bank.jsonl)")
     ap.add_argument("--n-questions", type=int,
                     help="held-out questions (default: the run's eval.n_questions)")
@@ -323,11 +509,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="also the oracle-lesson and attempt-lesson controls of the SFT start and "
                          "the final policy")
     ap.add_argument("--oracle-only", action="store_true", help="only the two controls")
+    ap.add_argument("--sft-cache", help="a JSON file for the SFT start's controls, reused by the "
+                    "runs that share that start (memory_reuse's sft_cache)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    if a.policy:
+        try:
+            res = policy_content(a.policy, a.n_questions or 64, a.samples or 2, a.threads, a.set)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if a.out:
+            ckpt_mod.atomic_write_json(a.out, res)
+        print("\n".join(content_lines(res, a.policy)))
+        return 0
+    if not a.run_dir:
+        ap.error("give a run directory, or --policy DIR")
     try:
         res = memory_reuse(a.run_dir, a.bank, a.n_questions, a.samples, a.threads,
-                           "only" if a.oracle_only else a.oracle)
+                           "only" if a.oracle_only else a.oracle, a.sft_cache)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -261,9 +261,10 @@ def test_tiny_scaffold_grid_structured_vs_unstructured_fig6(tmp_path, toy_cache)
     doc = open(out / "doc" / "ablations.md").read()
     assert "structured vs unstructured after SFT and after RL (Fig. 6a-c)" in doc
     assert "| structured | `baseline_rl` | 1 |" in doc and "| unstructured | `unstructured` | 1 |" in doc
-    assert ("seed 0: unstructured scaffold: own SFT warm start" in doc
-            and "): yes; same held-out question count and evaluation settings as structured "
-                "baseline_rl: yes" in doc)
+    check = next(l for l in doc.splitlines() if l.startswith("- seed 0: unstructured scaffold: "))
+    assert ("warm start shared by 1 run: yes" in check and "; own warm start, not the default SFT's" in check
+            and "): yes; same held-out question count and evaluation settings as the default-SFT arms: "
+                "yes" in check)
     assert "structured > unstructured after SFT (paper: DRB 43.0 vs 39.8): **" in doc
 
 
@@ -481,3 +482,284 @@ def test_memory_controls_print_the_oracle_and_attempt_lesson_controls_pooled_ove
     assert "RubricEM's memory effect minus Baseline RL's at within-episode pass 2" in lines
     del mem[("rubricem", 0)]["attempt"], mem[("rubricem", 1)]["attempt"]  # memory.json files written before
     assert "Attempt-lesson control, RubricEM" not in "\n".join(ablate.render_memory_controls(mem))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Variants (the reflection update, exposure-only, the no-memory and random-lesson warm starts)
+
+
+def test_every_variant_runs_its_arm_with_its_overrides_last_and_validates(tmp_path):
+    for name, v in ablate.VARIANTS.items():
+        cmd = ablate.train_command(str(tmp_path), name, 1, 3, 1, ["threads=1"])
+        assert cmd[cmd.index("--arm") + 1] == v.arm
+        assert cmd[cmd.index("--run-dir") + 1] == str(tmp_path / f"{name}-seed1")
+        sets = [cmd[i + 1] for i, x in enumerate(cmd) if x == "--set"]
+        assert sets == ["threads=1", *v.sets]  # the variant's own last: they win
+        assert set(ablate.STARTS[v.start].sets) <= set(v.sets)  # its start's overrides make its start
+        cfg = ablate.overrides.apply_overrides(ablate.presets.toy_preset(), sets)
+        cfg.arm = v.arm
+        ablate.settings.validate_config(cfg)  # a misspelt override or a bad value fails here
+    cfg = lambda name: ablate.overrides.apply_overrides(ablate.presets.toy_preset(),
+                                                        list(ablate.VARIANTS[name].sets))
+    assert cfg("rubricem-c0").reflection.loss_coef == 0 and cfg("rubricem-c0").reflection.train
+    assert not cfg("exposure").reflection.train and cfg("exposure").teacher.p_memory > 0
+    c = cfg("exposure-nomemsft")
+    assert not c.reflection.train and c.teacher.p_memory == 0 and c.sft.n_reflections > 0
+    assert cfg("ss_grpo-randlessons").teacher.memory_lessons == "random"
+    assert ablate.VARIANTS["ss_grpo-randlessons"].arm == "ss_grpo"
+    assert ablate.PAPER_NAMES["exposure"] == "Exposure-only (memory in prompts, no reflection training)"
+    # a plain arm is itself on the toy start; the old names keep their runs and rows
+    plain = ablate.train_command(str(tmp_path), "rubricem", 0, 2, 1, ["threads=1"])
+    assert plain[plain.index("--arm") + 1] == "rubricem" and plain[-2:] == ["--set", "threads=1"]
+    assert ablate.PAPERSFT == {"rubricem-papersft": "rubricem", "baseline_rl-papersft": "baseline_rl"}
+    assert ablate.sibling("exposure", "nomemsft") == "exposure-nomemsft"
+    assert ablate.sibling("rubricem-c0", "randlessons") is None
+    assert ablate.sibling("ss_grpo", "toy") == "ss_grpo"
+
+
+def test_memory_runs_and_arms_accept_variant_names():
+    assert set(ablate.MEMORY_ARMS) == {
+        "rubricem", "baseline_rl", "exposure", "rubricem-nomemsft", "baseline_rl-nomemsft",
+        "exposure-nomemsft", "rubricem-randlessons", "baseline_rl-randlessons", "exposure-randlessons"}
+    a = ablate.parse_args(["--arms", "rubricem,exposure,rubricem-c0,ss_grpo-randlessons"])
+    assert a.arms == ["rubricem", "exposure", "rubricem-c0", "ss_grpo-randlessons"]
+    with pytest.raises(SystemExit):
+        ablate.parse_args(["--arms", "rubricem,exposure-typo"])
+
+
+def test_a_run_without_reflections_reads_the_rubricem_bank_of_its_own_warm_start(tmp_path):
+    for name in ("rubricem", "rubricem-nomemsft"):
+        os.makedirs(tmp_path / f"{name}-seed0")
+        (tmp_path / f"{name}-seed0" / "bank.jsonl").write_text("")
+    runs = ["rubricem", "baseline_rl", "exposure", "rubricem-nomemsft", "baseline_rl-nomemsft"]
+    def bank(name, grid_runs=runs):
+        cmd = ablate.memory_command(str(tmp_path), name, 0, grid_runs)
+        return cmd[cmd.index("--bank") + 1] if "--bank" in cmd else None
+
+    assert bank("baseline_rl") == str(tmp_path / "rubricem-seed0" / "bank.jsonl")
+    assert bank("baseline_rl-nomemsft") == str(tmp_path / "rubricem-nomemsft-seed0" / "bank.jsonl")
+    assert bank("exposure") is None and bank("rubricem-nomemsft") is None  # they write their own
+    assert bank("baseline_rl-nomemsft", ["baseline_rl-nomemsft", "rubricem"]) is None  # not the toy's
+    assert "--oracle" in ablate.memory_command(str(tmp_path), "exposure", 0, runs)  # the controls
+    # the SFT start's controls are cached per warm start and seed, shared by that start's runs
+    cache = lambda name, seed=0: (lambda c: c[c.index("--sft-cache") + 1])(  # noqa: E731
+        ablate.memory_command(str(tmp_path), name, seed, runs))
+    assert cache("rubricem") == cache("baseline_rl") == cache("exposure")
+    assert len({cache("rubricem"), cache("rubricem-nomemsft"), cache("rubricem", 1)}) == 3
+
+
+def test_each_warm_start_is_trained_by_its_first_run_and_memory_runs_on_every_start(tmp_path, monkeypatch):
+    events, memory, lock = [], {}, __import__("threading").Lock()
+
+    def fake_run(cmd, log_path):
+        if cmd[1].endswith("memory_eval.py"):
+            memory[os.path.basename(cmd[2])] = cmd[cmd.index("--bank") + 1] if "--bank" in cmd else None
+            open(os.path.join(cmd[2], "memory.json"), "w").write("{}")
+            return 0
+        rd = cmd[cmd.index("--run-dir") + 1]
+        name = os.path.basename(rd)
+        with lock:
+            events.append(("start", name))
+        time.sleep(0.3 if name in ("rubricem-nomemsft-seed0", "ss_grpo-randlessons-seed0") else 0.02)
+        os.makedirs(rd, exist_ok=True)
+        open(os.path.join(rd, "eval.json"), "w").write("{}")
+        open(os.path.join(rd, "bank.jsonl"), "w").write("")
+        with lock:
+            events.append(("end", name))
+        return 0
+
+    monkeypatch.setattr(ablate, "run_logged", fake_run)
+    runs = ["rubricem", "exposure", "rubricem-nomemsft", "baseline_rl-nomemsft", "ss_grpo-randlessons",
+            "exposure-randlessons"]
+    st = ablate.run_grid(str(tmp_path), runs, [0, 1], 2, 1, [], memory=True, progress=False, jobs=3)
+    assert not st["failed"]
+    assert {e[1] for e in events[:2]} == {"rubricem-nomemsft-seed0", "ss_grpo-randlessons-seed0"}
+    for leader, start in (("rubricem-nomemsft-seed0", "nomemsft"),
+                          ("ss_grpo-randlessons-seed0", "randlessons")):
+        end = events.index(("end", leader))
+        for name in (f"{n}-seed{s}" for n in runs for s in (0, 1) if ablate.variant(n).start == start):
+            if name != leader:
+                assert events.index(("start", name)) > end, name
+    assert events.index(("start", "rubricem-seed0")) < events.index(("end", "rubricem-nomemsft-seed0"))
+    # memory reuse: rubricem, exposure and their warm-start siblings, not ss_grpo; the bank of
+    # baseline_rl-nomemsft is the rubricem run's of its own start
+    assert sorted(memory) == sorted(f"{n}-seed{s}" for n in runs for s in (0, 1)
+                                    if n != "ss_grpo-randlessons")
+    assert memory["baseline_rl-nomemsft-seed1"] == str(tmp_path / "rubricem-nomemsft-seed1" / "bank.jsonl")
+
+
+def test_checks_group_the_runs_of_a_seed_by_their_sft_start(tmp_path):
+    grid = tmp_path / "g"
+    for name in ("rubricem", "rubricem-c0", "exposure"):
+        _fake_run(grid, name, 0, "toykey000000aaaa", [0.5, 0.6])
+    for name in ("rubricem-nomemsft", "exposure-nomemsft"):
+        _fake_run(grid, name, 0, "nomemkey0000bbbb", [0.3, 0.4])
+    _fake_run(grid, "ss_grpo-randlessons", 0, "randkey00000cccc", [0.2, 0.4])
+    names = ["rubricem", "rubricem-c0", "exposure", "rubricem-nomemsft", "exposure-nomemsft",
+             "ss_grpo-randlessons"]
+    rows, _, checks = ablate.collect(str(grid), names, [0])
+    # other starts' keys do not make the toy start's check fail: each start is checked apart
+    assert checks[0] == ("seed 0: SFT warm start shared by 3 arms: yes (cache key toykey000000); "
+                         "identical step-0 held-out evaluation: yes")
+    assert checks[1].startswith("seed 0: no-memory SFT: warm start shared by 2 runs: yes (cache key "
+                                "nomemkey0000); identical step-0 held-out evaluation: yes; own warm start")
+    assert checks[2].startswith("seed 0: random-lesson SFT: warm start shared by 1 run: yes")
+    assert "NO" not in " ".join(checks) and len(checks) == 3
+    assert {(r["arm"], r["sft_set"], r["scaffold"]) for r in rows if r["step"] == 0} == {
+        ("rubricem", "toy", "structured"), ("rubricem-c0", "toy", "structured"),
+        ("exposure", "toy", "structured"), ("rubricem-nomemsft", "nomemsft", "structured"),
+        ("exposure-nomemsft", "nomemsft", "structured"), ("ss_grpo-randlessons", "randlessons", "structured")}
+    bad = tmp_path / "bad"  # exposure from another warm start than the other toy-start runs
+    _fake_run(bad, "rubricem", 0, "toykey000000aaaa", [0.5, 0.6])
+    _fake_run(bad, "exposure", 0, "otherkey0000dddd", [0.5, 0.6])
+    _fake_run(bad, "rubricem-nomemsft", 0, "toykey000000aaaa", [0.5, 0.6])  # the toy's start
+    checks = ablate.collect(str(bad), ["rubricem", "exposure", "rubricem-nomemsft"], [0])[2]
+    assert checks[0].startswith("seed 0: SFT warm start shared by 2 arms: NO")
+    assert "not the default SFT's (cache key otherkey0000, toykey000000): NO" in checks[1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The report: half-widths, the reflection update, pass 2 own minus foreign, the content index, goals
+
+
+def test_half_width_is_half_the_95_percent_interval():
+    assert ablate.half_width((0.1, -0.2, 0.4)) == pytest.approx(0.3)
+    assert np.isnan(ablate.half_width(None)) and np.isnan(ablate.half_width((NAN, NAN, NAN)))
+    assert ablate.ci_text((0.03, 0.002, 0.058)) == "+0.030 [+0.002, +0.058] (half-width 0.028)"
+    assert ablate.ci_text(None) == "not run" and ablate.ci_text((NAN, NAN, NAN)) == "not run"
+
+
+def _stat_of(line: str, after: str) -> tuple[float, float, float, float]:
+    """(mean, lo, hi, half-width) printed by ci_text after `after` in a report line."""
+    t = (line.split(after, 1)[1] if after else line).split()
+    return (float(t[0]), float(t[1].strip("[,")), float(t[2].strip("],")), float(t[4].strip("),;")))
+
+
+def _curve_rows(offsets: dict, seeds=(0, 1), nq=12) -> list[dict]:
+    """Results rows at steps 0, 2 and 4: per run, per-question gains offset + a fixed spread per
+    question (the same for every run, so paired differences are the offsets exactly only when the
+    spreads cancel: we add a run-specific spread to get an interval of non-zero width)."""
+    rng = np.random.default_rng(1)
+    rows = []
+    for name, off in offsets.items():
+        for s in seeds:
+            noise = 0.05 * rng.standard_normal(nq)
+            for step in (0, 2, 4):
+                d = (off + noise).tolist() if step else [0.0] * nq
+                rows.append({"arm": name, "seed": s, "step": step, "answer": 0.5, "answer_sft": 0.5,
+                             "per_question_delta": d, "per_question_score_delta": [x / 2 for x in d]})
+    return rows
+
+
+def test_report_reflection_update_contrasts_each_start_with_ci_and_half_width():
+    rows = _curve_rows({"rubricem": 0.3, "ss_grpo": 0.2, "rubricem-c0": 0.25,
+                        "rubricem-randlessons": 0.1, "ss_grpo-randlessons": 0.15})
+    lines = ablate.render_reflection_update(rows)
+    assert lines[0] == "## The reflection update"
+    line = {l.split(" (`")[0]: l for l in lines if l.startswith("- ")}
+    assert set(line) == {"- RubricEM minus SS-GRPO", "- RubricEM minus RubricEM (c = 0)",
+                         "- RubricEM minus Exposure-only", "- Exposure-only minus SS-GRPO",
+                         "- random-lesson SFT: RubricEM minus SS-GRPO",
+                         "- random-lesson SFT: RubricEM minus Exposure-only",
+                         "- random-lesson SFT: Exposure-only minus SS-GRPO"}  # no c = 0 run there
+    m, lo, hi, hw = _stat_of(line["- RubricEM minus SS-GRPO"], "curve average answer ")
+    assert abs(m - 0.1) < 0.03 and lo < m < hi and hw == pytest.approx((hi - lo) / 2, abs=1e-3) and hw > 0
+    m = _stat_of(line["- random-lesson SFT: RubricEM minus SS-GRPO"], "curve average answer ")[0]
+    assert abs(m + 0.05) < 0.03  # within its own start: rubricem-randlessons - ss_grpo-randlessons
+    assert "(`rubricem` - `exposure`): curve average answer not run, mean-stage not run" in line[
+        "- RubricEM minus Exposure-only"]
+    # no run from the random-lesson start: only the toy start's lines
+    assert not [l for l in ablate.render_reflection_update(_curve_rows({"rubricem": 0.3}))
+                if "random-lesson" in l]
+
+
+def _memory_json(p2, own_minus_foreign=None, content_sft=None, content_final=None, foreign=None):
+    """A memory.json result: pass 1 and 2 with per-question answer differences, pass 2's own minus
+    foreign, and content controls (per-question content index; the foreign-lesson effect)."""
+    res = {"pass1": {"hits": 1.0, "delta": {"answer_per_question": list(p2)}},
+           "pass2": {"hits": 1.0, "delta": {"answer_per_question": list(p2)}}}
+    if own_minus_foreign is not None:
+        res["pass2"]["own_minus_foreign"] = {"answer_per_question": list(own_minus_foreign)}
+    f = {"delta": {"answer_per_question": list(foreign or [0.0] * len(p2))}}
+    res["content"] = {k: {"per_question": list(v), "foreign": f}
+                      for k, v in (("sft", content_sft), ("final", content_final)) if v is not None}
+    return res
+
+
+def test_report_pass2_own_minus_foreign_paired_by_seed_and_question_fig6d():
+    q = [0.0, 0.1, 0.2, 0.3] * 3
+    mem = {("rubricem", s): _memory_json([0.1] * 12, [x + 0.2 + 0.01 * s for x in q]) for s in (0, 1)}
+    mem.update({("baseline_rl", s): _memory_json([0.0] * 12, q) for s in (0, 1)})
+    lines = ablate.render_memory(mem, ["rubricem", "baseline_rl"])
+    row = next(l for l in lines if l.startswith("| `rubricem` | 2 |"))
+    assert _stat_of(row.split("|")[7], "")[0] == pytest.approx(0.15 + 0.205, abs=1e-3)  # own - foreign
+    key = ("- RubricEM's memory effect minus Baseline RL's at within-episode pass 2 (own minus foreign): "
+           "answer ")
+    d = next(l for l in lines if l.startswith(key))
+    m, lo, hi, hw = _stat_of(d, key)
+    assert m == pytest.approx(0.205) and 0.2 <= lo < m < hi <= 0.21  # pairs 0.2 (seed 0), 0.21 (seed 1)
+    assert hw == pytest.approx((hi - lo) / 2, abs=1e-3) and "runs `rubricem` - `baseline_rl`" in d
+    assert any(l.startswith("- Exposure-only's memory effect minus Baseline RL's at within-episode pass 2 "
+                            "(own minus foreign): answer not run") for l in lines)
+    # a seed without its pair, or a memory.json from before the foreign-lesson control: not run
+    assert ablate.paired_memory_difference({k: v for k, v in mem.items() if k != ("baseline_rl", 1)},
+                                           "rubricem", "baseline_rl", "pass2", "own_minus_foreign") is None
+    old = {**mem, ("baseline_rl", 1): _memory_json([0.0] * 12)}
+    assert ablate.paired_memory_difference(old, "rubricem", "baseline_rl", "pass2",
+                                           "own_minus_foreign") is None
+    old[("baseline_rl", 0)] = _memory_json([0.0] * 12)
+    assert next(l for l in ablate.render_memory(old, []) if l.startswith("| `baseline_rl` | 2 |")).endswith(
+        "| not run |")
+
+
+def test_report_content_index_per_warm_start_one_control_per_seed():
+    idx0, idx1 = [0.1, 0.3] * 5, [0.2, 0.4] * 5
+    mem = {("rubricem", 0): _memory_json([0.0] * 10, content_sft=idx0, content_final=[0.5] * 10),
+           ("rubricem", 1): _memory_json([0.0] * 10, content_sft=idx1, content_final=[0.7] * 10),
+           ("baseline_rl", 0): _memory_json([0.0] * 10, content_sft=idx0, content_final=[0.0] * 10),
+           ("baseline_rl", 1): _memory_json([0.0] * 10, content_sft=idx1, content_final=[0.0] * 10),
+           ("exposure-nomemsft", 0): _memory_json([0.0] * 10, content_sft=[0.0] * 10,
+                                                  foreign=[-0.1] * 10)}
+    (m, lo, hi), n, same = ablate.start_content(mem, "toy", "index")
+    assert n == 2 and same and m == pytest.approx(0.25)
+    # one control per seed: pooled over the two runs the interval would be narrower
+    assert (lo, hi) == pytest.approx(ablate.mean_ci(idx0 + idx1)[1:])
+    lines = ablate.render_content(mem)
+    row = {tuple(c.strip() for c in l.split("|")[1:3]): l for l in lines if l.startswith("| ")}
+    assert _stat_of(row[("toy default SFT", "SFT start")], "| 2 | ")[0] == pytest.approx(0.25)
+    assert _stat_of(row[("toy default SFT", "`rubricem` after RL")], "| 2 | ")[0] == pytest.approx(0.6)
+    assert row[("no-memory SFT", "SFT start")].split("|")[-2].strip().startswith("-0.100 [-0.100, -0.100]")
+    assert not [l for l in lines if "differ" in l]
+    mem[("baseline_rl", 1)]["content"]["sft"]["per_question"] = [0.9] * 10  # a changed setting
+    assert not ablate.start_content(mem, "toy", "index")[2]
+    assert any("toy default SFT: the SFT-start controls of one seed's runs differ" in l
+               for l in ablate.render_content(mem))
+    assert "Not run yet" in ablate.render_content({("rubricem", 0): _memory_json([0.0])})[-2]
+
+
+def test_goals_block_met_not_met_and_not_run_with_half_widths():
+    rows = _curve_rows({"rubricem": 0.3, "ss_grpo": 0.1, "baseline_rl": 0.2})
+    mem = {("rubricem", s): _memory_json([0.0] * 4, [0.3, 0.1, 0.25, 0.2], content_sft=[0.25, 0.35] * 2)
+           for s in (0, 1)}
+    mem.update({("baseline_rl", s): _memory_json([0.0] * 4, [0.2] * 4, content_sft=[0.25, 0.35] * 2)
+                for s in (0, 1)})
+    mem[("rubricem-randlessons", 0)] = _memory_json([0.0] * 4, content_sft=[0.0, 0.1] * 2)
+    goals = "\n".join(ablate.render_goals(rows, mem))
+    assert "- content index >= 0.2 at the SFT start (toy default SFT): **met**, +0.300 [" in goals
+    assert "- content index >= 0.2 at the SFT start (random-lesson SFT): **not met**, +0.050 [" in goals
+    assert "- RubricEM minus SS-GRPO, curve average, CI above 0: **met**, +0.2" in goals
+    key = ("- RubricEM's pass-2 (own minus foreign) memory effect minus Baseline RL's, CI above 0: "
+           "**not met**, ")
+    m, lo, hi, hw = _stat_of(next(l for l in goals.splitlines() if l.startswith(key)), key)
+    assert m == pytest.approx(0.0125, abs=1e-3) and lo < 0 < hi and hw > 0  # its interval holds 0
+    assert "- SS-GRPO minus Baseline RL, curve average, CI above 0: **not met**, -0.1" in goals
+    assert "- RubricEM minus Baseline RL, curve average, CI above 0: **met**" in goals
+    empty = "\n".join(ablate.render_goals([], {}))
+    assert empty.count("**not run**") == 5
+    meta = dict(command="c", commit="x", date="d", machine="m", threads="2", grid="g")
+    doc = ablate.render(rows, mem, [], ["rubricem", "ss_grpo", "baseline_rl"], meta)
+    heads = [l for l in doc.splitlines() if l.startswith("## ")]
+    assert heads.index("## The reflection update") < heads.index("## Memory reuse (with minus without "
+                                                                  "memory, answer score)")
+    assert heads[-3:] == ["## Paper findings", "## Goals", "## Checks"]
+    assert "## Does the policy read a lesson's content?" in heads

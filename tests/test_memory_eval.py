@@ -38,8 +38,7 @@ def test_pass1_similar_then_reflect_then_pass2_exact_fig6d(tmp_path, toy_cache, 
     assert len(bank_mod.RubricBank.load(run / "bank.jsonl")) == 4
     orig = memory_eval.build_sampler  # reflections on held-out trajectories: the valid lesson
     monkeypatch.setattr(memory_eval, "build_sampler",
-                        lambda model, tok, precision="fp32", threads=0:
-                        ReflectionTextSampler(orig(model, tok, precision, threads), tok, []))
+                        lambda cfg, model, tok: ReflectionTextSampler(orig(cfg, model, tok), tok, []))
     seen = []
     retrieve = bank_mod.RubricBank.retrieve
     monkeypatch.setattr(bank_mod.RubricBank, "retrieve",
@@ -97,3 +96,18 @@ def test_attempt_control_reflects_each_questions_first_pass1_sample_then_samples
     assert res["delta"]["answer"] == pytest.approx(res["with"]["answer"] - res["without"]["answer"])
     with pytest.raises(ValueError, match="ground truth"):
         memory_eval.attempt_control(None, object(), ["a"], 1, cfg, {"pass1": 5, "pass2": 6})
+
+
+def test_sft_controls_cache_is_read_only_under_its_own_key(tmp_path):
+    """memory_reuse's sft_cache: the SFT start's controls come back only for the key they were
+    written under (another start, question set or setting computes them anew); an unreadable file
+    reads as no cache."""
+    path = str(tmp_path / "sft.json")
+    key = memory_eval._normal({"source": "ws", "questions": ("q1", "q2"), "samples": 2})
+    assert memory_eval._read_cache(path, key) is None  # no file yet
+    json.dump({"key": key, "controls": {"oracle": {"x": 1}}}, open(path, "w"))
+    assert memory_eval._read_cache(path, key) == {"oracle": {"x": 1}}
+    assert memory_eval._read_cache(path, {**key, "samples": 4}) is None
+    assert memory_eval._read_cache(None, key) is None
+    open(path, "w").write("{not json")
+    assert memory_eval._read_cache(path, key) is None

@@ -174,3 +174,61 @@ def test_each_flaw_lowers_only_its_own_stage_sec_appendix_sft(flaw):
     np.testing.assert_allclose(on[:, others], off[:, others])
     assert np.all(on[:, k] <= off[:, k] + 1e-12)
     assert (on[:, k] < off[:, k] - 1e-9).sum() >= 3, flaw
+
+
+def test_random_lessons_name_only_their_query_and_the_teacher_follows_the_names_sec3_4():
+    """teacher.memory_lessons = "random" (toy/teacher.random_lesson): a lesson names a random non-empty
+    subset of its query's asked facts (and maybe their old-record values) with a general clause
+    drawn apart; the teacher with the default flaws then plans every named fact, while an unnamed
+    later fact is left out of the plan at about p_plan_omit, as without a lesson."""
+    from toy.teacher import GENERAL_LESSONS, fact_key, memory_missed, memory_wrong, random_lesson
+
+    world, tool = tf.tiny_world(), tf.tiny_tool()
+    rows = [q for q in load_rows(world.train_rows) if len(q.facts) >= 2]
+    cfg = sft.TeacherConfig(p_tool_fail=0.0, p_defect=0.0)
+    rng = random.Random(0)
+    named_planned, unnamed_planned, subsets = [], [], set()
+    for i in range(300):
+        q = rows[i % len(rows)]
+        keys = [fact_key(f) for f in q.facts]
+        lesson = random_lesson(q, world, rng)
+        missed = memory_missed([lesson])
+        assert missed and missed <= set(keys)  # names only its own query's facts, at least one
+        assert memory_wrong([lesson]) <= set(keys)
+        assert any(g in lesson for g in GENERAL_LESSONS)
+        subsets.add((q.query, tuple(sorted(missed))))
+        tr = sft.teacher_trajectory(q, tool, world, random.Random(i), cfg, [lesson])
+        plan = tr.segments[0][1]
+        for k in keys[1:]:  # the first asked fact is never left out of a plan
+            (named_planned if k in missed else unnamed_planned).append(f"need: {k}" in plan)
+    assert all(named_planned) and len(named_planned) > 50
+    assert abs(1 - np.mean(unnamed_planned) - cfg.p_plan_omit) < 0.12, np.mean(unnamed_planned)
+    assert len(subsets) > 100  # the names vary, question by question and draw by draw
+
+
+def test_random_lesson_data_give_own_and_foreign_lessons_of_one_form_sec3_4():
+    """build_sft_data with memory_lessons "random": an own-query lesson names only that query's facts,
+    another query's lesson none of them; an unknown memory_lessons is refused."""
+    world = tf.tiny_world()
+    scfg = sft.SFTConfig(n_trajectories=120, n_reflections=0)
+    tcfg = sft.TeacherConfig(memory_lessons="random", p_memory=1.0, p_memory_exact=0.5)
+    from toy.teacher import memory_missed
+    examples, _ = sft.build_sft_data(world, tf.tiny_tool(), "sys", scfg, tcfg)
+    rows = {q.query: q for q in load_rows(world.train_rows)}
+    own = foreign = 0
+    for msgs, _ in examples:
+        user = msgs[-1]["content"]
+        named = memory_missed([user])
+        if not named:
+            continue
+        q = next(q for text, q in rows.items() if text in user)
+        keys = {f"{f['entity']} {f['aspect']}" for f in q.facts}
+        if named <= keys:
+            own += 1
+        else:
+            assert not named & keys
+            foreign += 1
+    assert own > 20 and foreign > 20
+    with pytest.raises(ValueError, match="memory_lessons"):
+        sft.build_sft_data(world, tf.tiny_tool(), "sys", scfg,
+                           dataclasses.replace(tcfg, memory_lessons="other"))

@@ -179,7 +179,11 @@ def test_warm_start_cache_key_holds_the_scaffold_fig6():
     # The structured key is the one warm starts were cached under before the ablation existed.
     from dataclasses import asdict
     # (The teacher's stage-local flaws, added later, are left out of the key while they are off.)
-    old_teacher = {k: v for k, v in asdict(t).items() if k not in sft._LOCAL_FLAWS}
+    # (Nor are its later fields at their default: teacher.memory_lessons.)
+    old_teacher = {k: v for k, v in asdict(t).items() if k not in sft._LOCAL_FLAWS
+                   and k not in sft._TEACHER_LATER}
+    assert t.memory_lessons == "attempt" and a != sft.warm_start_key(
+        w, "sys", c, dataclasses.replace(t, memory_lessons="random"), "XS", 400)
     # (sft.shipped, where a warm start comes from, is not part of it either.)
     old_sft = {k: v for k, v in asdict(c).items() if k != "shipped"}
     # (Nor are the world's later knobs while they are off: WorldConfig.p_unmarked.)

@@ -337,11 +337,16 @@ class ToyJudge(EvolvingJudge):
         """Share in [0, 1] of the query's required facts that rollout `ro`'s answer states with the
         right value (cited or not; the `ans_fact` check >= 0.5); 0.0 for a query without facts.
         The held-out evaluation reports it (evaluate.heldout_scores)."""
+        hits = self.fact_hits(query, ro)
+        return float(np.mean(list(hits.values()))) if hits else 0.0
+
+    def fact_hits(self, query, ro: Rollout) -> dict[str, bool]:
+        """Per required fact of the query ("Entity aspect"), whether rollout `ro`'s answer states it
+        with the right value (cited or not; the `ans_fact` check >= 0.5); {} for a query without
+        facts. The content index of scripts/memory_eval.py reads it fact by fact."""
         by_key = {f"{f['entity']} {f['aspect']}": f for f in query.facts}
-        if not by_key:
-            return 0.0
-        ctx = self._context(query, ro)  # parse evidence and claims once per rollout
-        return float(np.mean([self._check(("ans_fact", k), ctx, by_key) >= 0.5 for k in by_key]))
+        ctx = self._context(query, ro) if by_key else None  # parse evidence and claims once
+        return {k: bool(self._check(("ans_fact", k), ctx, by_key) >= 0.5) for k in by_key}
 
     def fact_outcomes(self, query, ro: Rollout) -> dict[str, str]:
         """What became of each asked fact in rollout `ro` (a diagnosis, not a score; not in the

@@ -64,9 +64,9 @@ from sft import (REQUIRED_TAGS, UNSTRUCTURED_REQUIRED_TAGS, Segment,  # noqa: F4
 from toy import model as policy
 from toy.hf_sampler import autocast, pad_multiple
 from toy.report import format_filter_counts, warm_start_line
-from toy.teacher import (MISSED_DEFECTS, TeacherConfig, TeacherTrace,  # noqa: F401  (re-exported)
+from toy.teacher import (MEMORY_LESSONS, MISSED_DEFECTS, TeacherConfig, TeacherTrace,  # noqa: F401  (re-exported)
                          _LOCAL_FLAWS, fact_key, memory_missed, memory_wrong, oracle_lesson,
-                         teacher_reflection, teacher_trajectory)
+                         random_lesson, teacher_reflection, teacher_trajectory)
 from toy.world import SYLLABLES, World
 
 log = logging.getLogger("rubricem.sft")
@@ -156,7 +156,11 @@ def build_sft_data(world: World, tool, tok_system: str, cfg: SFTConfig, tcfg: Te
     unstructured scaffold trajectories only, without memory in the prompts.
 
     Returns (examples, stats): examples are (messages, segments) pairs; stats counts filter drops.
+    Raises ValueError for a teacher.memory_lessons outside MEMORY_LESSONS.
     """
+    if tcfg.memory_lessons not in MEMORY_LESSONS:
+        raise ValueError(f"teacher.memory_lessons must be one of {MEMORY_LESSONS}, got "
+                         f"{tcfg.memory_lessons!r}")
     structured = scaffold == "structured"
     rng = random.Random(cfg.seed)
     rows = load_rows(world.train_rows)
@@ -169,9 +173,15 @@ def build_sft_data(world: World, tool, tok_system: str, cfg: SFTConfig, tcfg: Te
             # Memory is either this query's own lesson from a first attempt (within-episode exact,
             # §3.5: the teacher then avoids what that attempt got wrong) or another query's lesson
             # (cross-episode: nothing in it is about this query, and the teacher ignores it).
+            # With memory_lessons "random" both kinds name a random subset of a query's facts.
             if rng.random() < tcfg.p_memory_exact:
-                first = teacher_trajectory(q, tool, world, rng, tcfg, (), scaffold)
-                memory = [teacher_reflection(q, first)]
+                if tcfg.memory_lessons == "random":
+                    memory = [random_lesson(q, world, rng)]
+                else:
+                    first = teacher_trajectory(q, tool, world, rng, tcfg, (), scaffold)
+                    memory = [teacher_reflection(q, first)]
+            elif tcfg.memory_lessons == "random":
+                memory = [random_lesson(rng.choice(rows), world, rng)]
             else:
                 src = rng.choice(traces[-200:])
                 memory = [teacher_reflection(src[0], src[1])]
@@ -295,6 +305,8 @@ def cache_key(obj: dict) -> str:
 
 
 _WORLD_LATER = ("p_unmarked",)  # WorldConfig fields added after the shipped warm start
+# TeacherConfig fields added after the shipped warm start, keyed only away from their default
+_TEACHER_LATER = {"memory_lessons": ("attempt",)}
 
 
 def warm_start_key(world_config, system: str, cfg: SFTConfig, tcfg: TeacherConfig, size: str,
@@ -303,7 +315,8 @@ def warm_start_key(world_config, system: str, cfg: SFTConfig, tcfg: TeacherConfi
     the system prompt and the scaffold. The structured scaffold's key leaves the scaffold out, so
     warm starts cached before the scaffold ablation existed stay valid; every other scaffold is in
     the key, so two scaffolds' warm starts never share a cache entry."""
-    teacher = {k: v for k, v in asdict(tcfg).items() if not (k in _LOCAL_FLAWS and v == 0)}
+    teacher = {k: v for k, v in asdict(tcfg).items() if not (k in _LOCAL_FLAWS and v == 0)
+               and not _TEACHER_LATER.get(k, (None,)) == (v,)}
     # a world knob added later is keyed only when on, so earlier warm starts keep their keys
     world = {k: v for k, v in asdict(world_config).items() if not (k in _WORLD_LATER and v == 0)}
     sft = {k: v for k, v in asdict(cfg).items() if k != "shipped"}  # where it comes from, not what

@@ -77,6 +77,15 @@ class TeacherConfig:
     """share of those whose item is the query's own lesson from a first attempt (within-episode exact,
     which the teacher then follows); the others get another query's lesson (cross-episode similar,
     nothing in it about this query: the teacher ignores it). 0.5 before the causal task"""
+    memory_lessons: str = "attempt"
+    """what an SFT prompt's lesson names (ours): "attempt", the teacher's reflection on its own
+    first attempt at the query (the facts that attempt missed and the wrong values it used), so the
+    facts a lesson names are mostly the ones the teacher tends to drop, and a lesson's presence
+    alone predicts much of what follows; "random" (`random_lesson`), a random subset of the asked
+    facts as missed and of their old-record values as wrong, with a general clause drawn
+    independently of them, so only what the lesson names predicts which facts the teacher then
+    plans, checks and writes (another query's lesson has the same form and names nothing of this
+    one). The reader the content index of scripts/memory_eval.py measures needs "random"."""
     # The stage-local flaws of the previous toy (0 = off, and then no random draw is made): each
     # made a decision of one stage go wrong and changed nothing in the other stages.
     p_plan_unsearched: float = 0.0
@@ -343,6 +352,28 @@ def lesson_text(missed: Sequence[str], wrong: Sequence[str], lessons: Sequence[s
     parts = (["missed: " + ", ".join(missed) + "."] if missed else []) \
         + (["wrong: " + ", ".join(wrong) + "."] if wrong else [])
     return " ".join(parts + ["Lesson: " + "; ".join(list(lessons) or [GENERIC_LESSON]) + "."])
+
+
+# The general clauses of the teacher's reflections (teacher_reflection), which random_lesson draws from.
+GENERAL_LESSONS = ("plan every asked aspect", "search each with the full name",
+                   "every found fact in the writing plan", "ignore old records", "cite every claim",
+                   "list what to avoid")
+MEMORY_LESSONS = ("attempt", "random")
+
+
+def random_lesson(q: Query, world: World, rng: random.Random) -> str:
+    """A lesson about query q in the teacher's reflection format whose content is random (SFT prompts
+    under TeacherConfig.memory_lessons = "random"; not in the paper): each asked fact named as missed
+    with probability 1/2 (at least one), each of their old-record values named as wrong with
+    probability 1/2, and one or two general clauses (GENERAL_LESSONS) drawn independently of both.
+    The teacher then plans, searches and writes exactly the named facts for sure and keeps away from
+    the named values, and treats every other fact as without a lesson, so a lesson's names are the
+    only thing in it that predicts what the teacher does differently."""
+    keys = [fact_key(f) for f in q.facts]
+    missed = [k for k in keys if rng.random() < 0.5] or [rng.choice(keys)]
+    wrong = [f"{fact_key(f)} {d.value}" for f in q.facts
+             for d in world.docs_of(f["entity"], f["aspect"]) if d.kind == "outdated" and rng.random() < 0.5]
+    return lesson_text(missed, wrong, rng.sample(GENERAL_LESSONS, rng.randint(1, 2)))
 
 
 def oracle_lesson(q: Query, world: World) -> str:
