@@ -68,7 +68,7 @@ def run_once(checkout: str, steps: int, extra: list[str], python: str) -> dict:
 def table(base: list[dict], this: list[dict]) -> list[str]:
     """The per-phase lines (median over repetitions of each run's mean seconds per step)."""
     med = lambda runs, f: statistics.median(f(r) for r in runs)  # noqa: E731
-    lines = [f"| phase | base s/step | base share | this s/step | this share | this / base |",
+    lines = ["| phase | base s/step | base share | this s/step | this share | this / base |",
              "|---|---|---|---|---|---|"]
     b_step, t_step = med(base, lambda r: r["step_s"]), med(this, lambda r: r["step_s"])
     rows = [(label, med(base, lambda r, k=k: r["phases"][k]), med(this, lambda r, k=k: r["phases"][k]))

@@ -170,7 +170,7 @@ def test_step_time_rollout_arithmetic_by_hand():
     # (11,264 + 8 x 512 = 15,360 tokens <= the max pack 26,624): 0.49M tokens in 32 rows (4 passes
     # per rank), where one sequence per row would be 3.01M; a packed row's dense mask computes its
     # whole 15,360 x 15,360 attention; inside the task update's optimizer step (no CPU Adam step)
-    task_tok, refl_tok = 256 * (2048 + 9216), 32 * (11264 + 8 * 512)
+    refl_tok = 32 * (11264 + 8 * 512)
     per_row = 32 * 8 * (2048 + 9216 + 512)
     assert plan.reflection_update_tokens(cfg, 2048 + 9216) == (refl_tok, per_row)
     assert plan.reflection_rows(cfg, 2048 + 9216) == (32, 15360)

@@ -329,9 +329,9 @@ def memory_plan(shape: ModelShape, cfg, world: int, ranks_per_node: int, gpu_byt
             # Eq.: level 1 keeps each sleeping engine's bf16 weights in pinned host RAM, every tensor
             # rounded up to a power of two (pinned_sleep_bytes: ~1.37 x 2P for Qwen3-8B)
             pinned = pinned_sleep_bytes(shape)
-            h["vLLM weights asleep (level 1, pinned, per engine)"] = pinned * per_node
+            h["vLLM weights asleep (level 1, pinned)"] = pinned * per_node
             if plan.engines > 1:
-                other["vLLM weights asleep (level 1, pinned, per engine)"] = pinned * n_local
+                other["vLLM weights asleep (level 1, pinned)"] = pinned * n_local
     plan.host_node0, plan.host_other_nodes = h, (other if W > ranks_per_node else {})
     return plan
 
