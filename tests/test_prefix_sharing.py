@@ -167,7 +167,7 @@ class GroupedPaddedRows(policy.PaddedRows):
 
 
 @pytest.mark.parametrize("agg", ["token_mean", "paper"])
-@pytest.mark.parametrize("minibatches,micro", [(1, 16), (2, 3), (2, 1)])
+@pytest.mark.parametrize("minibatches,micro", [(1, 16), (2, 4), (2, 3), (2, 1)])  # (2, 4): the toy preset
 def test_update_with_sharing_has_the_unshared_losses_and_gradients(agg, minibatches, micro):
     # With sharing, a packed group is one unit of the plan (one optimizer step, one pass); the
     # unshared run takes the same plan with one sequence per row, so the two must agree
@@ -206,7 +206,7 @@ def test_per_sequence_aggregation_is_never_packed(monkeypatch):
     TorchEngine(tiny_qwen3(), SSGRPOConfig(micro_batch=4, beta=0.01), fast=True).update(
         batch, PAD, random.Random(0))
     assert calls and all(calls)
-    calls.clear()  # the plain path (the toy default) never packs
+    calls.clear()  # the plain path (fast_logprobs off) never packs
     TorchEngine(tiny_qwen3(), SSGRPOConfig(micro_batch=4, beta=0.01)).update(batch, PAD,
                                                                              random.Random(0))
     assert calls and not any(calls)
