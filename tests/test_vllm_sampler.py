@@ -431,7 +431,7 @@ def test_real_vllm_sampler_in_the_training_loop_syncs_after_every_update(tmp_pat
     assert all(r["sampler/sync_bytes"] == n_bytes and r["time/sync_s"] > 0 for r in rows)
     # Every step sampled and took its optimizer step. The gradient may be exactly 0: the policy is
     # random, so every rollout of a group can get the same score (all advantages 0) while pi_theta
-    # is still pi_ref (k3's gradient 0), and the toy's plain log-prob path computes both sides alike.
+    # is still pi_ref (k3's gradient 0), and one log-prob path computes both sides alike.
     assert all(r["tokens/total"] > 0 and r["grad_norm"] >= 0 for r in rows), \
         [(r["tokens/total"], r.get("grad_norm")) for r in rows]
 
