@@ -5,6 +5,7 @@ script runs on CPU with `bash scripts/gpu_smoke.sh --cpu` (~3-4 min on 2 cores).
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -41,3 +42,43 @@ def test_gpu_smoke_without_gpu_and_without_cpu_flag_exits_2(tmp_path):
     if "no GPU visible" not in r.stdout:
         pytest.skip("a GPU is visible here")
     assert r.returncode == 2
+
+
+def _smoke_helpers() -> set[str]:
+    """The tests/ helper modules gpu_smoke.sh runs or imports, and the tests/ modules they import."""
+    import ast
+    import re
+    text = open(SCRIPT).read()
+    todo = set(re.findall(r"tests/(\w+)\.py", text)) | set(re.findall(r"from (\w+) import", text))
+    todo = {m for m in todo if os.path.exists(os.path.join(ROOT, "tests", m + ".py"))
+            and not m.startswith("test_")}  # test modules are pytest's, named in SKIP lines only
+    seen = set()
+    while todo:
+        m = todo.pop()
+        seen.add(m)
+        for node in ast.walk(ast.parse(open(os.path.join(ROOT, "tests", m + ".py")).read())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            todo |= {n for n in names if os.path.exists(os.path.join(ROOT, "tests", n + ".py"))} - seen
+    return seen
+
+
+def test_gpu_smoke_needs_no_test_extras():
+    """A GPU node has the pinned GPU set (constraints/gpu.txt), not pytest or hypothesis: every tests/
+    helper the smoke imports must load, and its SFT and RL data must build, without them."""
+    helpers = _smoke_helpers()
+    assert {"toyfix", "loopback", "zero3_collectives_check", "thread_device_check"} <= helpers
+    code = ("import sys, importlib, json\n"
+            "sys.modules['pytest'] = None; sys.modules['hypothesis'] = None\n"  # import fails
+            "from toyfix import sft_rows, tiny_world\n"
+            "assert len(sft_rows(6)) == 6 and len(tiny_world().train_rows) > 0\n"
+            f"for m in {sorted(helpers)!r}:\n"
+            "    src = open(f'tests/{m}.py').read()\n"
+            "    compile(src, m, 'exec')\n"
+            "    for line in src.splitlines():\n"  # a module-level import of either extra
+            "        assert not line.startswith(('import pytest', 'import hypothesis', 'from hypothesis')), (m, line)\n"
+            "print('ok')\n")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.path.join(ROOT, 'tests')}"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]

@@ -11,8 +11,10 @@ import functools
 import random
 from typing import Sequence
 
-import pytest
-
+try:
+    import pytest
+except ImportError:  # scripts/gpu_smoke.sh imports the helpers on a node with the GPU set only
+    pytest = None
 
 from toy import model as toy_model
 import scaffold
@@ -182,17 +184,17 @@ def torch_threads(n: int = 1):
 
 
 # Module fixtures of the test files that use the tiny tokenizer (`from toyfix import one_thread, tok`).
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Every test of the importing module runs with one torch thread."""
-    with torch_threads(1):
-        yield
+if pytest is not None:
+    @pytest.fixture(scope="module", autouse=True)
+    def one_thread():
+        """Every test of the importing module runs with one torch thread."""
+        with torch_threads(1):
+            yield
 
-
-@pytest.fixture(scope="module")
-def tok():
-    """The tiny tokenizer, built once per module."""
-    return tiny_tokenizer()
+    @pytest.fixture(scope="module")
+    def tok():
+        """The tiny tokenizer, built once per module."""
+        return tiny_tokenizer()
 
 
 def sft_rows(n: int) -> list[dict]:
