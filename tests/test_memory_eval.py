@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 
 import bank as bank_mod
 from runfix import load_script
@@ -111,3 +112,63 @@ def test_sft_controls_cache_is_read_only_under_its_own_key(tmp_path):
     assert memory_eval._read_cache(None, key) is None
     open(path, "w").write("{not json")
     assert memory_eval._read_cache(path, key) is None
+
+
+@given(st.lists(st.integers(), min_size=2, max_size=30, unique=True))
+def test_derange_gives_every_question_another_questions_items(items):
+    out = memory_eval.derange(items)
+    assert sorted(out) == sorted(items) and all(a != b for a, b in zip(out, items))
+
+
+class _Question:
+    def __init__(self, name: str, n: int):
+        self.facts = [{"entity": name, "aspect": f"a{k}"} for k in range(n)]
+
+
+def _content_fakes(monkeypatch, reads: bool):
+    """A fake sampler whose 'answer' states, per sample, the facts a reader would: the facts its
+    lesson names (reads=True) or the question's first fact whatever the lesson says (reads=False);
+    the judge's fact_hits checks the answer against each asked fact."""
+    def sample(engine, qs, n_s, temperature, seed, items=None):
+        out = []
+        for g, q in enumerate(qs):
+            keys = [f"{f['entity']} {f['aspect']}" for f in q.facts]
+            lesson = items[g][0] if items else ""
+            said = [k for k in keys if k in lesson] if reads else keys[:1]
+            out += [(q, said)] * n_s
+        return out
+
+    def scores(judge, qs, ro, n_s):
+        v = [float(len(r[1])) for r in ro[::n_s]]
+        return {"answer": float(np.mean(v)), "score": 0.0, "per_question": {"answer": v, "score": [0.0] * len(v)}}
+
+    class Judge:
+        def fact_hits(self, q, ro):
+            return {f"{f['entity']} {f['aspect']}": f"{f['entity']} {f['aspect']}" in ro[1] for f in q.facts}
+
+    monkeypatch.setattr(memory_eval.heldout, "sample_heldout", sample)
+    monkeypatch.setattr(memory_eval.heldout, "heldout_scores", scores)
+    monkeypatch.setattr(memory_eval.heldout, "evaluate_heldout",
+                        lambda engine, judge, qs, n_s, t, seed: scores(judge, qs, sample(None, qs, n_s, t, seed), n_s))
+    return Judge()
+
+
+@pytest.mark.parametrize("reads", [True, False])
+def test_content_index_is_1_for_a_reader_of_the_named_facts_and_0_for_one_of_the_form(monkeypatch, reads):
+    judge = _content_fakes(monkeypatch, reads)
+    qs = [_Question(f"E{i}", 2 + i % 3) for i in range(12)] + [_Question("single", 1)]
+    res = memory_eval.content_control(None, judge, qs, 2, presets.toy_preset(), seed=3)
+    assert res["questions"] == 12  # the one-fact question has no split
+    assert res["index"] == pytest.approx(1.0 if reads else 0.0)
+    assert (res["named"], res["other"]) == ((1.0, 0.0) if reads else (res["named"], res["named"]))
+    a, b = res["lessons"]  # the first question's two lessons: complementary halves, one clause
+    assert ("E0 a0" in a) != ("E0 a0" in b) and ("E0 a1" in a) != ("E0 a1" in b)
+    assert a.split("Lesson:")[1] == b.split("Lesson:")[1]
+    # the foreign lesson names another question's facts, so a reader of the named facts states none
+    # of its own (every question's own lesson A names at least one)
+    if reads:
+        assert res["foreign"]["with"]["answer"] == 0.0 and res["own"]["with"]["answer"] >= 1.0
+    with pytest.raises(ValueError, match="two asked facts"):
+        memory_eval.content_control(None, judge, [_Question("x", 1)], 1, presets.toy_preset(), 3)
+    with pytest.raises(ValueError, match="ground truth"):
+        memory_eval.content_control(None, object(), qs, 1, presets.toy_preset(), 3)
