@@ -15,7 +15,7 @@ memory_eval = load_script("memory_eval")
 import train
 from backends.run import build, presets
 from runfix import fast_args, sha256
-from test_reflection import LESSON, ReflectionTextSampler, patch_sampler
+from test_reflection import ReflectionTextSampler, patch_sampler
 
 
 def test_paired_delta_is_the_mean_per_question_difference():
