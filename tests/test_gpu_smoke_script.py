@@ -68,7 +68,7 @@ def test_gpu_smoke_needs_no_test_extras():
     helper the smoke imports must load, and its SFT and RL data must build, without them."""
     helpers = _smoke_helpers()
     assert {"toyfix", "loopback", "zero3_collectives_check", "thread_device_check"} <= helpers
-    code = ("import sys, importlib, json\n"
+    code = ("import sys\n"
             "sys.modules['pytest'] = None; sys.modules['hypothesis'] = None\n"  # import fails
             "from toyfix import sft_rows, tiny_world\n"
             "assert len(sft_rows(6)) == 6 and len(tiny_world().train_rows) > 0\n"
