@@ -232,3 +232,54 @@ def test_random_lesson_data_give_own_and_foreign_lessons_of_one_form_sec3_4():
     with pytest.raises(ValueError, match="memory_lessons"):
         sft.build_sft_data(world, tf.tiny_tool(), "sys", scfg,
                            dataclasses.replace(tcfg, memory_lessons="other"))
+
+
+def test_memory_first_plans_the_named_facts_first_in_the_lessons_order_sec3_4():
+    """teacher.memory_first (ours): the plan's rubrics list the facts a lesson names as missed first,
+    in the lesson's order and words, then the other planned facts in the question's order; the
+    research plan, the review and the answer follow that order. Another query's lesson (names none
+    of this query's facts) leaves the question's order; memory_first off leaves the trajectory, the
+    draws included, as it was; the default keeps the warm start's cache key."""
+    import re as _re
+
+    from toy.teacher import fact_key, memory_missed_order, random_lesson
+
+    world, tool = tf.tiny_world(), tf.tiny_tool()
+    rows = [q for q in load_rows(world.train_rows) if len(q.facts) >= 3]
+    base = sft.TeacherConfig(p_tool_fail=0.0, p_defect=0.0, memory_lessons="random")
+    first = dataclasses.replace(base, memory_first=True)
+    rng = random.Random(1)
+    reordered = 0
+    for i in range(120):
+        q, other = rows[i % len(rows)], rows[(i + 1) % len(rows)]
+        keys = [fact_key(f) for f in q.facts]
+        lesson = random_lesson(q, world, rng)
+        named = memory_missed_order([lesson])
+        assert named and set(named) <= set(keys)
+        tr = sft.teacher_trajectory(q, tool, world, random.Random(i), first, [lesson])
+        text = "".join(s for _, s in tr.segments)
+        need = _re.findall(r"need: ([^;<]+)", text)
+        assert need[:len(named)] == named  # the lesson's names, copied in its order
+        rest = need[len(named):]
+        assert rest == [k for k in keys if k in rest]  # then the question's order
+        searched = _re.findall(r"search ([^;<]+)", text)
+        assert searched == [k for k in need if k in searched]  # the research plan follows the plan
+        reordered += need != [k for k in keys if k in need]
+        # another query's lesson: nothing of this query named, the question's order
+        foreign = random_lesson(other, world, rng)
+        if not set(memory_missed_order([foreign])) & set(keys):
+            tr_f = sft.teacher_trajectory(q, tool, world, random.Random(i), first, [foreign])
+            need_f = _re.findall(r"need: ([^;<]+)", "".join(s for _, s in tr_f.segments))
+            assert need_f == [k for k in keys if k in need_f]
+        # memory_first off: the trajectory of the question's order
+        off = sft.teacher_trajectory(q, tool, world, random.Random(i), base, [lesson])
+        need_off = _re.findall(r"need: ([^;<]+)", "".join(s for _, s in off.segments))
+        assert need_off == [k for k in keys if k in need_off] and set(need_off) == set(need)
+    assert reordered > 20
+    assert memory_missed_order(["missed: A year, B use. Lesson: x.", "missed: B use, C size."]) \
+        == ["A year", "B use", "C size"]
+    args = (world.config, "sys", sft.SFTConfig(), sft.TeacherConfig(), "S", 400)
+    assert sft.warm_start_key(*args) == sft.warm_start_key(
+        *args[:3], dataclasses.replace(sft.TeacherConfig(), memory_first=False), *args[4:])
+    assert sft.warm_start_key(*args) != sft.warm_start_key(
+        *args[:3], dataclasses.replace(sft.TeacherConfig(), memory_first=True), *args[4:])

@@ -86,6 +86,13 @@ class TeacherConfig:
     independently of them, so only what the lesson names predicts which facts the teacher then
     plans, checks and writes (another query's lesson has the same form and names nothing of this
     one). The reader the content index of scripts/memory_eval.py measures needs "random"."""
+    memory_first: bool = False
+    """(ours, not in the paper) the plan lists the facts a memory item names as missed first, in the
+    item's order and with the item's words ("missed: A year, B use." -> "need: A year; need: B use;
+    ..."), then the other planned facts in the question's order; the research, review and answer
+    follow the plan's order. False: the question's order. With True, acting on a lesson's content
+    starts with copying its names into the plan, which a small transformer learns far more easily than
+    looking up each asked fact in the lesson (scripts/memory_eval.py's content index)."""
     # The stage-local flaws of the previous toy (0 = off, and then no random draw is made): each
     # made a decision of one stage go wrong and changed nothing in the other stages.
     p_plan_unsearched: float = 0.0
@@ -117,6 +124,15 @@ def memory_missed(items: Sequence[str]) -> set[str]:
     for it in items:
         for m in _MISSED_RE.finditer(it):
             out.update(k.strip() for k in m.group(1).split(","))
+    return out
+
+
+def memory_missed_order(items: Sequence[str]) -> list[str]:
+    """The fact keys of memory_missed in the order the items name them, each once."""
+    out: list[str] = []
+    for it in items:
+        for m in _MISSED_RE.finditer(it):
+            out.extend(k.strip() for k in m.group(1).split(",") if k.strip() not in out)
     return out
 
 
@@ -184,6 +200,10 @@ def teacher_trajectory(q: Query, tool, world: World, rng: random.Random, cfg: Te
     for k in omitted:
         defects[k] = "not planned"
     planned = [f for f in facts if fact_key(f) not in omitted]
+    if cfg.memory_first:  # the remembered facts first, in the memory item's order (its names copied)
+        by_key = {fact_key(f): f for f in planned}
+        first = [by_key[k] for k in memory_missed_order(memory) if k in by_key]
+        planned = first + [f for f in planned if f not in first]
     need = "; ".join(f"need: {fact_key(f)}" for f in planned)
     plan = (f"<structured_plan><analysis>Report on {' and '.join(ents)}: {', '.join(aspects)}."
             f"</analysis><rubrics>{need}{neg}</rubrics><research_plan>"
