@@ -1341,6 +1341,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return a
 
 
+def label_model_start(sets: Sequence[str]) -> None:
+    """With a grid override `model=DIR` (every run starts from the warm start in DIR, e.g. one that
+    scripts/build_warm_start.py wrote), the report names that start instead of the toy's default
+    SFT: STARTS["toy"]'s label becomes "warm start DIR"."""
+    for s in sets:
+        key, _, value = s.partition("=")
+        path = value.strip().strip("'\"").strip()
+        if key.strip() == "model" and path:
+            STARTS["toy"] = dataclasses.replace(STARTS["toy"], label=f"warm start {path}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit codes: 0 every run finished, 1 some run failed (the report covers the others)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -1350,6 +1361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         a, rest = ap.parse_known_args(argv[1:])
         return memory_eval.main([a.run_dir, *rest])
     a = parse_args(argv)
+    label_model_start(a.sets)
     t0 = time.perf_counter()
     status = {"failed": []}
     if not a.render_only:

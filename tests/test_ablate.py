@@ -760,3 +760,13 @@ def test_goals_block_met_not_met_and_not_run_with_half_widths():
                                                                   "memory, answer score)")
     assert heads[-3:] == ["## Paper findings", "## Goals", "## Checks"]
     assert "## Does the policy read a lesson's content?" in heads
+
+
+def test_a_model_override_names_its_warm_start_in_the_report(monkeypatch):
+    """`--set model=DIR` (every run from the warm start in DIR): the report's start label names DIR,
+    not the toy's default SFT; without it the label stays."""
+    monkeypatch.setitem(ablate.STARTS, "toy", ablate.STARTS["toy"])
+    ablate.label_model_start(["threads=1", 'teacher.memory_first=true'])
+    assert ablate.STARTS["toy"].label == "toy default SFT"
+    ablate.label_model_start(["threads=1", 'model="runs/ws-copy-S"'])
+    assert ablate.STARTS["toy"].label == "warm start runs/ws-copy-S"
