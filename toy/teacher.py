@@ -120,20 +120,16 @@ _WRONG_RE = re.compile(r"wrong: ([^.;]+)")
 
 def memory_missed(items: Sequence[str]) -> set[str]:
     """Fact keys named as missed ("missed: Harta year, Harta use.") in memory items."""
-    out = set()
-    for it in items:
-        for m in _MISSED_RE.finditer(it):
-            out.update(k.strip() for k in m.group(1).split(","))
-    return out
+    return set(memory_missed_order(items))
 
 
 def memory_missed_order(items: Sequence[str]) -> list[str]:
-    """The fact keys of memory_missed in the order the items name them, each once."""
-    out: list[str] = []
+    """Fact keys named as missed in memory items, in the order the items name them, each once."""
+    out: dict[str, None] = {}  # insertion-ordered set
     for it in items:
         for m in _MISSED_RE.finditer(it):
-            out.extend(k.strip() for k in m.group(1).split(",") if k.strip() not in out)
-    return out
+            out.update(dict.fromkeys(k.strip() for k in m.group(1).split(",")))
+    return list(out)
 
 
 def memory_wrong(items: Sequence[str]) -> set[str]:
