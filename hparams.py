@@ -86,8 +86,11 @@ class SSGRPOConfig:
     "token_mean" (ss_grpo "Aggregation") | "seq_mean_token_mean" (per sequence, then the batch)"""
     lr: float = 2e-4
     """PAPER (appendix): lr 5e-7 constant, the full preset's; toy: 2e-4 (ours, a 0.5 M policy)"""
-    minibatches: int = 2
-    """not in the paper; we take this many optimizer steps per batch (ss_grpo deviation 2); full: 1"""
+    minibatches: int = 1
+    """not in the paper, which does not say how many updates a batch gets; optimizer steps per batch
+    (train.py deviation 2). Both presets take 1 (one update per batch, so rho = 1 at the update and
+    the clip does not act); 2 or more splits the batch PPO-style, which adds a no-grad old pass
+    (the toy's default until docs/performance.md section 12: its step took about 1.2x as long)"""
     micro_batch: int = 4
     """not in the paper; sequences per forward pass (gradient accumulation within a minibatch): memory
     and speed only, the same gradient (to float rounding); full: 1; toy: 4. A pass pads to its

@@ -47,8 +47,9 @@ position follows from the step and DataOrder's seed.
 Deviations from the paper (besides the toy world, see toy/world.py / toy/sft.py)
     1. Toy hyperparameters (prompts per step, learning rate, steps) are ours, sized for minutes on
        2 cores; every paper value in the `full` preset is marked PAPER.
-    2. Each step's batch is split into `minibatches` optimizer steps (PPO-style), so the ratio rho
-       departs from 1 and clipping acts; the paper does not say how many updates a batch gets.
+    2. The paper does not say how many updates a batch gets. Both presets take one optimizer step
+       per batch (`ss_grpo.minibatches = 1`: rho = 1 at the update, the clip does not act); more
+       splits the batch PPO-style, so that rho departs from 1 and clipping acts.
     3. The reflection branch runs in sequence after the update (see reflection.py), not on a
        separate worker; its GRPO batch joins the next step's update, as in Algorithm 1 (one-step
        lag, one weight sync per step). Full mode with `full.rollout_schedule = "async"` also

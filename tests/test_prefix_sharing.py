@@ -167,7 +167,7 @@ class GroupedPaddedRows(policy.PaddedRows):
 
 
 @pytest.mark.parametrize("agg", ["token_mean", "paper"])
-@pytest.mark.parametrize("minibatches,micro", [(1, 16), (2, 4), (2, 3), (2, 1)])  # (2, 4): the toy preset
+@pytest.mark.parametrize("minibatches,micro", [(1, 16), (1, 4), (2, 4), (2, 3), (2, 1)])  # (1, 4): the toy preset
 def test_update_with_sharing_has_the_unshared_losses_and_gradients(agg, minibatches, micro):
     # With sharing, a packed group is one unit of the plan (one optimizer step, one pass); the
     # unshared run takes the same plan with one sequence per row, so the two must agree
