@@ -283,3 +283,48 @@ def test_memory_first_plans_the_named_facts_first_in_the_lessons_order_sec3_4():
         *args[:3], dataclasses.replace(sft.TeacherConfig(), memory_first=False), *args[4:])
     assert sft.warm_start_key(*args) != sft.warm_start_key(
         *args[:3], dataclasses.replace(sft.TeacherConfig(), memory_first=True), *args[4:])
+
+
+def test_memory_append_keeps_the_bare_plan_and_adds_the_named_facts_sec3_4():
+    """teacher.memory_append (ours): with a lesson, the plan's rubrics are the plan the same draws give
+    without any lesson, then "need: X" for every fact the lesson names, in its order; the research
+    plan takes the plan's facts once, in that order, and every named fact is researched. Another
+    query's lesson leaves the bare plan; the default keeps the warm start's cache key."""
+    import re as _re
+
+    from toy.teacher import fact_key, memory_missed_order, random_lesson
+
+    world, tool = tf.tiny_world(), tf.tiny_tool()
+    rows = [q for q in load_rows(world.train_rows) if len(q.facts) >= 3]
+    base = sft.TeacherConfig(p_tool_fail=0.0, p_defect=0.0, memory_lessons="random")
+    app = dataclasses.replace(base, memory_append=True)
+    rng = random.Random(2)
+    added = 0
+    for i in range(120):
+        q, other = rows[i % len(rows)], rows[(i + 1) % len(rows)]
+        keys = [fact_key(f) for f in q.facts]
+        lesson = random_lesson(q, world, rng)
+        named = memory_missed_order([lesson])
+
+        def needs(cfg, memory):
+            tr = sft.teacher_trajectory(q, tool, world, random.Random(i), cfg, memory)
+            text = "".join(s for _, s in tr.segments)
+            return _re.findall(r"need: ([^;<]+)", text), _re.findall(r"search ([^;<]+)", text), tr
+
+        bare, _, _ = needs(app, [])
+        need, searched, tr = needs(app, [lesson])
+        assert need == bare + named  # the bare plan, then the lesson's names copied in its order
+        once = list(dict.fromkeys(need))
+        assert searched == [k for k in once if k in searched] and len(set(searched)) == len(searched)
+        assert not any(tr.defects.get(k) == "not planned" for k in named)
+        added += bool(set(named) - set(bare))
+        foreign = random_lesson(other, world, rng)
+        if not set(memory_missed_order([foreign])) & set(keys):
+            assert needs(app, [foreign])[0] == bare
+        assert bare == [k for k in keys if k in bare]  # the question's order, as without the option
+    assert added > 20
+    args = (world.config, "sys", sft.SFTConfig(), sft.TeacherConfig(), "S", 400)
+    assert sft.warm_start_key(*args) == sft.warm_start_key(
+        *args[:3], dataclasses.replace(sft.TeacherConfig(), memory_append=False), *args[4:])
+    assert sft.warm_start_key(*args) != sft.warm_start_key(
+        *args[:3], dataclasses.replace(sft.TeacherConfig(), memory_append=True), *args[4:])

@@ -306,7 +306,7 @@ def cache_key(obj: dict) -> str:
 
 _WORLD_LATER = ("p_unmarked",)  # WorldConfig fields added after the shipped warm start
 # TeacherConfig fields added after the shipped warm start, keyed only away from their default
-_TEACHER_LATER = {"memory_lessons": ("attempt",), "memory_first": (False,)}
+_TEACHER_LATER = {"memory_lessons": ("attempt",), "memory_first": (False,), "memory_append": (False,)}
 
 
 def warm_start_key(world_config, system: str, cfg: SFTConfig, tcfg: TeacherConfig, size: str,

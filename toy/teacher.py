@@ -93,6 +93,13 @@ class TeacherConfig:
     follow the plan's order. False: the question's order. With True, acting on a lesson's content
     starts with copying its names into the plan, which a small transformer learns far more easily than
     looking up each asked fact in the lesson (scripts/memory_eval.py's content index)."""
+    memory_append: bool = False
+    """(ours, not in the paper) the plan is drawn as without a memory item (the same omissions), then
+    its rubrics add "need: X" for every fact the item names as missed, in the item's order and words
+    (a fact already planned is named twice); the research, review and answer take the plan's facts
+    once, in that order. Unlike memory_first, a lesson leaves the plan of the bare prompt as it is
+    and only adds to it, so what RL teaches the bare plan is the lesson context's plan too.
+    Ignored when memory_first is set."""
     # The stage-local flaws of the previous toy (0 = off, and then no random draw is made): each
     # made a decision of one stage go wrong and changed nothing in the other stages.
     p_plan_unsearched: float = 0.0
@@ -191,16 +198,24 @@ def teacher_trajectory(q: Query, tool, world: World, rng: random.Random, cfg: Te
         defects["_plan_search"] = "research plan omits " + ", ".join(unplanned)
     # The causal chain's plan and writing-plan omissions (their own stream, likewise).
     chain = random.Random(rng.random()) if _chain_flaws(cfg) else None
-    omitted = [fact_key(f) for f in facts[1:] if chain is not None
-               and chain.random() < cfg.p_plan_omit and fact_key(f) not in remembered]
-    for k in omitted:
-        defects[k] = "not planned"
+    # memory_append draws the plan as if there were no memory item, then adds the item's names.
+    omitted = [fact_key(f) for f in facts[1:] if chain is not None and chain.random() < cfg.p_plan_omit
+               and (cfg.memory_append or fact_key(f) not in remembered)]
     planned = [f for f in facts if fact_key(f) not in omitted]
+    needs = planned  # the plan's rubrics, in order
     if cfg.memory_first:  # the remembered facts first, in the memory item's order (its names copied)
         by_key = {fact_key(f): f for f in planned}
         first = [by_key[k] for k in memory_missed_order(memory) if k in by_key]
-        planned = first + [f for f in planned if f not in first]
-    need = "; ".join(f"need: {fact_key(f)}" for f in planned)
+        planned = needs = first + [f for f in planned if f not in first]
+    elif cfg.memory_append:  # the plan without memory, then every named fact again, in the item's order
+        by_key = {fact_key(f): f for f in facts}
+        named = [by_key[k] for k in memory_missed_order(memory) if k in by_key]
+        needs = planned + named
+        planned = planned + [f for f in named if f not in planned]
+        omitted = [k for k in omitted if k not in remembered]
+    for k in omitted:
+        defects[k] = "not planned"
+    need = "; ".join(f"need: {fact_key(f)}" for f in needs)
     plan = (f"<structured_plan><analysis>Report on {' and '.join(ents)}: {', '.join(aspects)}."
             f"</analysis><rubrics>{need}{neg}</rubrics><research_plan>"
             + "; ".join(f"search {fact_key(f)}" for f in planned
@@ -346,6 +361,13 @@ def teacher_reflection(q: Query, trace: TeacherTrace) -> str:
         lessons.append("cite every claim")
     if "_negative" in trace.defects:
         lessons.append("list what to avoid")
+    memory_append: bool = False
+    """(ours, not in the paper) the plan is drawn as without a memory item (the same omissions), then
+    its rubrics add "need: X" for every fact the item names as missed, in the item's order and words
+    (a fact already planned is named twice); the research, review and answer take the plan's facts
+    once, in that order. Unlike memory_first, a lesson leaves the plan of the bare prompt as it is
+    and only adds to it, so what RL teaches the bare plan is the lesson context's plan too.
+    Ignored when memory_first is set."""
     # The stage-local flaws of the previous toy (TeacherConfig.p_plan_unsearched and after; off).
     if "_plan_search" in trace.defects:
         lessons.append("plan one search per asked aspect")
