@@ -129,9 +129,9 @@ def test_configs_saved_before_the_sections_moved_load_and_resume(preset, caplog)
                                        "world.p_outdated=0.15", "teacher.p_distractor=0.3",
                                        "teacher.p_memory=0.3"])
     if preset == "toy":  # the toy's response budget and reflection weight changed with the causal task,
-        # and its micro-batch with the 1,024-token budget
+        # its micro-batch with the 1,024-token budget, and its optimizer steps per batch from 2 to 1
         now = overrides.apply_overrides(now, ["rollout.max_response_tokens=512", "reflection.loss_coef=1.0",
-                                              "ss_grpo.micro_batch=32"])
+                                              "ss_grpo.micro_batch=32", "ss_grpo.minibatches=2"])
     if preset == "full":  # the full preset's schedule became the overlapped one after it was saved,
         # and vLLM's GPU share comes from the memory plan
         assert config.resume_config_diff(saved, now) == ["full.rollout_schedule",
