@@ -262,7 +262,8 @@ def _padding_pass(pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
 @torch.no_grad()
 def sequence_logprobs(fn, batch: UpdateBatch, pad_id: int, micro: int, passes: int | None = None,
                       index: Sequence[int] | None = None, rows: PaddedRows | None = None,
-                      units: Sequence[Sequence[int]] | None = None) -> list[torch.Tensor]:
+                      units: Sequence[Sequence[int]] | None = None, longest_first: bool = False,
+                      on_pass=None) -> list[torch.Tensor]:
     """Per-sequence token log-probs without gradient: a list of len(batch.ids) float32 CPU tensors
     (L_i,), from fn(ids, att, mask) -> (B, L) (an engine's `logprobs` or `ref_logprobs`; mask: the
     rows' loss masks, so the engine may skip the head elsewhere: those columns are then 0).
@@ -273,8 +274,10 @@ def sequence_logprobs(fn, batch: UpdateBatch, pad_id: int, micro: int, passes: i
     reorder them, e.g. to pack those behind one shared prompt together). units (plan_update's, as
     positions in `batch`; None: every sequence alone): a pass takes `micro` whole units instead,
     shortest longest-member first. With `passes`, fn is called exactly that many times (padding
-    passes after this rank's sequences: every ZeRO-3 forward is collective). Raises ValueError when
-    `passes` passes of `micro` cannot hold every sequence."""
+    passes after this rank's sequences: every ZeRO-3 forward is collective). longest_first: the
+    same passes in reverse order (each pass's sequences, hence its numbers, unchanged); on_pass: a
+    callable that receives each pass's {sequence: log-probs} as soon as it is done. Raises
+    ValueError when `passes` passes of `micro` cannot hold every sequence."""
     N = len(batch.ids)
     index = list(index) if index is not None else list(range(N))
     rows = rows or PaddedRows()
@@ -289,12 +292,14 @@ def sequence_logprobs(fn, batch: UpdateBatch, pad_id: int, micro: int, passes: i
         raise ValueError(f"{passes} passes of {micro} cannot score {N} sequences")
     out: list[torch.Tensor] = [None] * N  # type: ignore[list-item]
     lengths = [len(x) for x in batch.ids]
-    for idx in chunks:
+    for idx in (chunks[::-1] if longest_first else chunks):
         ids, att, mask, _, layout = rows.pack(batch, idx, pad_id)
         lp = fn(ids, att, mask).cpu()
         out_rows = rows.unpack(lp, layout, lengths)
         for i in idx:
             out[i] = out_rows[i]
+        if on_pass is not None:
+            on_pass({i: out[i] for i in idx})
     for _ in range((passes or len(chunks)) - len(chunks)):
         fn(*_padding_pass(pad_id))
     return out
@@ -471,6 +476,8 @@ def policy_update(engine: PolicyEngine, local: UpdateBatch, cfg, pad_id: int, pl
             done[k].append((engine.all_reduce(accs[k]), gn if math.isfinite(gn) else None))
         if per_step is not None and 0 in live:
             per_step.append({**dict(zip(_STAT_KEYS, done[0][-1][0])), "grad_norm": gn})
+    for _, _, ref in prep:
+        getattr(ref, "join", lambda: None)()  # pi_ref's passes in a thread (score_ref): done
     engine.train(False)
     if empty:
         log.warning("SS-GRPO update: %d of %d minibatches have no loss-masked token; skipped",
@@ -492,12 +499,16 @@ def _prepare(engine: PolicyEngine, local: UpdateBatch, plan: UpdatePlan, cfg, pa
     # per optimizer step, the units a pass takes `micro` of: the plan's, or every sequence alone
     step_units = plan.units or [[[i] for i in mb] for mb in plan.minibatches]
     old = _later_old_logprobs(engine, local, plan, cfg, pad_id, rows)
-    ref = sequence_logprobs(functools.partial(engine.ref_logprobs,
-                                              temperature=local.scoring_temperature),
-                            local, pad_id, cfg.micro_batch, plan.score_passes, index, rows,
-                            [u for su in plan.units for u in su] if plan.units else None
-                            ) if cfg.beta > 0 else None
-    return step_units, old, ref
+    if cfg.beta <= 0:
+        return step_units, old, None
+    score = functools.partial(
+        sequence_logprobs, functools.partial(engine.ref_logprobs, temperature=local.scoring_temperature),
+        local, pad_id, cfg.micro_batch, plan.score_passes, index, rows,
+        [u for su in plan.units for u in su] if plan.units else None)
+    # an engine may run pi_ref's passes beside the loss passes (TorchEngine.score_ref: a thread);
+    # the passes, hence the values, are the same
+    return step_units, old, engine.score_ref(score, len(local.ids)) \
+        if hasattr(engine, "score_ref") else score()
 
 
 def _later_old_logprobs(engine: PolicyEngine, local: UpdateBatch, plan: UpdatePlan, cfg, pad_id: int,

@@ -167,3 +167,38 @@ def test_greedy_batch_is_scored_under_the_models_own_distribution():
         eng.update(b, PAD, random.Random(0))
         grads.append(eng.opt.grads)
     assert all(torch.equal(a, c) for a, c in zip(*grads))
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_s33_reference_passes_in_a_thread_give_the_same_update(fast, minibatches):
+    """TorchEngine.overlap_ref: pi_ref's no-grad passes run in a thread beside the loss passes
+    (longest first). The passes are the same, so the statistics and the weights after the
+    optimizer steps are the sequential update's, bit for bit (both computed here)."""
+    got = []
+    for overlap in (False, True):
+        model, ref_model = tiny_qwen3(), tiny_qwen3(seed=1)
+        cfg = SSGRPOConfig(minibatches=minibatches, micro_batch=3, beta=0.04, lr=1e-2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        eng = TorchEngine(model, cfg, ref_model, opt, fast=fast)
+        eng.overlap_ref = overlap
+        out = eng.update(make_batch(11), PAD, random.Random(0))
+        got.append((out, [p.detach().clone() for p in model.parameters()]))
+    (a, wa), (b, wb) = got
+    assert a == b and a["kl"] != 0.0
+    assert all(torch.equal(x, y) for x, y in zip(wa, wb))
+
+
+def test_s33_a_failing_reference_pass_in_its_thread_raises_in_the_update():
+    model, ref_model = tiny_qwen3(), tiny_qwen3(seed=1)
+    cfg = SSGRPOConfig(minibatches=1, micro_batch=3, beta=0.04)
+
+    class Broken(TorchEngine):
+        def ref_logprobs(self, *a, **kw):
+            raise ValueError("reference pass failed")
+
+    eng = Broken(model, cfg, ref_model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert eng.overlap_ref
+    with pytest.raises(RuntimeError, match="pi_ref") as e:
+        eng.update(make_batch(5), PAD, random.Random(0))
+    assert isinstance(e.value.__cause__, ValueError)

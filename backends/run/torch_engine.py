@@ -12,6 +12,7 @@ import copy
 import logging
 import math
 import random
+import threading
 from typing import Sequence
 
 import torch
@@ -58,6 +59,52 @@ def disable_dropout(model) -> int:
     return changed
 
 
+class BackgroundLogprobs:
+    """Per-sequence log-probs that `score(longest_first=True, on_pass=...)` (policy.sequence_logprobs
+    with its arguments bound) computes in a thread: `values[i]` waits until sequence i's pass is
+    done and re-raises the thread's error, if any (RuntimeError from it); join() waits for the
+    thread. Only when the passes run changes, not what they compute."""
+
+    def __init__(self, score, n: int):
+        self._values: list = [None] * n
+        self._error: BaseException | None = None
+        self._done = False
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._run, args=(score,), name="ref-logprobs",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, score) -> None:
+        try:
+            score(longest_first=True, on_pass=self._put)
+        except BaseException as e:  # noqa: BLE001 - handed to the reader
+            with self._cv:
+                self._error = e
+        with self._cv:
+            self._done = True
+            self._cv.notify_all()
+
+    def _put(self, got: dict) -> None:
+        with self._cv:
+            for i, v in got.items():
+                self._values[i] = v
+            self._cv.notify_all()
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        with self._cv:
+            while self._values[i] is None and not self._done:
+                self._cv.wait()
+            if self._values[i] is None:
+                raise RuntimeError("pi_ref's log-probs were not computed") from self._error
+            return self._values[i]
+
+    def join(self) -> None:
+        self._thread.join()
+
+
 class TorchEngine:
     """The policy engine in one process (engine = "torch"): a Hugging Face model, torch AdamW (betas
     0.9, 0.95, no weight decay) and `policy_update`. Toy mode uses it; in full mode it is the
@@ -73,6 +120,7 @@ class TorchEngine:
     Dropout is disabled in the model (disable_dropout)."""
 
     world_size = 1
+    overlap_ref = True  # score_ref runs pi_ref's passes in a thread (False: in line)
 
     def __init__(self, model, cfg, ref_model=None, opt=None, precision: str = "fp32",
                  fast: bool = False):
@@ -146,6 +194,15 @@ class TorchEngine:
             self.opt.zero_grad(set_to_none=True)
         self._fresh = True
         return gn
+
+    def score_ref(self, score, n: int):
+        """pi_ref's per-sequence log-probs for policy_update (§3.3's KL term): `score` is
+        policy.sequence_logprobs with its arguments bound, over n sequences. With overlap_ref, its
+        passes run longest first in a thread beside the loss passes (one process, no collectives:
+        the loss's second training thread buys little at toy size, docs/performance.md section 14)
+        and a `BackgroundLogprobs` is returned; else the list itself. The passes are the same, so
+        the values are the same."""
+        return BackgroundLogprobs(score, n) if self.overlap_ref else score()
 
     def train(self, mode: bool = True) -> None:
         """Train / eval mode of `model`."""
