@@ -193,14 +193,19 @@ def stale_old_logprobs(monkeypatch, model, shift: float, only=None, which="logpr
     scored = policy.sequence_logprobs
     sign = -1.0 if which == "logprobs" else 1.0
 
-    def sequence_logprobs(fn, batch, *a):
-        out = scored(fn, batch, *a)
-        index = a[3] if len(a) > 3 and a[3] is not None else list(range(len(out)))
+    def sequence_logprobs(fn, batch, *a, on_pass=None, **kw):
+        index = a[3] if len(a) > 3 and a[3] is not None else list(range(len(batch.ids)))
         f = fn.func if isinstance(fn, functools.partial) else fn  # the update binds temperature
-        if f.__func__.__name__ == which and f.__self__.model is model:
-            return [x + sign * shift if only is None or index[p] in only else x
-                    for p, x in enumerate(out)]
-        return out
+        hit = f.__func__.__name__ == which and f.__self__.model is model
+
+        def moved(p, x):
+            return x + sign * shift if hit and (only is None or index[p] in only) else x
+
+        # the reference passes may run in a thread (TorchEngine.score_ref), handing each pass's
+        # values on as they come: those are shifted too
+        out = scored(fn, batch, *a, **kw, on_pass=None if on_pass is None else
+                     lambda got: on_pass({p: moved(p, x) for p, x in got.items()}))
+        return [moved(p, x) for p, x in enumerate(out)]
 
     monkeypatch.setattr(policy, "sequence_logprobs", sequence_logprobs)
 
