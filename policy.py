@@ -315,7 +315,10 @@ def batch_logprobs(model, batch: UpdateBatch, pad_id: int, micro: int) -> list[t
 class PolicyEngine(Protocol):
     """What `policy_update` and the training loop call on pi_theta's engine (TorchEngine here,
     backends/distributed/engine.py's ZeRO3Engine at scale). The first six are the update's; on a multi-rank engine
-    each is collective (every rank calls it, in the same order)."""
+    each is collective (every rank calls it, in the same order). Optional: `score_ref(score, n)`,
+    pi_ref's per-sequence log-probs from `score` (sequence_logprobs with its arguments bound) as a
+    list or a list-like whose items may wait (TorchEngine: a thread beside the loss passes);
+    without it policy_update calls score() in line."""
 
     world_size: int
     rows: PaddedRows

@@ -202,3 +202,18 @@ def test_s33_a_failing_reference_pass_in_its_thread_raises_in_the_update():
     with pytest.raises(RuntimeError, match="pi_ref") as e:
         eng.update(make_batch(5), PAD, random.Random(0))
     assert isinstance(e.value.__cause__, ValueError)
+
+
+def test_reference_passes_stay_in_line_for_a_gpu_reference(monkeypatch):
+    """A pi_ref on a GPU is scored in line (a new thread would start on device 0)."""
+    from backends.run import torch_engine
+
+    model, ref_model = tiny_qwen3(), tiny_qwen3(seed=1)
+    eng = TorchEngine(model, SSGRPOConfig(beta=0.04), ref_model)
+    calls = []
+    score = lambda **kw: calls.append(kw) or ["values"]  # noqa: E731
+    bg = eng.score_ref(score, 1)  # on the CPU: in a thread
+    bg.join()
+    assert isinstance(bg, torch_engine.BackgroundLogprobs) and calls[-1]["longest_first"]
+    monkeypatch.setattr(torch_engine, "_device_type", lambda m: "cuda")
+    assert eng.score_ref(score, 1) == ["values"] and calls[-1] == {}

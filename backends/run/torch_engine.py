@@ -78,11 +78,11 @@ class BackgroundLogprobs:
         try:
             score(longest_first=True, on_pass=self._put)
         except BaseException as e:  # noqa: BLE001 - handed to the reader
+            self._error = e
+        finally:
             with self._cv:
-                self._error = e
-        with self._cv:
-            self._done = True
-            self._cv.notify_all()
+                self._done = True
+                self._cv.notify_all()
 
     def _put(self, got: dict) -> None:
         with self._cv:
@@ -200,9 +200,12 @@ class TorchEngine:
         policy.sequence_logprobs with its arguments bound, over n sequences. With overlap_ref, its
         passes run longest first in a thread beside the loss passes (one process, no collectives:
         the loss's second training thread buys little at toy size, docs/performance.md section 14)
-        and a `BackgroundLogprobs` is returned; else the list itself. The passes are the same, so
-        the values are the same."""
-        return BackgroundLogprobs(score, n) if self.overlap_ref else score()
+        and a `BackgroundLogprobs` is returned; else, and always for a pi_ref on a GPU (a new
+        thread would start on device 0, and kernels on one stream gain nothing from it), the list
+        itself. The passes are the same, so the values are the same."""
+        if self.overlap_ref and _device_type(self.ref_model) == "cpu":
+            return BackgroundLogprobs(score, n)
+        return score()
 
     def train(self, mode: bool = True) -> None:
         """Train / eval mode of `model`."""
